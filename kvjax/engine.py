@@ -1,0 +1,269 @@
+"""The forward runner: one compiled step per layer group, KV through a provider.
+
+`Runner` splits the NNX model once (`nnx.split`) and calls plain `jax.jit`
+steps on `(graphdef, state, ...)`:
+
+* `embed`  tokens -> x
+* `group`  one LayerGroup (3 GDN blocks + 1 attention block for the 27B);
+           all groups share one compiled executable per (rows, chunked) shape
+* `head`   final norm + output projection on selected rows
+* `mtp`    the attached MTP block (its own KV cache layer)
+
+KV is reached through a `KVProvider`: before each attention layer the runner
+asks it for `(pool_pn, table_t)` (the pool holding that layer's pages and the
+layer's logical -> physical page table), and hands back the updated pool and
+the encoded rows written. The plain cache (`PlainKV`) is an all-resident pool
+with identity tables; the streamed cache (`kvjax.streaming`) stages resident
+pages and ring slots behind the same three calls. Both therefore run the same
+compiled attention code, which is what makes bit-exact comparison possible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Dict, Iterable, List, NamedTuple, Optional, Protocol, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.config import ModelConfig
+from kvjax.model import AttentionOptions, KVRows, Qwen38, RecurrentState, layer_groups, output_head, \
+    param_path, rms_norm, zero_recurrent_state
+from kvjax_pallas.page_layout import PageLayout
+
+
+# ---------------------------------------------------------------------------
+# building a model from GGUF-named tensors (tensor by tensor)
+# ---------------------------------------------------------------------------
+
+def _set_path(state, path, value):
+  node = state
+  for p in path[:-1]:
+    node = node[p]
+  var = node[path[-1]]
+  if tuple(var.value.shape) != tuple(value.shape):
+    raise ValueError(f"tensor for {'.'.join(map(str, path))}: expected shape {tuple(var.value.shape)}, "
+                     f"found {tuple(value.shape)}")
+  var.value = jnp.asarray(value, dtype=var.value.dtype)
+
+
+def build_model(cfg: ModelConfig, tensors: Iterable[Tuple[str, np.ndarray]], dtype=jnp.float32,
+                names: Optional[Iterable[str]] = None) -> Qwen38:
+  """Qwen38 from `(gguf_name, array)` pairs, placing one tensor at a time (no full f32 copy).
+
+  Optional MTP shared-head tensors are used when present. `names` (all tensor
+  names, if known up front) decides which optional parameters exist; otherwise
+  the iterable is materialised into a list of names first.
+  """
+  tensors = list(tensors) if names is None else tensors
+  names = set(names) if names is not None else {n for n, _ in tensors}
+  if cfg.tie_embeddings != ("output.weight" not in names):
+    cfg = dataclasses.replace(cfg, tie_embeddings="output.weight" not in names)
+  mb = cfg.mtp_block
+  abstract = nnx.eval_shape(lambda: Qwen38(
+      cfg, dtype, mtp_shared_head_norm=f"blk.{mb}.nextn.shared_head_norm.weight" in names,
+      mtp_shared_head_head=f"blk.{mb}.nextn.shared_head_head.weight" in names))
+  graphdef, state = nnx.split(abstract)
+  filled = set()
+  for name, arr in tensors:
+    if name.endswith("nextn.embed_tokens.weight"):
+      continue  # llama.cpp ignores the NextN copy of the embeddings; so do we
+    _set_path(state, param_path(cfg, name), arr)
+    filled.add(name)
+  missing = [jax.tree_util.keystr(p) for p, v in jax.tree_util.tree_leaves_with_path(state)
+             if isinstance(v, jax.ShapeDtypeStruct)]
+  if missing:
+    raise ValueError(f"model parameters not provided by the tensors: {missing[:5]}"
+                     f"{' ...' if len(missing) > 5 else ''}")
+  return nnx.merge(graphdef, state)
+
+
+def model_tensors(model: Qwen38) -> Dict[str, np.ndarray]:
+  """Inverse of `build_model`: GGUF name -> numpy array."""
+  from kvjax.config import gguf_tensor_shapes
+  cfg = model.cfg
+  _, state = nnx.split(model)
+  out = {}
+  for name in gguf_tensor_shapes(cfg):
+    node = state
+    try:
+      for p in param_path(cfg, name):
+        node = node[p]
+    except (KeyError, IndexError, TypeError):
+      continue
+    out[name] = np.asarray(node.value)
+  return out
+
+
+# ---------------------------------------------------------------------------
+# KV providers
+# ---------------------------------------------------------------------------
+
+class KVProvider(Protocol):
+  def begin_forward(self, pos: int, n_tokens: int, cache_layers: Tuple[int, ...]) -> None: ...
+  def layer_kv(self, cache_layer: int) -> Tuple[jax.Array, jax.Array]: ...
+  def end_layer(self, cache_layer: int, pool_pn: jax.Array, rows: KVRows) -> None: ...
+  def end_forward(self) -> None: ...
+
+
+def cache_layers_of(cfg: ModelConfig) -> Tuple[int, ...]:
+  """Logical KV cache layers: target attention layers 0..L-1, then the MTP layer L."""
+  return tuple(range(cfg.num_attention_layers + (1 if cfg.has_mtp else 0)))
+
+
+class PlainKV:
+  """The stock cache: every page resident, layer l's pages contiguous (identity page tables)."""
+
+  def __init__(self, cfg: ModelConfig, layout: PageLayout, max_tokens: int):
+    self.layout = layout
+    self.n_layers = len(cache_layers_of(cfg))
+    self.pages_per_layer = layout.pages_for(max_tokens)
+    self.max_tokens = self.pages_per_layer * layout.page_tokens
+    self.pool_pn = jnp.zeros((self.n_layers * self.pages_per_layer, layout.page_bytes), jnp.uint8)
+    self.tables_lt = jnp.arange(self.n_layers * self.pages_per_layer, dtype=jnp.int32).reshape(
+        self.n_layers, self.pages_per_layer)
+    self.h2d_bytes = 0
+    self.d2h_bytes = 0
+
+  def begin_forward(self, pos, n_tokens, cache_layers):
+    if pos + n_tokens > self.max_tokens:
+      raise ValueError(f"context full: {pos + n_tokens} tokens needed, cache holds {self.max_tokens} "
+                       f"({pos + n_tokens - self.max_tokens} more; raise --ctx-size)")
+
+  def layer_kv(self, cache_layer):
+    return self.pool_pn, self.tables_lt[cache_layer]
+
+  def end_layer(self, cache_layer, pool_pn, rows):
+    self.pool_pn = pool_pn
+
+  def end_forward(self):
+    pass
+
+  def layer_bytes(self, cache_layer: int, n_tokens: int) -> np.ndarray:
+    """Host copy of the first pages of one layer (for byte-level comparisons)."""
+    pages = self.layout.pages_for(n_tokens)
+    first = cache_layer * self.pages_per_layer
+    return np.asarray(self.pool_pn[first:first + pages])
+
+  def metrics(self):
+    return {"h2d_bytes": 0, "d2h_bytes": 0}
+
+
+# ---------------------------------------------------------------------------
+# compiled steps
+# ---------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "layout", "opts", "chunked"),
+                   donate_argnames=("pool_pn",))
+def _group_step(graphdef, state, x_se, rec_states, pool_pn, table_t, pos, n_valid, *, layout, opts,
+                chunked):
+  group = nnx.merge(graphdef, state)
+  return group(x_se, rec_states, pool_pn, table_t, pos, n_valid, layout, opts, chunked)
+
+
+@jax.jit
+def _embed_step(token_embd_ve, tokens_s):
+  return token_embd_ve[tokens_s]
+
+
+@functools.partial(jax.jit, static_argnames=("eps",))
+def _head_step(output_norm_e, output_ve, x_se, rows_r, *, eps):
+  """-> (logits of the selected rows [R, V] f32, post-norm hidden of every row [S, E])."""
+  logits, _ = output_head(x_se[rows_r], output_norm_e, output_ve, eps)
+  return logits, rms_norm(x_se, output_norm_e, eps)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "layout", "opts"), donate_argnames=("pool_pn",))
+def _mtp_step(graphdef, state, token_embd_ve, output_norm_e, output_ve, hn_se, next_tokens_s, pool_pn,
+              table_t, pos, n_valid, *, layout, opts):
+  mtp = nnx.merge(graphdef, state)
+  return mtp(hn_se, token_embd_ve[next_tokens_s], output_norm_e, output_ve, pool_pn, table_t, pos, n_valid,
+             layout, opts)
+
+
+class ForwardOut(NamedTuple):
+  logits_rv: jax.Array   # [R, V] float32 for the requested rows
+  hn_se: jax.Array       # [S, E] post-final-norm hidden of every row
+  rec_states: tuple      # per group, per recurrent block
+
+
+class Runner:
+  """Runs the split model group by group against a KV provider."""
+
+  def __init__(self, model: Qwen38, layout: PageLayout, opts: AttentionOptions = AttentionOptions()):
+    self.cfg = model.cfg
+    self.layout = layout
+    self.opts = opts
+    self.groups = [nnx.split(g) for g in model.groups]
+    self.attn_index = []  # cache layer of each group's attention block (or None)
+    a = 0
+    for _, att in layer_groups(self.cfg):
+      self.attn_index.append(a if att is not None else None)
+      a += att is not None
+    self.token_embd = model.token_embd.value
+    self.output_norm = model.output_norm.value
+    self.output = model.output_weight()
+    self.mtp = nnx.split(model.mtp) if model.mtp is not None else None
+    self.mtp_layer = self.cfg.num_attention_layers if self.cfg.has_mtp else None
+
+  def zero_states(self):
+    return tuple(tuple(zero_recurrent_state(self.cfg) for _ in range(_n_recurrent(g)))
+                 for g in self.groups)
+
+  def forward(self, tokens_s, pos: int, n_valid: int, rec_states, kv: KVProvider,
+              logits_rows: Optional[np.ndarray] = None) -> ForwardOut:
+    """One forward of S rows (rows >= n_valid are padding) at positions pos.."""
+    s = int(tokens_s.shape[0])
+    chunked = s > 1
+    kv.begin_forward(pos, n_valid, tuple(a for a in self.attn_index if a is not None))
+    x = _embed_step(self.token_embd, jnp.asarray(tokens_s, jnp.int32))
+    pos_a, nv_a = jnp.int32(pos), jnp.int32(n_valid)
+    new_states = []
+    for (gdef, gstate), st, a in zip(self.groups, rec_states, self.attn_index):
+      if a is not None:
+        pool_pn, table_t = kv.layer_kv(a)
+      else:
+        pool_pn, table_t = _DUMMY_POOL, _DUMMY_TABLE
+      x, st, pool_pn, rows = _group_step(gdef, gstate, x, st, pool_pn, table_t, pos_a, nv_a,
+                                         layout=self.layout, opts=self.opts, chunked=chunked)
+      if a is not None:
+        kv.end_layer(a, pool_pn, rows)
+      new_states.append(st)
+    kv.end_forward()
+    if logits_rows is None:
+      logits_rows = np.arange(n_valid)
+    all_rows = np.arange(s)
+    logits, hn_all = self.head(x, logits_rows)
+    return ForwardOut(logits, hn_all, tuple(new_states))
+
+  def head(self, x_se, rows):
+    return _head_step(self.output_norm, self.output, x_se, jnp.asarray(rows, jnp.int32),
+                      eps=self.cfg.rms_eps)
+
+  def mtp_forward(self, hn_se, next_tokens_s, pos: int, n_valid: int, kv: KVProvider):
+    """MTP rows at MTP-cache positions pos.. (RoPE position = cache position + 1)."""
+    if self.mtp_layer is None:
+      raise ValueError("this model has no MTP head (nextn_predict_layers = 0)")
+    kv.begin_forward(pos, n_valid, (self.mtp_layer,))
+    pool_pn, table_t = kv.layer_kv(self.mtp_layer)
+    logits, hm, pool_pn, rows = _mtp_step(self.mtp[0], self.mtp[1], self.token_embd, self.output_norm,
+                                          self.output, hn_se,
+                                          jnp.asarray(next_tokens_s, jnp.int32), pool_pn, table_t,
+                                          jnp.int32(pos), jnp.int32(n_valid), layout=self.layout,
+                                          opts=self.opts)
+    kv.end_layer(self.mtp_layer, pool_pn, rows)
+    kv.end_forward()
+    return logits, hm
+
+
+_DUMMY_POOL = None
+_DUMMY_TABLE = None
+
+
+def _n_recurrent(split_group) -> int:
+  _, state = split_group
+  return len(state["recurrent"]) if "recurrent" in state else 0

@@ -1,0 +1,124 @@
+"""Prefill + decode loop, the same for the plain ("stock") cache and the streamed cache.
+
+Read top to bottom:
+
+1. prefill the prompt in micro-batches of `ubatch` rows (the last one padded;
+   padding rows are inert: dropped KV writes, no-op recurrent updates);
+2. sample the first token from the last prompt row;
+3. decode one token at a time until `n_predict` tokens or EOS.
+
+The KV cache is whatever `KVProvider` is passed in (see `kvjax.engine`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.engine import KVProvider, Runner
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """temperature 0 = greedy; top_k 0 = whole vocabulary. Seeded and reproducible."""
+  temperature: float = 0.0
+  top_k: int = 0
+  seed: int = 0
+
+  def __post_init__(self):
+    if not (self.temperature >= 0.0):
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def _sample_jax(logits_v, key, temperature: float, top_k: int):
+  logits_v = logits_v.astype(jnp.float32) / temperature
+  if top_k:
+    kth = jax.lax.top_k(logits_v, top_k)[0][-1]
+    logits_v = jnp.where(logits_v < kth, -jnp.inf, logits_v)
+  return jax.random.categorical(key, logits_v)
+
+
+_sample_jit = jax.jit(_sample_jax, static_argnames=("temperature", "top_k"))
+
+
+def sample_token(logits_v, params: SamplingParams, step: int) -> int:
+  """Pick the next token from one row of logits (step = index of the generated token)."""
+  if params.temperature == 0.0:
+    return int(jnp.argmax(logits_v))
+  key = jax.random.fold_in(jax.random.PRNGKey(params.seed), step)
+  return int(_sample_jit(logits_v, key, temperature=params.temperature, top_k=params.top_k))
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  tokens: List[int]                 # generated ids (prompt excluded)
+  metrics: Dict[str, float]
+
+
+class SequenceState:
+  """One sequence's state: position, recurrent states, and its KV provider."""
+
+  def __init__(self, runner: Runner, kv: KVProvider):
+    self.runner, self.kv = runner, kv
+    self.pos = 0
+    self.rec_states = runner.zero_states()
+
+  def forward(self, tokens: Sequence[int], pad_to: Optional[int] = None, all_logits: bool = False):
+    """Append `tokens`; -> logits of the last row [V] (or of every row [S, V])."""
+    n = len(tokens)
+    s = pad_to or n
+    toks = np.zeros((s,), np.int32)
+    toks[:n] = tokens
+    rows = np.arange(n) if all_logits else np.array([n - 1])
+    out = self.runner.forward(toks, self.pos, n, self.rec_states, self.kv, logits_rows=rows)
+    self.rec_states = out.rec_states
+    self.pos += n
+    return out.logits_rv if all_logits else out.logits_rv[0]
+
+
+def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256):
+  """Feed the prompt in micro-batches; -> logits of its last row."""
+  if not prompt:
+    raise ValueError("empty prompt: at least one token is needed")
+  logits = None
+  for i in range(0, len(prompt), ubatch):
+    logits = seq.forward(prompt[i:i + ubatch], pad_to=ubatch if len(prompt) > 1 else None)
+  return logits
+
+
+def generate(runner: Runner, kv: KVProvider, prompt: Sequence[int], n_predict: int,
+             sampling: SamplingParams = SamplingParams(), ubatch: int = 256, eos_id: Optional[int] = None,
+             on_token: Optional[Callable[[int], None]] = None) -> GenerationResult:
+  """Prefill `prompt`, then decode up to `n_predict` tokens."""
+  seq = SequenceState(runner, kv)
+  t0 = time.perf_counter()
+  logits = prefill(seq, list(prompt), ubatch)
+  tok = sample_token(logits, sampling, 0)
+  t1 = time.perf_counter()
+  out = []
+  for step in range(n_predict):
+    out.append(tok)
+    if on_token:
+      on_token(tok)
+    if (eos_id is not None and tok == eos_id) or step == n_predict - 1:
+      break
+    logits = seq.forward([tok])
+    tok = sample_token(logits, sampling, step + 1)
+  t2 = time.perf_counter()
+  n_dec = max(len(out) - 1, 0)
+  metrics = {
+      "prompt_tokens": len(prompt), "decode_tokens": len(out),
+      "prompt_ms": (t1 - t0) * 1e3, "predicted_ms": (t2 - t1) * 1e3,
+      "prefill_tps": len(prompt) / max(t1 - t0, 1e-9),
+      "decode_tps": n_dec / max(t2 - t1, 1e-9) if n_dec else 0.0,
+  }
+  if hasattr(kv, "metrics"):
+    metrics.update(kv.metrics())
+  return GenerationResult(out, metrics)

@@ -1,0 +1,439 @@
+"""Qwen3.8-style hybrid target (Gated DeltaNet + gated attention) and its MTP head, in Flax NNX.
+
+The math is `../shared/reference/qwen38-architecture.md`, in GGUF conventions:
+every parameter keeps its GGUF name (dots -> underscores, `.weight` dropped)
+and GGUF shape (`[out, in]`, applied as `x @ W.T`), norm weights are stored
+with the +1 folded in, and Gated DeltaNet value head j reads key head j % Hk.
+
+Structure. Blocks are grouped into `LayerGroup`s: a run of recurrent blocks
+followed by (at most) one attention block — 3 GDN + 1 attention for the 27B.
+Every group of the model has the same structure, so one compiled group step
+serves all 16 groups (compile time does not grow with depth), and a streamed
+runtime can stage the next group's KV pages between group steps.
+
+Attention reads and writes KV through the paged pool (`kvjax_pallas.page_layout`):
+new K/V rows are encoded with the ggml codec and written into their page
+first, then span attention runs over the layer's page table. The plain cache
+is the same pool with an identity page table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, List, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from kvjax.config import ModelConfig, attention_block_shapes, common_block_shapes, mtp_extra_shapes, \
+    recurrent_block_shapes
+from kvjax_pallas import ggml_codec
+from kvjax_pallas.page_layout import PageLayout
+from kvjax_pallas.span_attention import api as span_api
+
+GDN_CHUNK = 64
+_HI = lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+  """Static choices for the attention core (hashable: part of compiled-step keys)."""
+  implementation: str = "reference"
+  block_pages: int = 1
+  interpret: bool = False
+
+
+def attr_name(leaf: str) -> str:
+  """GGUF leaf name -> module attribute: 'ssm_dt.bias' -> 'ssm_dt_bias', 'attn_q.weight' -> 'attn_q'."""
+  if leaf.endswith(".weight"):
+    leaf = leaf[: -len(".weight")]
+  return leaf.replace(".", "_")
+
+
+def _param(shape, dtype):
+  return nnx.Param(jnp.zeros(shape, dtype))
+
+
+def rms_norm(x, w, eps):
+  x32 = x.astype(jnp.float32)
+  y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def linear(x, w):
+  """x [..., in] @ w[out, in].T -> [..., out] (w's dtype, f32 accumulation)."""
+  y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32,
+                 precision=_HI if w.dtype == jnp.float32 else None)
+  return y
+
+
+def rope_neox(x_shd, pos_s, rope_dim: int, theta: float):
+  """NeoX RoPE over the first `rope_dim` dims (pairs d, d + rope_dim/2); the rest pass through."""
+  half = rope_dim // 2
+  inv = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / rope_dim)
+  ang = pos_s.astype(jnp.float32)[:, None] * inv[None, :]             # [S, half]
+  cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
+  x1, x2, rest = x_shd[..., :half], x_shd[..., half:rope_dim], x_shd[..., rope_dim:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+# ---------------------------------------------------------------------------
+# KV pool access (one mechanism for plain and streamed caches)
+# ---------------------------------------------------------------------------
+
+class KVRows(NamedTuple):
+  """Encoded K/V rows a forward wrote (what the KV writer publishes to the host)."""
+  k_sn: jax.Array  # [S, k_row_bytes] uint8
+  v_sn: jax.Array  # [S, v_row_bytes] uint8
+
+
+def write_kv_rows(pool_pn, table_t, pos, n_valid, rows: KVRows, layout: PageLayout):
+  """Scatter rows for positions pos..pos+S-1 into their pages; rows >= n_valid are dropped."""
+  s = rows.k_sn.shape[0]
+  p_s = pos + jnp.arange(s, dtype=jnp.int32)
+  n_pages = pool_pn.shape[0]
+  logical = jnp.clip(p_s // layout.page_tokens, 0, table_t.shape[0] - 1)
+  page_s = jnp.where(jnp.arange(s) < n_valid, table_t[logical], n_pages)  # OOB -> dropped
+  row_s = p_s % layout.page_tokens
+  k_off = row_s[:, None] * layout.k_row_bytes + jnp.arange(layout.k_row_bytes)[None, :]
+  v_off = layout.v_offset + row_s[:, None] * layout.v_row_bytes + jnp.arange(layout.v_row_bytes)[None, :]
+  pool_pn = pool_pn.at[page_s[:, None], k_off].set(rows.k_sn, mode="drop")
+  pool_pn = pool_pn.at[page_s[:, None], v_off].set(rows.v_sn, mode="drop")
+  return pool_pn
+
+
+# ---------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------
+
+class SwiGLU(nnx.Module):
+  def __init__(self, cfg: ModelConfig, dtype):
+    E, F = cfg.hidden_size, cfg.intermediate_size
+    self.ffn_gate = _param((F, E), dtype)
+    self.ffn_up = _param((F, E), dtype)
+    self.ffn_down = _param((E, F), dtype)
+
+  def __call__(self, h_se):
+    g = linear(h_se, self.ffn_gate.value)
+    u = linear(h_se, self.ffn_up.value)
+    a = (jax.nn.silu(g) * u).astype(self.ffn_down.value.dtype)
+    return linear(a, self.ffn_down.value)
+
+
+class GatedAttention(nnx.Module):
+  """Gated full attention with partial NeoX RoPE and per-head q/k RMS norms, over paged KV."""
+
+  def __init__(self, cfg: ModelConfig, dtype):
+    self.cfg = cfg
+    for leaf, shape in attention_block_shapes(cfg).items():
+      setattr(self, attr_name(leaf), _param(shape, jnp.float32 if len(shape) == 1 else dtype))
+
+  def project(self, h_se, pos_s):
+    """-> q_shd (f32, normed + roped), k_sgd, v_sgd (f32), gate_se (f32 [S, H*D])."""
+    cfg = self.cfg
+    s = h_se.shape[0]
+    H, G, D = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+    qg = linear(h_se, self.attn_q.value).reshape(s, H, 2 * D)
+    q_shd, gate_shd = qg[..., :D], qg[..., D:]
+    k_sgd = linear(h_se, self.attn_k.value).reshape(s, G, D)
+    v_sgd = linear(h_se, self.attn_v.value).reshape(s, G, D)
+    q_shd = rope_neox(rms_norm(q_shd, self.attn_q_norm.value, cfg.rms_eps), pos_s, cfg.rope_dim, cfg.rope_theta)
+    k_sgd = rope_neox(rms_norm(k_sgd, self.attn_k_norm.value, cfg.rms_eps), pos_s, cfg.rope_dim, cfg.rope_theta)
+    return q_shd, k_sgd, v_sgd, gate_shd.reshape(s, H * D)
+
+  def __call__(self, h_se, pool_pn, table_t, pos, n_valid, layout: PageLayout, opts: AttentionOptions,
+               rope_offset=0):
+    """Rows at cache positions pos..pos+S-1 (rows >= n_valid are padding)."""
+    cfg = self.cfg
+    s = h_se.shape[0]
+    pos_s = pos + jnp.arange(s, dtype=jnp.int32)
+    q_shd, k_sgd, v_sgd, gate_se = self.project(h_se, pos_s + rope_offset)
+    rows = KVRows(ggml_codec.encode_rows(k_sgd, layout.k_type), ggml_codec.encode_rows(v_sgd, layout.v_type))
+    pool_pn = write_kv_rows(pool_pn, table_t, pos, n_valid, rows, layout)
+    o_shd = span_api.span_attention(q_shd, pool_pn, table_t, pos + n_valid, pos_s, layout=layout,
+                                    block_pages=opts.block_pages, implementation=opts.implementation,
+                                    interpret=opts.interpret)
+    o_se = o_shd.reshape(s, cfg.num_attention_heads * cfg.head_dim) * jax.nn.sigmoid(gate_se)
+    return linear(o_se.astype(self.attn_output.value.dtype), self.attn_output.value), pool_pn, rows
+
+
+class RecurrentState(NamedTuple):
+  """State of one Gated DeltaNet layer between calls."""
+  conv_kc: jax.Array    # [conv_kernel - 1, conv_dim] float32: last inputs of the causal conv
+  delta_hkv: jax.Array  # [Hv, dk, dv] float32: delta-rule state per value head
+
+
+def zero_recurrent_state(cfg: ModelConfig) -> RecurrentState:
+  return RecurrentState(jnp.zeros((cfg.conv_kernel - 1, cfg.conv_dim), jnp.float32),
+                        jnp.zeros((cfg.linear_num_value_heads, cfg.linear_head_dim, cfg.linear_head_dim),
+                                  jnp.float32))
+
+
+def delta_rule_step(state_hkv, q_hk, k_hk, v_hv, g_h, beta_h):
+  """One token of the gated delta rule for every value head (inputs already tiled to Hv)."""
+  s = jnp.exp(g_h)[:, None, None] * state_hkv
+  d_hv = (v_hv - jnp.einsum("hkv,hk->hv", s, k_hk, precision=_HI)) * beta_h[:, None]
+  s = s + k_hk[:, :, None] * d_hv[:, None, :]
+  o_hv = jnp.einsum("hkv,hk->hv", s, q_hk, precision=_HI)
+  return s, o_hv
+
+
+def delta_rule_scan(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh):
+  """Token-by-token gated delta rule (the decode form)."""
+  def body(s, xs):
+    return delta_rule_step(s, *xs)
+  state_hkv, o_shv = lax.scan(body, state_hkv, (q_shk, k_shk, v_shv, g_sh, beta_sh))
+  return state_hkv, o_shv
+
+
+def delta_rule_chunked(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, chunk: int = GDN_CHUNK):
+  """Chunked (WY-form) gated delta rule, algebraically identical to `delta_rule_scan`.
+
+  Within a chunk with cumulative log-decay gamma_t and chunk-start state S0:
+    (I + diag(beta) M) D = diag(beta) (V - diag(e^gamma) K S0),  M[t,i] = e^(gamma_t-gamma_i) k_t.k_i (i < t)
+    O  = diag(e^gamma) Q S0 + (Q K^T * e^(gamma_t-gamma_i) [i <= t]) D
+    S1 = e^gamma_C S0 + K^T diag(e^(gamma_C - gamma)) D
+  Padding tokens (k = v = beta = g = 0) leave the state unchanged.
+  """
+  s = q_shk.shape[0]
+  c = min(chunk, s)
+  n = -(-s // c)
+  pad = n * c - s
+
+  def prep(x):
+    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    return x.reshape(n, c, *x.shape[1:]).swapaxes(1, 2)  # [n, H, c, ...]
+
+  qs, ks, vs = prep(q_shk), prep(k_shk), prep(v_shv)
+  gs, bs = prep(g_sh), prep(beta_sh)  # [n, H, c]
+  tri_strict = jnp.tril(jnp.ones((c, c), bool), -1)
+  tri_incl = jnp.tril(jnp.ones((c, c), bool))
+
+  def body(s0_hkv, xs):
+    q, k, v, g, b = xs                         # q/k [H, c, dk], v [H, c, dv], g/b [H, c]
+    gam = jnp.cumsum(g, axis=-1)               # [H, c]
+    diff = gam[:, :, None] - gam[:, None, :]   # gamma_t - gamma_i
+    decay_strict = jnp.where(tri_strict, jnp.exp(jnp.where(tri_strict, diff, 0.0)), 0.0)
+    decay_incl = jnp.where(tri_incl, jnp.exp(jnp.where(tri_incl, diff, 0.0)), 0.0)
+    kk = jnp.einsum("htk,hik->hti", k, k, precision=_HI)
+    a = jnp.eye(c)[None] + b[:, :, None] * kk * decay_strict
+    eg = jnp.exp(gam)
+    rhs = b[:, :, None] * (v - eg[:, :, None] * jnp.einsum("htk,hkv->htv", k, s0_hkv, precision=_HI))
+    d = jax.scipy.linalg.solve_triangular(a, rhs, lower=True, unit_diagonal=True)
+    qk = jnp.einsum("htk,hik->hti", q, k, precision=_HI) * decay_incl
+    o = eg[:, :, None] * jnp.einsum("htk,hkv->htv", q, s0_hkv, precision=_HI) + \
+        jnp.einsum("hti,hiv->htv", qk, d, precision=_HI)
+    tail = jnp.exp(gam[:, -1:] - gam)          # e^(gamma_C - gamma_i)
+    s1 = jnp.exp(gam[:, -1])[:, None, None] * s0_hkv + jnp.einsum("hik,hi,hiv->hkv", k, tail, d,
+                                                                  precision=_HI)
+    return s1, o
+
+  state_hkv, o = lax.scan(body, state_hkv, (qs, ks, vs, gs, bs))  # o [n, H, c, dv]
+  o_shv = o.swapaxes(1, 2).reshape(n * c, o.shape[1], o.shape[-1])[:s]
+  return state_hkv, o_shv
+
+
+class GatedDeltaNet(nnx.Module):
+  """Gated DeltaNet mixer: causal conv + gated delta rule + gated RMS norm."""
+
+  def __init__(self, cfg: ModelConfig, dtype):
+    self.cfg = cfg
+    for leaf, shape in recurrent_block_shapes(cfg).items():
+      is_vec = len(shape) == 1 or leaf == "ssm_conv1d.weight"
+      setattr(self, attr_name(leaf), _param(shape, jnp.float32 if is_vec else dtype))
+
+  def __call__(self, h_se, state: RecurrentState, n_valid, chunked: bool):
+    cfg = self.cfg
+    s = h_se.shape[0]
+    Hk, Hv, dk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_head_dim
+    K = cfg.conv_kernel
+    valid_s = jnp.arange(s) < n_valid
+    qkv_sc = linear(h_se, self.attn_qkv.value)                       # f32 [S, C]
+    z_shv = linear(h_se, self.attn_gate.value).reshape(s, Hv, dk)
+    beta_sh = jax.nn.sigmoid(linear(h_se, self.ssm_beta.value))
+    g_sh = jax.nn.softplus(linear(h_se, self.ssm_alpha.value) + self.ssm_dt_bias.value) * self.ssm_a.value
+    # causal depthwise conv over [previous K-1 inputs; x]
+    xpad = jnp.concatenate([state.conv_kc, qkv_sc], axis=0)          # [K-1+S, C]
+    w = self.ssm_conv1d.value                                         # [C, K]
+    conv_sc = sum(xpad[j:j + s] * w[:, j] for j in range(K))
+    conv_sc = jax.nn.silu(conv_sc)
+    new_conv = lax.dynamic_slice_in_dim(xpad, n_valid, K - 1, axis=0)
+    q, k, v = jnp.split(conv_sc, [Hk * dk, 2 * Hk * dk], axis=-1)
+    q = q.reshape(s, Hk, dk)
+    k = k.reshape(s, Hk, dk)
+    v = v.reshape(s, Hv, dk)
+    q = q * lax.rsqrt(jnp.sum(q * q, -1, keepdims=True) + cfg.rms_eps) / jnp.sqrt(jnp.float32(dk))
+    k = k * lax.rsqrt(jnp.sum(k * k, -1, keepdims=True) + cfg.rms_eps)
+    # GGUF tiled order: value head j reads key head j % Hk
+    reps = Hv // Hk
+    q = jnp.tile(q, (1, reps, 1))
+    k = jnp.tile(k, (1, reps, 1))
+    # padding rows are no-ops for the state
+    m = valid_s[:, None].astype(jnp.float32)
+    k, v = k * m[..., None], v * m[..., None]
+    g_sh, beta_sh = g_sh * m, beta_sh * m
+    rule = delta_rule_chunked if chunked else delta_rule_scan
+    delta, o_shv = rule(state.delta_hkv, q, k, v, g_sh, beta_sh)
+    o_shv = rms_norm(o_shv, self.ssm_norm.value, cfg.rms_eps) * jax.nn.silu(z_shv)
+    out = linear(o_shv.reshape(s, Hv * dk).astype(self.ssm_out.value.dtype), self.ssm_out.value)
+    return out, RecurrentState(new_conv, delta)
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder block: mixer (GDN or gated attention) + SwiGLU, residuals."""
+
+  def __init__(self, cfg: ModelConfig, attention: bool, dtype):
+    self.attention = attention
+    self.eps = cfg.rms_eps
+    self.attn_norm = _param((cfg.hidden_size,), jnp.float32)
+    self.post_attention_norm = _param((cfg.hidden_size,), jnp.float32)
+    self.mixer = GatedAttention(cfg, dtype) if attention else GatedDeltaNet(cfg, dtype)
+    self.ffn = SwiGLU(cfg, dtype)
+
+  def _ffn(self, x):
+    return x + self.ffn(rms_norm(x, self.post_attention_norm.value, self.eps)).astype(x.dtype)
+
+  def recurrent(self, x_se, state: RecurrentState, n_valid, chunked: bool):
+    h = rms_norm(x_se, self.attn_norm.value, self.eps)
+    out, state = self.mixer(h, state, n_valid, chunked)
+    return self._ffn(x_se + out.astype(x_se.dtype)), state
+
+  def attend(self, x_se, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset=0):
+    h = rms_norm(x_se, self.attn_norm.value, self.eps)
+    out, pool_pn, rows = self.mixer(h, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset)
+    return self._ffn(x_se + out.astype(x_se.dtype)), pool_pn, rows
+
+
+class LayerGroup(nnx.Module):
+  """A run of recurrent blocks followed by at most one attention block."""
+
+  def __init__(self, cfg: ModelConfig, n_recurrent: int, has_attention: bool, dtype):
+    self.recurrent = nnx.List([Block(cfg, False, dtype) for _ in range(n_recurrent)])
+    self.attention = Block(cfg, True, dtype) if has_attention else None
+
+  def __call__(self, x_se, rec_states, pool_pn, table_t, pos, n_valid, layout, opts, chunked):
+    new_states = []
+    for blk, st in zip(self.recurrent, rec_states):
+      x_se, st = blk.recurrent(x_se, st, n_valid, chunked)
+      new_states.append(st)
+    rows = None
+    if self.attention is not None:
+      x_se, pool_pn, rows = self.attention.attend(x_se, pool_pn, table_t, pos, n_valid, layout, opts)
+    return x_se, tuple(new_states), pool_pn, rows
+
+
+class MTPHead(nnx.Module):
+  """NextN block: predicts token t+2 from the target's post-norm hidden at t and token t+1."""
+
+  def __init__(self, cfg: ModelConfig, dtype, shared_head_norm: bool = True, shared_head_head: bool = True):
+    E = cfg.hidden_size
+    self.eps = cfg.rms_eps
+    self.nextn_eh_proj = _param((E, 2 * E), dtype)
+    self.nextn_enorm = _param((E,), jnp.float32)
+    self.nextn_hnorm = _param((E,), jnp.float32)
+    self.nextn_shared_head_norm = _param((E,), jnp.float32) if shared_head_norm else None
+    self.nextn_shared_head_head = _param((cfg.vocab_size, E), dtype) if shared_head_head else None
+    self.block = Block(cfg, True, dtype)
+
+  def __call__(self, hn_se, emb_se, output_norm_e, output_ve, pool_pn, table_t, pos, n_valid, layout,
+               opts):
+    """Rows (hidden hn_t, embedded token x_{t+1}) at MTP-cache positions pos.. -> logits.
+
+    hn_t is the target's post-norm hidden (or, for later draft steps, the MTP's
+    own `hm`). The row's RoPE position is its cache position + 1 (llama.cpp's
+    convention: the row for (x_{t+1}, hn_t) sits at position t+1 and cache slot t).
+    -> (logits_sv f32, hm_se, pool_pn, rows).
+    """
+    eps = self.eps
+    e = rms_norm(emb_se, self.nextn_enorm.value, eps)
+    hh = rms_norm(hn_se.astype(e.dtype), self.nextn_hnorm.value, eps)
+    u = linear(jnp.concatenate([e, hh], axis=-1), self.nextn_eh_proj.value).astype(e.dtype)
+    u, pool_pn, rows = self.block.attend(u, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset=1)
+    norm_w = self.nextn_shared_head_norm.value if self.nextn_shared_head_norm is not None else output_norm_e
+    head_w = self.nextn_shared_head_head.value if self.nextn_shared_head_head is not None else output_ve
+    logits, hm = output_head(u, norm_w, head_w, eps)
+    return logits, hm, pool_pn, rows
+
+
+class Qwen38(nnx.Module):
+  """The hybrid target with optional attached MTP head."""
+
+  def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, mtp_shared_head_norm: bool = True,
+               mtp_shared_head_head: bool = True):
+    self.cfg = cfg
+    self.token_embd = _param((cfg.vocab_size, cfg.hidden_size), dtype)
+    self.output_norm = _param((cfg.hidden_size,), jnp.float32)
+    self.output = None if cfg.tie_embeddings else _param((cfg.vocab_size, cfg.hidden_size), dtype)
+    self.groups = nnx.List([LayerGroup(cfg, len(rec), att is not None, dtype)
+                            for rec, att in layer_groups(cfg)])
+    self.mtp = (MTPHead(cfg, dtype, mtp_shared_head_norm, mtp_shared_head_head) if cfg.has_mtp else None)
+
+  # -- pieces used by the decode loops --------------------------------------
+  def embed(self, tokens_s):
+    return self.token_embd.value[tokens_s]
+
+  def head(self, x_se):
+    """-> (logits_sv f32, hn_se): hn is the post-final-norm hidden handed to the MTP head."""
+    return output_head(x_se, self.output_norm.value, self.output_weight(), self.cfg.rms_eps)
+
+  def mtp_forward(self, hn_se, next_tokens_s, pool_pn, table_t, pos, n_valid, layout, opts):
+    """MTP rows (see `MTPHead.__call__`) -> (logits_sv, hm_se, pool_pn, rows)."""
+    return self.mtp(hn_se, self.embed(next_tokens_s), self.output_norm.value, self.output_weight(),
+                    pool_pn, table_t, pos, n_valid, layout, opts)
+
+  def output_weight(self):
+    return self.output.value if self.output is not None else self.token_embd.value
+
+
+def output_head(x_se, output_norm_e, output_ve, eps):
+  """Final RMS norm + output projection -> (logits_sv f32, hn_se)."""
+  hn = rms_norm(x_se, output_norm_e, eps)
+  return linear(hn, output_ve), hn
+
+
+def layer_groups(cfg: ModelConfig) -> List[Tuple[List[int], Optional[int]]]:
+  """Target blocks grouped as ([recurrent block ids], attention block id or None)."""
+  groups, run = [], []
+  for i in range(cfg.num_layers):
+    if cfg.is_attention_layer(i):
+      groups.append((run, i))
+      run = []
+    else:
+      run.append(i)
+  if run:
+    groups.append((run, None))
+  return groups
+
+
+def block_path(cfg: ModelConfig, block: int) -> Tuple[Any, ...]:
+  """State path of GGUF block `block` inside `Qwen38`."""
+  if cfg.has_mtp and block == cfg.mtp_block:
+    return ("mtp", "block")
+  for g, (rec, att) in enumerate(layer_groups(cfg)):
+    if block == att:
+      return ("groups", g, "attention")
+    if block in rec:
+      return ("groups", g, "recurrent", rec.index(block))
+  raise KeyError(f"block {block} out of range (model has {cfg.num_layers} blocks)")
+
+
+def param_path(cfg: ModelConfig, gguf_name: str) -> Tuple[Any, ...]:
+  """GGUF tensor name -> path of its nnx.Param in `nnx.split(Qwen38(cfg))[1]`."""
+  if not gguf_name.startswith("blk."):
+    return (attr_name(gguf_name),)
+  _, b, leaf = gguf_name.split(".", 2)
+  base = block_path(cfg, int(b))
+  if leaf.startswith("nextn."):
+    return ("mtp", attr_name(leaf))
+  if leaf in common_block_shapes(cfg):
+    sub = ("ffn",) if leaf.startswith("ffn_") else ()
+    return base + sub + (attr_name(leaf),)
+  return base + ("mixer", attr_name(leaf))
+
+
+__all__ = ["Qwen38", "LayerGroup", "Block", "GatedAttention", "GatedDeltaNet", "SwiGLU", "MTPHead",
+           "RecurrentState", "KVRows", "AttentionOptions", "layer_groups", "param_path",
+           "zero_recurrent_state", "delta_rule_scan", "delta_rule_chunked", "write_kv_rows", "rms_norm",
+           "rope_neox", "mtp_extra_shapes"]

@@ -1,0 +1,50 @@
+"""Deterministic random weights in GGUF naming (for tiny built-in models and the
+27B-geometry benchmarks).
+
+`random_tensors(cfg, seed)` returns `{gguf_name: np.ndarray}` with the shapes of
+`config.gguf_tensor_shapes(cfg)`, scaled so that activations stay O(1) through
+the depth of the network (norm weights near 1 as GGUF stores them, i.e. with
+Hugging Face's +1 already folded in; `ssm_a = -exp(A_log) < 0`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, Tuple
+
+import numpy as np
+
+from kvjax.config import ModelConfig, gguf_tensor_shapes
+
+
+def _init_one(name: str, shape: Tuple[int, ...], rng: np.random.Generator, dtype) -> np.ndarray:
+  leaf = name.split(".", 2)[-1] if name.startswith("blk.") else name
+  if leaf.endswith("norm.weight") and not leaf.startswith("ssm_norm"):
+    x = 1.0 + 0.1 * rng.standard_normal(shape)
+  elif leaf == "ssm_norm.weight":
+    x = 1.0 + 0.1 * rng.standard_normal(shape)
+  elif leaf == "ssm_a":
+    x = -np.exp(rng.uniform(np.log(1.0), np.log(16.0), shape))
+  elif leaf == "ssm_dt.bias":
+    x = rng.uniform(-2.0, 1.0, shape)
+  elif leaf == "ssm_conv1d.weight":
+    x = rng.standard_normal(shape) / np.sqrt(shape[-1])
+  elif name == "token_embd.weight" or leaf == "nextn.embed_tokens.weight":
+    x = rng.standard_normal(shape)
+  elif len(shape) == 2:
+    x = rng.standard_normal(shape) / np.sqrt(shape[1])
+  else:
+    x = 0.1 * rng.standard_normal(shape)
+  return np.asarray(x, dtype=dtype)
+
+
+def iter_random_tensors(cfg: ModelConfig, seed: int = 0, dtype=np.float32,
+                        include_optional: bool = True) -> Iterator[Tuple[str, np.ndarray]]:
+  """Yield `(gguf_name, array)` one tensor at a time (each from its own seed)."""
+  for k, (name, shape) in enumerate(sorted(gguf_tensor_shapes(cfg, include_optional).items())):
+    rng = np.random.default_rng([seed, k])
+    yield name, _init_one(name, shape, rng, dtype)
+
+
+def random_tensors(cfg: ModelConfig, seed: int = 0, dtype=np.float32,
+                   include_optional: bool = True) -> Dict[str, np.ndarray]:
+  return dict(iter_random_tensors(cfg, seed, dtype, include_optional))
