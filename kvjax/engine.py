@@ -45,10 +45,11 @@ def _set_path(state, path, value):
   for p in path[:-1]:
     node = node[p]
   var = node[path[-1]]
-  if tuple(var.value.shape) != tuple(value.shape):
-    raise ValueError(f"tensor for {'.'.join(map(str, path))}: expected shape {tuple(var.value.shape)}, "
+  cur = var.get_value()
+  if tuple(cur.shape) != tuple(value.shape):
+    raise ValueError(f"tensor for {'.'.join(map(str, path))}: expected shape {tuple(cur.shape)}, "
                      f"found {tuple(value.shape)}")
-  var.value = jnp.asarray(value, dtype=var.value.dtype)
+  var.set_value(jnp.asarray(value, dtype=cur.dtype))
 
 
 def build_model(cfg: ModelConfig, tensors: Iterable[Tuple[str, np.ndarray]], dtype=jnp.float32,
@@ -95,7 +96,7 @@ def model_tensors(model: Qwen38) -> Dict[str, np.ndarray]:
         node = node[p]
     except (KeyError, IndexError, TypeError):
       continue
-    out[name] = np.asarray(node.value)
+    out[name] = np.asarray(node.get_value())
   return out
 
 
@@ -204,8 +205,8 @@ class Runner:
     for _, att in layer_groups(self.cfg):
       self.attn_index.append(a if att is not None else None)
       a += att is not None
-    self.token_embd = model.token_embd.value
-    self.output_norm = model.output_norm.value
+    self.token_embd = model.token_embd[...]
+    self.output_norm = model.output_norm[...]
     self.output = model.output_weight()
     self.mtp = nnx.split(model.mtp) if model.mtp is not None else None
     self.mtp_layer = self.cfg.num_attention_layers if self.cfg.has_mtp else None

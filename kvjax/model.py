@@ -116,10 +116,10 @@ class SwiGLU(nnx.Module):
     self.ffn_down = _param((E, F), dtype)
 
   def __call__(self, h_se):
-    g = linear(h_se, self.ffn_gate.value)
-    u = linear(h_se, self.ffn_up.value)
-    a = (jax.nn.silu(g) * u).astype(self.ffn_down.value.dtype)
-    return linear(a, self.ffn_down.value)
+    g = linear(h_se, self.ffn_gate[...])
+    u = linear(h_se, self.ffn_up[...])
+    a = (jax.nn.silu(g) * u).astype(self.ffn_down[...].dtype)
+    return linear(a, self.ffn_down[...])
 
 
 class GatedAttention(nnx.Module):
@@ -135,12 +135,12 @@ class GatedAttention(nnx.Module):
     cfg = self.cfg
     s = h_se.shape[0]
     H, G, D = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
-    qg = linear(h_se, self.attn_q.value).reshape(s, H, 2 * D)
+    qg = linear(h_se, self.attn_q[...]).reshape(s, H, 2 * D)
     q_shd, gate_shd = qg[..., :D], qg[..., D:]
-    k_sgd = linear(h_se, self.attn_k.value).reshape(s, G, D)
-    v_sgd = linear(h_se, self.attn_v.value).reshape(s, G, D)
-    q_shd = rope_neox(rms_norm(q_shd, self.attn_q_norm.value, cfg.rms_eps), pos_s, cfg.rope_dim, cfg.rope_theta)
-    k_sgd = rope_neox(rms_norm(k_sgd, self.attn_k_norm.value, cfg.rms_eps), pos_s, cfg.rope_dim, cfg.rope_theta)
+    k_sgd = linear(h_se, self.attn_k[...]).reshape(s, G, D)
+    v_sgd = linear(h_se, self.attn_v[...]).reshape(s, G, D)
+    q_shd = rope_neox(rms_norm(q_shd, self.attn_q_norm[...], cfg.rms_eps), pos_s, cfg.rope_dim, cfg.rope_theta)
+    k_sgd = rope_neox(rms_norm(k_sgd, self.attn_k_norm[...], cfg.rms_eps), pos_s, cfg.rope_dim, cfg.rope_theta)
     return q_shd, k_sgd, v_sgd, gate_shd.reshape(s, H * D)
 
   def __call__(self, h_se, pool_pn, table_t, pos, n_valid, layout: PageLayout, opts: AttentionOptions,
@@ -156,7 +156,7 @@ class GatedAttention(nnx.Module):
                                     block_pages=opts.block_pages, implementation=opts.implementation,
                                     interpret=opts.interpret)
     o_se = o_shd.reshape(s, cfg.num_attention_heads * cfg.head_dim) * jax.nn.sigmoid(gate_se)
-    return linear(o_se.astype(self.attn_output.value.dtype), self.attn_output.value), pool_pn, rows
+    return linear(o_se.astype(self.attn_output[...].dtype), self.attn_output[...]), pool_pn, rows
 
 
 class RecurrentState(NamedTuple):
@@ -250,13 +250,13 @@ class GatedDeltaNet(nnx.Module):
     Hk, Hv, dk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_head_dim
     K = cfg.conv_kernel
     valid_s = jnp.arange(s) < n_valid
-    qkv_sc = linear(h_se, self.attn_qkv.value)                       # f32 [S, C]
-    z_shv = linear(h_se, self.attn_gate.value).reshape(s, Hv, dk)
-    beta_sh = jax.nn.sigmoid(linear(h_se, self.ssm_beta.value))
-    g_sh = jax.nn.softplus(linear(h_se, self.ssm_alpha.value) + self.ssm_dt_bias.value) * self.ssm_a.value
+    qkv_sc = linear(h_se, self.attn_qkv[...])                       # f32 [S, C]
+    z_shv = linear(h_se, self.attn_gate[...]).reshape(s, Hv, dk)
+    beta_sh = jax.nn.sigmoid(linear(h_se, self.ssm_beta[...]))
+    g_sh = jax.nn.softplus(linear(h_se, self.ssm_alpha[...]) + self.ssm_dt_bias[...]) * self.ssm_a[...]
     # causal depthwise conv over [previous K-1 inputs; x]
     xpad = jnp.concatenate([state.conv_kc, qkv_sc], axis=0)          # [K-1+S, C]
-    w = self.ssm_conv1d.value                                         # [C, K]
+    w = self.ssm_conv1d[...]                                         # [C, K]
     conv_sc = sum(xpad[j:j + s] * w[:, j] for j in range(K))
     conv_sc = jax.nn.silu(conv_sc)
     new_conv = lax.dynamic_slice_in_dim(xpad, n_valid, K - 1, axis=0)
@@ -276,8 +276,8 @@ class GatedDeltaNet(nnx.Module):
     g_sh, beta_sh = g_sh * m, beta_sh * m
     rule = delta_rule_chunked if chunked else delta_rule_scan
     delta, o_shv = rule(state.delta_hkv, q, k, v, g_sh, beta_sh)
-    o_shv = rms_norm(o_shv, self.ssm_norm.value, cfg.rms_eps) * jax.nn.silu(z_shv)
-    out = linear(o_shv.reshape(s, Hv * dk).astype(self.ssm_out.value.dtype), self.ssm_out.value)
+    o_shv = rms_norm(o_shv, self.ssm_norm[...], cfg.rms_eps) * jax.nn.silu(z_shv)
+    out = linear(o_shv.reshape(s, Hv * dk).astype(self.ssm_out[...].dtype), self.ssm_out[...])
     return out, RecurrentState(new_conv, delta)
 
 
@@ -293,15 +293,15 @@ class Block(nnx.Module):
     self.ffn = SwiGLU(cfg, dtype)
 
   def _ffn(self, x):
-    return x + self.ffn(rms_norm(x, self.post_attention_norm.value, self.eps)).astype(x.dtype)
+    return x + self.ffn(rms_norm(x, self.post_attention_norm[...], self.eps)).astype(x.dtype)
 
   def recurrent(self, x_se, state: RecurrentState, n_valid, chunked: bool):
-    h = rms_norm(x_se, self.attn_norm.value, self.eps)
+    h = rms_norm(x_se, self.attn_norm[...], self.eps)
     out, state = self.mixer(h, state, n_valid, chunked)
     return self._ffn(x_se + out.astype(x_se.dtype)), state
 
   def attend(self, x_se, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset=0):
-    h = rms_norm(x_se, self.attn_norm.value, self.eps)
+    h = rms_norm(x_se, self.attn_norm[...], self.eps)
     out, pool_pn, rows = self.mixer(h, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset)
     return self._ffn(x_se + out.astype(x_se.dtype)), pool_pn, rows
 
@@ -347,12 +347,12 @@ class MTPHead(nnx.Module):
     -> (logits_sv f32, hm_se, pool_pn, rows).
     """
     eps = self.eps
-    e = rms_norm(emb_se, self.nextn_enorm.value, eps)
-    hh = rms_norm(hn_se.astype(e.dtype), self.nextn_hnorm.value, eps)
-    u = linear(jnp.concatenate([e, hh], axis=-1), self.nextn_eh_proj.value).astype(e.dtype)
+    e = rms_norm(emb_se, self.nextn_enorm[...], eps)
+    hh = rms_norm(hn_se.astype(e.dtype), self.nextn_hnorm[...], eps)
+    u = linear(jnp.concatenate([e, hh], axis=-1), self.nextn_eh_proj[...]).astype(e.dtype)
     u, pool_pn, rows = self.block.attend(u, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset=1)
-    norm_w = self.nextn_shared_head_norm.value if self.nextn_shared_head_norm is not None else output_norm_e
-    head_w = self.nextn_shared_head_head.value if self.nextn_shared_head_head is not None else output_ve
+    norm_w = self.nextn_shared_head_norm[...] if self.nextn_shared_head_norm is not None else output_norm_e
+    head_w = self.nextn_shared_head_head[...] if self.nextn_shared_head_head is not None else output_ve
     logits, hm = output_head(u, norm_w, head_w, eps)
     return logits, hm, pool_pn, rows
 
@@ -372,19 +372,19 @@ class Qwen38(nnx.Module):
 
   # -- pieces used by the decode loops --------------------------------------
   def embed(self, tokens_s):
-    return self.token_embd.value[tokens_s]
+    return self.token_embd[...][tokens_s]
 
   def head(self, x_se):
     """-> (logits_sv f32, hn_se): hn is the post-final-norm hidden handed to the MTP head."""
-    return output_head(x_se, self.output_norm.value, self.output_weight(), self.cfg.rms_eps)
+    return output_head(x_se, self.output_norm[...], self.output_weight(), self.cfg.rms_eps)
 
   def mtp_forward(self, hn_se, next_tokens_s, pool_pn, table_t, pos, n_valid, layout, opts):
     """MTP rows (see `MTPHead.__call__`) -> (logits_sv, hm_se, pool_pn, rows)."""
-    return self.mtp(hn_se, self.embed(next_tokens_s), self.output_norm.value, self.output_weight(),
+    return self.mtp(hn_se, self.embed(next_tokens_s), self.output_norm[...], self.output_weight(),
                     pool_pn, table_t, pos, n_valid, layout, opts)
 
   def output_weight(self):
-    return self.output.value if self.output is not None else self.token_embd.value
+    return self.output[...] if self.output is not None else self.token_embd[...]
 
 
 def output_head(x_se, output_norm_e, output_ve, eps):

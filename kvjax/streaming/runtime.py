@@ -1,0 +1,288 @@
+"""The streamed KV provider: resident pages + one shared ring in one device pool.
+
+Physical pool (one device buffer, `pool_pn [pool_pages, page_bytes]` uint8):
+
+    [ resident region of cache layer 0 | ... | of cache layer L-1 | ring slots ... ]
+
+Cache layers are the target's attention layers followed by the MTP layer
+(separate logical caches with their own host histories, sharing the pool).
+Cache layer `a` keeps its first `capacity[a]` logical pages resident; its
+later pages stream through the ring. The ring is circular and shared by all
+layers: each layer's streamed pages take the next slots after the previous
+layer's, wrapping at the end (so a layer's history has at most three spans:
+resident, ring before the wrap, ring after the wrap).
+
+Per forward and attention layer (`KVProvider` protocol of `kvjax.engine`):
+
+* `begin_forward` checks that every layer's streamed pages fit in the ring and
+  that the histories have room — before anything changes (a refused forward
+  leaves the provider as it was).
+* `layer_kv(a)` places layer a's staged pages into their ring slots (donated,
+  in-place `dynamic_update_slice`), uploads any resident page that is not yet
+  valid on the device, **issues the next layer's host-to-device copies** (into
+  staging buffers: they overlap this layer's compute), builds and validates
+  the span plan, and returns `(pool, page_table)`.
+* `end_layer` keeps the updated pool and the rows written (the KV writer's tail).
+* `end_forward` publishes the new rows to the host histories (device -> host:
+  only the changed tail).
+
+Counters: h2d bytes and calls, d2h bytes, ring wraps, streamed pages,
+readiness misses (a staged copy not complete when its consumer was enqueued).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig
+from kvjax.model import KVRows
+from kvjax.streaming.host_history import HostHistory
+from kvjax.streaming.span_plan import SpanPlan, make_plan, page_table, spans_from_pages
+from kvjax_pallas.page_layout import PageLayout
+
+
+class StreamBudgetError(ValueError):
+  """The device pool cannot hold what a forward needs (the message says how much is missing)."""
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _place_pages(pool_pn, pages_pn, first_slot):
+  return jax.lax.dynamic_update_slice(pool_pn, pages_pn.astype(pool_pn.dtype), (first_slot, 0))
+
+
+def _pow2_pieces(n: int, limit: int) -> List[int]:
+  """Split n into power-of-two pieces <= limit (bounded set of compiled shapes)."""
+  out = []
+  while n > 0:
+    p = 1 << (min(n, limit).bit_length() - 1)
+    out.append(p)
+    n -= p
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamConfig:
+  """Physical split of the device pool (fixed here; `kvjax.policy` proposes adaptive splits)."""
+  pool_pages: int
+  resident_pages_per_layer: Tuple[int, ...]   # capacity of each cache layer's resident region
+  copy_pages: int = 32                          # host copy unit (power of two)
+
+  @property
+  def resident_total(self) -> int:
+    return sum(self.resident_pages_per_layer)
+
+  @property
+  def ring_slots(self) -> int:
+    return self.pool_pages - self.resident_total
+
+
+def fixed_split(pool_pages: int, n_layers: int, max_tokens: int, layout: PageLayout,
+                copy_pages: int = 32) -> StreamConfig:
+  """Uniform resident pages per layer chosen so the ring can hold one layer's streamed pages
+  at `max_tokens`: r = min(A, floor((P - A) / (L - 1))) with A = pages at max_tokens."""
+  a = layout.pages_for(max_tokens)
+  if n_layers > 1:
+    r = min(a, max((pool_pages - a) // (n_layers - 1), 0))
+  else:
+    r = min(a, pool_pages - 1)
+  r = max(0, min(r, (pool_pages - 1) // n_layers))  # keep at least one ring slot
+  ring = pool_pages - r * n_layers
+  need = a - r
+  if ring < need:
+    missing = need - ring
+    raise StreamBudgetError(
+        f"KV pool too small: {pool_pages} pages ({pool_pages * layout.page_bytes / 2**20:.1f} MiB) cannot "
+        f"stream {n_layers} layers at {max_tokens} tokens; the ring needs {need} slots and would have "
+        f"{ring}: {missing} more pages ({missing * layout.page_bytes / 2**20:.1f} MiB) needed")
+  return StreamConfig(pool_pages, (r,) * n_layers, copy_pages)
+
+
+class StreamedKV:
+  """KV provider over host-authoritative histories, resident pages and one shared ring."""
+
+  def __init__(self, cfg: ModelConfig, layout: PageLayout, max_tokens: int, stream: StreamConfig,
+               pinned: Optional[bool] = None):
+    self.cfg, self.layout, self.stream = cfg, layout, stream
+    n_target = cfg.num_attention_layers
+    self.n_layers = n_target + (1 if cfg.has_mtp else 0)
+    if len(stream.resident_pages_per_layer) != self.n_layers:
+      raise ValueError(f"stream config has {len(stream.resident_pages_per_layer)} resident capacities; "
+                       f"the model has {self.n_layers} cache layers")
+    if stream.ring_slots < 1:
+      raise StreamBudgetError(f"no ring slots: resident regions take {stream.resident_total} of "
+                              f"{stream.pool_pages} pages")
+    max_pages = layout.pages_for(max_tokens)
+    self.max_tokens = max_pages * layout.page_tokens
+    self.histories = {"target": HostHistory("target", layout, n_target, max_pages, stream.copy_pages, pinned)}
+    if cfg.has_mtp:
+      self.histories["mtp"] = HostHistory("mtp", layout, 1, max_pages, stream.copy_pages, pinned)
+    self.max_pages = max_pages
+    self.pool_pn = jnp.zeros((stream.pool_pages, layout.page_bytes), jnp.uint8)
+    caps = stream.resident_pages_per_layer
+    self.resident_base = np.concatenate([[0], np.cumsum(caps)[:-1]]).astype(np.int64)
+    self.ring_base = stream.resident_total
+    self.ring_head = 0
+    self.resident_valid = np.zeros((self.n_layers,), np.int64)  # valid prefix pages on the device
+    self._pending: Dict[int, KVRows] = {}
+    self._staged: Dict[int, List[Tuple[int, jax.Array]]] = {}
+    self._slots: Dict[int, np.ndarray] = {}
+    self._order: Tuple[int, ...] = ()
+    self.plans: Dict[int, SpanPlan] = {}
+    self.counters = dict(h2d_bytes=0, h2d_calls=0, ring_wraps=0, streamed_pages=0, readiness_misses=0,
+                         forwards=0, copy_issue_ms=0.0)
+
+  # -- mapping -----------------------------------------------------------------
+  def history_of(self, cache_layer: int) -> Tuple[HostHistory, int]:
+    n_target = self.cfg.num_attention_layers
+    if cache_layer < n_target:
+      return self.histories["target"], cache_layer
+    return self.histories["mtp"], 0
+
+  def _split(self, a: int, active: int) -> Tuple[int, int]:
+    """(resident live pages, streamed pages) of cache layer a with `active` pages."""
+    live = min(self.stream.resident_pages_per_layer[a], active)
+    return live, active - live
+
+  # -- KVProvider ----------------------------------------------------------------
+  def begin_forward(self, pos: int, n_tokens: int, cache_layers: Tuple[int, ...]) -> None:
+    lay = self.layout
+    end = pos + n_tokens
+    if end > self.max_tokens:
+      raise ValueError(f"context full: {end} tokens needed, host history holds {self.max_tokens} "
+                       f"({end - self.max_tokens} more; raise --ctx-size)")
+    active = lay.pages_for(end)
+    for a in cache_layers:
+      hist, l = self.history_of(a)
+      if pos > hist.tokens[l]:
+        raise ValueError(f"cache layer {a}: forward at position {pos} but only {hist.tokens[l]} tokens "
+                         f"are committed")
+      _, streamed = self._split(a, active)
+      if streamed > self.stream.ring_slots:
+        missing = streamed - self.stream.ring_slots
+        raise StreamBudgetError(
+            f"ring too small: cache layer {a} streams {streamed} pages at {end} tokens but the ring has "
+            f"{self.stream.ring_slots} slots ({missing} more pages = "
+            f"{missing * lay.page_bytes / 2**20:.1f} MiB needed)")
+    self._pos, self._n, self._active = pos, n_tokens, active
+    self._content = lay.pages_for(pos)  # pages that already hold tokens
+    self._order = tuple(cache_layers)
+    self._pending.clear()
+    self._staged.clear()
+    self._slots.clear()
+    if self._order:
+      self._prefetch(self._order[0])
+
+  def _prefetch(self, a: int) -> None:
+    """Allocate ring slots for layer a and issue its host->device copies (staging buffers)."""
+    hist, l = self.history_of(a)
+    live, streamed = self._split(a, self._active)
+    ring = self.stream.ring_slots
+    slots = (self.ring_head + np.arange(streamed)) % ring
+    if streamed and self.ring_head + streamed > ring:
+      self.counters["ring_wraps"] += 1
+    self.ring_head = (self.ring_head + streamed) % ring
+    self._slots[a] = slots
+    self.counters["streamed_pages"] += streamed
+    # upload pages that hold committed tokens; pages past them are only written this forward
+    upload_end = min(self._active, self._content)
+    staged = []
+    t0 = time.perf_counter()
+    page = live
+    while page < upload_end:
+      slot = int(slots[page - live])
+      run = min(upload_end - page, ring - slot)           # stop at the ring wrap
+      c = hist.copy_pages
+      if page % c == 0 and run >= c and hist.chunk_sealed(l, page // c):
+        n = c
+      else:
+        n = _pow2_pieces(min(run, c - page % c), c)[0]
+      src = hist.source(l, page, n)
+      staged.append((self.ring_base + slot, jax.device_put(src, jax.devices()[0])))
+      self.counters["h2d_bytes"] += n * self.layout.page_bytes
+      self.counters["h2d_calls"] += 1
+      page += n
+    self.counters["copy_issue_ms"] += (time.perf_counter() - t0) * 1e3
+    self._staged[a] = staged
+
+  def layer_kv(self, cache_layer: int):
+    a = cache_layer
+    if a not in self._staged:
+      raise RuntimeError(f"cache layer {a} was not announced to begin_forward ({self._order})")
+    # the next layer's copies go out before this layer's compute is dispatched
+    idx = self._order.index(a)
+    if idx + 1 < len(self._order) and self._order[idx + 1] not in self._staged:
+      self._prefetch(self._order[idx + 1])
+    pool = self.pool_pn
+    for first_slot, pages in self._staged.pop(a):
+      if hasattr(pages, "is_ready") and not pages.is_ready():
+        self.counters["readiness_misses"] += 1
+      pool = _place_pages(pool, pages, jnp.int32(first_slot))
+    pool = self._fill_resident(a, pool)
+    self.pool_pn = pool
+    table = self._table(a)
+    return pool, jnp.asarray(table)
+
+  def _fill_resident(self, a: int, pool):
+    """Upload resident pages holding committed tokens that the device does not hold yet."""
+    hist, l = self.history_of(a)
+    live, _ = self._split(a, self._active)
+    need = min(live, self._content)
+    page = int(self.resident_valid[a])
+    while page < need:
+      n = _pow2_pieces(need - page, hist.copy_pages)[0]
+      src = hist.source(l, page, n) if page % hist.copy_pages == 0 else hist.pages_lpn[l, page:page + n]
+      dev = jax.device_put(src, jax.devices()[0])
+      pool = _place_pages(pool, dev, jnp.int32(self.resident_base[a] + page))
+      self.counters["h2d_bytes"] += n * self.layout.page_bytes
+      self.counters["h2d_calls"] += 1
+      page += n
+    return pool
+
+  def _table(self, a: int) -> np.ndarray:
+    live, streamed = self._split(a, self._active)
+    slots = self._slots[a]
+    runs = [(int(self.resident_base[a]), live, "resident")]
+    if streamed:
+      wrap = int(np.argmax(slots[1:] < slots[:-1]) + 1) if streamed > 1 and np.any(slots[1:] < slots[:-1]) \
+          else streamed
+      runs.append((self.ring_base + int(slots[0]), wrap, "ring"))
+      if wrap < streamed:
+        runs.append((self.ring_base + int(slots[wrap]), streamed - wrap, "ring_wrapped"))
+    spans, kinds = spans_from_pages(self.layout, "pool", runs, self._pos + self._n)
+    plan = make_plan(self.layout, {"pool": self.stream.pool_pages * self.layout.page_bytes}, spans,
+                     self._pos + self._n, self._n, kinds)
+    self.plans[a] = plan
+    return page_table(plan, self.layout, self.max_pages, buffer="pool")
+
+  def end_layer(self, cache_layer: int, pool_pn, rows: KVRows) -> None:
+    self.pool_pn = pool_pn
+    self._pending[cache_layer] = rows
+
+  def end_forward(self) -> None:
+    rows = jax.device_get(self._pending)   # one D2H of every layer's new rows
+    for a, r in rows.items():
+      hist, l = self.history_of(a)
+      hist.write_rows(l, self._pos, np.asarray(r.k_sn)[:self._n], np.asarray(r.v_sn)[:self._n])
+      live, _ = self._split(a, self._active)
+      self.resident_valid[a] = live
+    self._pending.clear()
+    self.counters["forwards"] += 1
+
+  # -- reporting -------------------------------------------------------------------
+  @property
+  def d2h_bytes(self) -> int:
+    return sum(h.d2h_bytes for h in self.histories.values())
+
+  def metrics(self) -> Dict[str, float]:
+    m = dict(self.counters)
+    m.update(d2h_bytes=self.d2h_bytes, resident_pages=self.stream.resident_total,
+             ring_slots=self.stream.ring_slots, pool_pages=self.stream.pool_pages,
+             pool_mib=self.stream.pool_pages * self.layout.page_bytes / 2**20)
+    return m

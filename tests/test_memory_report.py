@@ -1,0 +1,83 @@
+"""Tests for kvjax.memory_report against the reference's 27B numbers."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvjax import config as config_lib
+from kvjax import memory_report as M
+
+MIB = 2**20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_27b_kv_sizes():
+  r = M.memory_report(config_lib.qwen38_27b(), 262_144, "q8_0", "q4_0", arena_mib=2240,
+                      mtp_depth=3)
+  assert r["kv_bytes_per_token_per_layer"] == 1088 + 576
+  assert r["kv_page_bytes"] == 425_984
+  assert r["kv_pages_per_layer"] == 1024
+  assert r["kv_layer_bytes"] == 416 * MIB
+  assert r["target_attention_layers"] == 16
+  assert r["target_kv_bytes"] == 6.5 * 2**30
+  assert r["mtp_kv_bytes"] == 416 * MIB
+  assert r["pool_layers"] == 17
+
+
+def test_27b_recurrent_rollback_and_stage():
+  r = M.memory_report(config_lib.qwen38_27b(), 262_144, mtp_depth=3, arena_mib=2240)
+  assert r["recurrent_layers"] == 48
+  assert r["delta_state_bytes_per_layer"] == 48 * 128 * 128 * 4 == 3 * MIB
+  assert r["conv_state_bytes_per_layer"] == 3 * 10_240 * 4
+  assert r["recurrent_checkpoint_bytes"] == 48 * (3 * MIB + 122_880)
+  assert r["rollback_host_bytes"] / MIB == pytest.approx(449, abs=0.5)     # reference: ~449 MiB
+  assert r["stage_device_bytes"] / MIB == pytest.approx(18.7, abs=0.05)    # reference: ~18.7 MiB
+  r5 = M.memory_report(config_lib.qwen38_27b(), 262_144, mtp_depth=5, arena_mib=2240)
+  assert r5["rollback_host_bytes"] * 3 == r["rollback_host_bytes"] * 5
+  assert r5["stage_device_bytes"] * 3 == r["stage_device_bytes"] * 5
+  r0 = M.memory_report(config_lib.qwen38_27b(), 262_144, mtp_depth=0, arena_mib=2240)
+  assert r0["rollback_host_bytes"] == 0 and r0["stage_device_bytes"] == 0
+
+
+def test_decode_grant_is_arena_minus_workspace_and_stage():
+  cfg = config_lib.qwen38_27b()
+  r = M.memory_report(cfg, 163_840, arena_mib=2240, mtp_depth=3, decode_workspace_mib=12)
+  assert r["decode_kv_grant_bytes"] == 2240 * MIB - 12 * MIB - r["stage_device_bytes"]
+  assert r["decode_kv_pool_pages"] == r["decode_kv_grant_bytes"] // 425_984
+  assert 0 <= r["decode_kv_grant_bytes"] - r["decode_kv_pool_bytes"] < 425_984
+  r2 = M.memory_report(cfg, 163_840, arena_mib=2240, mtp_depth=3, decode_workspace_mib=12,
+                       stage_in_arena=False)
+  assert r2["decode_kv_grant_bytes"] == 2228 * MIB
+  with pytest.raises(ValueError, match="missing"):
+    M.memory_report(cfg, 1024, arena_mib=10, mtp_depth=3, decode_workspace_mib=9)
+
+
+def test_tiny_model_and_other_types():
+  cfg = config_lib.tiny()   # 2 KV heads x 64, 6 GDN layers of 4 heads x 32 x 32, conv 3 x 384
+  r = M.memory_report(cfg, 1000, "f16", "q8_0", arena_mib=1, mtp_depth=2, page_tokens=64)
+  assert r["kv_bytes_per_token_per_layer"] == 2 * 64 * 2 + 2 * 68
+  k_plane = 64 * 256
+  assert r["kv_page_bytes"] == k_plane + 64 * 136
+  assert r["kv_pages_per_layer"] == 16
+  assert r["target_attention_layers"] == 2 and r["recurrent_layers"] == 6
+  per_layer = 4 * 32 * 32 * 4 + 3 * (2 * 64 + 128) * 4
+  assert r["recurrent_checkpoint_bytes"] == 6 * per_layer
+  assert r["rollback_host_bytes"] == 2 * 6 * per_layer
+  assert r["stage_device_bytes"] == 2 * 2 * per_layer
+  with pytest.raises(ValueError, match="MTP"):
+    M.memory_report(config_lib.tiny(mtp_layers=0), 1000, mtp_depth=1)
+
+
+def test_format_table_and_cli():
+  r = M.memory_report(config_lib.qwen38_27b(), 262_144, mtp_depth=3, arena_mib=2240)
+  table = M.format_table(r)
+  assert "416.00 MiB" in table and "two-slot device stage" in table
+  out = subprocess.run(
+      [sys.executable, "-m", "kvjax.memory_report", "--config=configs/memory_27b.py",
+       "--config.mtp_depth=5"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stderr
+  assert "MTP depth 5" in out.stdout and "436,207,616 B" in out.stdout
+  assert "rollback host snapshots" in out.stdout

@@ -1,0 +1,200 @@
+"""Streamed KV (host history + resident pages + one shared ring) against the plain cache."""
+
+import numpy as np
+import pytest
+import jax.numpy as jnp
+from hypothesis import given, settings, strategies as st
+
+from kvjax import config, engine, generate, weights
+from kvjax.streaming import (HostHistory, Span, SpanPlanError, StreamBudgetError, StreamConfig, StreamedKV,
+                             fixed_split, make_plan, page_table)
+from kvjax.streaming.span_plan import SpanPlan, validate_plan
+from kvjax_pallas.page_layout import PageLayout
+from kvjax_pallas.span_attention import reference as ref_attn
+
+
+@pytest.fixture(scope="module")
+def tiny_runner():
+  cfg = config.tiny()
+  model = engine.build_model(cfg, weights.random_tensors(cfg, 0).items())
+  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", page_tokens=256)
+  return cfg, engine.Runner(model, layout), layout
+
+
+def test_streamed_greedy_equals_plain_long(tiny_runner):
+  """Prompt of 8+ pages, 512 generated tokens, Q8_0 K / Q4_0 V, every layer streams, ring wraps."""
+  cfg, runner, layout = tiny_runner
+  prompt = list(np.random.default_rng(7).integers(0, cfg.vocab_size, 8 * 256 + 37))
+  n_predict = 512
+  max_tokens = len(prompt) + n_predict
+  plain_kv = engine.PlainKV(cfg, layout, max_tokens)
+  plain = generate.generate(runner, plain_kv, prompt, n_predict)
+
+  n_layers = cfg.num_attention_layers + 1
+  stream = fixed_split(pool_pages=14, n_layers=n_layers, max_tokens=max_tokens, layout=layout, copy_pages=4)
+  assert stream.resident_pages_per_layer == (1, 1, 1) and stream.ring_slots == 11
+  kv = StreamedKV(cfg, layout, max_tokens, stream)
+  streamed = generate.generate(runner, kv, prompt, n_predict)
+
+  assert len(plain.tokens) == n_predict
+  assert streamed.tokens == plain.tokens
+  m = streamed.metrics
+  active_pages = layout.pages_for(max_tokens)
+  # every layer streams all but one page on the last forwards; the ring wrapped many times
+  assert kv.plans[0].kinds[0] == "resident" and len(kv.plans[0].spans) >= 2
+  assert m["ring_wraps"] >= 100
+  assert m["streamed_pages"] >= n_predict * cfg.num_attention_layers * 8
+  assert m["h2d_bytes"] >= m["streamed_pages"] * layout.page_bytes * 0.9
+  assert m["d2h_bytes"] == (len(prompt) + n_predict - 1) * layout.token_bytes * cfg.num_attention_layers
+  assert m["resident_pages"] == 3 and m["ring_slots"] == 11
+  assert active_pages > stream.ring_slots - 2
+
+  # the host history is byte-for-byte the plain path's quantized KV for every token
+  n_tok = len(prompt) + n_predict - 1
+  hist = kv.histories["target"]
+  for a in range(cfg.num_attention_layers):
+    k_host, v_host = hist.rows(a, n_tok)
+    pages = plain_kv.layer_bytes(a, n_tok)
+    k_plain = pages[:, :layout.k_plane_bytes].reshape(-1, layout.k_row_bytes)[:n_tok]
+    v_plain = pages[:, layout.v_offset:].reshape(-1, layout.v_row_bytes)[:n_tok]
+    np.testing.assert_array_equal(k_host, k_plain)
+    np.testing.assert_array_equal(v_host, v_plain)
+
+
+def test_refused_forward_leaves_provider_intact(tiny_runner):
+  cfg, runner, layout = tiny_runner
+  stream = StreamConfig(pool_pages=6, resident_pages_per_layer=(1, 1, 1), copy_pages=1)
+  kv = StreamedKV(cfg, layout, 8 * 256, stream)
+  seq = generate.SequenceState(runner, kv)
+  prompt = list(range(1, 3 * 256 + 1))
+  generate.prefill(seq, prompt[:256 * 3 + 0], ubatch=256)  # 3 pages: 2 streamed per layer, ring 3
+  before = (kv.ring_head, dict(kv.counters), kv.histories["target"].tokens.copy())
+  with pytest.raises(StreamBudgetError, match=r"ring too small: cache layer 0 streams 4 pages .*\(1 more pages"):
+    seq.forward(list(range(512)), pad_to=512)  # would need 4 streamed pages > 3 ring slots
+  assert (kv.ring_head, kv.counters, list(kv.histories["target"].tokens)) == \
+      (before[0], before[1], list(before[2]))
+  logits = seq.forward([5])  # still usable for a forward that fits
+  assert np.all(np.isfinite(np.asarray(logits)))
+
+
+def test_fixed_split_reports_missing_bytes():
+  layout = PageLayout(4, 256, "q8_0", "q4_0")
+  with pytest.raises(StreamBudgetError, match=r"needs 512 slots and would have 100: 412 more pages"):
+    fixed_split(pool_pages=100, n_layers=17, max_tokens=131072, layout=layout)
+  s = fixed_split(pool_pages=5400, n_layers=17, max_tokens=131072, layout=layout)
+  assert s.ring_slots >= 512 - s.resident_pages_per_layer[0]
+  assert s.resident_total + s.ring_slots == 5400
+
+
+def test_host_history_rejects_gaps_and_overflow():
+  layout = PageLayout(2, 64, "q8_0", "q4_0", page_tokens=16)
+  h = HostHistory("t", layout, 1, max_pages=2, copy_pages=1)
+  k = np.ones((4, layout.k_row_bytes), np.uint8)
+  v = np.ones((4, layout.v_row_bytes), np.uint8)
+  with pytest.raises(ValueError, match="gap"):
+    h.write_rows(0, 3, k, v)
+  h.write_rows(0, 0, k, v)
+  with pytest.raises(ValueError, match="needs 2 more"):
+    h.write_rows(0, 30, np.ones((4, layout.k_row_bytes), np.uint8)[:4], v) if False else \
+        h.write_rows(0, 4, np.ones((30, layout.k_row_bytes), np.uint8), np.ones((30, layout.v_row_bytes), np.uint8))
+  assert h.tokens[0] == 4
+  h.truncate(2)
+  assert h.tokens[0] == 2
+
+
+# ---- span plans --------------------------------------------------------------------------------------
+
+LAYOUT = PageLayout(2, 64, "q8_0", "q4_0", page_tokens=16)
+POOL_PAGES = 24
+BUF = {"pool": POOL_PAGES * LAYOUT.page_bytes}
+
+
+def _span(tok, n, page):
+  return Span("pool", tok, n, page * LAYOUT.page_bytes, page * LAYOUT.page_bytes + LAYOUT.v_offset)
+
+
+@st.composite
+def valid_plans(draw):
+  active = draw(st.integers(1, 10 * 16))
+  pages = LAYOUT.pages_for(active)
+  phys = draw(st.permutations(list(range(POOL_PAGES))))[:pages]
+  # cut the logical pages into up to 4 runs; each run must be physically contiguous, so we choose the runs'
+  # physical starts among free contiguous ranges: simplest is to lay runs at arbitrary distinct bases
+  n_cuts = draw(st.integers(0, min(3, pages - 1)))
+  cuts = sorted(draw(st.lists(st.integers(1, max(pages - 1, 1)), min_size=n_cuts, max_size=n_cuts,
+                               unique=True))) if pages > 1 else []
+  bounds = [0] + cuts + [pages]
+  runs, base = [], 0
+  order = draw(st.permutations(list(range(len(bounds) - 1))))
+  starts = {}
+  for i in order:  # physical placement of runs in a random order, no overlap
+    starts[i] = base
+    base += bounds[i + 1] - bounds[i] + draw(st.integers(0, 1))
+  if base > POOL_PAGES:
+    starts = {i: bounds[i] for i in range(len(bounds) - 1)}
+  spans = []
+  for i in range(len(bounds) - 1):
+    tok = bounds[i] * 16
+    n = min(bounds[i + 1] * 16, active) - tok
+    spans.append(_span(tok, n, starts[i]))
+  q = draw(st.integers(1, min(active, 8)))
+  return SpanPlan(tuple(spans), active, q)
+
+
+@settings(max_examples=12, deadline=None)
+@given(plan=valid_plans(), seed=st.integers(0, 2**16))
+def test_valid_plans_accepted_and_placement_invariant(plan, seed):
+  validate_plan(plan, LAYOUT, BUF)
+  rng = np.random.default_rng(seed)
+  active = plan.active_tokens
+  pages = LAYOUT.pages_for(active)
+  logical = rng.integers(0, 256, (pages, LAYOUT.page_bytes), dtype=np.uint8)
+  # keep the scales sane: write real encoded rows into each logical page
+  from kvjax_pallas import ggml_codec
+  k = rng.standard_normal((pages * 16, 2, 64)).astype(np.float32)
+  v = rng.standard_normal((pages * 16, 2, 64)).astype(np.float32)
+  kb = np.asarray(ggml_codec.encode_rows(jnp.asarray(k), "q8_0")).reshape(pages, -1)
+  vb = np.asarray(ggml_codec.encode_rows(jnp.asarray(v), "q4_0")).reshape(pages, -1)
+  logical[:, :LAYOUT.k_plane_bytes] = kb
+  logical[:, LAYOUT.v_offset:] = vb
+  table = page_table(plan, LAYOUT, 12)
+  pool = rng.integers(0, 256, (POOL_PAGES, LAYOUT.page_bytes), dtype=np.uint8)
+  pool[table[:pages]] = logical
+  contiguous = np.zeros((12, LAYOUT.page_bytes), np.uint8)
+  contiguous[:pages] = logical
+  q = rng.standard_normal((plan.query_tokens, 6, 64)).astype(np.float32)
+  q_pos = np.arange(active - plan.query_tokens, active, dtype=np.int32)
+  o_plan = ref_attn.span_attention_reference(jnp.asarray(q), jnp.asarray(pool), jnp.asarray(table),
+                                             active, jnp.asarray(q_pos), layout=LAYOUT)
+  o_cont = ref_attn.span_attention_reference(jnp.asarray(q), jnp.asarray(contiguous),
+                                             jnp.arange(12, dtype=jnp.int32), active, jnp.asarray(q_pos),
+                                             layout=LAYOUT)
+  np.testing.assert_array_equal(np.asarray(o_plan), np.asarray(o_cont))
+
+
+@pytest.mark.parametrize("spans,active,query,match", [
+    ((), 16, 1, "no spans"),
+    ((_span(0, 16, 0),), 16, 0, "query tokens 0"),
+    ((_span(0, 16, 0),), 16, 17, "query tokens 17"),
+    ((_span(0, 0, 0),), 16, 1, "has 0 tokens"),
+    ((_span(0, 16, 0), _span(32, 16, 1)), 48, 1, "gap"),
+    ((_span(0, 32, 0), _span(16, 16, 4)), 32, 1, "overlap or reorder"),
+    ((_span(16, 16, 0), _span(0, 16, 1)), 32, 1, "span 0 begins at token 16"),
+    ((Span("pool", 0, 16, 5, 5 + LAYOUT.v_offset),), 16, 1, "misaligned"),
+    ((Span("pool", 0, 16, 0, 7),), 16, 1, "misaligned"),
+    ((_span(0, 32, POOL_PAGES - 1),), 32, 1, "K rows end at byte"),
+    ((_span(0, 16, 0),), 20, 1, "cover 16 tokens but the plan has 20"),
+    ((Span("ring", 0, 16, 0, LAYOUT.v_offset),), 16, 1, "unknown buffer"),
+    ((_span(0, 10, 0), _span(10, 6, 3)), 16, 1, "ends mid-page"),
+])
+def test_invalid_plans_rejected(spans, active, query, match):
+  with pytest.raises(SpanPlanError, match=match):
+    make_plan(LAYOUT, BUF, spans, active, query)
+
+
+def test_v_plane_overflow_reported_separately():
+  # a buffer that ends inside the last page's V plane: K fits, V does not
+  buf = {"pool": LAYOUT.page_bytes + LAYOUT.v_offset + 3 * LAYOUT.v_row_bytes}
+  make_plan(LAYOUT, buf, (_span(0, 16, 0), _span(16, 3, 1)), 19, 1)
+  with pytest.raises(SpanPlanError, match="V rows end at byte"):
+    make_plan(LAYOUT, buf, (_span(0, 16, 0), _span(16, 4, 1)), 20, 1)
