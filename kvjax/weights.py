@@ -48,3 +48,30 @@ def iter_random_tensors(cfg: ModelConfig, seed: int = 0, dtype=np.float32,
 def random_tensors(cfg: ModelConfig, seed: int = 0, dtype=np.float32,
                    include_optional: bool = True) -> Dict[str, np.ndarray]:
   return dict(iter_random_tensors(cfg, seed, dtype, include_optional))
+
+
+def iter_random_device_tensors(cfg: ModelConfig, seed: int = 0, dtype="bfloat16",
+                               include_optional: bool = True) -> Iterator[Tuple[str, "object"]]:
+  """Like `iter_random_tensors`, but drawn on the default device with jax.random (for the
+  27B geometry, where numpy generation of 54 GB would dominate the run)."""
+  import jax
+  import jax.numpy as jnp
+  key = jax.random.PRNGKey(seed)
+  for k, (name, shape) in enumerate(sorted(gguf_tensor_shapes(cfg, include_optional).items())):
+    kk = jax.random.fold_in(key, k)
+    leaf = name.split(".", 2)[-1] if name.startswith("blk.") else name
+    if leaf.endswith("norm.weight"):
+      x = 1.0 + 0.1 * jax.random.normal(kk, shape, jnp.float32)
+    elif leaf == "ssm_a":
+      x = -jnp.exp(jax.random.uniform(kk, shape, jnp.float32, 0.0, float(np.log(16.0))))
+    elif leaf == "ssm_dt.bias":
+      x = jax.random.uniform(kk, shape, jnp.float32, -2.0, 1.0)
+    elif leaf == "ssm_conv1d.weight":
+      x = jax.random.normal(kk, shape, jnp.float32) / np.sqrt(shape[-1])
+    elif name == "token_embd.weight" or leaf == "nextn.embed_tokens.weight":
+      x = jax.random.normal(kk, shape, jnp.dtype(dtype))
+    elif len(shape) == 2:
+      x = (jax.random.normal(kk, shape, jnp.dtype(dtype)) * (1.0 / np.sqrt(shape[1]))).astype(dtype)
+    else:
+      x = 0.1 * jax.random.normal(kk, shape, jnp.float32)
+    yield name, x

@@ -1,0 +1,210 @@
+"""Decode cost of the hybrid target, plain and streamed, at given contexts.
+
+One script, one table. For each context it measures, per decode forward
+(one token, greedy, synchronised per token as a real decode loop is):
+
+* `resident`  every page on the device (PlainKV: the compute-only cost);
+* `streamed`  a fixed resident/ring split inside `--arena_mib` (StreamedKV);
+* `copy`      the streamed run's uploads alone (no compute) -> upload GB/s;
+
+and derives the share of copy time hidden behind compute,
+`hidden = (copy + resident - streamed) / copy`, and the floor per forward
+`weight bytes / HBM bandwidth + streamed bytes / 52.6 GB/s`.
+
+Long histories are synthetic (validly encoded random pages; see
+`kvjax.streaming.synthetic`): the cost of attention and copies is that of
+real content, without a 128K-token prefill. A short real prefill + decode
+checks the plain path end to end first.
+
+  python experiments/bench_decode.py --model=qwen38_27b --contexts=32768,131072 --arena_mib=2240
+  python experiments/bench_decode.py --model=tiny --contexts=2048 --arena_mib=1 --page_tokens=64   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("model", "qwen38_27b", "preset name")
+flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
+flags.DEFINE_list("contexts", ["32768", "131072"], "history lengths (tokens)")
+flags.DEFINE_float("arena_mib", 2240.0, "device KV budget for the streamed run (MiB)")
+flags.DEFINE_integer("decode_steps", 8, "timed decode forwards per configuration")
+flags.DEFINE_integer("page_tokens", 256, "tokens per KV page")
+flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages)")
+flags.DEFINE_string("attn_impl", "reference", "span attention implementation")
+flags.DEFINE_integer("block_pages", 16, "pages per online-softmax step")
+flags.DEFINE_integer("prompt", 256, "real prompt tokens for the end-to-end plain check")
+flags.DEFINE_string("k_type", "q8_0", "K cache type")
+flags.DEFINE_string("v_type", "q4_0", "V cache type")
+flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_decode"), "output folder")
+flags.DEFINE_float("hbm_gbs", 4800.0, "HBM bandwidth for the floor (GB/s)")
+flags.DEFINE_float("h2d_gbs", 52.6, "host-to-device bandwidth for the floor (GB/s)")
+FLAGS = flags.FLAGS
+
+
+def _mem():
+  import jax
+  try:
+    s = jax.devices()[0].memory_stats() or {}
+    return {"bytes_in_use_gib": s.get("bytes_in_use", 0) / 2**30,
+            "peak_bytes_in_use_gib": s.get("peak_bytes_in_use", 0) / 2**30}
+  except Exception:
+    return {}
+
+
+def main(argv):
+  del argv
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from kvjax import arena, config, engine, generate, weights
+  from kvjax.model import AttentionOptions
+  from kvjax.streaming import StreamedKV, fixed_split
+  from kvjax.streaming import synthetic
+  from kvjax_pallas.page_layout import PageLayout
+
+  os.makedirs(FLAGS.out, exist_ok=True)
+  log = {"flags": {k: FLAGS[k].value for k in FLAGS if k in (
+      "model", "dtype", "contexts", "arena_mib", "decode_steps", "page_tokens", "copy_pages", "attn_impl",
+      "block_pages", "k_type", "v_type")}, "device": str(jax.devices()[0]), "jax": jax.__version__}
+  cfg = config.preset(FLAGS.model)
+  dtype = jnp.dtype(FLAGS.dtype)
+  t0 = time.perf_counter()
+  model = engine.build_model(cfg, weights.iter_random_device_tensors(cfg, 0, FLAGS.dtype),
+                             dtype=dtype, names=config.gguf_tensor_shapes(cfg))
+  jax.block_until_ready(jax.tree.leaves(nnx_state(model)))
+  log["build_s"] = time.perf_counter() - t0
+  log["mem_after_build"] = _mem()
+  weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(nnx_state(model)))
+  # a decode forward reads every target weight once, one embedding row, none of the MTP head
+  mtp_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(nnx_state(model.mtp))) \
+      if model.mtp is not None else 0
+  embd = model.token_embd[...]
+  decode_weight_bytes = weight_bytes - mtp_bytes - embd.size * embd.dtype.itemsize
+  log["weight_gib"] = weight_bytes / 2**30
+  log["decode_weight_gib"] = decode_weight_bytes / 2**30
+
+  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, FLAGS.k_type, FLAGS.v_type, FLAGS.page_tokens)
+  opts = AttentionOptions(FLAGS.attn_impl, FLAGS.block_pages)
+  runner = engine.Runner(model, layout, opts)
+
+  # --- end-to-end plain check: real prefill + decode --------------------------------------------
+  prompt = list(np.random.default_rng(0).integers(0, cfg.vocab_size, FLAGS.prompt))
+  kv = engine.PlainKV(cfg, layout, FLAGS.prompt + 64)
+  seq = generate.SequenceState(runner, kv)
+  t = time.perf_counter()
+  logits = generate.prefill(seq, prompt, ubatch=min(256, FLAGS.prompt))
+  tok = int(jnp.argmax(logits))
+  log["prefill_first_call_s"] = time.perf_counter() - t
+  t = time.perf_counter()
+  tok = int(jnp.argmax(seq.forward([tok])))
+  log["decode_first_call_s"] = time.perf_counter() - t
+  times = []
+  for _ in range(FLAGS.decode_steps):
+    t = time.perf_counter()
+    tok = int(jnp.argmax(seq.forward([tok])))
+    times.append(time.perf_counter() - t)
+  log["plain_short_ms"] = 1e3 * float(np.median(times))
+  log["mem_plain_short"] = _mem()
+
+  # --- the decode workspace, from the compiled group step's own memory analysis ---------------
+  gd, gs = runner.groups[0]
+  st = runner.zero_states()[0]
+  pool_probe = jnp.zeros((4, layout.page_bytes), jnp.uint8)
+  comp = engine._group_step.lower(gd, gs, jnp.zeros((1, cfg.hidden_size), dtype), st, pool_probe,
+                                  jnp.zeros((4,), jnp.int32), jnp.int32(0), jnp.int32(1), layout=layout,
+                                  opts=opts, chunked=False).compile()
+  workspace = arena.workspace_bytes_from_compiled(comp)
+  log["decode_workspace_mib"] = workspace / 2**20
+  pool_pages = int((FLAGS.arena_mib * 2**20 - workspace) // layout.page_bytes)
+  log["pool_pages"] = pool_pages
+
+  rows = []
+  for ctx in [int(c) for c in FLAGS.contexts]:
+    max_tokens = ctx + FLAGS.decode_steps + 8
+    row = {"context": ctx}
+    # resident (compute only)
+    pk = engine.PlainKV(cfg, layout, max_tokens)
+    synthetic.fill_plain(pk, ctx)
+    row["resident_ms"] = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg)
+    del pk
+    # streamed within the arena (target layers only: the MTP layer is not used by plain decode)
+    n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
+    split = fixed_split(pool_pages, n_layers, max_tokens, layout, FLAGS.copy_pages)
+    sk = StreamedKV(cfg, layout, max_tokens, split)
+    synthetic.fill_streamed(sk, ctx)
+    before = dict(sk.counters)
+    row["streamed_ms"] = _time_decode(runner, sk, ctx, FLAGS.decode_steps, cfg)
+    n_fwd = sk.counters["forwards"] - before["forwards"]
+    h2d = (sk.counters["h2d_bytes"] - before["h2d_bytes"]) / max(n_fwd, 1)
+    row["streamed_mib_per_forward"] = h2d / 2**20
+    row["readiness_misses_per_forward"] = (sk.counters["readiness_misses"] - before["readiness_misses"]) / max(n_fwd, 1)
+    row["resident_pages_per_layer"] = split.resident_pages_per_layer[0]
+    row["ring_slots"] = split.ring_slots
+    row["copy_ms"] = _time_copies(sk, ctx, FLAGS.decode_steps, runner)
+    row["upload_gbs"] = h2d / 1e9 / (row["copy_ms"] / 1e3) if row["copy_ms"] > 0 and h2d else 0.0
+    hidden = (row["copy_ms"] + row["resident_ms"] - row["streamed_ms"]) / row["copy_ms"] if h2d else 1.0
+    row["hidden_share"] = float(min(max(hidden, 0.0), 1.0))
+    row["floor_ms"] = 1e3 * (decode_weight_bytes / (FLAGS.hbm_gbs * 1e9) + h2d / (FLAGS.h2d_gbs * 1e9))
+    row["mem"] = _mem()
+    rows.append(row)
+    del sk
+  log["rows"] = rows
+  with open(os.path.join(FLAGS.out, "bench_decode.json"), "w") as f:
+    json.dump(log, f, indent=1, default=float)
+  print(json.dumps({k: v for k, v in log.items() if k != "rows"}, default=float))
+  hdr = f"{'context':>8} {'resident ms':>11} {'streamed ms':>11} {'copy ms':>8} {'MiB/fwd':>8} {'GB/s':>6} " \
+        f"{'hidden':>6} {'floor ms':>8} {'r/layer':>7} {'ring':>5}"
+  print(hdr)
+  for r in rows:
+    print(f"{r['context']:>8} {r['resident_ms']:>11.2f} {r['streamed_ms']:>11.2f} {r['copy_ms']:>8.2f} "
+          f"{r['streamed_mib_per_forward']:>8.1f} {r['upload_gbs']:>6.1f} {r['hidden_share']:>6.2f} "
+          f"{r['floor_ms']:>8.2f} {r['resident_pages_per_layer']:>7} {r['ring_slots']:>5}")
+
+
+def nnx_state(module):
+  from flax import nnx
+  return nnx.state(module)
+
+
+def _time_decode(runner, kv, ctx, steps, cfg):
+  import jax.numpy as jnp
+  import numpy as np
+  from kvjax import generate
+  seq = generate.SequenceState(runner, kv)
+  seq.pos = ctx
+  tok = 1
+  tok = int(jnp.argmax(seq.forward([tok])))  # warm-up (compiles, uploads resident pages)
+  tok = int(jnp.argmax(seq.forward([tok])))
+  times = []
+  for _ in range(steps):
+    t = time.perf_counter()
+    tok = int(jnp.argmax(seq.forward([tok])))
+    times.append(time.perf_counter() - t)
+  return 1e3 * float(np.median(times))
+
+
+def _time_copies(kv, ctx, steps, runner):
+  """The streamed uploads of one decode forward, without compute (and without publishing rows)."""
+  import jax
+  import numpy as np
+  layers = tuple(a for a in runner.attn_index if a is not None)
+  pos = int(kv.histories["target"].tokens[0])
+  times = []
+  for _ in range(max(steps // 2, 2)):
+    t = time.perf_counter()
+    kv.begin_forward(pos, 1, layers)
+    for a in layers:
+      pool, _ = kv.layer_kv(a)
+      kv.pool_pn = pool
+    jax.block_until_ready(kv.pool_pn)
+    times.append(time.perf_counter() - t)
+  return 1e3 * float(np.median(times[1:]))
+
+
+if __name__ == "__main__":
+  app.run(main)
