@@ -110,6 +110,7 @@ def main(argv):
     times.append(time.perf_counter() - t)
   log["plain_short_ms"] = 1e3 * float(np.median(times))
   log["mem_plain_short"] = _mem()
+  print(json.dumps(log, default=float), flush=True)
 
   # --- the decode workspace, from the compiled group step's own memory analysis ---------------
   gd, gs = runner.groups[0]
@@ -132,6 +133,7 @@ def main(argv):
     synthetic.fill_plain(pk, ctx)
     row["resident_ms"] = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg)
     del pk
+    print(json.dumps(row, default=float), flush=True)
     # streamed within the arena (target layers only: the MTP layer is not used by plain decode)
     n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
     split = fixed_split(pool_pages, n_layers, max_tokens, layout, FLAGS.copy_pages)
@@ -151,6 +153,7 @@ def main(argv):
     row["hidden_share"] = float(min(max(hidden, 0.0), 1.0))
     row["floor_ms"] = 1e3 * (decode_weight_bytes / (FLAGS.hbm_gbs * 1e9) + h2d / (FLAGS.h2d_gbs * 1e9))
     row["mem"] = _mem()
+    print(json.dumps(row, default=float), flush=True)
     rows.append(row)
     del sk
   log["rows"] = rows

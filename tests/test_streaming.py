@@ -198,3 +198,20 @@ def test_v_plane_overflow_reported_separately():
   make_plan(LAYOUT, buf, (_span(0, 16, 0), _span(16, 3, 1)), 19, 1)
   with pytest.raises(SpanPlanError, match="V rows end at byte"):
     make_plan(LAYOUT, buf, (_span(0, 16, 0), _span(16, 4, 1)), 20, 1)
+
+
+def test_pinned_chunks_stream_identically():
+  """Sealed copy units go through pinned_host memory (as on the GPU); results are unchanged."""
+  cfg = config.tiny()
+  model = engine.build_model(cfg, weights.random_tensors(cfg, 1).items())
+  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", page_tokens=16)
+  runner = engine.Runner(model, layout)
+  prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 150))
+  max_tokens = 150 + 40
+  plain = generate.generate(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 40, ubatch=64)
+  stream = fixed_split(pool_pages=16, n_layers=3, max_tokens=max_tokens, layout=layout, copy_pages=2)
+  kv = StreamedKV(cfg, layout, max_tokens, stream, pinned=True)
+  streamed = generate.generate(runner, kv, prompt, 40, ubatch=64)
+  assert streamed.tokens == plain.tokens
+  chunks = kv.histories["target"]._pinned_chunks
+  assert chunks and all(c.sharding.memory_kind == "pinned_host" for c in chunks.values())

@@ -57,6 +57,13 @@ def _place_pages(pool_pn, pages_pn, first_slot):
   return jax.lax.dynamic_update_slice(pool_pn, pages_pn.astype(pool_pn.dtype), (first_slot, 0))
 
 
+def _to_device(src):
+  """Host pages (numpy, or a pinned_host jax array) -> a device array (async copy)."""
+  if isinstance(src, jax.Array):
+    return jax.device_put(src, src.sharding.with_memory_kind("device"))
+  return jax.device_put(src, jax.devices()[0])
+
+
 def _pow2_pieces(n: int, limit: int) -> List[int]:
   """Split n into power-of-two pieces <= limit (bounded set of compiled shapes)."""
   out = []
@@ -204,7 +211,7 @@ class StreamedKV:
       else:
         n = _pow2_pieces(min(run, c - page % c), c)[0]
       src = hist.source(l, page, n)
-      staged.append((self.ring_base + slot, jax.device_put(src, jax.devices()[0])))
+      staged.append((self.ring_base + slot, _to_device(src)))
       self.counters["h2d_bytes"] += n * self.layout.page_bytes
       self.counters["h2d_calls"] += 1
       page += n
@@ -238,7 +245,7 @@ class StreamedKV:
     while page < need:
       n = _pow2_pieces(need - page, hist.copy_pages)[0]
       src = hist.source(l, page, n) if page % hist.copy_pages == 0 else hist.pages_lpn[l, page:page + n]
-      dev = jax.device_put(src, jax.devices()[0])
+      dev = _to_device(src)
       pool = _place_pages(pool, dev, jnp.int32(self.resident_base[a] + page))
       self.counters["h2d_bytes"] += n * self.layout.page_bytes
       self.counters["h2d_calls"] += 1

@@ -125,6 +125,8 @@ def span_attention_partial_reference(q_shd, pool_pn, page_table_t, kv_len, q_pos
     key_pos_t = first * pt + jnp.arange(block_pages * pt)
     # pages past tile_end (inside the last block) are masked like future keys
     key_pos_t = jnp.where(key_pos_t < tile_end * pt, key_pos_t, jnp.iinfo(jnp.int32).max)
+    # masked rows may hold junk bytes (NaN/inf after decoding): p = 0 there, but 0 * NaN = NaN
+    v_tgd = jnp.where((key_pos_t < kv_len)[:, None, None], v_tgd, 0.0)
     return _block_step(c, qf_gmd, k_tgd, v_tgd, key_pos_t, kv_len, q_pos_m, scale)
 
   return lax.fori_loop(0, jnp.maximum(n_blocks, 0), body, carry)

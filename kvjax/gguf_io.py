@@ -1,0 +1,528 @@
+"""GGUF reader (metadata -> `ModelConfig`, tensors one at a time) and writer.
+
+Reading parses the GGUF header itself (so every refusal can name the file and
+the tensor) and memory-maps the file; `load_tensor` / `iter_tensors`
+dequantize one tensor at a time, so a 27B file is never held as more than one
+float32 tensor. Writing uses `gguf.GGUFWriter` in llama.cpp's `qwen35`
+conventions.
+
+    model = read_gguf("model.gguf")       # validates everything at open time
+    cfg = model.config                     # kvjax.config.ModelConfig
+    for name, w in model.iter_tensors():   # numpy [out, in] (GGUF order reversed)
+      ...
+    write_gguf(path, cfg, tensors, tokenizer_spec, weight_type="q8_0")
+
+Every refusal raises `GGUFError` (a `ValueError`) with a one-line message
+naming the file, the tensor or key, and what was expected vs found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import struct
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFValueType as VT
+
+from kvjax import config as config_lib
+from kvjax.config import ARCH, ModelConfig
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+WEIGHT_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
+
+
+class GGUFError(ValueError):
+  """A GGUF file kvjax cannot use (one-line message: file, what, expected vs found)."""
+
+  def __init__(self, path, what: str):
+    msg = f"{os.fspath(path)}: {what}".replace("\n", " ")
+    super().__init__(msg)
+
+
+# ---- low-level header parsing ----------------------------------------------
+
+_SCALAR = {
+    VT.UINT8: "<B", VT.INT8: "<b", VT.UINT16: "<H", VT.INT16: "<h",
+    VT.UINT32: "<I", VT.INT32: "<i", VT.FLOAT32: "<f", VT.BOOL: "<?",
+    VT.UINT64: "<Q", VT.INT64: "<q", VT.FLOAT64: "<d",
+}
+_NP_SCALAR = {
+    VT.UINT8: "<u1", VT.INT8: "<i1", VT.UINT16: "<u2", VT.INT16: "<i2",
+    VT.UINT32: "<u4", VT.INT32: "<i4", VT.FLOAT32: "<f4", VT.BOOL: "?",
+    VT.UINT64: "<u8", VT.INT64: "<i8", VT.FLOAT64: "<f8",
+}
+
+
+class _Truncated(Exception):
+  pass
+
+
+class _Cursor:
+  """Little-endian reads from a bytes-like buffer; `_Truncated` past the end."""
+
+  def __init__(self, buf):
+    self.buf, self.pos = buf, 0
+
+  def take(self, n: int):
+    if n < 0 or self.pos + n > len(self.buf):
+      raise _Truncated(f"need {n} bytes at offset {self.pos}, file has {len(self.buf)}")
+    out = self.buf[self.pos:self.pos + n]
+    self.pos += n
+    return out
+
+  def scalar(self, vtype):
+    fmt = _SCALAR[vtype]
+    return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+  def string(self) -> str:
+    n = self.scalar(VT.UINT64)
+    return bytes(self.take(n)).decode("utf-8", errors="surrogateescape")
+
+  def value(self, vtype):
+    if vtype == VT.STRING:
+      return self.string()
+    if vtype == VT.ARRAY:
+      sub = VT(self.scalar(VT.UINT32))
+      count = self.scalar(VT.UINT64)
+      if sub == VT.STRING:
+        return [self.string() for _ in range(count)]
+      if sub == VT.ARRAY:
+        return [self.value(VT.ARRAY) for _ in range(count)]
+      dt = np.dtype(_NP_SCALAR[sub])
+      arr = np.frombuffer(self.take(count * dt.itemsize), dtype=dt)
+      return arr.tolist()
+    return self.scalar(vtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+  """One tensor of a GGUF file: ggml type, numpy shape ([out, in]), byte range."""
+
+  name: str
+  ggml_type: QT
+  shape: Tuple[int, ...]
+  offset: int          # absolute byte offset in the file
+  nbytes: int
+
+  @property
+  def type_name(self) -> str:
+    return self.ggml_type.name
+
+
+def _supported_types():
+  traits = getattr(gguf.quants, "_type_traits", {})
+  return {QT.F32, QT.F16, QT.BF16} | {t for t in traits if t not in (QT.F64,)}
+
+
+SUPPORTED_TYPES = frozenset(_supported_types())
+
+
+# ---- metadata -> config -------------------------------------------------------
+
+def _k(name: str) -> str:
+  return f"{ARCH}.{name}"
+
+
+def _uniform(path, key, v):
+  """Scalar, or a per-layer array whose nonzero entries agree -> that scalar."""
+  if isinstance(v, list):
+    vals = sorted({int(x) for x in v if int(x) != 0})
+    if len(vals) != 1:
+      raise GGUFError(path, f"metadata {key}: expected one value for all layers, found {vals}")
+    return vals[0]
+  return v
+
+
+def _f32_decimal(v) -> float:
+  """A float32 metadata value -> the shortest decimal that rounds to it
+  (1e-6 stored as float32 reads back as 1e-06, not 9.99999997e-07)."""
+  return float(str(np.float32(v)))
+
+
+def config_from_metadata(path, md: Mapping[str, Any], tensor_shapes: Mapping[str, Tuple[int, ...]]) -> ModelConfig:
+  """Build (and check) the `ModelConfig` of a `qwen35` GGUF."""
+  arch = md.get("general.architecture")
+  if arch != ARCH:
+    raise GGUFError(path, f"general.architecture: expected {ARCH!r}, found {arch!r}")
+
+  def req(name):
+    key = _k(name)
+    if key not in md:
+      raise GGUFError(path, f"missing metadata key {key}")
+    return md[key]
+
+  def opt(name, default):
+    return md.get(_k(name), default)
+
+  nextn = int(opt("nextn_predict_layers", 0))
+  if nextn > 1:
+    raise GGUFError(path, f"multi-layer MTP is not supported: {_k('nextn_predict_layers')} "
+                    f"expected 0 or 1, found {nextn}")
+  block_count = int(req("block_count"))
+  num_layers = block_count - nextn
+  hq = int(_uniform(path, _k("attention.head_count"), req("attention.head_count")))
+  hkv = int(_uniform(path, _k("attention.head_count_kv"), req("attention.head_count_kv")))
+  kl, vl = int(req("attention.key_length")), int(req("attention.value_length"))
+  conv, state = int(req("ssm.conv_kernel")), int(req("ssm.state_size"))
+  groups, rank = int(req("ssm.group_count")), int(req("ssm.time_step_rank"))
+  inner = int(req("ssm.inner_size"))
+  if hkv <= 0 or hq % hkv:
+    raise GGUFError(path, f"inconsistent heads: {_k('attention.head_count')}={hq} is not a "
+                    f"multiple of {_k('attention.head_count_kv')}={hkv}")
+  if kl != vl:
+    raise GGUFError(path, f"inconsistent heads: {_k('attention.key_length')}={kl} must equal "
+                    f"{_k('attention.value_length')}={vl}")
+  if inner != rank * state:
+    raise GGUFError(path, f"inconsistent heads: {_k('ssm.inner_size')} expected "
+                    f"time_step_rank*state_size = {rank}*{state} = {rank * state}, found {inner}")
+  if groups <= 0 or rank % groups:
+    raise GGUFError(path, f"inconsistent heads: {_k('ssm.time_step_rank')}={rank} is not a "
+                    f"multiple of {_k('ssm.group_count')}={groups}")
+  if num_layers < 1:
+    raise GGUFError(path, f"{_k('block_count')}={block_count} leaves no target layers "
+                    f"(nextn_predict_layers={nextn})")
+
+  interval = opt("full_attention_interval", None)
+  rec_key = _k("attention.recurrent_layers")
+  rec = md.get(rec_key)
+  if interval is None and rec is None:
+    raise GGUFError(path, f"missing metadata key {_k('full_attention_interval')} "
+                    f"(or {rec_key})")
+  if rec is not None:
+    rec = [bool(x) for x in rec]
+    if len(rec) < num_layers:
+      raise GGUFError(path, f"{rec_key}: expected >= {num_layers} entries, found {len(rec)}")
+    if interval is None:
+      if all(rec[:num_layers]):
+        raise GGUFError(path, f"{rec_key}: no full-attention layer among {num_layers}")
+      interval = rec.index(False) + 1
+    want = [(i + 1) % int(interval) != 0 for i in range(num_layers)]
+    if rec[:num_layers] != want:
+      bad = next(i for i in range(num_layers) if rec[i] != want[i])
+      raise GGUFError(path, f"{rec_key}: layer {bad} expected recurrent={want[bad]} for "
+                      f"full_attention_interval {interval}, found {rec[bad]}")
+  sections = tuple(int(s) for s in opt("rope.dimension_sections", (11, 11, 10, 0)))
+
+  if "token_embd.weight" not in tensor_shapes:
+    raise GGUFError(path, "missing tensor token_embd.weight")
+  vocab = int(tensor_shapes["token_embd.weight"][0])
+  tokens = md.get("tokenizer.ggml.tokens")
+  if tokens is not None and len(tokens) > vocab:
+    raise GGUFError(path, f"tokenizer.ggml.tokens: expected <= {vocab} tokens (token_embd rows), "
+                    f"found {len(tokens)}")
+  try:
+    return ModelConfig(
+        vocab_size=vocab,
+        hidden_size=int(req("embedding_length")),
+        intermediate_size=int(req("feed_forward_length")),
+        num_layers=num_layers,
+        num_attention_heads=hq, num_kv_heads=hkv, head_dim=kl,
+        rope_dim=int(req("rope.dimension_count")),
+        rope_theta=_f32_decimal(req("rope.freq_base")),
+        linear_num_key_heads=groups, linear_num_value_heads=rank,
+        linear_head_dim=state, conv_kernel=conv,
+        full_attention_interval=int(interval),
+        rms_eps=_f32_decimal(req("attention.layer_norm_rms_epsilon")),
+        context_length=int(opt("context_length", 262144)),
+        mtp_layers=nextn,
+        tie_embeddings="output.weight" not in tensor_shapes,
+        rope_sections=sections)
+  except ValueError as e:
+    raise GGUFError(path, str(e)) from None
+
+
+# ---- the model file --------------------------------------------------------------
+
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+class GGUFModel:
+  """An opened, validated `qwen35` GGUF file (memory-mapped)."""
+
+  def __init__(self, path):
+    self.path = os.fspath(path)
+    try:
+      self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as e:
+      raise GGUFError(self.path, f"cannot open: {e}") from None
+    try:
+      self._parse()
+    except _Truncated as e:
+      raise GGUFError(self.path, f"truncated file: {e}") from None
+    self._validate()
+
+  # -- parsing --
+  def _parse(self):
+    path, mm = self.path, self._mm
+    cur = _Cursor(memoryview(mm))
+    magic = bytes(cur.take(4)) if len(mm) >= 4 else bytes(mm)
+    if magic != GGUF_MAGIC:
+      raise GGUFError(path, f"not a GGUF file: magic expected {GGUF_MAGIC!r}, found {magic!r}")
+    version = cur.scalar(VT.UINT32)
+    if version not in (2, 3):
+      raise GGUFError(path, f"GGUF version expected 2 or 3, found {version}")
+    n_tensors, n_kv = cur.scalar(VT.UINT64), cur.scalar(VT.UINT64)
+    if n_tensors > len(mm) or n_kv > len(mm):
+      raise _Truncated(f"header claims {n_tensors} tensors / {n_kv} keys")
+    md: Dict[str, Any] = {}
+    for _ in range(n_kv):
+      key = cur.string()
+      raw = cur.scalar(VT.UINT32)
+      try:
+        vtype = VT(raw)
+      except ValueError:
+        raise GGUFError(path, f"metadata {key}: unknown value type {raw}") from None
+      md[key] = cur.value(vtype)
+    raw_infos = []
+    for _ in range(n_tensors):
+      name = cur.string()
+      n_dims = cur.scalar(VT.UINT32)
+      if n_dims > 8:
+        raise GGUFError(path, f"tensor {name}: expected <= 8 dims, found {n_dims}")
+      dims = [cur.scalar(VT.UINT64) for _ in range(n_dims)]
+      raw_type = cur.scalar(VT.UINT32)
+      offset = cur.scalar(VT.UINT64)
+      raw_infos.append((name, tuple(int(d) for d in reversed(dims)), raw_type, offset))
+    align = int(md.get("general.alignment", DEFAULT_ALIGNMENT))
+    data_start = (cur.pos + align - 1) // align * align
+    infos: Dict[str, TensorInfo] = {}
+    for name, shape, raw_type, offset in raw_infos:
+      try:
+        qt = QT(raw_type)
+      except ValueError:
+        raise GGUFError(path, f"tensor {name}: unsupported tensor type: expected one of "
+                        f"{sorted(t.name for t in SUPPORTED_TYPES)}, found unknown type id {raw_type}") from None
+      if qt not in SUPPORTED_TYPES:
+        raise GGUFError(path, f"tensor {name}: unsupported tensor type: expected one of "
+                        f"{sorted(t.name for t in SUPPORTED_TYPES)}, found {qt.name}")
+      block, tsize = gguf.GGML_QUANT_SIZES[qt]
+      n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+      if shape and shape[-1] % block:
+        raise GGUFError(path, f"tensor {name}: {qt.name} rows need a multiple of {block} values, "
+                        f"found shape {shape}")
+      nbytes = n // block * tsize
+      start = data_start + offset
+      if start + nbytes > len(mm):
+        raise _Truncated(f"tensor {name} needs bytes [{start}, {start + nbytes}), "
+                         f"file has {len(mm)}")
+      if name in infos:
+        raise GGUFError(path, f"tensor {name}: duplicated")
+      infos[name] = TensorInfo(name, qt, shape, start, nbytes)
+    self.metadata: Dict[str, Any] = md
+    self._infos = infos
+
+  def _validate(self):
+    path = self.path
+    shapes = {n: i.shape for n, i in self._infos.items()}
+    cfg = config_from_metadata(path, self.metadata, shapes)
+    block_count = cfg.num_layers + cfg.mtp_layers
+    mtp_blocks = sorted({int(m.group(1)) for n in shapes if (m := _BLK.match(n))
+                         and m.group(2).startswith("nextn.")})
+    if len(mtp_blocks) > 1:
+      raise GGUFError(path, f"multi-layer MTP is not supported: expected at most one MTP block, "
+                      f"found nextn tensors in blocks {mtp_blocks}")
+    for name in shapes:
+      m = _BLK.match(name)
+      if m and int(m.group(1)) >= block_count:
+        raise GGUFError(path, f"tensor {name}: block {m.group(1)} beyond block_count {block_count}"
+                        + (" (multi-layer MTP is not supported)" if name.split(".")[2] == "nextn" else ""))
+    expected = config_lib.gguf_tensor_shapes(cfg, include_optional=True)
+    required = config_lib.required_tensor_names(cfg)
+    for name in sorted(required, key=_tensor_order):
+      if name not in shapes:
+        raise GGUFError(path, f"missing tensor {name}: expected shape {expected[name]}")
+    for name, shape in shapes.items():
+      if name in expected and tuple(shape) != tuple(expected[name]):
+        raise GGUFError(path, f"tensor {name}: wrong shape: expected {tuple(expected[name])}, "
+                        f"found {tuple(shape)}")
+    self.config: ModelConfig = cfg
+    self.tokenizer_spec: Dict[str, Any] = {
+        k[len("tokenizer.ggml."):]: v for k, v in self.metadata.items()
+        if k.startswith("tokenizer.ggml.")}
+
+  # -- tensors --
+  def tensor_names(self) -> list:
+    return list(self._infos)
+
+  def tensor_info(self, name: str) -> TensorInfo:
+    try:
+      return self._infos[name]
+    except KeyError:
+      raise GGUFError(self.path, f"no tensor named {name}") from None
+
+  def raw_bytes(self, name: str) -> np.ndarray:
+    """The stored bytes of `name` (a read-only view into the memory map)."""
+    info = self.tensor_info(name)
+    return self._mm[info.offset:info.offset + info.nbytes]
+
+  def load_tensor(self, name: str, dtype=np.float32) -> np.ndarray:
+    """Dequantize `name` -> numpy array of GGUF shape ([out, in]) and `dtype`."""
+    info = self.tensor_info(name)
+    raw = self.raw_bytes(name)
+    shape = info.shape or (1,)
+    if info.ggml_type == QT.F32:
+      out = raw.view("<f4").reshape(shape)
+    elif info.ggml_type == QT.F16:
+      out = raw.view("<f2").reshape(shape)
+    elif info.ggml_type == QT.BF16:
+      out = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    else:
+      block, tsize = gguf.GGML_QUANT_SIZES[info.ggml_type]
+      rows = raw.reshape(-1, shape[-1] // block * tsize)
+      out = gguf.quants.dequantize(np.asarray(rows), info.ggml_type).reshape(shape)
+    return np.array(out, dtype=dtype, copy=True).reshape(info.shape)
+
+  def iter_tensors(self, dtype=np.float32, names: Optional[Sequence[str]] = None
+                   ) -> Iterator[Tuple[str, np.ndarray]]:
+    """Yield `(name, array)` one tensor at a time (file order unless `names`)."""
+    for name in (names if names is not None else self.tensor_names()):
+      yield name, self.load_tensor(name, dtype)
+
+  def close(self):
+    mm = getattr(self, "_mm", None)
+    if mm is not None and getattr(mm, "_mmap", None) is not None:
+      mm._mmap.close()
+    self._mm = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def __repr__(self):
+    return f"GGUFModel({self.path!r}, {len(self._infos)} tensors, {self.config})"
+
+
+def read_gguf(path) -> GGUFModel:
+  """Open and validate a `qwen35` GGUF file (raises `GGUFError`)."""
+  return GGUFModel(path)
+
+
+# ---- writer -------------------------------------------------------------------------
+
+def _tensor_order(name: str):
+  m = _BLK.match(name)
+  if name == "token_embd.weight":
+    return (0, 0, name)
+  if m:
+    return (1, int(m.group(1)), m.group(2))
+  return (2, 0, name)
+
+
+def _stored_type(name: str, ndim: int, weight_type: str) -> QT:
+  """llama.cpp's choice: matrices in `weight_type`, 1-D tensors and ssm_conv1d in F32."""
+  if ndim < 2 or name.endswith("ssm_conv1d.weight"):
+    return QT.F32
+  return WEIGHT_TYPES[weight_type]
+
+
+def _encode_tensor(arr: np.ndarray, qt: QT) -> np.ndarray:
+  arr = np.ascontiguousarray(arr, dtype=np.float32)
+  if qt == QT.F32:
+    return arr
+  if qt == QT.F16:
+    return arr.astype(np.float16)
+  return gguf.quants.quantize(arr, qt)  # BF16 / Q8_0 as uint8 bytes, ggml-exact
+
+
+DEFAULT_TOKEN_KEYS = ("model", "pre", "tokens", "token_type", "merges",
+                      "bos_token_id", "eos_token_id", "padding_token_id")
+
+
+def write_gguf(path, config: ModelConfig, tensors: Mapping[str, np.ndarray],
+               tokenizer_spec: Optional[Mapping[str, Any]] = None,
+               weight_type: str = "f32", name: str = "kvjax") -> str:
+  """Write a `qwen35` GGUF in llama.cpp conventions; returns `path`.
+
+  `tensors` maps GGUF names to numpy arrays of GGUF shape ([out, in]); every
+  tensor of `config.gguf_tensor_shapes(config)` that is not optional must be
+  present. Matrices are stored as `weight_type` ("f32", "f16", "bf16",
+  "q8_0"); 1-D tensors and `ssm_conv1d` stay F32.
+  """
+  path = os.fspath(path)
+  if weight_type not in WEIGHT_TYPES:
+    raise GGUFError(path, f"weight_type expected one of {sorted(WEIGHT_TYPES)}, found {weight_type!r}")
+  expected = config_lib.gguf_tensor_shapes(config, include_optional=True)
+  for t in sorted(config_lib.required_tensor_names(config), key=_tensor_order):
+    if t not in tensors:
+      raise GGUFError(path, f"missing tensor {t}: expected shape {expected[t]}")
+  for t, a in tensors.items():
+    if t not in expected:
+      raise GGUFError(path, f"tensor {t}: not part of a {ARCH} model with this config")
+    if tuple(np.shape(a)) != tuple(expected[t]):
+      raise GGUFError(path, f"tensor {t}: wrong shape: expected {tuple(expected[t])}, "
+                      f"found {tuple(np.shape(a))}")
+
+  w = gguf.GGUFWriter(path, ARCH)
+  w.add_name(name)
+  w.add_uint32(_k("block_count"), config.num_layers + config.mtp_layers)
+  w.add_uint32(_k("context_length"), config.context_length)
+  w.add_uint32(_k("embedding_length"), config.hidden_size)
+  w.add_uint32(_k("feed_forward_length"), config.intermediate_size)
+  w.add_uint32(_k("attention.head_count"), config.num_attention_heads)
+  w.add_uint32(_k("attention.head_count_kv"), config.num_kv_heads)
+  w.add_uint32(_k("attention.key_length"), config.head_dim)
+  w.add_uint32(_k("attention.value_length"), config.head_dim)
+  w.add_float32(_k("attention.layer_norm_rms_epsilon"), config.rms_eps)
+  w.add_uint32(_k("rope.dimension_count"), config.rope_dim)
+  w.add_float32(_k("rope.freq_base"), config.rope_theta)
+  w.add_array(_k("rope.dimension_sections"), [int(s) for s in config.rope_sections])
+  w.add_uint32(_k("ssm.conv_kernel"), config.conv_kernel)
+  w.add_uint32(_k("ssm.state_size"), config.linear_head_dim)
+  w.add_uint32(_k("ssm.group_count"), config.linear_num_key_heads)
+  w.add_uint32(_k("ssm.time_step_rank"), config.linear_num_value_heads)
+  w.add_uint32(_k("ssm.inner_size"), config.linear_value_dim)
+  w.add_uint32(_k("full_attention_interval"), config.full_attention_interval)
+  w.add_uint32(_k("nextn_predict_layers"), config.mtp_layers)
+  w.add_uint32("general.file_type", {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}[weight_type])
+
+  spec = dict(tokenizer_spec or {})
+  w.add_tokenizer_model(str(spec.get("model", "gpt2")))
+  w.add_tokenizer_pre(str(spec.get("pre", "qwen2")))
+  if spec.get("tokens") is not None:
+    w.add_token_list(list(spec["tokens"]))
+  if spec.get("token_type") is not None:
+    w.add_token_types([int(t) for t in spec["token_type"]])
+  if spec.get("merges") is not None:
+    w.add_token_merges(list(spec["merges"]))
+  for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
+    if spec.get(key) is not None:
+      w.add_uint32(f"tokenizer.ggml.{key}", int(spec[key]))
+  for key, val in spec.items():  # anything else (e.g. add_bos_token) passes through
+    if key in DEFAULT_TOKEN_KEYS or val is None:
+      continue
+    full = f"tokenizer.ggml.{key}"
+    if isinstance(val, bool):
+      w.add_bool(full, val)
+    elif isinstance(val, int):
+      w.add_uint32(full, val)
+    elif isinstance(val, float):
+      w.add_float32(full, val)
+    elif isinstance(val, str):
+      w.add_string(full, val)
+    else:
+      w.add_array(full, list(val))
+
+  for t in sorted(tensors, key=_tensor_order):
+    arr = np.asarray(tensors[t])
+    qt = _stored_type(t, arr.ndim, weight_type)
+    if qt != QT.F32 and arr.shape[-1] % gguf.GGML_QUANT_SIZES[qt][0]:
+      raise GGUFError(path, f"tensor {t}: {qt.name} needs rows of a multiple of "
+                      f"{gguf.GGML_QUANT_SIZES[qt][0]}, found shape {arr.shape}")
+    data = _encode_tensor(arr, qt)
+    w.add_tensor(t, data, raw_dtype=qt if data.dtype == np.uint8 else None)
+  try:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+  finally:
+    w.close()
+  return path

@@ -1,0 +1,54 @@
+"""The tiny built-in model: config, deterministic weights, its own GGUF, and the
+CLI's `--model PATH|tiny` resolver."""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Iterator, Tuple
+
+import numpy as np
+
+from kvjax import config as config_lib
+from kvjax import gguf_io, tokenizer as tok_lib
+from kvjax import weights as weights_lib
+from kvjax.config import ModelConfig
+
+
+def tiny_config(**overrides) -> ModelConfig:
+  """`kvjax.config.tiny()` (vocab = the tiny tokenizer's 384 tokens)."""
+  return config_lib.tiny(**overrides)
+
+
+def tiny_tensors(seed: int = 0) -> Dict[str, np.ndarray]:
+  """Deterministic random float32 weights in GGUF naming and shapes."""
+  return weights_lib.random_tensors(config_lib.tiny(), seed)
+
+
+def write_tiny_gguf(path, seed: int = 0, weight_type: str = "f32") -> str:
+  """Write the tiny model (weights of `seed`, its own tokenizer) as a `qwen35` GGUF."""
+  return gguf_io.write_gguf(path, tiny_config(), tiny_tensors(seed),
+                            tok_lib.tiny_tokenizer_spec(), weight_type=weight_type,
+                            name=f"kvjax-tiny-seed{seed}")
+
+
+def load_model_source(spec: str, seed: int = 0, dtype=np.float32
+                      ) -> Tuple[ModelConfig, Iterator[Tuple[str, np.ndarray]], tok_lib.Tokenizer]:
+  """Resolve the CLI's `--model PATH|tiny` -> `(config, tensor iterator, tokenizer)`.
+
+  "tiny" (or "tiny:SEED") is the built-in model; anything else is a GGUF
+  path, opened and validated (`GGUFError` on a bad file) and read one tensor
+  at a time by the iterator.
+  """
+  if spec == "tiny" or spec.startswith("tiny:"):
+    if spec.startswith("tiny:"):
+      try:
+        seed = int(spec[5:])
+      except ValueError:
+        raise ValueError(f"--model {spec!r}: expected 'tiny' or 'tiny:SEED' with an integer seed") from None
+    cfg = tiny_config()
+    it = weights_lib.iter_random_tensors(cfg, seed, dtype=dtype)
+    return cfg, it, tok_lib.tiny_tokenizer()
+  if not os.path.exists(spec):
+    raise FileNotFoundError(f"--model {spec!r}: no such file (expected a .gguf path or 'tiny')")
+  model = gguf_io.read_gguf(spec)
+  return model.config, model.iter_tensors(dtype), tok_lib.from_spec(model.tokenizer_spec)

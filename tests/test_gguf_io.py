@@ -1,0 +1,285 @@
+"""kvjax.gguf_io: round trips, metadata -> config, and every refusal."""
+
+import gguf
+import numpy as np
+import pytest
+
+from kvjax import config, gguf_io, quant, tiny, tokenizer
+from kvjax.gguf_io import GGUFError
+
+import jax.numpy as jnp
+
+ARCH = "qwen35"
+
+
+@pytest.fixture(scope="module")
+def cfg():
+  return config.tiny()
+
+
+@pytest.fixture(scope="module")
+def tensors(cfg):
+  return tiny.tiny_tensors(seed=1)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+  return tiny.write_tiny_gguf(tmp_path_factory.mktemp("g") / "tiny.gguf", seed=1)
+
+
+def base_meta(cfg):
+  """qwen35 metadata, written independently of gguf_io.write_gguf."""
+  return {
+      "block_count": cfg.num_layers + cfg.mtp_layers, "context_length": cfg.context_length,
+      "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+      "attention.head_count": cfg.num_attention_heads,
+      "attention.head_count_kv": cfg.num_kv_heads,
+      "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
+      "attention.layer_norm_rms_epsilon": float(cfg.rms_eps),
+      "rope.dimension_count": cfg.rope_dim, "rope.freq_base": float(cfg.rope_theta),
+      "rope.dimension_sections": list(cfg.rope_sections),
+      "ssm.conv_kernel": cfg.conv_kernel, "ssm.state_size": cfg.linear_head_dim,
+      "ssm.group_count": cfg.linear_num_key_heads,
+      "ssm.time_step_rank": cfg.linear_num_value_heads,
+      "ssm.inner_size": cfg.linear_value_dim,
+      "full_attention_interval": cfg.full_attention_interval,
+      "nextn_predict_layers": cfg.mtp_layers,
+  }
+
+
+def build(path, cfg, tensors, arch=ARCH, meta=None):
+  """Write a GGUF straight through gguf.GGUFWriter (meta overrides; None drops a key)."""
+  md = base_meta(cfg)
+  md.update(meta or {})
+  w = gguf.GGUFWriter(str(path), arch)
+  for k, v in md.items():
+    if v is None:
+      continue
+    key = f"{arch}.{k}"
+    if isinstance(v, list):
+      w.add_array(key, v)
+    elif isinstance(v, float):
+      w.add_float32(key, v)
+    else:
+      w.add_uint32(key, v)
+  for name, a in tensors.items():
+    w.add_tensor(name, np.ascontiguousarray(a, np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return str(path)
+
+
+def refuse(path, *needles):
+  with pytest.raises(GGUFError) as ei:
+    gguf_io.read_gguf(path)
+  msg = str(ei.value)
+  assert "\n" not in msg, msg
+  assert str(path) in msg, msg
+  for n in needles:
+    assert n in msg, f"{n!r} not in {msg!r}"
+  return msg
+
+
+# ---- good files ---------------------------------------------------------------
+
+def test_metadata_to_config(good, cfg):
+  m = gguf_io.read_gguf(good)
+  assert m.config == cfg
+  md = m.metadata
+  assert md["general.architecture"] == ARCH
+  assert md[f"{ARCH}.block_count"] == cfg.num_layers + 1 == 9
+  assert md[f"{ARCH}.nextn_predict_layers"] == 1
+  assert md[f"{ARCH}.ssm.inner_size"] == cfg.linear_num_value_heads * cfg.linear_head_dim
+  assert md["tokenizer.ggml.model"] == "gpt2" and md["tokenizer.ggml.pre"] == "qwen2"
+  spec = m.tokenizer_spec
+  assert len(spec["tokens"]) == config.TINY_VOCAB == cfg.vocab_size
+  assert spec["tokens"][spec["eos_token_id"]] == "<|endoftext|>"
+  for k, v in tokenizer.tiny_tokenizer_spec().items():
+    assert spec[k] == v, k
+  assert tokenizer.from_spec(spec).encode("the cache") == tokenizer.tiny_tokenizer().encode("the cache")
+  assert set(m.tensor_names()) == set(config.gguf_tensor_shapes(cfg))
+  for name, shape in config.gguf_tensor_shapes(cfg).items():
+    assert m.tensor_info(name).shape == shape
+
+
+def test_f32_round_trip_exact(good, tensors):
+  m = gguf_io.read_gguf(good)
+  it = m.iter_tensors()
+  assert iter(it) is it  # a generator: one tensor at a time
+  seen = 0
+  for name, a in it:
+    assert a.dtype == np.float32 and a.flags.writeable
+    np.testing.assert_array_equal(a, tensors[name])
+    seen += 1
+  assert seen == len(tensors)
+  assert m.load_tensor("output_norm.weight", np.float64).dtype == np.float64
+
+
+@pytest.mark.parametrize("wt,qt,tol", [("q8_0", "Q8_0", 0.02), ("f16", "F16", 1e-3), ("bf16", "BF16", 8e-3)])
+def test_quantized_round_trip_idempotent(tmp_path, cfg, tensors, wt, qt, tol):
+  spec = tokenizer.tiny_tokenizer_spec()
+  p1 = gguf_io.write_gguf(tmp_path / "a.gguf", cfg, tensors, spec, weight_type=wt)
+  m1 = gguf_io.read_gguf(p1)
+  assert m1.config == cfg
+  back = dict(m1.iter_tensors())
+  for name, a in back.items():
+    info = m1.tensor_info(name)
+    want_t = qt if (a.ndim == 2 and "ssm_conv1d" not in name) else "F32"
+    assert info.type_name == want_t, name
+    scale = np.abs(tensors[name]).max()
+    assert np.abs(a - tensors[name]).max() <= tol * scale, name
+  # Quantizing the dequantized weights again gives the same bytes.
+  p2 = gguf_io.write_gguf(tmp_path / "b.gguf", cfg, back, spec, weight_type=wt)
+  assert open(p1, "rb").read() == open(p2, "rb").read()
+  if wt == "q8_0":  # the file's bytes are the codec's bytes
+    name = "blk.3.attn_q.weight"
+    raw = m1.raw_bytes(name).reshape(tensors[name].shape[0], -1)
+    np.testing.assert_array_equal(raw, np.asarray(quant.encode_jit(jnp.asarray(tensors[name]), kind="q8_0")))
+    np.testing.assert_array_equal(back[name], np.asarray(quant.decode_jit(jnp.asarray(raw), kind="q8_0")))
+
+
+def test_other_reader_agrees(tmp_path, cfg, tensors):
+  p = gguf_io.write_gguf(tmp_path / "q.gguf", cfg, tensors, tokenizer.tiny_tokenizer_spec(),
+                         weight_type="q8_0")
+  r = gguf.GGUFReader(p)
+  assert r.fields["general.architecture"].contents() == ARCH
+  assert r.fields[f"{ARCH}.nextn_predict_layers"].contents() == 1
+  assert len(r.fields["tokenizer.ggml.tokens"].contents()) == config.TINY_VOCAB
+  ours = gguf_io.read_gguf(p)
+  assert len(r.tensors) == len(tensors)
+  for t in r.tensors:
+    want = config.gguf_tensor_shapes(cfg)[t.name]
+    assert tuple(int(d) for d in reversed(t.shape)) == want  # ggml lists dims reversed
+    assert t.tensor_type.name == ours.tensor_info(t.name).type_name
+    assert t.tensor_type.name == ("Q8_0" if len(want) == 2 and "ssm_conv1d" not in t.name else "F32")
+    np.testing.assert_array_equal(
+        gguf.quants.dequantize(t.data, t.tensor_type).reshape(want), ours.load_tensor(t.name))
+
+
+def test_tied_embeddings_and_no_mtp(tmp_path):
+  c = config.tiny(tie_embeddings=True, mtp_layers=0)
+  from kvjax.weights import random_tensors
+  ts = random_tensors(c, seed=2)
+  assert "output.weight" not in ts
+  p = gguf_io.write_gguf(tmp_path / "t.gguf", c, ts, tokenizer.tiny_tokenizer_spec())
+  m = gguf_io.read_gguf(p)
+  assert m.config == c and m.config.tie_embeddings and m.config.mtp_layers == 0
+  assert m.metadata[f"{ARCH}.block_count"] == c.num_layers
+
+
+def test_recurrent_layers_array_accepted(tmp_path, cfg, tensors):
+  pattern = [(i + 1) % 4 != 0 for i in range(cfg.num_layers)] + [False]
+  p = build(tmp_path / "r.gguf", cfg, tensors,
+            meta={"full_attention_interval": None, "attention.recurrent_layers": pattern})
+  assert gguf_io.read_gguf(p).config == cfg
+  bad = list(pattern)
+  bad[5] = False
+  p = build(tmp_path / "r2.gguf", cfg, tensors,
+            meta={"full_attention_interval": None, "attention.recurrent_layers": bad})
+  refuse(p, "attention.recurrent_layers", "layer 5", "expected recurrent=True", "found False")
+
+
+def test_writer_refuses_bad_input(tmp_path, cfg, tensors):
+  ts = dict(tensors)
+  del ts["blk.2.ssm_a"]
+  with pytest.raises(GGUFError, match="missing tensor blk.2.ssm_a"):
+    gguf_io.write_gguf(tmp_path / "x.gguf", cfg, ts, None)
+  ts = dict(tensors, **{"blk.0.ffn_up.weight": np.zeros((3, 3), np.float32)})
+  with pytest.raises(GGUFError, match=r"blk.0.ffn_up.weight: wrong shape: expected \(128, 64\), found \(3, 3\)"):
+    gguf_io.write_gguf(tmp_path / "x.gguf", cfg, ts, None)
+  with pytest.raises(GGUFError, match="weight_type"):
+    gguf_io.write_gguf(tmp_path / "x.gguf", cfg, tensors, None, weight_type="q4_k")
+
+
+# ---- refusals -------------------------------------------------------------------
+
+def test_refuse_bad_magic(tmp_path, good):
+  data = bytearray(open(good, "rb").read())
+  data[0:4] = b"GGML"
+  p = tmp_path / "magic.gguf"
+  p.write_bytes(bytes(data))
+  refuse(p, "not a GGUF file", "expected b'GGUF'", "found b'GGML'")
+  q = tmp_path / "empty.gguf"
+  q.write_bytes(b"GG")
+  refuse(q, "not a GGUF file")
+
+
+@pytest.mark.parametrize("keep", [10, 300, 0.5, -1])
+def test_refuse_truncated(tmp_path, good, keep):
+  data = open(good, "rb").read()
+  n = keep if isinstance(keep, int) and keep > 0 else (len(data) - 1 if keep == -1 else int(len(data) * keep))
+  p = tmp_path / "trunc.gguf"
+  p.write_bytes(data[:n])
+  msg = refuse(p, "truncated file")
+  if keep in (0.5, -1):  # the data section is cut: the message names the tensor and sizes
+    assert "tensor " in msg and f"file has {n}" in msg
+
+
+def test_refuse_wrong_architecture(tmp_path, cfg, tensors):
+  p = build(tmp_path / "llama.gguf", cfg, tensors, arch="llama")
+  refuse(p, "general.architecture", "expected 'qwen35'", "found 'llama'")
+
+
+def test_refuse_missing_tensor(tmp_path, cfg, tensors):
+  ts = {k: v for k, v in tensors.items() if k != "blk.3.attn_k.weight"}
+  p = build(tmp_path / "miss.gguf", cfg, ts)
+  refuse(p, "missing tensor blk.3.attn_k.weight", "expected shape (128, 64)")
+  ts = {k: v for k, v in tensors.items() if k != "blk.8.nextn.eh_proj.weight"}
+  refuse(build(tmp_path / "miss2.gguf", cfg, ts), "missing tensor blk.8.nextn.eh_proj.weight")
+
+
+def test_refuse_wrong_shape(tmp_path, cfg, tensors):
+  ts = dict(tensors)
+  ts["blk.1.ssm_out.weight"] = np.zeros((64, 96), np.float32)
+  p = build(tmp_path / "shape.gguf", cfg, ts)
+  refuse(p, "tensor blk.1.ssm_out.weight", "wrong shape", "expected (64, 128)", "found (64, 96)")
+
+
+def _patch_type(src, dst, name, new_type):
+  data = bytearray(open(src, "rb").read())
+  key = len(name).to_bytes(8, "little") + name.encode()
+  pos = data.find(key)
+  assert pos > 0 and data.find(key, pos + 1) == -1
+  p = pos + len(key)
+  n_dims = int.from_bytes(data[p:p + 4], "little")
+  t = p + 4 + 8 * n_dims
+  assert int.from_bytes(data[t:t + 4], "little") == 0  # F32 before the patch
+  data[t:t + 4] = int(new_type).to_bytes(4, "little")
+  dst.write_bytes(bytes(data))
+  return dst
+
+
+def test_refuse_unsupported_type(tmp_path, good):
+  p = _patch_type(good, tmp_path / "t99.gguf", "blk.2.ssm_beta.weight", 99)
+  refuse(p, "tensor blk.2.ssm_beta.weight", "unsupported tensor type", "found unknown type id 99")
+  p = _patch_type(good, tmp_path / "ti32.gguf", "blk.2.ssm_beta.weight", gguf.GGMLQuantizationType.I32)
+  refuse(p, "tensor blk.2.ssm_beta.weight", "unsupported tensor type", "found I32")
+
+
+@pytest.mark.parametrize("meta,needles", [
+    ({"attention.head_count": 5}, ["inconsistent heads", "head_count=5", "head_count_kv=2"]),
+    ({"ssm.inner_size": 100}, ["ssm.inner_size", "expected", "4*32 = 128", "found 100"]),
+    ({"attention.value_length": 32}, ["key_length=64", "value_length=32"]),
+    ({"ssm.group_count": 3}, ["time_step_rank=4", "group_count=3"]),
+])
+def test_refuse_inconsistent_heads(tmp_path, cfg, tensors, meta, needles):
+  p = build(tmp_path / "heads.gguf", cfg, tensors, meta=meta)
+  refuse(p, *needles)
+
+
+def test_refuse_multi_layer_mtp(tmp_path, cfg, tensors):
+  p = build(tmp_path / "n2.gguf", cfg, tensors, meta={"nextn_predict_layers": 2, "block_count": 10})
+  refuse(p, "multi-layer MTP is not supported", "nextn_predict_layers", "found 2")
+  ts = dict(tensors)
+  for k, v in tensors.items():  # a second MTP block stored as blk.9
+    if k.startswith("blk.8."):
+      ts["blk.9." + k[len("blk.8."):]] = v
+  p = build(tmp_path / "two.gguf", cfg, ts)
+  refuse(p, "multi-layer MTP is not supported", "blocks [8, 9]")
+
+
+def test_refuse_missing_key(tmp_path, cfg, tensors):
+  p = build(tmp_path / "key.gguf", cfg, tensors, meta={"ssm.state_size": None})
+  refuse(p, "missing metadata key qwen35.ssm.state_size")
