@@ -293,3 +293,21 @@ class StreamedKV:
              ring_slots=self.stream.ring_slots, pool_pages=self.stream.pool_pages,
              pool_mib=self.stream.pool_pages * self.layout.page_bytes / 2**20)
     return m
+
+
+def stream_config_from_budget(cfg: ModelConfig, layout: PageLayout, max_tokens: int, *,
+                              arena_bytes: Optional[int] = None, pool_pages: Optional[int] = None,
+                              workspace_bytes: int = 0, copy_pages: int = 32) -> StreamConfig:
+  """The fixed split for `--kv-stream-arena-mib` (arena minus the decode workspace, in whole pages)
+  or `--kv-stream-pool-pages` (the pool directly)."""
+  if (arena_bytes is None) == (pool_pages is None):
+    raise ValueError("give exactly one of arena_bytes or pool_pages")
+  if pool_pages is None:
+    left = arena_bytes - workspace_bytes
+    pool_pages = left // layout.page_bytes
+    if pool_pages < 1:
+      raise StreamBudgetError(
+          f"arena of {arena_bytes / 2**20:.1f} MiB leaves {left / 2**20:.1f} MiB after the "
+          f"{workspace_bytes / 2**20:.1f} MiB workspace: not one {layout.page_bytes} B page")
+  n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
+  return fixed_split(int(pool_pages), n_layers, max_tokens, layout, copy_pages)
