@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.config import ModelConfig
+from kvjax.config import MTP_OPTIONAL, ModelConfig, gguf_tensor_shapes
 from kvjax.model import AttentionOptions, KVRows, Qwen38, RecurrentState, layer_groups, output_head, \
     param_path, rms_norm, zero_recurrent_state
 from kvjax_pallas.page_layout import PageLayout
@@ -40,15 +40,17 @@ from kvjax_pallas.page_layout import PageLayout
 # building a model from GGUF-named tensors (tensor by tensor)
 # ---------------------------------------------------------------------------
 
-def _set_path(state, path, value):
+def _set_path(state, name, path, value):
   node = state
-  for p in path[:-1]:
-    node = node[p]
-  var = node[path[-1]]
+  try:
+    for p in path[:-1]:
+      node = node[p]
+    var = node[path[-1]]
+  except (KeyError, IndexError, TypeError):
+    raise ValueError(f"tensor {name!r} is not a parameter of this model") from None
   cur = var.get_value()
   if tuple(cur.shape) != tuple(value.shape):
-    raise ValueError(f"tensor for {'.'.join(map(str, path))}: expected shape {tuple(cur.shape)}, "
-                     f"found {tuple(value.shape)}")
+    raise ValueError(f"tensor {name!r}: expected shape {tuple(cur.shape)}, found {tuple(value.shape)}")
   var.set_value(jnp.asarray(value, dtype=cur.dtype))
 
 
@@ -73,13 +75,18 @@ def build_model(cfg: ModelConfig, tensors: Iterable[Tuple[str, np.ndarray]], dty
   for name, arr in tensors:
     if name.endswith("nextn.embed_tokens.weight"):
       continue  # llama.cpp ignores the NextN copy of the embeddings; so do we
-    _set_path(state, param_path(cfg, name), arr)
+    try:
+      path = param_path(cfg, name)
+    except (KeyError, ValueError):
+      raise ValueError(f"tensor {name!r} is not a parameter of this model") from None
+    _set_path(state, name, path, arr)
     filled.add(name)
-  missing = [jax.tree_util.keystr(p) for p, v in jax.tree_util.tree_leaves_with_path(state)
-             if isinstance(v, jax.ShapeDtypeStruct)]
+  optional = {f"blk.{mb}.{leaf}" for leaf in MTP_OPTIONAL}
+  missing = sorted(n for n in gguf_tensor_shapes(cfg) if n not in filled and n not in optional
+                   and n != f"blk.{mb}.nextn.embed_tokens.weight")
   if missing:
-    raise ValueError(f"model parameters not provided by the tensors: {missing[:5]}"
-                     f"{' ...' if len(missing) > 5 else ''}")
+    raise ValueError(f"tensors not provided: {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                     f"({len(missing)} of {len(gguf_tensor_shapes(cfg))})")
   return nnx.merge(graphdef, state)
 
 
@@ -268,3 +275,20 @@ _DUMMY_TABLE = None
 def _n_recurrent(split_group) -> int:
   _, state = split_group
   return len(state["recurrent"]) if "recurrent" in state else 0
+
+
+def group_step_workspace_bytes(runner: "Runner", rows: int, pool_pages: int = 4) -> int:
+  """Device scratch of the compiled group step for `rows` query rows (XLA memory analysis).
+
+  The prefill phase runs `rows = ubatch` (chunked Gated DeltaNet), decode `rows = 1`.
+  """
+  from kvjax.arena import workspace_bytes_from_compiled
+  cfg, layout = runner.cfg, runner.layout
+  gd, gs = runner.groups[0]
+  st = runner.zero_states()[0]
+  dtype = runner.token_embd.dtype
+  compiled = _group_step.lower(
+      gd, gs, jnp.zeros((rows, cfg.hidden_size), dtype), st,
+      jnp.zeros((pool_pages, layout.page_bytes), jnp.uint8), jnp.zeros((pool_pages,), jnp.int32),
+      jnp.int32(0), jnp.int32(rows), layout=layout, opts=runner.opts, chunked=rows > 1).compile()
+  return workspace_bytes_from_compiled(compiled)

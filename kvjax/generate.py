@@ -87,6 +87,11 @@ def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256):
   """Feed the prompt in micro-batches; -> logits of its last row."""
   if not prompt:
     raise ValueError("empty prompt: at least one token is needed")
+  cap = getattr(seq.kv, "max_tokens", None)
+  if cap is not None and seq.pos + len(prompt) > cap:
+    need = seq.pos + len(prompt)
+    raise ValueError(f"context full: {need} tokens needed, cache holds {cap} ({need - cap} more; "
+                     f"raise --ctx-size)")
   logits = None
   for i in range(0, len(prompt), ubatch):
     logits = seq.forward(prompt[i:i + ubatch], pad_to=ubatch if len(prompt) > 1 else None)
@@ -95,12 +100,21 @@ def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256):
 
 def generate(runner: Runner, kv: KVProvider, prompt: Sequence[int], n_predict: int,
              sampling: SamplingParams = SamplingParams(), ubatch: int = 256, eos_id: Optional[int] = None,
-             on_token: Optional[Callable[[int], None]] = None) -> GenerationResult:
-  """Prefill `prompt`, then decode up to `n_predict` tokens."""
+             on_token: Optional[Callable[[int], None]] = None,
+             on_phase: Optional[Callable[[str], None]] = None) -> GenerationResult:
+  """Prefill `prompt`, then decode up to `n_predict` tokens.
+
+  `on_phase("prefill" | "decode")` runs before each phase (the phase arena's
+  layout change hooks in here).
+  """
   seq = SequenceState(runner, kv)
   t0 = time.perf_counter()
+  if on_phase:
+    on_phase("prefill")
   logits = prefill(seq, list(prompt), ubatch)
   tok = sample_token(logits, sampling, 0)
+  if on_phase:
+    on_phase("decode")
   t1 = time.perf_counter()
   out = []
   for step in range(n_predict):

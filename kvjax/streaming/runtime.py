@@ -145,6 +145,38 @@ class StreamedKV:
     self.counters = dict(h2d_bytes=0, h2d_calls=0, ring_wraps=0, streamed_pages=0, readiness_misses=0,
                          forwards=0, copy_issue_ms=0.0)
 
+  # -- re-layout (phase change, policy repartition, new request) ---------------------
+  def rebind(self, stream: StreamConfig) -> None:
+    """Adopt a new physical split. The host history is authoritative, so the resident mirror is
+    simply rebuilt from it (lazily, page by page, on the next forwards)."""
+    if len(stream.resident_pages_per_layer) != self.n_layers:
+      raise ValueError(f"stream config has {len(stream.resident_pages_per_layer)} resident capacities; "
+                       f"the model has {self.n_layers} cache layers")
+    if stream.ring_slots < 1:
+      raise StreamBudgetError(f"no ring slots: resident regions take {stream.resident_total} of "
+                              f"{stream.pool_pages} pages")
+    if stream.copy_pages != self.stream.copy_pages:
+      raise ValueError("copy_pages is fixed for the lifetime of the host histories")
+    if stream.pool_pages != self.stream.pool_pages:
+      self.pool_pn = None  # free the old buffer before taking the new one
+      self.pool_pn = jnp.zeros((stream.pool_pages, self.layout.page_bytes), jnp.uint8)
+    self.stream = stream
+    caps = stream.resident_pages_per_layer
+    self.resident_base = np.concatenate([[0], np.cumsum(caps)[:-1]]).astype(np.int64)
+    self.ring_base = stream.resident_total
+    self.ring_head = 0
+    self.resident_valid[:] = 0
+    self.plans.clear()
+    self.counters["rebinds"] = self.counters.get("rebinds", 0) + 1
+
+  def reset(self) -> None:
+    """Start a new request: forget every token (host and device)."""
+    for h in self.histories.values():
+      h.truncate(0)
+    self.resident_valid[:] = 0
+    self.ring_head = 0
+    self.plans.clear()
+
   # -- mapping -----------------------------------------------------------------
   def history_of(self, cache_layer: int) -> Tuple[HostHistory, int]:
     n_target = self.cfg.num_attention_layers

@@ -1,0 +1,274 @@
+"""GPU benchmark of span attention over Q8_0 K / Q4_0 V pages.
+
+  JAX_PLATFORMS=cuda python experiments/bench_span_attention.py --out_dir=$OUT
+
+For each context and query-token count: the Pallas kernel over an all-resident
+contiguous placement and over a resident + ring (scattered) placement, the jnp
+reference, XLA einsum attention on contiguous bf16 K/V, and cuDNN
+`jax.nn.dot_product_attention` on the same bf16 K/V. Each timing is the
+median over rounds of a jitted loop of `--iters` dependent calls (the next
+query depends on the last output), divided by `--iters`.
+
+Effective GB/s counts the KV bytes a call must read once: quantized pages for
+the kernel and the reference (1664 B/token/layer at 4x256 Q8_0/Q4_0), bf16 K+V
+for XLA and cuDNN (4096 B/token). Imports neither gguf nor ml_collections.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+from kvjax_pallas import ggml_codec  # noqa: E402
+from kvjax_pallas.page_layout import PageLayout  # noqa: E402
+from kvjax_pallas.span_attention import kernel_triton as kt  # noqa: E402
+from kvjax_pallas.span_attention import reference as ref  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("contexts", ["8192", "32768", "131072", "163840", "262144"], "history tokens")
+flags.DEFINE_list("rows", ["1", "4", "6", "256"], "query tokens per call")
+flags.DEFINE_integer("kv_heads", 4, "KV heads")
+flags.DEFINE_integer("q_heads", 24, "query heads")
+flags.DEFINE_integer("head_dim", 256, "head dim")
+flags.DEFINE_integer("page_tokens", 256, "tokens per page")
+flags.DEFINE_integer("block_pages", 4, "logical partition (pages) of the kernel split-K")
+flags.DEFINE_string("precision", "tf32", "kernel dot precision")
+flags.DEFINE_integer("iters", 10, "dependent calls per timed loop")
+flags.DEFINE_integer("rounds", 5, "timed loops (median)")
+flags.DEFINE_float("max_seconds", 300.0, "stop starting new measurements after this")
+flags.DEFINE_bool("sweep", True, "tile sweep for decode at --sweep_context")
+flags.DEFINE_integer("sweep_context", 131072, "context of the tile sweep")
+flags.DEFINE_bool("check", True, "correctness vs the jnp reference at real shapes")
+flags.DEFINE_list("check_precisions", ["tf32", "tf32x3", "ieee", "f16"], "precisions checked (1 row)")
+flags.DEFINE_list("check_rows", ["1", "6", "256"], "query tokens checked")
+flags.DEFINE_list("sweep_configs", [], "kernel configs of the sweep as k=v;k=v (empty: built-in list)")
+flags.DEFINE_integer("num_stages", 0, "kernel num_stages (0: path default)")
+flags.DEFINE_integer("reference_max_rows", 6, "skip the jnp reference above this many rows")
+flags.DEFINE_bool("interpret", False, "run kernels in interpret mode (CPU smoke test)")
+flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_span"), "CSV / log folder")
+
+HBM_TBPS = 4.8
+_T0 = time.time()
+
+
+def _elapsed():
+  return time.time() - _T0
+
+
+def _time_loop(fn, q, iters, rounds):
+  """Median seconds per call of `fn(q) -> o` (same shape) in a dependent jitted loop."""
+  @jax.jit
+  def loop(q0):
+    def body(_, q):
+      return q + jnp.asarray(1e-30, q.dtype) * fn(q).astype(q.dtype)
+    return lax.fori_loop(0, iters, body, q0)
+  loop(q).block_until_ready()
+  ts = []
+  for _ in range(rounds):
+    t = time.perf_counter()
+    loop(q).block_until_ready()
+    ts.append((time.perf_counter() - t) / iters)
+  return float(np.median(ts))
+
+
+def _make_pool(layout, num_pages, num_phys, seed=0, distinct=32):
+  """Pool of valid pages: `distinct` encoded random pages tiled over `num_phys`."""
+  g, d, pt = layout.num_kv_heads, layout.head_dim, layout.page_tokens
+  key = jax.random.PRNGKey(seed)
+  kk, kv = jax.random.split(key)
+  k = jax.random.normal(kk, (distinct * pt, g, d), jnp.float32)
+  v = jax.random.normal(kv, (distinct * pt, g, d), jnp.float32)
+  kb = ggml_codec.encode_rows(k, layout.k_type).reshape(distinct, pt * layout.k_row_bytes)
+  vb = ggml_codec.encode_rows(v, layout.v_type).reshape(distinct, pt * layout.v_row_bytes)
+  pad = jnp.zeros((distinct, layout.v_offset - layout.k_plane_bytes), jnp.uint8)
+  pages = jnp.concatenate([kb, pad, vb], axis=1)
+  reps = -(-num_phys // distinct)
+  pool = jnp.tile(pages, (reps, 1))[:num_phys]
+  # decoded contiguous bf16 K/V of the logical history (for the XLA / cuDNN baselines)
+  idx = jnp.arange(num_pages) % distinct
+  k_tgd = k.reshape(distinct, pt, g, d)[idx].reshape(num_pages * pt, g, d)
+  v_tgd = v.reshape(distinct, pt, g, d)[idx].reshape(num_pages * pt, g, d)
+  return pool, k_tgd, v_tgd
+
+
+def _tables(num_pages, num_phys, seed=0):
+  contiguous = np.arange(num_pages, dtype=np.int32)
+  rng = np.random.default_rng(seed)
+  resident = num_pages // 4
+  ring = resident + rng.permutation(num_phys - resident)[:num_pages - resident]
+  scattered = np.concatenate([np.arange(resident), ring]).astype(np.int32)
+  return jnp.asarray(contiguous), jnp.asarray(scattered)
+
+
+def _xla_attention(q_shd, k_tgd, v_tgd, q_pos_s):
+  s, h, d = q_shd.shape
+  g = k_tgd.shape[1]
+  q = q_shd.astype(jnp.bfloat16).reshape(s, g, h // g, d)
+  sc = jnp.einsum("sgrd,tgd->sgrt", q, k_tgd, preferred_element_type=jnp.float32) / np.sqrt(d)
+  t = jnp.arange(k_tgd.shape[0])
+  sc = jnp.where(t[None, None, None, :] <= q_pos_s[:, None, None, None], sc, -jnp.inf)
+  p = jax.nn.softmax(sc, axis=-1).astype(jnp.bfloat16)
+  o = jnp.einsum("sgrt,tgd->sgrd", p, v_tgd, preferred_element_type=jnp.float32)
+  return o.reshape(s, h, d)
+
+
+def _cudnn_attention(q_shd, k_tgd, v_tgd):
+  o = jax.nn.dot_product_attention(q_shd.astype(jnp.bfloat16)[None], k_tgd[None], v_tgd[None],
+                                   implementation="cudnn")
+  return o[0].astype(jnp.float32)
+
+
+def _parse_config(text):
+  kw = {}
+  for item in filter(None, text.split(";")):
+    k, v = item.split("=")
+    kw[k] = v if k == "precision" else int(v)
+  return kw
+
+
+def _write_csv(results):
+  path = os.path.join(FLAGS.out_dir, "bench_span_attention.csv")
+  keys = sorted({k for r in results for k in r})
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=keys)
+    w.writeheader()
+    for r in results:
+      w.writerow(r)
+  return path
+
+
+def main(argv):
+  del argv
+  os.makedirs(FLAGS.out_dir, exist_ok=True)
+  dev = jax.devices()[0]
+  print(f"jax {jax.__version__} device {dev.device_kind} platform {dev.platform}", flush=True)
+  layout = PageLayout(FLAGS.kv_heads, FLAGS.head_dim, "q8_0", "q4_0", FLAGS.page_tokens)
+  print(layout.describe(), flush=True)
+  h, d, bp = FLAGS.q_heads, FLAGS.head_dim, FLAGS.block_pages
+  kv_token = layout.token_bytes
+  bf16_token = 2 * 2 * FLAGS.kv_heads * d
+  rows_list = [int(r) for r in FLAGS.rows]
+  contexts = [int(c) for c in FLAGS.contexts]
+  results = []
+
+  def record(**kw):
+    results.append(kw)
+    _write_csv(results)
+    us = kw.get("us")
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items()),
+          flush=True)
+    return us
+
+  def kernel_fn(pool, table, kv_len, q_pos, **kw):
+    kw.setdefault("precision", FLAGS.precision)
+    kw.setdefault("block_pages", bp)
+    kw.setdefault("interpret", FLAGS.interpret)
+    if FLAGS.num_stages:
+      kw.setdefault("num_stages", FLAGS.num_stages)
+    return lambda q: kt.span_attention_triton(q, pool, table, kv_len, q_pos, layout=layout, **kw)
+
+  max_ctx = max(contexts)
+  # ---- correctness at real shapes ----
+  if FLAGS.check:
+    ctx = min(32768, max_ctx)
+    n_pages = ctx // layout.page_tokens
+    pool, _, _ = _make_pool(layout, n_pages, n_pages + 64, seed=1)
+    _, scattered = _tables(n_pages, n_pages + 64, seed=1)
+    for s in [int(x) for x in FLAGS.check_rows]:
+      q = jax.random.normal(jax.random.PRNGKey(s), (s, h, d), jnp.float32)
+      q_pos = jnp.arange(ctx - s, ctx, dtype=jnp.int32)
+      o_ref = ref.span_attention_reference(q, pool, scattered, ctx, q_pos, layout=layout,
+                                           block_pages=bp)
+      for prec in FLAGS.check_precisions if s == 1 else (FLAGS.precision,):
+        o = kernel_fn(pool, scattered, ctx, q_pos, precision=prec)(q)
+        err = float(jnp.linalg.norm(o - o_ref) / jnp.linalg.norm(o_ref))
+        record(kind="check", context=ctx, rows=s, precision=prec, rel_err_vs_reference=err,
+               finite=bool(jnp.isfinite(o).all()))
+
+  # ---- tile sweep (decode) ----
+  if FLAGS.sweep:
+    ctx = FLAGS.sweep_context
+    n_pages = ctx // layout.page_tokens
+    pool, _, _ = _make_pool(layout, n_pages, n_pages + 64)
+    contiguous, _ = _tables(n_pages, n_pages + 64)
+    q_pos = jnp.full((1,), ctx - 1, jnp.int32)
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, h, d), jnp.float32)
+    configs = [_parse_config(c) for c in FLAGS.sweep_configs] or [
+        {}, dict(block_tokens=32), dict(block_tokens=128), dict(num_warps=8),
+               dict(block_tokens=128, num_warps=8), dict(num_stages=2), dict(num_stages=4),
+               dict(block_pages=1), dict(block_pages=2), dict(block_pages=8),
+               dict(precision="tf32x3"), dict(precision="ieee")]
+    for kw in configs:
+      if _elapsed() > FLAGS.max_seconds:
+        break
+      try:
+        t = _time_loop(kernel_fn(pool, contiguous, ctx, q_pos, **kw), q, FLAGS.iters, FLAGS.rounds)
+        record(kind="sweep", context=ctx, rows=1, config=str(kw) or "default", us=t * 1e6,
+               gbps=ctx * kv_token / t / 1e9)
+      except Exception as e:  # record and go on
+        record(kind="sweep", context=ctx, rows=1, config=str(kw), error=str(e)[:300])
+    del pool
+
+  # ---- main table ----
+  for ctx in contexts:
+    n_pages = ctx // layout.page_tokens
+    num_phys = n_pages + n_pages // 8 + 8
+    pool, k_tgd, v_tgd = _make_pool(layout, n_pages, num_phys, seed=ctx)
+    k_bf, v_bf = k_tgd.astype(jnp.bfloat16), v_tgd.astype(jnp.bfloat16)
+    del k_tgd, v_tgd
+    contiguous, scattered = _tables(n_pages, num_phys, seed=ctx)
+    for s in rows_list:
+      if _elapsed() > FLAGS.max_seconds:
+        print(f"time budget reached at context {ctx} rows {s}", flush=True)
+        break
+      q = jax.random.normal(jax.random.PRNGKey(s), (s, h, d), jnp.float32)
+      q_pos = jnp.arange(ctx - s, ctx, dtype=jnp.int32)
+      row = dict(context=ctx, rows=s)
+      cases = [("kernel_contiguous", kernel_fn(pool, contiguous, ctx, q_pos), ctx * kv_token),
+               ("kernel_ring", kernel_fn(pool, scattered, ctx, q_pos), ctx * kv_token),
+               ("xla_bf16", lambda q: _xla_attention(q, k_bf, v_bf, q_pos), ctx * bf16_token)]
+      if s == 1:
+        cases.append(("cudnn_bf16", lambda q: _cudnn_attention(q, k_bf, v_bf), ctx * bf16_token))
+      if s <= FLAGS.reference_max_rows:
+        cases.append(("reference", lambda q: ref.span_attention_reference(
+            q, pool, scattered, ctx, q_pos, layout=layout, block_pages=bp), ctx * kv_token))
+      for name, fn, nbytes in cases:
+        try:
+          t = _time_loop(fn, q, FLAGS.iters if s < 256 else 3, FLAGS.rounds)
+          row[name + "_us"] = t * 1e6
+          row[name + "_gbps"] = nbytes / t / 1e9
+        except Exception as e:
+          row[name + "_us"] = float("nan")
+          print(f"{name} ctx={ctx} rows={s} failed: {str(e)[:300]}", flush=True)
+      record(kind="main", **row)
+    del pool, k_bf, v_bf
+
+  # ---- outputs ----
+  path = _write_csv(results)
+  print(f"\nwrote {path}; {_elapsed():.0f}s total")
+  print(f"{'ctx':>7} {'S':>4} | {'kern us':>8} {'GB/s':>6} {'%HBM':>5} | {'ring us':>8} {'ring/c':>6} | "
+        f"{'xla us':>8} {'xla/k':>5} | {'cudnn us':>8} | {'ref us':>8}")
+  for r in results:
+    if r.get("kind") != "main":
+      continue
+    kc, kr = r.get("kernel_contiguous_us", float("nan")), r.get("kernel_ring_us", float("nan"))
+    gb = r.get("kernel_contiguous_gbps", float("nan"))
+    xl = r.get("xla_bf16_us", float("nan"))
+    print(f"{r['context']:>7} {r['rows']:>4} | {kc:8.1f} {gb:6.0f} {100 * gb / 1e3 / HBM_TBPS:5.1f} | "
+          f"{kr:8.1f} {kr / kc:6.3f} | {xl:8.1f} {xl / kc:5.2f} | "
+          f"{r.get('cudnn_bf16_us', float('nan')):8.1f} | {r.get('reference_us', float('nan')):8.1f}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,153 @@
+"""The phase arena wired to the streamed KV, and the adaptive resident/ring split.
+
+`PhasedKV` owns one fixed arena budget (`kvjax.arena.Arena`) with two layouts:
+prefill (a workspace sized for the micro-batch step, smaller KV pool) and
+decode (a workspace sized for the one-row step, larger KV pool). Both
+workspaces come from the compiled group steps' own memory analysis. A phase
+change runs the coordinator's safe handoff; the streamed KV consumer drains
+its in-flight pool, drops its plans, and rebinds to the new pool size. The
+host history is authoritative, so nothing is lost: the resident mirror is
+rebuilt from it.
+
+What the arena is in JAX: XLA decides where its temporaries live, so the
+workspace region is a ledger entry (reserved by accounting, sized from
+`memory_analysis()`), while the KV pool is a real device buffer sized to its
+region. The bookkeeping (transactions, leases, fences, stale views) is the
+reference design's.
+
+`AdaptiveStreamedKV` asks `kvjax.policy.step` before every forward and applies
+its resident pages per layer (uniform placement: every layer keeps the same
+resident prefix; the policy's concentrated placement needs a page-granular
+resident allocator, not built yet).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import numpy as np
+
+from kvjax import arena as arena_lib
+from kvjax import policy as policy_lib
+from kvjax.streaming.runtime import StreamBudgetError, StreamConfig, StreamedKV
+
+
+class _KVConsumer(arena_lib.PhaseConsumer):
+  name = "streamed-kv"
+
+  def __init__(self, owner: "PhasedKV"):
+    self.owner = owner
+    self.lease = None
+
+  def fences(self):
+    kv = self.owner.kv
+    return (arena_lib.JaxFence([kv.pool_pn]),) if kv.pool_pn is not None else ()
+
+  def invalidate(self, plan):
+    if arena_lib.KV_POOL in plan.changed:
+      self.owner.kv.plans.clear()
+
+  def release(self, plan):
+    if self.lease is not None and arena_lib.KV_POOL in plan.changed:
+      self.lease.release()
+      self.lease = None
+
+  def rebind(self, arena, plan):
+    view = arena.view(arena_lib.KV_POOL)
+    pages = view.size // self.owner.kv.layout.page_bytes
+    self.owner.kv.rebind(self.owner.split_for(pages))
+    if self.lease is None:
+      self.lease = arena.acquire(arena_lib.KV_POOL, owner=self.name)
+
+
+class PhasedKV:
+  """A StreamedKV whose pool lives in the KV region of a two-layout phase arena."""
+
+  def __init__(self, kv: StreamedKV, arena_bytes: int, prefill_workspace_bytes: int,
+               decode_workspace_bytes: int, max_tokens: int):
+    self.kv = kv
+    self.max_tokens = max_tokens
+    self.layouts = arena_lib.phase_layouts(arena_bytes, prefill_workspace_bytes, decode_workspace_bytes,
+                                           page_bytes=kv.layout.page_bytes)
+    self.arena = arena_lib.Arena(arena_bytes)
+    self.coordinator = arena_lib.PhaseCoordinator(self.arena)
+    self.consumer = _KVConsumer(self)
+    self.coordinator.register(self.consumer)
+    self.phase: Optional[str] = None
+    self.pool_pages = {"prefill": self.layouts.prefill_kv_pages, "decode": self.layouts.decode_kv_pages}
+    # validate both layouts up front (a refused phase is refused before any work)
+    for pages in self.pool_pages.values():
+      self.split_for(pages)
+
+  def split_for(self, pool_pages: int) -> StreamConfig:
+    from kvjax.streaming.runtime import fixed_split
+    return fixed_split(pool_pages, self.kv.n_layers, self.max_tokens, self.kv.layout, self.kv.stream.copy_pages)
+
+  def enter(self, phase: str) -> None:
+    if phase not in self.pool_pages:
+      raise ValueError(f"unknown phase {phase!r}; phases: prefill, decode")
+    if phase == self.phase:
+      return
+    spec = self.layouts.prefill if phase == "prefill" else self.layouts.decode
+    self.coordinator.transition(spec)
+    self.phase = phase
+
+  # KVProvider: delegate to the bound StreamedKV
+  def begin_forward(self, *a):
+    if self.phase is None:
+      raise RuntimeError("PhasedKV: enter('prefill') or enter('decode') before the first forward")
+    return self.kv.begin_forward(*a)
+
+  def layer_kv(self, a):
+    return self.kv.layer_kv(a)
+
+  def end_layer(self, *a):
+    return self.kv.end_layer(*a)
+
+  def end_forward(self):
+    return self.kv.end_forward()
+
+  def reset(self):
+    self.kv.reset()
+
+  def metrics(self):
+    m = self.kv.metrics()
+    m.update(prefill_pool_pages=self.pool_pages["prefill"], decode_pool_pages=self.pool_pages["decode"],
+             arena_generation=self.arena.generation)
+    return m
+
+
+class AdaptiveStreamedKV(StreamedKV):
+  """StreamedKV whose resident/ring split follows `kvjax.policy` (uniform placement)."""
+
+  def __init__(self, cfg, layout, max_tokens, pool_pages: int, copy_pages: int = 32,
+               policy_config: Optional[policy_lib.PolicyConfig] = None, pinned=None):
+    n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
+    self.policy_config = policy_config or policy_lib.PolicyConfig(
+        page_bytes=layout.page_bytes, pool_bytes=pool_pages * layout.page_bytes, layers=n_layers,
+        page_tokens=layout.page_tokens)
+    self.policy_state = policy_lib.initialize(self.policy_config)
+    split = self._policy_split(self.policy_state, pool_pages, n_layers, copy_pages)
+    super().__init__(cfg, layout, max_tokens, split, pinned)
+    self.decisions = []
+
+  @staticmethod
+  def _policy_split(state, pool_pages, n_layers, copy_pages) -> StreamConfig:
+    return StreamConfig(pool_pages, (state.resident_pages_per_layer,) * n_layers, copy_pages)
+
+  def begin_forward(self, pos, n_tokens, cache_layers):
+    obs = policy_lib.Observation(active_tokens=pos + n_tokens, query_tokens=n_tokens,
+                                 uniform_prefill=n_tokens > policy_lib.DECODE_QUERY_ROWS)
+    decision = policy_lib.step(self.policy_config, self.policy_state, obs)
+    old = self.policy_state
+    if decision.partition_changed:
+      self.rebind(self._policy_split(decision.next, self.stream.pool_pages, self.n_layers, self.stream.copy_pages))
+    try:
+      super().begin_forward(pos, n_tokens, cache_layers)
+    except StreamBudgetError:
+      if decision.partition_changed:   # leave the previous committed split in force
+        self.rebind(self._policy_split(old, self.stream.pool_pages, self.n_layers, self.stream.copy_pages))
+      raise
+    self.policy_state = decision.next
+    self.decisions.append(decision)

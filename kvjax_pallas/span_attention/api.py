@@ -1,0 +1,118 @@
+"""Span attention entry points: `implementation=` picks the jnp reference or a Pallas kernel.
+
+implementations:
+  "reference"  plain jnp (`reference.py`), the default
+  "triton"     Pallas kernels, Triton lowering (`kernel_triton.py`): split-K
+               over logical partitions of `block_pages` pages + an in-order
+               combine; runs on NVIDIA GPUs, or anywhere with `interpret=True`.
+
+Kernel-only keyword arguments (ignored by "reference"):
+  precision  "tf32" (default), "tf32x3" or "ieee": the in-kernel f32 dot on
+             GPU. Interpret mode always computes float32 exactly.
+  path       None (pick by query tokens: 1-2 "vector", 3-8 "matrix",
+             9-256 "prefill") or one of those names.
+
+Eager checks (when the arguments are concrete, i.e. outside jit): every page
+table entry that will be read names a page of the pool.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import jax
+
+from kvjax_pallas.page_layout import PageLayout
+from kvjax_pallas.span_attention import reference as _ref
+from kvjax_pallas.span_attention import kernel_triton as _triton
+
+IMPLEMENTATIONS = ("reference", "triton")
+
+
+def _check(implementation: str):
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"unknown span-attention implementation {implementation!r}; "
+                     f"choose one of {IMPLEMENTATIONS}")
+
+
+def _concrete(x) -> Optional[np.ndarray]:
+  if isinstance(x, jax.core.Tracer):
+    return None
+  try:
+    return np.asarray(x)
+  except Exception:  # pragma: no cover (abstract values)
+    return None
+
+
+def check_page_table(page_table_t, num_pages: int, layout: PageLayout, kv_len=None,
+                     tile_begin=None, tile_end=None):
+  """Raise if a table entry that will be read is outside [0, num_pages).
+
+  Runs only when the table is concrete. With a concrete `kv_len` only the
+  active logical pages (and, for waves, [tile_begin, tile_end)) are checked;
+  otherwise every entry is.
+  """
+  table = _concrete(page_table_t)
+  if table is None:
+    return
+  if table.ndim != 1:
+    raise ValueError(f"page table must be 1-D [logical pages], got shape {table.shape}")
+  lo, hi = 0, table.shape[0]
+  kv = None if kv_len is None else _concrete(kv_len)
+  if kv is not None:
+    hi = min(hi, layout.pages_for(int(kv)))
+  tb = None if tile_begin is None else _concrete(tile_begin)
+  te = None if tile_end is None else _concrete(tile_end)
+  if tb is not None:
+    lo = max(lo, int(tb))
+  if te is not None:
+    hi = min(hi, int(te))
+  used = table[lo:hi]
+  bad = np.nonzero((used < 0) | (used >= num_pages))[0]
+  if bad.size:
+    i = int(bad[0]) + lo
+    raise ValueError(f"page table entry {i} = {int(table[i])} is out of range: the pool has "
+                     f"{num_pages} pages (valid 0..{num_pages - 1}); {bad.size} bad entries")
+
+
+def span_attention(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: PageLayout,
+                   block_pages: int = 1, sm_scale: Optional[float] = None,
+                   implementation: str = "reference", interpret: bool = False,
+                   precision: str = "tf32", path: Optional[str] = None):
+  """o_shd [S, H, D] float32: attention of query rows over the active logical pages."""
+  _check(implementation)
+  check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len)
+  if implementation == "triton":
+    return _triton.span_attention_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
+                                         layout=layout, block_pages=block_pages,
+                                         sm_scale=sm_scale, interpret=interpret,
+                                         precision=precision, path=path)
+  return _ref.span_attention_reference(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
+                                       layout=layout, block_pages=block_pages, sm_scale=sm_scale)
+
+
+def span_attention_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end,
+                           *, layout: PageLayout, num_q_heads: int, block_pages: int = 1,
+                           sm_scale: Optional[float] = None, implementation: str = "reference",
+                           interpret: bool = False, precision: str = "tf32",
+                           path: Optional[str] = None):
+  """Fold logical pages [tile_begin, tile_end) into `carry` (see reference.py).
+
+  For every implementation, waves whose boundaries are multiples of
+  `block_pages` pages give the same bits as one call.
+  """
+  _check(implementation)
+  check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len, tile_begin, tile_end)
+  if implementation == "triton":
+    return _triton.span_attention_partial_triton(
+        q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end, layout=layout,
+        num_q_heads=num_q_heads, block_pages=block_pages, sm_scale=sm_scale, interpret=interpret,
+        precision=precision, path=path)
+  return _ref.span_attention_partial_reference(
+      q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end, layout=layout,
+      num_q_heads=num_q_heads, block_pages=block_pages, sm_scale=sm_scale)
+
+
+init_carry = _ref.init_carry
+finalize = _ref.finalize

@@ -1,0 +1,212 @@
+"""Span attention: every implementation against the float64 oracle, placement
+invariance (bit-exact), waves == one call (bit-exact), and error cases.
+
+CPU (default): small shapes, Pallas kernels in interpret mode.
+GPU: `KVJAX_TEST_GPU=1 JAX_PLATFORMS=cuda pytest tests/test_span_attention.py`
+runs the same class at real shapes (Hq=24, Hkv=4, D=256, 256-token pages)
+with compiled kernels (interpret=False).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import jax.numpy as jnp
+
+from kvjax_pallas import ggml_codec
+from kvjax_pallas.page_layout import PageLayout
+from kvjax_pallas.span_attention import api
+from kvjax_pallas.span_attention import reference as ref
+
+ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"
+
+if ON_GPU:
+  SHAPE = dict(kv_heads=4, q_heads=24, head_dim=256, page_tokens=256, tokens=9 * 256 - 37,
+               block_pages=4, prefill_rows=64)
+  # compiled kernels use TF32 dots (precision="tf32"): ~1e-3 relative error
+  TOL = {"reference": 1e-5, "triton": 5e-3}
+else:
+  SHAPE = dict(kv_heads=2, q_heads=6, head_dim=64, page_tokens=16, tokens=7 * 16 - 5,
+               block_pages=2, prefill_rows=20)
+  TOL = {"reference": 1e-5, "triton": 1e-5}
+INTERPRET = not ON_GPU
+
+PAIRS = (("q8_0", "q4_0"), ("q8_0", "q8_0"), ("f16", "f16"), ("bf16", "bf16"))
+
+
+def _layout(pair=("q8_0", "q4_0")) -> PageLayout:
+  return PageLayout(SHAPE["kv_heads"], SHAPE["head_dim"], pair[0], pair[1], SHAPE["page_tokens"])
+
+
+class History:
+  """Random K/V history encoded into pages, placeable anywhere in a pool."""
+
+  def __init__(self, layout: PageLayout, tokens: int, seed: int):
+    rng = np.random.default_rng(seed)
+    self.layout, self.tokens = layout, tokens
+    self.num_pages = layout.pages_for(tokens)
+    alloc = self.num_pages * layout.page_tokens  # slots past kv_len hold future tokens
+    g, d = layout.num_kv_heads, layout.head_dim
+    k = rng.standard_normal((alloc, g, d)).astype(np.float32) * 1.5
+    v = rng.standard_normal((alloc, g, d)).astype(np.float32)
+    self.k_bytes = np.asarray(ggml_codec.encode_rows(jnp.asarray(k), layout.k_type))
+    self.v_bytes = np.asarray(ggml_codec.encode_rows(jnp.asarray(v), layout.v_type))
+    self.k_tgd = np.asarray(ggml_codec.decode_rows(jnp.asarray(self.k_bytes), layout.k_type, g))
+    self.v_tgd = np.asarray(ggml_codec.decode_rows(jnp.asarray(self.v_bytes), layout.v_type, g))
+    self.rng = rng
+
+  def pool(self, physical, num_phys: int, table_len: int):
+    """Pool of random bytes with logical page i at physical[i]; table padded with junk."""
+    lay, pt = self.layout, self.layout.page_tokens
+    pool = self.rng.integers(0, 256, (num_phys, lay.page_bytes), dtype=np.uint8)
+    for i, p in enumerate(physical):
+      pool[p, :lay.k_plane_bytes] = self.k_bytes[i * pt:(i + 1) * pt].reshape(-1)
+      pool[p, lay.v_offset:] = self.v_bytes[i * pt:(i + 1) * pt].reshape(-1)
+    table = np.full(table_len, 10 ** 6, np.int32)  # entries past the active pages are ignored
+    table[:len(physical)] = physical
+    return jnp.asarray(pool), jnp.asarray(table)
+
+  def contiguous(self, extra: int = 2):
+    return self.pool(np.arange(self.num_pages), self.num_pages + extra, self.num_pages + extra)
+
+  def resident_ring(self, resident: int, ring_base: int, ring_slots: int, wrap: int):
+    """First `resident` pages at physical 1..; the rest in a ring that wraps at `wrap`."""
+    n = self.num_pages
+    ring_slots = max(ring_slots, n - resident + 1)  # real shapes have more pages
+    phys = [1 + i for i in range(min(resident, n))]
+    phys += [ring_base + (wrap + j) % ring_slots for j in range(n - len(phys))]
+    assert len(set(phys)) == n
+    return self.pool(np.asarray(phys), ring_base + ring_slots, n + 3)
+
+
+def _query(seed: int, rows: int, kv_len: int):
+  rng = np.random.default_rng(seed + 1000)
+  q = rng.standard_normal((rows, SHAPE["q_heads"], SHAPE["head_dim"])).astype(np.float32)
+  q_pos = np.arange(kv_len - rows, kv_len, dtype=np.int32)  # new rows are the last positions
+  return q, q_pos
+
+
+def _rel(a, b):
+  return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(params=api.IMPLEMENTATIONS)
+def impl(request):
+  return request.param
+
+
+class TestSpanAttention:
+  """Runs for every implementation in `api.IMPLEMENTATIONS`."""
+
+  def _run(self, impl, q, pool, table, kv_len, q_pos, layout, **kw):
+    return np.asarray(api.span_attention(
+        jnp.asarray(q), pool, table, kv_len, jnp.asarray(q_pos), layout=layout,
+        block_pages=SHAPE["block_pages"], implementation=impl, interpret=INTERPRET, **kw))
+
+  @pytest.mark.parametrize("pair,rows", [(PAIRS[0], 1), (PAIRS[0], 5), (PAIRS[0], "prefill"),
+                                         (PAIRS[1], 2), (PAIRS[2], 4), (PAIRS[3], 1)])
+  def test_matches_f64_oracle(self, impl, pair, rows):
+    rows = SHAPE["prefill_rows"] if rows == "prefill" else rows
+    layout = _layout(pair)
+    hist = History(layout, SHAPE["tokens"], seed=7)
+    pool, table = hist.resident_ring(resident=2, ring_base=hist.num_pages + 4, ring_slots=5, wrap=3)
+    q, q_pos = _query(7, rows, hist.tokens)
+    out = self._run(impl, q, pool, table, hist.tokens, q_pos, layout)
+    assert out.shape == q.shape and np.isfinite(out).all()
+    oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, q_pos, hist.tokens)
+    assert _rel(out, oracle) <= TOL[impl], _rel(out, oracle)
+
+  def test_kv_len_and_positions_are_respected(self, impl):
+    """A shorter kv_len and earlier query positions change the answer exactly as the oracle says."""
+    layout = _layout()
+    hist = History(layout, SHAPE["tokens"], seed=3)
+    pool, table = hist.contiguous()
+    kv_len = hist.tokens - layout.page_tokens - 3  # ends mid-page, one page fewer
+    q, _ = _query(3, 2, kv_len)
+    q_pos = np.asarray([layout.page_tokens // 2, kv_len - 1], np.int32)  # row 0 sees half a page
+    out = self._run(impl, q, pool, table, kv_len, q_pos, layout)
+    oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, q_pos, kv_len)
+    assert _rel(out, oracle) <= TOL[impl]
+    full = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, np.full(2, 10 ** 6), hist.tokens)
+    assert _rel(out, full) > 100 * TOL[impl]  # the masks mattered
+
+  @pytest.mark.parametrize("rows", [1, 5])
+  def test_placement_invariance_bit_exact(self, impl, rows):
+    layout = _layout()
+    hist = History(layout, SHAPE["tokens"], seed=11)
+    q, q_pos = _query(11, rows, hist.tokens)
+    outs = []
+    for pool, table in (hist.contiguous(),
+                        hist.resident_ring(resident=3, ring_base=hist.num_pages + 2, ring_slots=6, wrap=4),
+                        hist.resident_ring(resident=0, ring_base=1, ring_slots=hist.num_pages + 1, wrap=5)):
+      outs.append(self._run(impl, q, pool, table, hist.tokens, q_pos, layout))
+    for o in outs[1:]:
+      np.testing.assert_array_equal(outs[0], o)
+
+  def test_waves_equal_one_call_bit_exact(self, impl):
+    layout = _layout()
+    hist = History(layout, SHAPE["tokens"], seed=5)
+    pool, table = hist.resident_ring(resident=2, ring_base=hist.num_pages + 1, ring_slots=7, wrap=6)
+    q, q_pos = _query(5, 3, hist.tokens)
+    h, d, bp = SHAPE["q_heads"], SHAPE["head_dim"], SHAPE["block_pages"]
+    one = self._run(impl, q, pool, table, hist.tokens, q_pos, layout)
+    carry = api.init_carry(layout.num_kv_heads, 3 * (h // layout.num_kv_heads), d)
+    cuts = [0, bp, 3 * bp, table.shape[0]]  # boundaries at multiples of block_pages; last clipped
+    for a, b in zip(cuts[:-1], cuts[1:]):
+      carry = api.span_attention_partial(
+          jnp.asarray(q), pool, table, jnp.int32(hist.tokens), jnp.asarray(q_pos), carry,
+          jnp.int32(a), jnp.int32(b), layout=layout, num_q_heads=h, block_pages=bp,
+          implementation=impl, interpret=INTERPRET)
+    waves = np.asarray(api.finalize(carry, h))
+    np.testing.assert_array_equal(one, waves)
+
+  # ---- errors ----
+
+  def test_table_entry_out_of_range(self, impl):
+    layout = _layout()
+    hist = History(layout, SHAPE["tokens"], seed=1)
+    pool, table = hist.contiguous()
+    q, q_pos = _query(1, 1, hist.tokens)
+    bad = table.at[1].set(pool.shape[0])
+    with pytest.raises(ValueError, match=r"page table entry 1 = \d+ is out of range.*pool has"):
+      self._run(impl, q, pool, bad, hist.tokens, q_pos, layout)
+    with pytest.raises(ValueError, match="out of range"):
+      self._run(impl, q, pool, table.at[0].set(-1), hist.tokens, q_pos, layout)
+
+  def test_head_dim_checks(self, impl):
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+      PageLayout(2, 48, "q8_0", "q4_0", 16)
+    if impl == "reference":
+      return
+    from kvjax_pallas.span_attention import kernel_triton
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+      kernel_triton.check_layout(_layout(), 48)
+    with pytest.raises(ValueError, match="query head_dim 128 != layout head_dim"):
+      kernel_triton.check_layout(PageLayout(2, 64, "q8_0", "q4_0", 16), 128)
+
+  @pytest.mark.parametrize("kernel", [i for i in api.IMPLEMENTATIONS if i != "reference"])
+  def test_kernel_refusals(self, kernel):
+    impl = kernel
+    layout = PageLayout(SHAPE["kv_heads"], SHAPE["head_dim"], "q4_0", "q8_0", SHAPE["page_tokens"])
+    hist = History(_layout(), SHAPE["tokens"], seed=2)
+    pool, table = hist.contiguous()
+    q, q_pos = _query(2, 1, hist.tokens)
+    with pytest.raises(ValueError, match="unsupported K/V pair Q4_0/Q8_0"):
+      self._run(impl, q, jnp.zeros((4, layout.page_bytes), jnp.uint8), table[:2] * 0, 16,
+                q_pos, layout)
+    q300 = np.zeros((257, SHAPE["q_heads"], SHAPE["head_dim"]), np.float32)
+    with pytest.raises(ValueError, match="too many query rows: 257 > 256"):
+      self._run(impl, q300, pool, table, hist.tokens, np.arange(257, dtype=np.int32), _layout())
+    q5, p5 = _query(2, 5, hist.tokens)
+    with pytest.raises(ValueError, match="too many query rows for the vector path: 5 tokens > 2"):
+      self._run(impl, q5, pool, table, hist.tokens, p5, _layout(), path="vector")
+
+
+def test_unknown_implementation():
+  layout = _layout()
+  with pytest.raises(ValueError, match="unknown span-attention implementation 'nope'"):
+    api.span_attention(jnp.zeros((1, SHAPE["q_heads"], SHAPE["head_dim"])),
+                       jnp.zeros((2, layout.page_bytes), jnp.uint8), jnp.zeros(2, jnp.int32), 1,
+                       jnp.zeros(1, jnp.int32), layout=layout, implementation="nope")
