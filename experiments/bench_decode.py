@@ -43,6 +43,8 @@ flags.DEFINE_string("v_type", "q4_0", "V cache type")
 flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_decode"), "output folder")
 flags.DEFINE_float("hbm_gbs", 4800.0, "HBM bandwidth for the floor (GB/s)")
 flags.DEFINE_float("h2d_gbs", 52.6, "host-to-device bandwidth for the floor (GB/s)")
+flags.DEFINE_list("prefetch_depths", ["1"], "layers of copies in flight ahead of compute (one run each)")
+flags.DEFINE_bool("diagnose", False, "time uploads, placements and planning separately")
 FLAGS = flags.FLAGS
 
 
@@ -131,23 +133,30 @@ def main(argv):
     # resident (compute only)
     pk = engine.PlainKV(cfg, layout, max_tokens)
     synthetic.fill_plain(pk, ctx)
-    row["resident_ms"] = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg)
+    row["resident_ms"], _ = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg)
     del pk
     print(json.dumps(row, default=float), flush=True)
     # streamed within the arena (target layers only: the MTP layer is not used by plain decode)
     n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
     split = fixed_split(pool_pages, n_layers, max_tokens, layout, FLAGS.copy_pages)
-    sk = StreamedKV(cfg, layout, max_tokens, split)
+    for depth in [int(d) for d in FLAGS.prefetch_depths[1:]]:
+      sk = StreamedKV(cfg, layout, max_tokens, split, prefetch_depth=depth)
+      synthetic.fill_streamed(sk, ctx)
+      row[f"streamed_ms_depth{depth}"], _ = _time_decode(runner, sk, ctx, FLAGS.decode_steps, cfg)
+      print(json.dumps(row, default=float), flush=True)
+      del sk
+    sk = StreamedKV(cfg, layout, max_tokens, split, prefetch_depth=int(FLAGS.prefetch_depths[0]))
     synthetic.fill_streamed(sk, ctx)
-    before = dict(sk.counters)
-    row["streamed_ms"] = _time_decode(runner, sk, ctx, FLAGS.decode_steps, cfg)
-    n_fwd = sk.counters["forwards"] - before["forwards"]
-    h2d = (sk.counters["h2d_bytes"] - before["h2d_bytes"]) / max(n_fwd, 1)
+    row["streamed_ms"], per_fwd = _time_decode(runner, sk, ctx, FLAGS.decode_steps, cfg)
+    h2d = per_fwd["h2d_bytes"]
     row["streamed_mib_per_forward"] = h2d / 2**20
-    row["readiness_misses_per_forward"] = (sk.counters["readiness_misses"] - before["readiness_misses"]) / max(n_fwd, 1)
+    row["h2d_calls_per_forward"] = per_fwd["h2d_calls"]
+    row["readiness_misses_per_forward"] = per_fwd["readiness_misses"]
     row["resident_pages_per_layer"] = split.resident_pages_per_layer[0]
     row["ring_slots"] = split.ring_slots
     row["copy_ms"] = _time_copies(sk, ctx, FLAGS.decode_steps, runner)
+    if FLAGS.diagnose:
+      row.update(_diagnose_copies(sk, runner))
     row["upload_gbs"] = h2d / 1e9 / (row["copy_ms"] / 1e3) if row["copy_ms"] > 0 and h2d else 0.0
     hidden = (row["copy_ms"] + row["resident_ms"] - row["streamed_ms"]) / row["copy_ms"] if h2d else 1.0
     row["hidden_share"] = float(min(max(hidden, 0.0), 1.0))
@@ -183,12 +192,15 @@ def _time_decode(runner, kv, ctx, steps, cfg):
   tok = 1
   tok = int(jnp.argmax(seq.forward([tok])))  # warm-up (compiles, uploads resident pages)
   tok = int(jnp.argmax(seq.forward([tok])))
+  before = dict(getattr(kv, "counters", {}))
   times = []
   for _ in range(steps):
     t = time.perf_counter()
     tok = int(jnp.argmax(seq.forward([tok])))
     times.append(time.perf_counter() - t)
-  return 1e3 * float(np.median(times))
+  after = getattr(kv, "counters", {})
+  per_fwd = {k: (after[k] - before.get(k, 0)) / steps for k in after}
+  return 1e3 * float(np.median(times)), per_fwd
 
 
 def _time_copies(kv, ctx, steps, runner):
@@ -207,6 +219,62 @@ def _time_copies(kv, ctx, steps, runner):
     jax.block_until_ready(kv.pool_pn)
     times.append(time.perf_counter() - t)
   return 1e3 * float(np.median(times[1:]))
+
+
+def _diagnose_copies(kv, runner):
+  """Split the copy-only time: host->device uploads, in-pool placements, and planning."""
+  import jax
+  import numpy as np
+  from kvjax.streaming import runtime as rt
+  layers = tuple(a for a in runner.attn_index if a is not None)
+  pos = int(kv.histories["target"].tokens[0])
+  out = {}
+  kv.begin_forward(pos, 1, layers)
+  staged = {}
+  for a in layers:
+    if a not in kv._staged:
+      kv._prefetch(a)
+    staged[a] = kv._staged[a]
+  jax.block_until_ready([st.array for v in staged.values() for st in v])
+  # uploads only
+  t = time.perf_counter()
+  arrs = []
+  for a in layers:
+    hist, l = kv.history_of(a)
+    live, _ = kv._split(a, kv._active)
+    arrs += [st.array for st in kv._upload(hist, l, live, min(kv._active, kv._content))]
+  jax.block_until_ready(arrs)
+  out["diag_upload_ms"] = 1e3 * (time.perf_counter() - t)
+  # placements only (already staged)
+  t = time.perf_counter()
+  pool = kv.pool_pn
+  for a in layers:
+    live, _ = kv._split(a, kv._active)
+    slots = kv._slots[a]
+    pool = kv._place(pool, staged[a], lambda p, s=slots, lv=live: kv.ring_base + int(s[p - lv]))
+  jax.block_until_ready(pool)
+  kv.pool_pn = pool
+  out["diag_place_ms"] = 1e3 * (time.perf_counter() - t)
+  # planning only
+  t = time.perf_counter()
+  for a in layers:
+    kv._table(a)
+  out["diag_plan_ms"] = 1e3 * (time.perf_counter() - t)
+  # one placement call, synchronised
+  if not staged[layers[0]]:
+    print(json.dumps(out), flush=True)
+    return out
+  st = staged[layers[0]][0]
+  ts = []
+  for _ in range(5):
+    t = time.perf_counter()
+    pool = rt._place_run(pool, (st.array,), kv.ring_base, pieces=((st.offset, st.count),))
+    jax.block_until_ready(pool)
+    ts.append(time.perf_counter() - t)
+  kv.pool_pn = pool
+  out["diag_one_place_ms"] = 1e3 * float(np.median(ts))
+  print(json.dumps(out), flush=True)
+  return out
 
 
 if __name__ == "__main__":

@@ -103,10 +103,11 @@ def _logits_flags(fv: flags.FlagValues) -> None:
                     "(row t predicts token t + 2)", flag_values=fv)
 
 
-def _memory_flags(fv: flags.FlagValues) -> None:
+def _memory_flags(fv: flags.FlagValues, args: Sequence[str] = ()) -> None:
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  # config_flags registers the `--config.FIELD=value` override flags from the argument list it is given
   config_flags.DEFINE_config_file("config", None, "memory report config, e.g. configs/memory_27b.py",
-                                  flag_values=fv)
+                                  flag_values=fv, sys_argv=[f"{PROG} memory"] + list(args))
   flags.DEFINE_bool("json", False, "print the report as one JSON line", flag_values=fv)
 
 
@@ -292,8 +293,9 @@ def _prompt_ids(fv: flags.FlagValues, loaded: Loaded, tokens_flag: str) -> List[
   return out
 
 
-def cmd_generate(fv: flags.FlagValues, out=sys.stdout) -> int:
+def cmd_generate(fv: flags.FlagValues, out=None) -> int:
   """`kvjax generate`: prints the generated text, or one JSON line with `--json`."""
+  out = out or sys.stdout
   from kvjax import generate as gen_lib  # pylint: disable=import-outside-toplevel
   n_predict = fv["n-predict"].value
   if n_predict < 1:
@@ -301,9 +303,17 @@ def cmd_generate(fv: flags.FlagValues, out=sys.stdout) -> int:
   if fv["ubatch-size"].value < 1:
     raise UsageError(f"--ubatch-size must be >= 1, got {fv['ubatch-size'].value}")
   sampling = gen_lib.SamplingParams(fv["temperature"].value, fv["top-k"].value, fv["seed"].value)
+  # streaming flags are checked before the (possibly long) model load; make_kv checks them again
   copy_pages = fv["kv-stream-copy-pages"].value
-  if copy_pages < 1 or copy_pages & (copy_pages - 1):  # checked before the model is loaded
+  if copy_pages < 1 or copy_pages & (copy_pages - 1):
     raise UsageError(f"--kv-stream-copy-pages must be a power of two >= 1, got {copy_pages}")
+  arena_mib, pool_pages = fv["kv-stream-arena-mib"].value, fv["kv-stream-pool-pages"].value
+  if arena_mib is not None and pool_pages is not None:
+    raise UsageError("give only one of --kv-stream-arena-mib and --kv-stream-pool-pages")
+  if pool_pages is not None and pool_pages < 1:
+    raise UsageError(f"--kv-stream-pool-pages must be >= 1, got {pool_pages}")
+  if arena_mib is not None and not arena_mib > 0:
+    raise UsageError(f"--kv-stream-arena-mib must be > 0, got {arena_mib}")
   loaded = _load_from_flags(fv)
   prompt = _prompt_ids(fv, loaded, "prompt-tokens")
   need = len(prompt) + n_predict
@@ -314,8 +324,7 @@ def cmd_generate(fv: flags.FlagValues, out=sys.stdout) -> int:
   eos = None if (fv["ignore-eos"].value or loaded.tokenizer is None) else loaded.tokenizer.eos_id
 
   def new_kv():
-    return make_kv(loaded.runner, ctx, arena_mib=fv["kv-stream-arena-mib"].value,
-                   pool_pages=fv["kv-stream-pool-pages"].value, copy_pages=fv["kv-stream-copy-pages"].value)
+    return make_kv(loaded.runner, ctx, arena_mib=arena_mib, pool_pages=pool_pages, copy_pages=copy_pages)
 
   kv, info = new_kv()
   ubatch = fv["ubatch-size"].value
@@ -336,8 +345,9 @@ def cmd_generate(fv: flags.FlagValues, out=sys.stdout) -> int:
   return 0
 
 
-def cmd_logits(fv: flags.FlagValues, out=sys.stdout) -> int:
+def cmd_logits(fv: flags.FlagValues, out=None) -> int:
   """`kvjax logits`: float32 teacher-forced logits -> .npy (target [n, V] or MTP [n - 1, V])."""
+  out = out or sys.stdout
   import numpy as np  # pylint: disable=import-outside-toplevel
   from kvjax import engine  # pylint: disable=import-outside-toplevel
   path = fv["out"].value
@@ -360,8 +370,9 @@ def cmd_logits(fv: flags.FlagValues, out=sys.stdout) -> int:
   return 0
 
 
-def cmd_memory(fv: flags.FlagValues, out=sys.stdout) -> int:
+def cmd_memory(fv: flags.FlagValues, out=None) -> int:
   """`kvjax memory --config=...`: `kvjax.memory_report` for an ml_collections config."""
+  out = out or sys.stdout
   from kvjax import memory_report  # pylint: disable=import-outside-toplevel
   cfg = fv["config"].value
   if cfg is None:
@@ -416,7 +427,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _error(f"unknown subcommand {sub!r}; expected one of {', '.join(SUBCOMMANDS)}")
     return 2
   fv = flags.FlagValues()
-  _FLAG_SETS[sub](fv)
+  if sub == "memory":
+    _memory_flags(fv, rest)
+  else:
+    _FLAG_SETS[sub](fv)
   if sub == "memory":
     missing = _missing_config_file(rest)
     if missing:

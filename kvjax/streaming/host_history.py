@@ -93,9 +93,10 @@ class HostHistory:
     self.generation += 1
 
   def _drop_chunks(self, layer: int, from_token: int) -> None:
-    chunk_tokens = self.copy_pages * self.layout.page_tokens
-    first = from_token // chunk_tokens
-    for key in [k for k in self._pinned_chunks if k[0] == layer and k[1] >= first]:
+    """Forget pinned snapshots that cover any token >= from_token."""
+    pt, c = self.layout.page_tokens, self.copy_pages
+    for key in [k for k, (_, valid) in self._pinned_chunks.items()
+                if k[0] == layer and (k[1] * c + valid) * pt > from_token]:
       del self._pinned_chunks[key]
 
   def rows(self, layer: int, tokens: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -110,17 +111,30 @@ class HostHistory:
     end = (chunk + 1) * self.copy_pages * self.layout.page_tokens
     return self.tokens[layer] >= end
 
-  def source(self, layer: int, first_page: int, count: int):
-    """Host source of pages [first_page, first_page + count) of one layer: a pinned chunk when the
-    range is exactly one sealed chunk (and pinned memory is in use), else a numpy slice."""
-    c = self.copy_pages
-    if self.pinned and count == c and first_page % c == 0 and self.chunk_sealed(layer, first_page // c):
-      key = (layer, first_page // c)
-      arr = self._pinned_chunks.get(key)
-      if arr is None:
-        dev = jax.devices()[0]
-        sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-        arr = jax.device_put(self.pages_lpn[layer, first_page:first_page + count], sharding)
-        self._pinned_chunks[key] = arr
-      return arr
-    return self.pages_lpn[layer, first_page:first_page + count]
+  def pinned_chunk(self, layer: int, chunk: int):
+    """(pinned_host array [copy_pages, page_bytes], valid pages) for one copy unit, or (None, 0).
+
+    A sealed chunk is mirrored once. The open (tail) chunk is mirrored up to its
+    last *full* page and refreshed when another page fills (every page_tokens
+    tokens), so only the partial tail page ever uploads from pageable memory.
+    """
+    if not self.pinned:
+      return None, 0
+    c, pt = self.copy_pages, self.layout.page_tokens
+    full_pages = int(self.tokens[layer]) // pt
+    valid = max(0, min(c, full_pages - chunk * c))
+    if valid == 0:
+      return None, 0
+    key = (layer, chunk)
+    cached = self._pinned_chunks.get(key)
+    if cached is not None and cached[1] >= valid:
+      return cached[0], cached[1]
+    dev = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    first = chunk * c
+    host = self.pages_lpn[layer, first:first + c]
+    if host.shape[0] < c:  # last chunk of a history whose max_pages is not a multiple of c
+      host = np.concatenate([host, np.zeros((c - host.shape[0], host.shape[1]), np.uint8)])
+    arr = jax.device_put(host, sharding)
+    self._pinned_chunks[key] = (arr, valid)
+    return arr, valid

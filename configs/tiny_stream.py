@@ -1,0 +1,50 @@
+"""Tiny built-in model, streamed KV through a 6-page pool, checked against the plain cache (CPU, seconds).
+
+  python experiments/run.py --config=configs/tiny_stream.py
+  python experiments/run.py --config=configs/tiny_stream.py --config.n_predict=64 --config.kv=plain
+
+Fields (0 / "" mean "not set"):
+  model          'tiny', 'tiny:SEED' or a GGUF path
+  preset         a `kvjax.config` preset name: random weights drawn on the device
+                 (no tokenizer: use prompt_tokens); overrides `model`
+  prompt         prompt text (tokenized with the model's tokenizer)
+  prompt_tokens  > 0: that many seeded random token ids instead of `prompt`
+  kv             'streamed' or 'plain'
+  arena_mib      > 0: streamed pool = arena - measured decode workspace
+  pool_pages     > 0: streamed pool size in pages (used when arena_mib is 0)
+  compare_plain  streamed runs also run the plain cache and report tokens_match
+  warmup         run each generation once before the measured run (excludes compile time)
+"""
+
+import ml_collections
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.name = "tiny_stream"
+  c.model = "tiny"
+  c.preset = ""
+  c.dtype = "float32"
+  c.k_type = "q8_0"
+  c.v_type = "q4_0"
+  c.page_tokens = 64
+  c.attn_impl = "reference"
+  c.block_pages = 1
+  c.prompt = ("The history lives on the host, where every page is written once and read many times. "
+              "A streamed cache keeps recent pages on the device and brings older pages back in a ring.")
+  c.prompt_tokens = 0
+  c.n_predict = 32
+  c.ubatch = 64
+  c.ctx_size = 0          # 0 = prompt + n_predict
+  c.temperature = 0.0
+  c.top_k = 0
+  c.seed = 0
+  c.ignore_eos = True
+  c.kv = "streamed"
+  c.arena_mib = 0.0
+  c.pool_pages = 6
+  c.copy_pages = 32
+  c.compare_plain = True
+  c.warmup = False
+  c.out_dir = "runs/"
+  return c

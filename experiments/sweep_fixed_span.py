@@ -1,0 +1,176 @@
+"""Sweep the streamed (fixed resident/ring split) path over context capacities x KV budgets.
+
+For each context capacity C and each budget (an arena in MiB, from which the
+measured decode workspace is taken, or a pool size in pages), it fills the
+context with a seeded random prompt of C - decode_tokens tokens, prefills it
+through `StreamedKV`, decodes `decode_tokens` tokens greedily, and records one
+row. Column names follow the reference benchmark where they apply:
+
+  context_capacity, prompt_tokens, decode_tokens, arena_mib, prefill_tps,
+  decode_tps, prompt_ms, predicted_ms, wall_seconds, decode_kv_pool_mib,
+  resident_pages, ring_slots, active_pages, h2d_mib_per_token, h2d_calls_per_token
+
+plus pool_pages, decode_workspace_mib, ring_wraps, readiness_misses, error.
+`resident_pages` is the pool's resident region (all cache layers),
+`active_pages` the pages one cache layer holds at the end, and the per-token
+copy figures count decode forwards only. A budget too small for a context is
+recorded with its error message and the sweep goes on.
+
+Writes `<out>/results.csv`, `<out>/results.jsonl` and, when matplotlib is
+installed, a 2x2 plot `<out>/results.png`.
+
+  python experiments/sweep_fixed_span.py --model=tiny --contexts=256,512 --arena_mib=0.2,0.5 \\
+      --page_tokens=64 --decode_tokens=16 --out=runs/sweep_tiny                      # CPU, a minute
+  python experiments/sweep_fixed_span.py --preset=qwen38_27b --dtype=bfloat16 \\
+      --contexts=32768,65536,131072 --arena_mib=2240                                  # GPU
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("model", "tiny", "'tiny', 'tiny:SEED' or a GGUF path")
+flags.DEFINE_string("preset", None, "kvjax.config preset with random device weights (overrides --model)")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight/activation dtype")
+flags.DEFINE_list("contexts", ["256", "512"], "context capacities (tokens): prompt + decode")
+flags.DEFINE_list("arena_mib", ["0.25"], "device arena budgets (MiB); empty for none")
+flags.DEFINE_list("pool_pages", [], "KV pool budgets in pages (instead of / besides --arena_mib)")
+flags.DEFINE_integer("decode_tokens", 16, "tokens decoded per run")
+flags.DEFINE_integer("page_tokens", 64, "tokens per KV page")
+flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages, a power of two)")
+flags.DEFINE_integer("ubatch", 64, "prefill micro-batch")
+flags.DEFINE_string("k_type", "q8_0", "K cache type")
+flags.DEFINE_string("v_type", "q4_0", "V cache type")
+flags.DEFINE_string("attn_impl", "reference", "span attention implementation")
+flags.DEFINE_integer("block_pages", 1, "pages per online-softmax step")
+flags.DEFINE_integer("seed", 0, "prompt seed")
+flags.DEFINE_bool("warmup", True, "run each configuration once before the measured run (compile)")
+flags.DEFINE_string("out", "runs/sweep_fixed_span", "output folder")
+FLAGS = flags.FLAGS
+
+COLUMNS = ["context_capacity", "prompt_tokens", "decode_tokens", "arena_mib", "pool_pages", "prefill_tps",
+           "decode_tps", "prompt_ms", "predicted_ms", "wall_seconds", "decode_kv_pool_mib",
+           "decode_workspace_mib", "resident_pages", "ring_slots", "active_pages", "h2d_mib_per_token",
+           "h2d_calls_per_token", "ring_wraps", "readiness_misses", "error"]
+
+
+def measure(runner, kv, prompt, decode_tokens, ubatch):
+  """Prefill + greedy decode with timings and decode-only copy counters."""
+  import jax
+  import jax.numpy as jnp
+  from kvjax import generate
+  seq = generate.SequenceState(runner, kv)
+  t0 = time.perf_counter()
+  tok = int(jnp.argmax(generate.prefill(seq, prompt, ubatch)))
+  t1 = time.perf_counter()
+  before = dict(kv.counters)
+  for _ in range(decode_tokens - 1):
+    tok = int(jnp.argmax(seq.forward([tok])))
+  jax.block_until_ready(kv.pool_pn)
+  t2 = time.perf_counter()
+  n_dec = max(decode_tokens - 1, 1)
+  c = kv.counters
+  return {
+      "prompt_ms": (t1 - t0) * 1e3, "predicted_ms": (t2 - t1) * 1e3,
+      "prefill_tps": len(prompt) / (t1 - t0),
+      "decode_tps": (decode_tokens - 1) / (t2 - t1) if decode_tokens > 1 else 0.0,
+      "wall_seconds": t2 - t0,
+      "h2d_mib_per_token": (c["h2d_bytes"] - before["h2d_bytes"]) / 2**20 / n_dec,
+      "h2d_calls_per_token": (c["h2d_calls"] - before["h2d_calls"]) / n_dec,
+      "ring_wraps": c["ring_wraps"], "readiness_misses": c["readiness_misses"],
+  }
+
+
+def sweep_row(loaded, ctx, budget):
+  import numpy as np
+  from kvjax import cli
+  from kvjax.streaming import StreamBudgetError
+  row = {k: "" for k in COLUMNS}
+  n_prompt = ctx - FLAGS.decode_tokens
+  row.update(context_capacity=ctx, prompt_tokens=n_prompt, decode_tokens=FLAGS.decode_tokens, **budget)
+  if n_prompt < 1:
+    row["error"] = f"context {ctx} leaves no prompt after {FLAGS.decode_tokens} decode tokens"
+    return row
+  rng = np.random.default_rng(FLAGS.seed)
+  prompt = [int(t) for t in rng.integers(0, loaded.cfg.vocab_size, n_prompt)]
+  try:
+    for _ in range(2 if FLAGS.warmup else 1):
+      kv, info = cli.make_kv(loaded.runner, ctx, copy_pages=FLAGS.copy_pages, **budget)
+      m = measure(loaded.runner, kv, prompt, FLAGS.decode_tokens, FLAGS.ubatch)
+  except StreamBudgetError as e:
+    row["error"] = " ".join(str(e).split())
+    return row
+  row.update(m)
+  metrics = kv.metrics()
+  row.update(decode_kv_pool_mib=metrics["pool_mib"], pool_pages=metrics["pool_pages"],
+             resident_pages=metrics["resident_pages"], ring_slots=metrics["ring_slots"],
+             active_pages=loaded.runner.layout.pages_for(ctx),
+             decode_workspace_mib=info.get("decode_workspace_mib", ""))
+  return row
+
+
+def plot(rows, path):
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return False
+  ok = [r for r in rows if not r["error"]]
+  fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+  panels = [("decode_tps", "decode tok/s"), ("prefill_tps", "prefill tok/s"),
+            ("h2d_mib_per_token", "H2D MiB per decode token"), ("ring_slots", "ring slots")]
+  labels = sorted({(r["arena_mib"], r["pool_pages"]) for r in ok}, key=str)
+  for ax, (key, title) in zip(axes.ravel(), panels):
+    for arena, pages in labels:
+      sel = sorted((r for r in ok if (r["arena_mib"], r["pool_pages"]) == (arena, pages)),
+                   key=lambda r: r["context_capacity"])
+      ax.plot([r["context_capacity"] for r in sel], [r[key] for r in sel], marker="o",
+              label=f"arena {arena} MiB" if arena != "" else f"pool {pages} pages")
+    ax.set_title(title)
+    ax.set_xlabel("context capacity (tokens)")
+    ax.grid(alpha=0.3)
+  axes[0, 0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return True
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from kvjax import cli
+  contexts = [int(c) for c in FLAGS.contexts]
+  budgets = [{"arena_mib": float(a)} for a in FLAGS.arena_mib] + \
+            [{"pool_pages": int(p)} for p in FLAGS.pool_pages]
+  if not contexts or not budgets:
+    raise app.UsageError("need at least one --contexts value and one --arena_mib or --pool_pages value")
+  loaded = cli.load_runner(FLAGS.model, preset=FLAGS.preset, dtype=FLAGS.dtype, k_type=FLAGS.k_type,
+                           v_type=FLAGS.v_type, page_tokens=FLAGS.page_tokens, attn_impl=FLAGS.attn_impl,
+                           block_pages=FLAGS.block_pages)
+  os.makedirs(FLAGS.out, exist_ok=True)
+  rows = []
+  with open(os.path.join(FLAGS.out, "results.jsonl"), "w") as jf:
+    for ctx in contexts:
+      for budget in budgets:
+        row = sweep_row(loaded, ctx, budget)
+        rows.append(row)
+        jf.write(json.dumps(row, default=float) + "\n")
+        jf.flush()
+        print(json.dumps(row, default=float), flush=True)
+  with open(os.path.join(FLAGS.out, "results.csv"), "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=COLUMNS)
+    w.writeheader()
+    w.writerows(rows)
+  if plot(rows, os.path.join(FLAGS.out, "results.png")):
+    print(f"wrote {os.path.join(FLAGS.out, 'results.png')}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,277 @@
+"""kvjax.cli: the `kvjax` console script, run in-process through `cli.main(argv)` (and once as a
+subprocess). Tiny model, CPU, 64-token KV pages.
+
+What is checked: JSON output fields and values (text = tokenizer decode of the tokens), streamed
+tokens == plain tokens with a pool much smaller than the context (and the copy counters show that
+pages really streamed), the arena budget arithmetic, logits / MTP logits files against
+`engine.Runner` run directly, the memory report against `kvjax.memory_report`, a GGUF file
+giving the same tokens as the built-in tiny model, and errors as one `kvjax: error:` line with no
+traceback and a non-zero exit status.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvjax import cli, engine, memory_report, tiny
+from kvjax.tokenizer import tiny_tokenizer
+from kvjax_pallas.page_layout import PageLayout
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT_IDS = [int(t) for t in np.random.default_rng(7).integers(0, 381, 100)]  # 100 ids, no specials
+PROMPT_FLAG = "--prompt-tokens=" + ",".join(map(str, PROMPT_IDS))
+# 100 prompt + 40 generated = 140 tokens = 3 pages of 64 per cache layer; 3 cache layers
+# (2 target attention + MTP). A 6-page pool: 1 resident page per layer + a 3-slot ring.
+COMMON = ["--model=tiny", "--kv-page-tokens=64", "--ubatch-size=64", "--n-predict=40", "--ignore-eos",
+          "--json"]
+
+
+def run_main(capsys, *argv):
+  rc = cli.main(list(argv))
+  cap = capsys.readouterr()
+  return rc, cap.out, cap.err
+
+
+def json_line(out):
+  lines = [l for l in out.splitlines() if l.strip()]
+  assert len(lines) == 1, out
+  return json.loads(lines[0])
+
+
+@pytest.fixture(scope="module")
+def plain_run():
+  import io
+  import contextlib
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    rc = cli.main(["generate", PROMPT_FLAG] + COMMON)
+  assert rc == 0
+  return json_line(buf.getvalue())
+
+
+def assert_one_line_error(rc, err, *needles):
+  assert rc != 0
+  lines = [l for l in err.splitlines() if l.strip()]
+  assert lines, "no error message"
+  assert lines[-1].startswith("kvjax: error: "), err
+  assert "Traceback" not in err
+  for n in needles:
+    assert n in lines[-1], (n, lines[-1])
+
+
+# ---------------------------------------------------------------------------
+# generate
+# ---------------------------------------------------------------------------
+
+def test_generate_json_fields(plain_run):
+  r = plain_run
+  assert set(r) == {"tokens", "text", "metrics"}
+  assert len(r["tokens"]) == 40 and all(0 <= t < 384 for t in r["tokens"])
+  assert r["text"] == tiny_tokenizer().decode(r["tokens"])
+  m = r["metrics"]
+  assert m["prompt_tokens"] == 100 and m["decode_tokens"] == 40
+  assert m["prefill_tps"] > 0 and m["decode_tps"] > 0
+  assert m["kv"] == "plain" and m["ctx_size"] == 140 and m["page_tokens"] == 64
+  assert m["h2d_bytes"] == 0
+  assert len(set(r["tokens"])) > 3  # not a degenerate sequence
+
+
+def test_generate_text_output_is_the_decoded_tokens(capsys, plain_run):
+  argv = ["generate", PROMPT_FLAG] + [a for a in COMMON if a != "--json"]
+  rc, out, err = run_main(capsys, *argv)
+  assert rc == 0, err
+  assert out == tiny_tokenizer().decode(plain_run["tokens"]) + "\n"
+
+
+def test_streamed_pool_pages_matches_plain(capsys, plain_run):
+  rc, out, err = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, "--kv-stream-pool-pages=6")
+  assert rc == 0, err
+  r = json_line(out)
+  assert r["tokens"] == plain_run["tokens"]
+  m = r["metrics"]
+  assert m["kv"] == "streamed" and m["pool_pages"] == 6
+  assert m["resident_pages"] == 3 and m["ring_slots"] == 3
+  assert m["resident_pages_per_layer"] == [1, 1, 1]
+  # pages 1..2 of each layer streamed through the ring every forward after the prompt
+  assert m["h2d_bytes"] > 0 and m["streamed_pages"] > 0 and m["ring_wraps"] > 0
+  assert m["d2h_bytes"] > 0 and m["readiness_misses"] >= 0
+  for k in ("h2d_bytes", "d2h_bytes", "ring_wraps", "resident_pages", "ring_slots", "readiness_misses"):
+    assert k in m
+
+
+def test_streamed_arena_budget(capsys, plain_run):
+  arena = 0.25
+  rc, out, err = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, f"--kv-stream-arena-mib={arena}",
+                          "--kv-stream-copy-pages=2")
+  assert rc == 0, err
+  r = json_line(out)
+  m = r["metrics"]
+  assert r["tokens"] == plain_run["tokens"]
+  assert 0 < m["decode_workspace_mib"] < arena
+  layout = PageLayout(2, 64, "q8_0", "q4_0", 64)
+  ws = m["decode_workspace_mib"] * 2**20
+  assert m["pool_pages"] == int((arena * 2**20 - round(ws)) // layout.page_bytes)
+  assert m["copy_pages"] == 2
+
+
+def test_sampling_is_seeded(capsys):
+  def once(seed):
+    rc, out, err = run_main(capsys, "generate", "--prompt=Hello", "--n-predict=12", "--ignore-eos",
+                            "--temperature=1.0", "--top-k=20", f"--seed={seed}", "--kv-page-tokens=64",
+                            "--json")
+    assert rc == 0, err
+    return json_line(out)["tokens"]
+  a, b, c = once(1), once(1), once(2)
+  assert a == b and a != c
+
+
+# ---------------------------------------------------------------------------
+# logits
+# ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def direct():
+  """Target and MTP logits of 40 tokens from engine.Runner directly, in ONE forward."""
+  cfg, tensors, _ = tiny.load_model_source("tiny")
+  runner = engine.Runner(engine.build_model(cfg, tensors), PageLayout(2, 64, "q8_0", "q4_0", 64))
+  toks = np.asarray(PROMPT_IDS[:40], np.int32)
+  kv = engine.PlainKV(cfg, runner.layout, 40)
+  out = runner.forward(toks, 0, 40, runner.zero_states(), kv)
+  mtp, _ = runner.mtp_forward(out.hn_se[:-1], toks[1:], 0, 39, kv)
+  return np.asarray(out.logits_rv), np.asarray(mtp)
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_logits_file_matches_runner(capsys, tmp_path, direct, mtp):
+  path = str(tmp_path / "logits.npy")
+  # micro-batches of 16 rows (3 forwards) against the direct single forward
+  argv = ["logits", "--model=tiny", "--tokens=" + ",".join(map(str, PROMPT_IDS[:40])), f"--out={path}",
+          "--kv-page-tokens=64", "--ubatch-size=16"] + (["--mtp"] if mtp else [])
+  rc, out, err = run_main(capsys, *argv)
+  assert rc == 0, err
+  got = np.load(path)
+  want = direct[1] if mtp else direct[0]
+  assert got.dtype == np.float32
+  assert got.shape == ((39, 384) if mtp else (40, 384))
+  assert rel(got, want) < 1e-4  # float32 rounding of chunked vs one-shot Gated DeltaNet
+  assert np.mean(np.argmax(got, -1) == np.argmax(want, -1)) == 1.0
+  assert str(list(got.shape)) in out
+
+
+def test_logits_cache_type_changes_logits(capsys, tmp_path, direct):
+  path = str(tmp_path / "f32.npy")
+  rc, _, err = run_main(capsys, "logits", "--tokens=" + ",".join(map(str, PROMPT_IDS[:40])), f"--out={path}",
+                        "--kv-page-tokens=64", "--ubatch-size=16", "--cache-type-k=f32", "--cache-type-v=f32")
+  assert rc == 0, err
+  got = np.load(path)
+  # an f32 cache is not the quantized one, but the same model: close, not equal
+  assert 0 < rel(got, direct[0]) < 0.2
+
+
+# ---------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------
+
+def test_memory_report(capsys):
+  cfg_path = os.path.join(REPO, "configs", "memory_27b.py")
+  rc, out, err = run_main(capsys, "memory", f"--config={cfg_path}", "--config.mtp_depth=5", "--json")
+  assert rc == 0, err
+  got = json.loads(out)
+  from configs import memory_27b  # pylint: disable=import-outside-toplevel
+  c = memory_27b.get_config()
+  c.mtp_depth = 5
+  want = memory_report.report_from_config(c)
+  assert got == json.loads(json.dumps(want))
+  assert got["rollback_host_bytes"] == 5 * got["recurrent_checkpoint_bytes"]
+  rc, out, err = run_main(capsys, "memory", f"--config={cfg_path}")
+  assert rc == 0 and memory_report.format_table(memory_report.report_from_config(memory_27b.get_config())) in out
+
+
+# ---------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------
+
+def test_error_missing_model_file(capsys, tmp_path):
+  missing = str(tmp_path / "nope.gguf")
+  rc, _, err = run_main(capsys, "generate", f"--model={missing}", "--prompt=hi")
+  assert_one_line_error(rc, err, "nope.gguf", "no such file")
+
+
+def test_error_truncated_gguf(capsys, tmp_path):
+  path = tmp_path / "tiny.gguf"
+  tiny.write_tiny_gguf(str(path))
+  data = path.read_bytes()
+  cut = tmp_path / "cut.gguf"
+  cut.write_bytes(data[:len(data) // 2])
+  rc, _, err = run_main(capsys, "generate", f"--model={cut}", "--prompt=hi")
+  assert_one_line_error(rc, err, "cut.gguf")
+
+
+def test_error_pool_too_small(capsys):
+  rc, _, err = run_main(capsys, "generate", "--prompt=hi", "--kv-stream-pool-pages=2", "--ctx-size=1024",
+                        "--kv-page-tokens=64")
+  assert_one_line_error(rc, err, "too small", "14 more pages")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--prompt=hi", "--kv-stream-copy-pages=3"], "power of two"),
+    (["generate", "--prompt=hi", "--n-predict=x"], "n-predict"),
+    (["generate", "--prompt=hi", "--no-such-flag=1"], "no-such-flag"),
+    (["generate", "--prompt=hi", "--prompt-tokens=1,2"], "exactly one"),
+    (["generate", "--prompt-tokens=1,999"], "999"),
+    (["generate", "--prompt=hi", "--n-predict=8", "--ctx-size=4"], "ctx-size"),
+    (["generate", "--prompt=hi", "--kv-stream-pool-pages=4", "--kv-stream-arena-mib=1"], "only one"),
+    (["generate", "--prompt=hi", "--kv-stream-pool-pages=0"], "pool-pages"),
+    (["generate", "--prompt=hi", "--kv-stream-arena-mib=-1"], "arena-mib"),
+    (["logits", "--tokens=1,2,3"], "--out"),
+    (["memory"], "--config"),
+    (["memory", "--config=configs/does_not_exist.py"], "does_not_exist.py"),
+])
+def test_error_bad_flags(capsys, argv, needle):
+  rc, _, err = run_main(capsys, *argv)
+  assert_one_line_error(rc, err, needle)
+  assert rc == 2
+
+
+def test_unknown_subcommand_prints_usage(capsys):
+  rc, out, err = run_main(capsys, "frobnicate")
+  assert rc == 2
+  assert "usage: kvjax" in err and "generate" in err
+  assert err.strip().splitlines()[-1].startswith("kvjax: error: unknown subcommand 'frobnicate'")
+  rc, _, err = run_main(capsys)
+  assert rc == 2 and "usage: kvjax" in err
+
+
+def test_subcommand_help_lists_flags(capsys):
+  rc, out, _ = run_main(capsys, "generate", "--help")
+  assert rc == 0
+  for name in ("--n-predict", "--ctx-size", "--kv-stream-arena-mib", "--kv-stream-pool-pages"):
+    assert name in out
+
+
+# ---------------------------------------------------------------------------
+# as a real process, on a GGUF file
+# ---------------------------------------------------------------------------
+
+def test_subprocess_gguf_equals_builtin_tiny(tmp_path, plain_run):
+  path = str(tmp_path / "tiny.gguf")
+  tiny.write_tiny_gguf(path)  # the same seed-0 weights as --model=tiny
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  p = subprocess.run([sys.executable, "-m", "kvjax.cli", "generate", f"--model={path}", PROMPT_FLAG] + COMMON[1:],
+                     capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+  assert p.returncode == 0, p.stderr
+  r = json_line(p.stdout)
+  assert r["tokens"] == plain_run["tokens"]
+  p = subprocess.run([sys.executable, "-m", "kvjax.cli", "generate", "--model=missing.gguf", "--prompt=hi"],
+                     capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+  assert p.returncode == 1
+  assert p.stderr.strip() == "kvjax: error: --model 'missing.gguf': no such file (expected a .gguf path or 'tiny')"

@@ -1,0 +1,91 @@
+"""experiments/run.py and experiments/sweep_fixed_span.py as real processes on the tiny model (CPU):
+config overrides reach the run, results land in out_dir, streamed == plain, the sweep's columns
+and numbers are consistent with the page/pool arithmetic, and budget errors become rows."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+from kvjax import config as config_lib
+from kvjax_pallas.page_layout import PageLayout
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, cwd, timeout=240):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  p = subprocess.run([sys.executable] + args, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+  assert p.returncode == 0, p.stderr[-3000:]
+  return p
+
+
+def test_run_config_with_overrides(tmp_path):
+  out = str(tmp_path / "runs")
+  script = os.path.join(REPO, "experiments", "run.py")
+  cfg = os.path.join(REPO, "configs", "tiny_stream.py")
+  _run([script, f"--config={cfg}", "--config.n_predict=20", f"--config.out_dir={out}"], cwd=str(tmp_path))
+  _run([script, f"--config={cfg}", "--config.n_predict=8", "--config.kv=plain", f"--config.out_dir={out}"],
+       cwd=str(tmp_path))
+  rows = [json.loads(l) for l in open(os.path.join(out, "tiny_stream.jsonl"))]
+  assert len(rows) == 2
+  s, p = rows
+  assert s["kv"] == "streamed" and s["decode_tokens"] == 20 and s["tokens_match"] is True
+  assert len(s["tokens"].split()) == 20 and s["pool_pages"] == 6 and s["ring_slots"] == 3
+  assert s["h2d_bytes"] > 0 and s["prefill_tps"] > 0 and s["decode_tps"] > 0
+  assert s["ctx_size"] == s["prompt_tokens"] + 20
+  assert p["kv"] == "plain" and p["decode_tokens"] == 8 and "tokens_match" not in p
+  # greedy, same prompt: the plain run's 8 tokens are the start of the streamed run's 20
+  assert s["tokens"].split()[:8] == p["tokens"].split()
+  with open(os.path.join(out, "tiny_stream.csv"), newline="") as f:
+    table = list(csv.DictReader(f))
+  assert len(table) == 2 and table[0]["tokens_match"] == "True" and table[1]["tokens_match"] == ""
+  assert table[1]["decode_tokens"] == "8"
+
+
+def test_sweep_fixed_span(tmp_path):
+  out = str(tmp_path / "sweep")
+  script = os.path.join(REPO, "experiments", "sweep_fixed_span.py")
+  _run([script, "--contexts=128,256", "--arena_mib=0.3", "--pool_pages=1,6", "--decode_tokens=4",
+        "--page_tokens=64", "--ubatch=64", "--nowarmup", f"--out={out}"], cwd=str(tmp_path))
+  with open(os.path.join(out, "results.csv"), newline="") as f:
+    rows = list(csv.DictReader(f))
+  jsonl = [json.loads(l) for l in open(os.path.join(out, "results.jsonl"))]
+  assert len(rows) == len(jsonl) == 6  # 2 contexts x 3 budgets
+  for col in ("context_capacity", "prompt_tokens", "decode_tokens", "arena_mib", "prefill_tps", "decode_tps",
+              "prompt_ms", "predicted_ms", "wall_seconds", "decode_kv_pool_mib", "resident_pages", "ring_slots",
+              "active_pages", "h2d_mib_per_token", "h2d_calls_per_token"):
+    assert col in rows[0]
+  assert [int(r["context_capacity"]) for r in rows] == [128, 128, 128, 256, 256, 256]
+  cfg = config_lib.tiny()
+  page = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", 64).page_bytes
+  by = {(r["context_capacity"], r["arena_mib"], r["pool_pages"] if r["arena_mib"] == "" else ""): r
+        for r in jsonl}
+  for ctx in (128, 256):
+    # a 1-page pool cannot stream 3 cache layers: an error row, and the sweep goes on
+    e = by[(ctx, "", 1)]
+    assert "too small" in e["error"] and e["decode_tps"] == ""
+    r = by[(ctx, "", 6)]
+    assert r["error"] == "" and r["prompt_tokens"] == ctx - 4 and r["decode_tokens"] == 4
+    assert r["active_pages"] == ctx // 64
+    # fixed split of 6 pages over 3 cache layers: 1 resident page each, a 3-slot ring
+    assert (r["resident_pages"], r["ring_slots"]) == (3, 3)
+    assert abs(r["decode_kv_pool_mib"] - 6 * page / 2**20) < 1e-12
+    assert r["decode_tps"] > 0 and r["prefill_tps"] > 0
+    # every decode forward uploads at least the non-resident pages holding committed tokens of both
+    # target attention layers (copy units may round up), in at least one call per layer
+    streamed = r["active_pages"] - 1
+    assert r["h2d_mib_per_token"] >= 2 * streamed * page / 2**20
+    assert r["h2d_calls_per_token"] >= 2
+    a = by[(ctx, 0.3, "")]
+    assert a["error"] == "" and 0 < a["decode_workspace_mib"] < 0.3
+    assert a["pool_pages"] == int((0.3 * 2**20 - round(a["decode_workspace_mib"] * 2**20)) // page)
+    assert a["resident_pages"] + a["ring_slots"] == a["pool_pages"]
+    if a["resident_pages"] // 3 >= a["active_pages"]:  # everything resident: nothing streams in decode
+      assert a["h2d_mib_per_token"] == 0 and a["h2d_calls_per_token"] == 0
+  try:
+    import matplotlib  # noqa: F401  pylint: disable=unused-import,import-outside-toplevel
+    assert os.path.getsize(os.path.join(out, "results.png")) > 1000
+  except ImportError:
+    assert not os.path.exists(os.path.join(out, "results.png"))
