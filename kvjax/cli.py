@@ -91,6 +91,11 @@ def _generate_flags(fv: flags.FlagValues) -> None:
                        "many pages (resident + ring)", flag_values=fv)
   flags.DEFINE_integer("kv-stream-copy-pages", 32, "host->device copy unit in pages (a power of two)",
                        flag_values=fv)
+  flags.DEFINE_enum("kv-stream-policy", "fixed", ["fixed", "adaptive"],
+                    "resident/ring split: fixed, or adaptive (kvjax.policy, re-evaluated every forward)",
+                    flag_values=fv)
+  flags.DEFINE_bool("kv-stream-phased", False, "lay the arena out per phase (prefill: larger workspace, "
+                    "decode: larger KV pool); needs --kv-stream-arena-mib", flag_values=fv)
 
 
 def _logits_flags(fv: flags.FlagValues) -> None:
@@ -181,29 +186,25 @@ def load_runner(model: str = "tiny", *, preset: Optional[str] = None, dtype: str
 
 
 def decode_workspace_bytes(runner, max_tokens: int) -> int:
-  """Device scratch of one decode forward: the compiled group step (1 row, page table of the
-  context's length) from XLA's memory analysis (`kvjax.arena.workspace_bytes_from_compiled`).
-
-  The pool argument is donated (aliased to the output), so the pool size does not enter.
-  """
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from kvjax import arena, engine  # pylint: disable=import-outside-toplevel
-  cfg, layout = runner.cfg, runner.layout
-  k = next((i for i, a in enumerate(runner.attn_index) if a is not None), 0)
-  gd, gs = runner.groups[k]
-  st = runner.zero_states()[k]
-  pages = layout.pages_for(max_tokens)
-  comp = engine._group_step.lower(  # pylint: disable=protected-access
-      gd, gs, jnp.zeros((1, cfg.hidden_size), runner.token_embd.dtype), st,
-      jnp.zeros((min(pages, 4), layout.page_bytes), jnp.uint8), jnp.zeros((pages,), jnp.int32),
-      jnp.int32(0), jnp.int32(1), layout=layout, opts=runner.opts, chunked=False).compile()
-  return arena.workspace_bytes_from_compiled(comp)
+  """Device scratch of one decode forward (`engine.group_step_workspace_bytes` with 1 row)."""
+  from kvjax import engine  # pylint: disable=import-outside-toplevel
+  return engine.group_step_workspace_bytes(runner, 1, max_tokens)
 
 
 def make_kv(runner, max_tokens: int, *, arena_mib: Optional[float] = None, pool_pages: Optional[int] = None,
-            copy_pages: int = 32) -> Tuple[Any, Dict[str, Any]]:
+            copy_pages: int = 32, policy: str = "fixed", phased: bool = False,
+            ubatch: int = 256) -> Tuple[Any, Dict[str, Any]]:
   """-> (KV provider, info). Plain (`engine.PlainKV`) unless `arena_mib` or `pool_pages` is given,
-  then `StreamedKV` with the fixed split of `stream_config_from_budget`."""
+  then `StreamedKV` with the fixed split of `stream_config_from_budget`, or with
+  `policy="adaptive"` the policy-driven `AdaptiveStreamedKV`; `phased=True` (needs `arena_mib`)
+  puts the pool in a two-layout phase arena (`PhasedKV`: prefill / decode workspaces measured
+  from the compiled group steps); its `enter(phase)` is the generation loop's `on_phase` hook."""
+  if policy not in ("fixed", "adaptive"):
+    raise UsageError(f"--kv-stream-policy must be 'fixed' or 'adaptive', got {policy!r}")
+  if phased and arena_mib is None:
+    raise UsageError("--kv-stream-phased needs --kv-stream-arena-mib (the arena it lays out)")
+  if phased and policy != "fixed":
+    raise UsageError("--kv-stream-phased uses the fixed split per phase; drop --kv-stream-policy=adaptive")
   from kvjax import engine  # pylint: disable=import-outside-toplevel
   from kvjax.streaming import StreamedKV, stream_config_from_budget  # pylint: disable=import-outside-toplevel
   if arena_mib is not None and pool_pages is not None:
@@ -232,7 +233,20 @@ def make_kv(runner, max_tokens: int, *, arena_mib: Optional[float] = None, pool_
     stream = stream_config_from_budget(cfg, layout, max_tokens, pool_pages=pool_pages, copy_pages=copy_pages)
   info["resident_pages_per_layer"] = list(stream.resident_pages_per_layer)
   info["copy_pages"] = copy_pages
-  return StreamedKV(cfg, layout, max_tokens, stream), info
+  info["kv_policy"] = policy
+  if policy == "adaptive":
+    from kvjax.streaming.phases import AdaptiveStreamedKV  # pylint: disable=import-outside-toplevel
+    kv = AdaptiveStreamedKV(cfg, layout, max_tokens, stream.pool_pages, copy_pages)
+    info["resident_pages_per_layer"] = list(kv.stream.resident_pages_per_layer)
+    return kv, info
+  kv = StreamedKV(cfg, layout, max_tokens, stream)
+  if phased:
+    from kvjax.streaming.phases import PhasedKV  # pylint: disable=import-outside-toplevel
+    ws_prefill = engine.group_step_workspace_bytes(runner, ubatch, max_tokens)
+    kv = PhasedKV(kv, int(arena_mib * 2**20), ws_prefill, ws, max_tokens)
+    info["kv"] = "streamed+phased"
+    info["prefill_workspace_mib"] = ws_prefill / 2**20
+  return kv, info
 
 
 def teacher_forced_logits(runner, kv, tokens: Sequence[int], ubatch: int = 256, mtp: bool = False):
@@ -323,16 +337,20 @@ def cmd_generate(fv: flags.FlagValues, out=None) -> int:
                      f"needs {need} tokens ({need - ctx} more)")
   eos = None if (fv["ignore-eos"].value or loaded.tokenizer is None) else loaded.tokenizer.eos_id
 
+  ubatch = fv["ubatch-size"].value
+
   def new_kv():
-    return make_kv(loaded.runner, ctx, arena_mib=arena_mib, pool_pages=pool_pages, copy_pages=copy_pages)
+    return make_kv(loaded.runner, ctx, arena_mib=arena_mib, pool_pages=pool_pages, copy_pages=copy_pages,
+                   policy=fv["kv-stream-policy"].value, phased=fv["kv-stream-phased"].value, ubatch=ubatch)
 
   kv, info = new_kv()
-  ubatch = fv["ubatch-size"].value
   if fv["warmup"].value:
-    gen_lib.generate(loaded.runner, kv, prompt, n_predict, sampling=sampling, ubatch=ubatch, eos_id=eos)
+    gen_lib.generate(loaded.runner, kv, prompt, n_predict, sampling=sampling, ubatch=ubatch, eos_id=eos,
+                     on_phase=getattr(kv, "enter", None))
     del kv
     kv, info = new_kv()
-  res = gen_lib.generate(loaded.runner, kv, prompt, n_predict, sampling=sampling, ubatch=ubatch, eos_id=eos)
+  res = gen_lib.generate(loaded.runner, kv, prompt, n_predict, sampling=sampling, ubatch=ubatch, eos_id=eos,
+                         on_phase=getattr(kv, "enter", None))
   text = loaded.tokenizer.decode(res.tokens) if loaded.tokenizer is not None else ""
   if fv["json"].value:
     metrics = dict(res.metrics)

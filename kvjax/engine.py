@@ -277,18 +277,21 @@ def _n_recurrent(split_group) -> int:
   return len(state["recurrent"]) if "recurrent" in state else 0
 
 
-def group_step_workspace_bytes(runner: "Runner", rows: int, pool_pages: int = 4) -> int:
+def group_step_workspace_bytes(runner: "Runner", rows: int, max_tokens: Optional[int] = None) -> int:
   """Device scratch of the compiled group step for `rows` query rows (XLA memory analysis).
 
-  The prefill phase runs `rows = ubatch` (chunked Gated DeltaNet), decode `rows = 1`.
+  The prefill phase runs `rows = ubatch` (chunked Gated DeltaNet), decode `rows = 1`. The page
+  table is sized for `max_tokens`; the pool argument is donated (aliased to the output), so the
+  pool size does not enter.
   """
   from kvjax.arena import workspace_bytes_from_compiled
   cfg, layout = runner.cfg, runner.layout
-  gd, gs = runner.groups[0]
-  st = runner.zero_states()[0]
-  dtype = runner.token_embd.dtype
+  k = next((i for i, a in enumerate(runner.attn_index) if a is not None), 0)
+  gd, gs = runner.groups[k]
+  st = runner.zero_states()[k]
+  pages = layout.pages_for(max_tokens) if max_tokens else 4
   compiled = _group_step.lower(
-      gd, gs, jnp.zeros((rows, cfg.hidden_size), dtype), st,
-      jnp.zeros((pool_pages, layout.page_bytes), jnp.uint8), jnp.zeros((pool_pages,), jnp.int32),
+      gd, gs, jnp.zeros((rows, cfg.hidden_size), runner.token_embd.dtype), st,
+      jnp.zeros((min(pages, 4), layout.page_bytes), jnp.uint8), jnp.zeros((pages,), jnp.int32),
       jnp.int32(0), jnp.int32(rows), layout=layout, opts=runner.opts, chunked=rows > 1).compile()
   return workspace_bytes_from_compiled(compiled)

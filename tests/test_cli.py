@@ -275,3 +275,36 @@ def test_subprocess_gguf_equals_builtin_tiny(tmp_path, plain_run):
                      capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
   assert p.returncode == 1
   assert p.stderr.strip() == "kvjax: error: --model 'missing.gguf': no such file (expected a .gguf path or 'tiny')"
+
+
+def test_adaptive_policy_streams_identically(capsys, plain_run):
+  rc, out, _ = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, "--kv-stream-pool-pages=9",
+                        "--kv-stream-policy=adaptive")
+  assert rc == 0
+  d = json_line(out)
+  assert d["tokens"] == plain_run["tokens"]
+  m = d["metrics"]
+  assert m["kv_policy"] == "adaptive" and m["pool_pages"] == 9 and m["streamed_pages"] > 0
+
+
+def test_phased_arena_streams_identically(capsys, plain_run):
+  rc, out, _ = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, "--kv-stream-arena-mib=2.5",
+                        "--kv-stream-phased")
+  assert rc == 0
+  d = json_line(out)
+  assert d["tokens"] == plain_run["tokens"]
+  m = d["metrics"]
+  assert m["kv"] == "streamed+phased"
+  # the decode layout's pool is larger than the prefill layout's by the workspace difference
+  assert m["decode_pool_pages"] > m["prefill_pool_pages"]
+  page_mib = m["pool_mib"] / m["pool_pages"]
+  diff = (m["prefill_workspace_mib"] - m["decode_workspace_mib"]) / page_mib
+  assert abs((m["decode_pool_pages"] - m["prefill_pool_pages"]) - diff) <= 1.0
+  assert m["pool_pages"] == m["decode_pool_pages"]  # generation ended in the decode phase
+  assert m["rebinds"] == 2                          # prefill layout, then decode layout
+
+
+def test_phased_needs_an_arena(capsys):
+  rc, _, err = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, "--kv-stream-pool-pages=9",
+                        "--kv-stream-phased")
+  assert_one_line_error(rc, err, "--kv-stream-phased needs --kv-stream-arena-mib")

@@ -130,29 +130,21 @@ class StreamedKV:
     self.prefetch_depth = prefetch_depth  # layers whose copies are in flight ahead of the compute
     n_target = cfg.num_attention_layers
     self.n_layers = n_target + (1 if cfg.has_mtp else 0)
-    if len(stream.resident_pages_per_layer) != self.n_layers:
-      raise ValueError(f"stream config has {len(stream.resident_pages_per_layer)} resident capacities; "
-                       f"the model has {self.n_layers} cache layers")
-    if stream.ring_slots < 1:
-      raise StreamBudgetError(f"no ring slots: resident regions take {stream.resident_total} of "
-                              f"{stream.pool_pages} pages")
+    self._check_stream(stream)
     max_pages = layout.pages_for(max_tokens)
     self.max_tokens = max_pages * layout.page_tokens
     self.histories = {"target": HostHistory("target", layout, n_target, max_pages, stream.copy_pages, pinned)}
     if cfg.has_mtp:
       self.histories["mtp"] = HostHistory("mtp", layout, 1, max_pages, stream.copy_pages, pinned)
     self.max_pages = max_pages
-    self.pool_pn = jnp.zeros((stream.pool_pages, layout.page_bytes), jnp.uint8)
-    caps = stream.resident_pages_per_layer
-    self.resident_base = np.concatenate([[0], np.cumsum(caps)[:-1]]).astype(np.int64)
-    self.ring_base = stream.resident_total
-    self.ring_head = 0
+    self.pool_pn = None
     self.resident_valid = np.zeros((self.n_layers,), np.int64)  # valid prefix pages on the device
+    self.plans: Dict[int, SpanPlan] = {}
+    self._bind(stream)
     self._pending: Dict[int, KVRows] = {}
     self._staged: Dict[int, List[Tuple[int, jax.Array]]] = {}
     self._slots: Dict[int, np.ndarray] = {}
     self._order: Tuple[int, ...] = ()
-    self.plans: Dict[int, SpanPlan] = {}
     self.counters = dict(h2d_bytes=0, h2d_calls=0, ring_wraps=0, streamed_pages=0, readiness_misses=0,
                          forwards=0, copy_issue_ms=0.0, max_spans=0)
 
@@ -160,15 +152,23 @@ class StreamedKV:
   def rebind(self, stream: StreamConfig) -> None:
     """Adopt a new physical split. The host history is authoritative, so the resident mirror is
     simply rebuilt from it (lazily, page by page, on the next forwards)."""
+    self._check_stream(stream)
+    if stream.copy_pages != self.stream.copy_pages:
+      raise ValueError("copy_pages is fixed for the lifetime of the host histories")
+    self._bind(stream)
+    self.counters["rebinds"] = self.counters.get("rebinds", 0) + 1
+
+  def _check_stream(self, stream: StreamConfig) -> None:
     if len(stream.resident_pages_per_layer) != self.n_layers:
       raise ValueError(f"stream config has {len(stream.resident_pages_per_layer)} resident capacities; "
                        f"the model has {self.n_layers} cache layers")
     if stream.ring_slots < 1:
       raise StreamBudgetError(f"no ring slots: resident regions take {stream.resident_total} of "
                               f"{stream.pool_pages} pages")
-    if stream.copy_pages != self.stream.copy_pages:
-      raise ValueError("copy_pages is fixed for the lifetime of the host histories")
-    if stream.pool_pages != self.stream.pool_pages:
+
+  def _bind(self, stream: StreamConfig) -> None:
+    """Lay out resident regions and the ring in a pool of `stream.pool_pages` (reused if same size)."""
+    if self.pool_pn is None or int(self.pool_pn.shape[0]) != stream.pool_pages:
       self.pool_pn = None  # free the old buffer before taking the new one
       self.pool_pn = jnp.zeros((stream.pool_pages, self.layout.page_bytes), jnp.uint8)
     self.stream = stream
@@ -178,7 +178,6 @@ class StreamedKV:
     self.ring_head = 0
     self.resident_valid[:] = 0
     self.plans.clear()
-    self.counters["rebinds"] = self.counters.get("rebinds", 0) + 1
 
   def reset(self) -> None:
     """Start a new request: forget every token (host and device)."""
