@@ -83,3 +83,20 @@ def test_adaptive_policy_split_streams_identically(setup):
   r = kv.policy_state.resident_pages_per_layer
   assert kv.stream.resident_pages_per_layer == (r,) * 3
   assert kv.counters["streamed_pages"] > 0
+
+
+def test_adaptive_policy_receives_feedback(setup):
+  """The feedback window is fed from the provider's counters and reaches the policy."""
+  cfg, runner, layout = setup
+  max_tokens = 400
+  prompt = list(np.random.default_rng(6).integers(0, cfg.vocab_size, 300))
+  kv = AdaptiveStreamedKV(cfg, layout, max_tokens, pool_pages=48, copy_pages=2)
+  kv.timing_interval = 1  # time one upload every forward
+  generate.generate(runner, kv, prompt, 30, ubatch=UBATCH)
+  used = [d for d in kv.decisions if d.feedback_used]
+  assert used, "no decision used feedback"
+  assert kv.counters["timed_bytes"] > 0 and kv.counters["timed_copy_ms"] > 0
+  assert kv.counters["ring_peak_slots"] > 0
+  fb = kv.window.feedback()
+  assert fb.available and 0.0 <= fb.copy_busy_ratio <= 1.0
+  assert fb.samples == kv.window.samples and fb.misses <= fb.samples

@@ -18,7 +18,11 @@ reference design's.
 `AdaptiveStreamedKV` asks `kvjax.policy.step` before every forward and applies
 its resident pages per layer (uniform placement: every layer keeps the same
 resident prefix; the policy's concentrated placement needs a page-granular
-resident allocator, not built yet).
+resident allocator, not built yet). Its feedback comes from a
+`policy.FeedbackWindow` fed after every forward with the provider's counters:
+samples = layers served, misses = readiness misses, peak ring slots in use,
+copy time of the sampled (timed) uploads over the forward's wall time. A
+repartition starts a new feedback epoch (the policy re-baselines).
 """
 
 from __future__ import annotations
@@ -131,13 +135,16 @@ class AdaptiveStreamedKV(StreamedKV):
     split = self._policy_split(self.policy_state, pool_pages, n_layers, copy_pages)
     super().__init__(cfg, layout, max_tokens, split, pinned)
     self.decisions = []
+    self.window = policy_lib.FeedbackWindow()
+    self._last = dict(self.counters)
 
   @staticmethod
   def _policy_split(state, pool_pages, n_layers, copy_pages) -> StreamConfig:
     return StreamConfig(pool_pages, (state.resident_pages_per_layer,) * n_layers, copy_pages)
 
   def begin_forward(self, pos, n_tokens, cache_layers):
-    obs = policy_lib.Observation(active_tokens=pos + n_tokens, query_tokens=n_tokens,
+    feedback = self.window.roll() if self.window.elapsed_ms > 0 else None
+    obs = policy_lib.Observation(active_tokens=pos + n_tokens, query_tokens=n_tokens, feedback=feedback,
                                  uniform_prefill=n_tokens > policy_lib.DECODE_QUERY_ROWS)
     decision = policy_lib.step(self.policy_config, self.policy_state, obs)
     old = self.policy_state
@@ -151,3 +158,20 @@ class AdaptiveStreamedKV(StreamedKV):
       raise
     self.policy_state = decision.next
     self.decisions.append(decision)
+    if decision.partition_changed:
+      self.window.new_epoch()
+    self._ring_peak_before = self.counters["ring_peak_slots"]
+    self.counters["ring_peak_slots"] = 0   # per-forward peak for the window
+
+  def end_forward(self):
+    n_layers = len(self._order)
+    super().end_forward()
+    c, last = self.counters, self._last
+    d = {k: c[k] - last[k] for k in ("elapsed_ms", "timed_copy_ms", "h2d_bytes", "timed_bytes",
+                                      "readiness_misses")}
+    self.window.add(elapsed_ms=max(d["elapsed_ms"], 1e-6), copy_ms=d["timed_copy_ms"],
+                    bytes=int(d["h2d_bytes"]), timed_bytes=int(min(d["timed_bytes"], d["h2d_bytes"])),
+                    samples=n_layers, misses=int(min(d["readiness_misses"], n_layers)),
+                    peak_slots=int(c["ring_peak_slots"]))
+    c["ring_peak_slots"] = max(c["ring_peak_slots"], self._ring_peak_before)
+    self._last = dict(c)

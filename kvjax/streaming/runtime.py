@@ -145,8 +145,12 @@ class StreamedKV:
     self._staged: Dict[int, List[Tuple[int, jax.Array]]] = {}
     self._slots: Dict[int, np.ndarray] = {}
     self._order: Tuple[int, ...] = ()
+    self._ring_in_use = 0          # ring slots allocated to layers not yet consumed this forward
+    self._layer_streamed: Dict[int, int] = {}
+    self.timing_interval = 16      # every N-th forward, one upload is timed (synchronised) for copy-busy
     self.counters = dict(h2d_bytes=0, h2d_calls=0, ring_wraps=0, streamed_pages=0, readiness_misses=0,
-                         forwards=0, copy_issue_ms=0.0, max_spans=0)
+                         forwards=0, copy_issue_ms=0.0, max_spans=0,
+                         ring_peak_slots=0, timed_copy_ms=0.0, timed_bytes=0, elapsed_ms=0.0)
 
   # -- re-layout (phase change, policy repartition, new request) ---------------------
   def rebind(self, stream: StreamConfig) -> None:
@@ -225,6 +229,10 @@ class StreamedKV:
     self._pending.clear()
     self._staged.clear()
     self._slots.clear()
+    self._ring_in_use = 0
+    self._layer_streamed.clear()
+    self._t_begin = time.perf_counter()
+    self._time_next_copy = self.timing_interval > 0 and self.counters["forwards"] % self.timing_interval == 0
     for a in self._order[:self.prefetch_depth]:
       self._prefetch(a)
 
@@ -244,10 +252,19 @@ class StreamedKV:
     self.ring_head = (head + streamed) % ring
     self._slots[a] = slots
     self.counters["streamed_pages"] += streamed
+    self._layer_streamed[a] = streamed
+    self._ring_in_use += streamed
+    self.counters["ring_peak_slots"] = max(self.counters["ring_peak_slots"], min(self._ring_in_use, ring))
     # upload pages that hold committed tokens; pages past them are only written this forward
     t0 = time.perf_counter()
-    self._staged[a] = self._upload(hist, l, live, min(self._active, self._content))
+    self._staged[a] = staged = self._upload(hist, l, live, min(self._active, self._content))
     self.counters["copy_issue_ms"] += (time.perf_counter() - t0) * 1e3
+    if self._time_next_copy and staged:
+      # copy-busy sampling: time this layer's uploads to completion (they were just issued)
+      jax.block_until_ready([st.array for st in staged])
+      self.counters["timed_copy_ms"] += (time.perf_counter() - t0) * 1e3
+      self.counters["timed_bytes"] += sum(int(st.array.nbytes) for st in staged)
+      self._time_next_copy = False
 
   def _upload(self, hist: HostHistory, l: int, lo: int, hi: int) -> List[_Staged]:
     """Issue host->device copies of logical pages [lo, hi): whole pinned copy units where the
@@ -353,6 +370,7 @@ class StreamedKV:
   def end_layer(self, cache_layer: int, pool_pn, rows: KVRows) -> None:
     self.pool_pn = pool_pn
     self._pending[cache_layer] = rows
+    self._ring_in_use -= self._layer_streamed.get(cache_layer, 0)
 
   def end_forward(self) -> None:
     rows = jax.device_get(self._pending)   # one D2H of every layer's new rows
@@ -363,6 +381,7 @@ class StreamedKV:
       self.resident_valid[a] = live
     self._pending.clear()
     self.counters["forwards"] += 1
+    self.counters["elapsed_ms"] += (time.perf_counter() - self._t_begin) * 1e3
 
   # -- reporting -------------------------------------------------------------------
   @property
