@@ -31,7 +31,7 @@ def get_config():
   c.attn_impl = "reference"
   c.block_pages = 1
   c.prompt = ("The history lives on the host, where every page is written once and read many times. "
-              "A streamed cache keeps recent pages on the device and brings older pages back in a ring.")
+              "A streamed cache keeps some pages on the device and brings the others back through a ring.")
   c.prompt_tokens = 0
   c.n_predict = 32
   c.ubatch = 64
