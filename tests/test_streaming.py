@@ -216,3 +216,24 @@ def test_pinned_chunks_stream_identically():
   assert kv.counters["max_spans"] == 3  # resident, ring before the wrap, ring after it
   chunks = kv.histories["target"]._pinned_chunks
   assert chunks and all(arr.sharding.memory_kind == "pinned_host" for arr, _ in chunks.values())
+
+
+def test_mtp_layer_streams_like_plain():
+  """The MTP head's own cache layer (logical cache "mtp") streams through the shared ring too."""
+  cfg = config.tiny()
+  model = engine.build_model(cfg, weights.random_tensors(cfg, 4).items())
+  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", page_tokens=16)
+  runner = engine.Runner(model, layout)
+  tokens = np.random.default_rng(9).integers(0, cfg.vocab_size, 120).astype(np.int32)
+  n = len(tokens)
+  results = []
+  for kv in (engine.PlainKV(cfg, layout, 128),
+             StreamedKV(cfg, layout, 128, fixed_split(12, 3, 128, layout, copy_pages=2))):
+    out = runner.forward(tokens, 0, n, runner.zero_states(), kv)
+    logits, _ = runner.mtp_forward(out.hn_se[:-1], tokens[1:], 0, n - 1, kv)
+    results.append((np.asarray(out.logits_rv), np.asarray(logits), kv))
+  (t_plain, m_plain, _), (t_str, m_str, skv) = results
+  np.testing.assert_array_equal(t_plain, t_str)
+  np.testing.assert_array_equal(m_plain, m_str)
+  assert skv.histories["mtp"].tokens[0] == n - 1
+  assert skv.plans[2].kinds == ("resident", "ring")  # the MTP layer streamed
