@@ -89,3 +89,25 @@ def test_sweep_fixed_span(tmp_path):
     assert os.path.getsize(os.path.join(out, "results.png")) > 1000
   except ImportError:
     assert not os.path.exists(os.path.join(out, "results.png"))
+
+
+def test_bench_decode_smoke(tmp_path):
+  """The GPU decode benchmark runs end to end at tiny scale and its table is self-consistent."""
+  out = str(tmp_path / "bd")
+  p = _run([os.path.join(REPO, "experiments", "bench_decode.py"), "--model=tiny", "--dtype=float32",
+            "--contexts=4096", "--arena_mib=1.5", "--page_tokens=64", "--copy_pages=4", "--prompt=64",
+            "--decode_steps=2", "--block_pages=4", "--diagnose", f"--out={out}"], cwd=str(tmp_path))
+  log = json.load(open(os.path.join(out, "bench_decode.json")))
+  (row,) = log["rows"]
+  assert row["context"] == 4096 and row["resident_ms"] > 0 and row["streamed_ms"] > 0
+  assert row["streamed_mib_per_forward"] > 0 and row["h2d_calls_per_forward"] > 0
+  layout = PageLayout(2, 64, "q8_0", "q4_0", 64)
+  assert log["pool_pages"] == int((1.5 * 2**20 - log["decode_workspace_mib"] * 2**20) // layout.page_bytes)
+  assert row["resident_pages_per_layer"] * 3 + row["ring_slots"] == log["pool_pages"]
+  assert "diag_upload_ms" in row and "context" in p.stdout
+
+
+def test_bench_h2d_smoke(tmp_path):
+  p = _run([os.path.join(REPO, "experiments", "bench_h2d.py"), "--sizes_mib=1", "--reps=1"], cwd=str(tmp_path))
+  lines = [l for l in p.stdout.splitlines() if l.strip().startswith("1 ")]
+  assert len(lines) == 5  # five copy variants measured
