@@ -91,6 +91,14 @@ def _generate_flags(fv: flags.FlagValues) -> None:
                        "many pages (resident + ring)", flag_values=fv)
   flags.DEFINE_integer("kv-stream-copy-pages", 32, "host->device copy unit in pages (a power of two)",
                        flag_values=fv)
+  flags.DEFINE_enum("spec-type", "none", ["none", "draft-mtp", "ngram-simple"],
+                    "speculative decoding (greedy only): drafts from the attached MTP head or from the "
+                    "sequence's own n-grams, verified by the target with recurrent-state rollback",
+                    flag_values=fv)
+  flags.DEFINE_integer("spec-draft-n-max", 3, "drafts per round (verify width 1 + n)", flag_values=fv)
+  flags.DEFINE_float("spec-draft-p-min", 0.0, "MTP drafting stops below this top-1 probability",
+                     flag_values=fv)
+  flags.DEFINE_integer("spec-ngram-size-n", 12, "ngram-simple match key length", flag_values=fv)
   flags.DEFINE_enum("kv-stream-policy", "fixed", ["fixed", "adaptive"],
                     "resident/ring split: fixed, or adaptive (kvjax.policy, re-evaluated every forward)",
                     flag_values=fv)
@@ -343,14 +351,31 @@ def cmd_generate(fv: flags.FlagValues, out=None) -> int:
     return make_kv(loaded.runner, ctx, arena_mib=arena_mib, pool_pages=pool_pages, copy_pages=copy_pages,
                    policy=fv["kv-stream-policy"].value, phased=fv["kv-stream-phased"].value, ubatch=ubatch)
 
+  spec_type = fv["spec-type"].value
+  if spec_type != "none":
+    from kvjax import speculative  # pylint: disable=import-outside-toplevel
+    if sampling.temperature != 0.0:
+      raise UsageError("--spec-type verifies greedily: use --temperature 0")
+    if fv["kv-stream-phased"].value:
+      raise UsageError("--spec-type with --kv-stream-phased is not supported yet")
+    draft = speculative.DraftParams("mtp" if spec_type == "draft-mtp" else "ngram",
+                                    fv["spec-draft-n-max"].value, fv["spec-draft-p-min"].value,
+                                    fv["spec-ngram-size-n"].value)
+    ctx = max(ctx, len(prompt) + n_predict + draft.n_max)  # verify rows may run past the last token
+
+  def run_once(kv):
+    if spec_type != "none":
+      return speculative.generate_speculative(loaded.runner, kv, prompt, n_predict, draft, ubatch=ubatch,
+                                              eos_id=eos)
+    return gen_lib.generate(loaded.runner, kv, prompt, n_predict, sampling=sampling, ubatch=ubatch,
+                            eos_id=eos, on_phase=getattr(kv, "enter", None))
+
   kv, info = new_kv()
   if fv["warmup"].value:
-    gen_lib.generate(loaded.runner, kv, prompt, n_predict, sampling=sampling, ubatch=ubatch, eos_id=eos,
-                     on_phase=getattr(kv, "enter", None))
+    run_once(kv)
     del kv
     kv, info = new_kv()
-  res = gen_lib.generate(loaded.runner, kv, prompt, n_predict, sampling=sampling, ubatch=ubatch, eos_id=eos,
-                         on_phase=getattr(kv, "enter", None))
+  res = run_once(kv)
   text = loaded.tokenizer.decode(res.tokens) if loaded.tokenizer is not None else ""
   if fv["json"].value:
     metrics = dict(res.metrics)

@@ -116,6 +116,7 @@ class KVProvider(Protocol):
   def layer_kv(self, cache_layer: int) -> Tuple[jax.Array, jax.Array]: ...
   def end_layer(self, cache_layer: int, pool_pn: jax.Array, rows: KVRows) -> None: ...
   def end_forward(self) -> None: ...
+  def truncate(self, cache: str, tokens: int) -> None: ...
 
 
 def cache_layers_of(cfg: ModelConfig) -> Tuple[int, ...]:
@@ -150,6 +151,12 @@ class PlainKV:
 
   def end_forward(self):
     pass
+
+  def truncate(self, cache: str, tokens: int) -> None:
+    """Forget rows >= tokens of logical cache "target" or "mtp". Rows past a forward's kv_len are
+    never read and get overwritten, so the device pool needs no change."""
+    if cache not in ("target", "mtp"):
+      raise ValueError(f"unknown logical cache {cache!r}; caches: target, mtp")
 
   def layer_bytes(self, cache_layer: int, n_tokens: int) -> np.ndarray:
     """Host copy of the first pages of one layer (for byte-level comparisons)."""
@@ -197,13 +204,13 @@ def merge_static(structure: StaticStructure, leaves):
   return nnx.merge(structure.graphdef, jax.tree_util.tree_unflatten(structure.treedef, list(leaves)))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "layout", "opts", "chunked"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "layout", "opts", "chunked", "capture"),
                    donate_argnames=("pool_pn",))
 def _group_step(graphdef, state, x_se, rec_states, pool_pn, table_t, pos, n_valid, *, layout, opts,
-                chunked):
+                chunked, capture=False):
   """One LayerGroup. `graphdef` is a `StaticStructure`, `state` its flat leaves."""
   group = merge_static(graphdef, state)
-  return group(x_se, rec_states, pool_pn, table_t, pos, n_valid, layout, opts, chunked)
+  return group(x_se, rec_states, pool_pn, table_t, pos, n_valid, layout, opts, chunked, capture)
 
 
 @jax.jit
@@ -224,6 +231,11 @@ def _mtp_step(graphdef, state, token_embd_ve, output_norm_e, output_ve, hn_se, n
   mtp = merge_static(graphdef, state)
   return mtp(hn_se, token_embd_ve[next_tokens_s], output_norm_e, output_ve, pool_pn, table_t, pos, n_valid,
              layout, opts)
+
+
+def select_row(captured_states, row: int):
+  """Recurrent states captured per row (`capture_states=True`) -> the states after `row`."""
+  return jax.tree_util.tree_map(lambda a: a[row], captured_states)
 
 
 class ForwardOut(NamedTuple):
@@ -256,10 +268,17 @@ class Runner:
     return tuple(tuple(zero_recurrent_state(self.cfg) for _ in range(n)) for n in self.n_recurrent)
 
   def forward(self, tokens_s, pos: int, n_valid: int, rec_states, kv: KVProvider,
-              logits_rows: Optional[np.ndarray] = None) -> ForwardOut:
-    """One forward of S rows (rows >= n_valid are padding) at positions pos.."""
+              logits_rows: Optional[np.ndarray] = None, chunked: Optional[bool] = None,
+              capture_states: bool = False) -> ForwardOut:
+    """One forward of S rows (rows >= n_valid are padding) at positions pos..
+
+    `chunked` (default: S > 1) picks the Gated DeltaNet form; `capture_states` (scan form) returns
+    recurrent states with a leading row axis: the state after each row (see `select_row`).
+    """
     s = int(tokens_s.shape[0])
-    chunked = s > 1
+    chunked = (s > 1) if chunked is None else chunked
+    if capture_states and chunked:
+      raise ValueError("capture_states needs the scan form: pass chunked=False")
     kv.begin_forward(pos, n_valid, tuple(a for a in self.attn_index if a is not None))
     x = _embed_step(self.token_embd, jnp.asarray(tokens_s, jnp.int32))
     pos_a, nv_a = jnp.int32(pos), jnp.int32(n_valid)
@@ -270,7 +289,8 @@ class Runner:
       else:
         pool_pn, table_t = _DUMMY_POOL, _DUMMY_TABLE
       x, st, pool_pn, rows = _group_step(gdef, gstate, x, st, pool_pn, table_t, pos_a, nv_a,
-                                         layout=self.layout, opts=self.opts, chunked=chunked)
+                                         layout=self.layout, opts=self.opts, chunked=chunked,
+                                         capture=capture_states)
       if a is not None:
         kv.end_layer(a, pool_pn, rows)
       new_states.append(st)

@@ -180,12 +180,20 @@ def delta_rule_step(state_hkv, q_hk, k_hk, v_hv, g_h, beta_h):
   return s, o_hv
 
 
-def delta_rule_scan(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh):
-  """Token-by-token gated delta rule (the decode form)."""
+def delta_rule_scan(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, capture: bool = False):
+  """Token-by-token gated delta rule (the decode form).
+
+  With `capture`, the returned state has a leading row axis: the state after
+  each row (speculative verification keeps the one after the last accepted row).
+  """
   def body(s, xs):
-    return delta_rule_step(s, *xs)
-  state_hkv, o_shv = lax.scan(body, state_hkv, (q_shk, k_shk, v_shv, g_sh, beta_sh))
-  return state_hkv, o_shv
+    s, o = delta_rule_step(s, *xs)
+    return s, ((o, s) if capture else o)
+  state_hkv, ys = lax.scan(body, state_hkv, (q_shk, k_shk, v_shv, g_sh, beta_sh))
+  if capture:
+    o_shv, states_shkv = ys
+    return states_shkv, o_shv
+  return state_hkv, ys
 
 
 def delta_rule_chunked(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, chunk: int = GDN_CHUNK):
@@ -244,7 +252,9 @@ class GatedDeltaNet(nnx.Module):
       is_vec = len(shape) == 1 or leaf == "ssm_conv1d.weight"
       setattr(self, attr_name(leaf), _param(shape, jnp.float32 if is_vec else dtype))
 
-  def __call__(self, h_se, state: RecurrentState, n_valid, chunked: bool):
+  def __call__(self, h_se, state: RecurrentState, n_valid, chunked: bool, capture: bool = False):
+    """`chunked`: WY chunked form (prefill) or token scan (decode / verify). `capture` (scan form
+    only): return the state after every row, each field with a leading row axis."""
     cfg = self.cfg
     s = h_se.shape[0]
     Hk, Hv, dk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_head_dim
@@ -259,7 +269,10 @@ class GatedDeltaNet(nnx.Module):
     w = self.ssm_conv1d[...]                                         # [C, K]
     conv_sc = sum(xpad[j:j + s] * w[:, j] for j in range(K))
     conv_sc = jax.nn.silu(conv_sc)
-    new_conv = lax.dynamic_slice_in_dim(xpad, n_valid, K - 1, axis=0)
+    if capture:
+      new_conv = jnp.stack([lax.dynamic_slice_in_dim(xpad, i + 1, K - 1, axis=0) for i in range(s)])
+    else:
+      new_conv = lax.dynamic_slice_in_dim(xpad, n_valid, K - 1, axis=0)
     q, k, v = jnp.split(conv_sc, [Hk * dk, 2 * Hk * dk], axis=-1)
     q = q.reshape(s, Hk, dk)
     k = k.reshape(s, Hk, dk)
@@ -274,8 +287,12 @@ class GatedDeltaNet(nnx.Module):
     m = valid_s[:, None].astype(jnp.float32)
     k, v = k * m[..., None], v * m[..., None]
     g_sh, beta_sh = g_sh * m, beta_sh * m
-    rule = delta_rule_chunked if chunked else delta_rule_scan
-    delta, o_shv = rule(state.delta_hkv, q, k, v, g_sh, beta_sh)
+    if chunked:
+      if capture:
+        raise ValueError("per-row state capture needs the scan form (chunked=False)")
+      delta, o_shv = delta_rule_chunked(state.delta_hkv, q, k, v, g_sh, beta_sh)
+    else:
+      delta, o_shv = delta_rule_scan(state.delta_hkv, q, k, v, g_sh, beta_sh, capture=capture)
     o_shv = rms_norm(o_shv, self.ssm_norm[...], cfg.rms_eps) * jax.nn.silu(z_shv)
     out = linear(o_shv.reshape(s, Hv * dk).astype(self.ssm_out[...].dtype), self.ssm_out[...])
     return out, RecurrentState(new_conv, delta)
@@ -295,9 +312,9 @@ class Block(nnx.Module):
   def _ffn(self, x):
     return x + self.ffn(rms_norm(x, self.post_attention_norm[...], self.eps)).astype(x.dtype)
 
-  def recurrent(self, x_se, state: RecurrentState, n_valid, chunked: bool):
+  def recurrent(self, x_se, state: RecurrentState, n_valid, chunked: bool, capture: bool = False):
     h = rms_norm(x_se, self.attn_norm[...], self.eps)
-    out, state = self.mixer(h, state, n_valid, chunked)
+    out, state = self.mixer(h, state, n_valid, chunked, capture)
     return self._ffn(x_se + out.astype(x_se.dtype)), state
 
   def attend(self, x_se, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset=0):
@@ -313,10 +330,11 @@ class LayerGroup(nnx.Module):
     self.recurrent = nnx.List([Block(cfg, False, dtype) for _ in range(n_recurrent)])
     self.attention = Block(cfg, True, dtype) if has_attention else None
 
-  def __call__(self, x_se, rec_states, pool_pn, table_t, pos, n_valid, layout, opts, chunked):
+  def __call__(self, x_se, rec_states, pool_pn, table_t, pos, n_valid, layout, opts, chunked,
+               capture=False):
     new_states = []
     for blk, st in zip(self.recurrent, rec_states):
-      x_se, st = blk.recurrent(x_se, st, n_valid, chunked)
+      x_se, st = blk.recurrent(x_se, st, n_valid, chunked, capture)
       new_states.append(st)
     rows = None
     if self.attention is not None:

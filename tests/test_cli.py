@@ -308,3 +308,19 @@ def test_phased_needs_an_arena(capsys):
   rc, _, err = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, "--kv-stream-pool-pages=9",
                         "--kv-stream-phased")
   assert_one_line_error(rc, err, "--kv-stream-phased needs --kv-stream-arena-mib")
+
+
+@pytest.mark.parametrize("spec", ["draft-mtp", "ngram-simple"])
+def test_speculative_generation_equals_plain(capsys, plain_run, spec):
+  rc, out, err = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, f"--spec-type={spec}",
+                          "--spec-draft-n-max=3", "--spec-ngram-size-n=2")
+  assert rc == 0, err
+  d = json_line(out)
+  assert d["tokens"] == plain_run["tokens"]
+  m = d["metrics"]
+  assert m["verify_forwards"] >= 1 and m["mtp_draft_accepted"] <= m["mtp_draft_generated"]
+
+
+def test_speculative_needs_greedy(capsys):
+  rc, _, err = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, "--spec-type=draft-mtp", "--temperature=0.7")
+  assert_one_line_error(rc, err, "--temperature 0")

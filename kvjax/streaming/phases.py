@@ -115,6 +115,9 @@ class PhasedKV:
   def reset(self):
     self.kv.reset()
 
+  def truncate(self, cache, tokens):
+    self.kv.truncate(cache, tokens)
+
   def metrics(self):
     m = self.kv.metrics()
     m.update(prefill_pool_pages=self.pool_pages["prefill"], decode_pool_pages=self.pool_pages["decode"],

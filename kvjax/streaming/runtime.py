@@ -183,6 +183,13 @@ class StreamedKV:
     self.resident_valid[:] = 0
     self.plans.clear()
 
+  def truncate(self, cache: str, tokens: int) -> None:
+    """Forget rows >= tokens of logical cache "target" or "mtp" (rejected speculative rows): the host
+    history is authoritative, so that is where they go; device copies past kv_len are never read."""
+    if cache not in self.histories:
+      raise ValueError(f"unknown logical cache {cache!r}; caches: {sorted(self.histories)}")
+    self.histories[cache].truncate(tokens)
+
   def reset(self) -> None:
     """Start a new request: forget every token (host and device)."""
     for h in self.histories.values():
