@@ -88,8 +88,12 @@ def test_rollback_state_is_the_captured_row(setup):
     got = engine.select_row(cap.rec_states, j)
     ga = [np.asarray(x) for x in jax.tree.leaves(got)]
     ra = [np.asarray(x) for x in jax.tree.leaves(ref.rec_states)]
+    assert len(ga) == len(ra) == 2 * sum(runner.n_recurrent)  # conv + delta state per GDN layer
     for x, y in zip(ga, ra):
       np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+  first = jax.tree.leaves(engine.select_row(cap.rec_states, 0))
+  last = jax.tree.leaves(engine.select_row(cap.rec_states, 4))
+  assert any(not np.allclose(a, b) for a, b in zip(first, last))  # the rows really differ
 
 
 def test_draft_params_and_ngram():
