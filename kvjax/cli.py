@@ -63,7 +63,8 @@ def _model_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("cache-type-v", "q4_0", "V cache type: q8_0, q4_0, f16, bf16, f32", flag_values=fv)
   flags.DEFINE_integer("kv-page-tokens", 256, "token positions per KV page", flag_values=fv)
   flags.DEFINE_integer("ubatch-size", 256, "prefill micro-batch (rows per forward)", flag_values=fv)
-  flags.DEFINE_string("attn-impl", "reference", "span attention implementation: reference | triton",
+  flags.DEFINE_string("attn-impl", "auto", "span attention implementation: auto (triton on an NVIDIA GPU, "
+                      "reference elsewhere) | reference | triton",
                       flag_values=fv)
   flags.DEFINE_integer("attn-block-pages", 1, "pages per online-softmax step of the attention core",
                        flag_values=fv)
@@ -166,12 +167,13 @@ def load_runner(model: str = "tiny", *, preset: Optional[str] = None, dtype: str
   from kvjax import engine, tiny, weights  # pylint: disable=import-outside-toplevel
   from kvjax.model import AttentionOptions  # pylint: disable=import-outside-toplevel
   from kvjax_pallas.page_layout import PageLayout  # pylint: disable=import-outside-toplevel
-  from kvjax_pallas.span_attention.api import IMPLEMENTATIONS  # pylint: disable=import-outside-toplevel
+  from kvjax_pallas.span_attention.api import IMPLEMENTATIONS, resolve_implementation  # pylint: disable=import-outside-toplevel
 
   if dtype not in ("float32", "bfloat16"):
     raise UsageError(f"--dtype {dtype!r}: expected float32 or bfloat16")
-  if attn_impl not in IMPLEMENTATIONS:
-    raise UsageError(f"--attn-impl {attn_impl!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
+  if attn_impl not in IMPLEMENTATIONS + ("auto",):
+    raise UsageError(f"--attn-impl {attn_impl!r}: expected auto or one of {', '.join(IMPLEMENTATIONS)}")
+  attn_impl = resolve_implementation(attn_impl)
   if page_tokens < 1:
     raise UsageError(f"--kv-page-tokens must be >= 1, got {page_tokens}")
   if block_pages < 1:
@@ -381,6 +383,7 @@ def cmd_generate(fv: flags.FlagValues, out=None) -> int:
     metrics = dict(res.metrics)
     metrics.update(info)
     metrics["load_s"] = loaded.load_s
+    metrics["attn_impl"] = loaded.runner.opts.implementation
     print(json.dumps({"tokens": [int(t) for t in res.tokens], "text": text, "metrics": metrics},
                      default=_json_default), file=out, flush=True)
   else:

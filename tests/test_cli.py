@@ -321,6 +321,10 @@ def test_speculative_generation_equals_plain(capsys, plain_run, spec):
   assert m["verify_forwards"] >= 1 and m["mtp_draft_accepted"] <= m["mtp_draft_generated"]
 
 
+def test_attn_impl_auto_resolves_on_cpu(plain_run):
+  assert plain_run["metrics"]["attn_impl"] == "reference"  # 'auto' on a CPU backend
+
+
 def test_speculative_needs_greedy(capsys):
   rc, _, err = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, "--spec-type=draft-mtp", "--temperature=0.7")
   assert_one_line_error(rc, err, "--temperature 0")

@@ -30,10 +30,18 @@ from kvjax_pallas.span_attention import kernel_triton as _triton
 IMPLEMENTATIONS = ("reference", "triton")
 
 
+def resolve_implementation(implementation: str) -> str:
+  """"auto" -> the Pallas kernel on an NVIDIA GPU backend, the jnp reference elsewhere."""
+  if implementation == "auto":
+    return "triton" if jax.default_backend() == "gpu" else "reference"
+  _check(implementation)
+  return implementation
+
+
 def _check(implementation: str):
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown span-attention implementation {implementation!r}; "
-                     f"choose one of {IMPLEMENTATIONS}")
+                     f"choose one of {IMPLEMENTATIONS} or 'auto'")
 
 
 def _concrete(x) -> Optional[np.ndarray]:
@@ -81,7 +89,7 @@ def span_attention(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: Pag
                    implementation: str = "reference", interpret: bool = False,
                    precision: str = "tf32", path: Optional[str] = None):
   """o_shd [S, H, D] float32: attention of query rows over the active logical pages."""
-  _check(implementation)
+  implementation = resolve_implementation(implementation)
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len)
   if implementation == "triton":
     return _triton.span_attention_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
@@ -102,7 +110,7 @@ def span_attention_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry,
   For every implementation, waves whose boundaries are multiples of
   `block_pages` pages give the same bits as one call.
   """
-  _check(implementation)
+  implementation = resolve_implementation(implementation)
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len, tile_begin, tile_end)
   if implementation == "triton":
     return _triton.span_attention_partial_triton(
