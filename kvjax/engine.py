@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
-from typing import Dict, Iterable, List, NamedTuple, Optional, Protocol, Tuple
+from typing import Dict, Iterable, NamedTuple, Optional, Protocol, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax.config import MTP_OPTIONAL, ModelConfig, gguf_tensor_shapes
-from kvjax.model import AttentionOptions, KVRows, Qwen38, RecurrentState, layer_groups, output_head, \
+from kvjax.model import AttentionOptions, KVRows, Qwen38, layer_groups, output_head, \
     param_path, rms_norm, zero_recurrent_state
 from kvjax_pallas.page_layout import PageLayout
 
@@ -297,7 +296,6 @@ class Runner:
     kv.end_forward()
     if logits_rows is None:
       logits_rows = np.arange(n_valid)
-    all_rows = np.arange(s)
     logits, hn_all = self.head(x, logits_rows)
     return ForwardOut(logits, hn_all, tuple(new_states))
 

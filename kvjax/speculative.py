@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.engine import KVProvider, Runner, select_row
-from kvjax.generate import GenerationResult, prefill, SequenceState
+from kvjax.generate import GenerationResult, SequenceState
 
 
 @dataclasses.dataclass(frozen=True)

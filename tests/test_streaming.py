@@ -117,14 +117,13 @@ def _span(tok, n, page):
 def valid_plans(draw):
   active = draw(st.integers(1, 10 * 16))
   pages = LAYOUT.pages_for(active)
-  phys = draw(st.permutations(list(range(POOL_PAGES))))[:pages]
   # cut the logical pages into up to 4 runs; each run must be physically contiguous, so we choose the runs'
   # physical starts among free contiguous ranges: simplest is to lay runs at arbitrary distinct bases
   n_cuts = draw(st.integers(0, min(3, pages - 1)))
   cuts = sorted(draw(st.lists(st.integers(1, max(pages - 1, 1)), min_size=n_cuts, max_size=n_cuts,
                                unique=True))) if pages > 1 else []
   bounds = [0] + cuts + [pages]
-  runs, base = [], 0
+  base = 0
   order = draw(st.permutations(list(range(len(bounds) - 1))))
   starts = {}
   for i in order:  # physical placement of runs in a random order, no overlap

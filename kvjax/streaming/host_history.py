@@ -18,7 +18,7 @@ Counters kept distinct (design rule 2): `cache_id` (identity), `generation`
 from __future__ import annotations
 
 import itertools
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import jax
 import numpy as np

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import jax
-import numpy as np
 
 from kvjax import arena as arena_lib
 from kvjax import policy as policy_lib
