@@ -70,8 +70,10 @@ class SequenceState:
     self.pos = 0
     self.rec_states = runner.zero_states()
 
-  def forward(self, tokens: Sequence[int], pad_to: Optional[int] = None, all_logits: bool = False):
-    """Append `tokens`; -> logits of the last row [V] (or of every row [S, V])."""
+  def forward(self, tokens: Sequence[int], pad_to: Optional[int] = None, all_logits: bool = False,
+              with_hidden: bool = False):
+    """Append `tokens`; -> logits of the last row [V] (or of every row [S, V]); with `with_hidden`,
+    also the post-norm hidden of the appended rows [n, E] (what the MTP head consumes)."""
     n = len(tokens)
     s = pad_to or n
     toks = np.zeros((s,), np.int32)
@@ -80,11 +82,13 @@ class SequenceState:
     out = self.runner.forward(toks, self.pos, n, self.rec_states, self.kv, logits_rows=rows)
     self.rec_states = out.rec_states
     self.pos += n
-    return out.logits_rv if all_logits else out.logits_rv[0]
+    logits = out.logits_rv if all_logits else out.logits_rv[0]
+    return (logits, out.hn_se[:n]) if with_hidden else logits
 
 
-def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256):
-  """Feed the prompt in micro-batches; -> logits of its last row."""
+def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256, with_hidden: bool = False):
+  """Feed the prompt in micro-batches; -> logits of its last row (and, with `with_hidden`, the
+  post-norm hidden of every prompt row [len(prompt), E])."""
   if not prompt:
     raise ValueError("empty prompt: at least one token is needed")
   cap = getattr(seq.kv, "max_tokens", None)
@@ -92,10 +96,31 @@ def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256):
     need = seq.pos + len(prompt)
     raise ValueError(f"context full: {need} tokens needed, cache holds {cap} ({need - cap} more; "
                      f"raise --ctx-size)")
-  logits = None
+  logits, hidden = None, []
   for i in range(0, len(prompt), ubatch):
-    logits = seq.forward(prompt[i:i + ubatch], pad_to=ubatch if len(prompt) > 1 else None)
-  return logits
+    out = seq.forward(prompt[i:i + ubatch], pad_to=ubatch if len(prompt) > 1 else None,
+                      with_hidden=with_hidden)
+    if with_hidden:
+      logits, hn = out
+      hidden.append(hn)
+    else:
+      logits = out
+  return (logits, jnp.concatenate(hidden, axis=0)) if with_hidden else logits
+
+
+def generation_metrics(kv: KVProvider, n_prompt: int, n_out: int, t0: float, t1: float,
+                       t2: float) -> Dict[str, float]:
+  """Timing metrics of a generation (prefill t0..t1, decode t1..t2) plus the provider's counters."""
+  n_dec = max(n_out - 1, 0)
+  metrics = {
+      "prompt_tokens": n_prompt, "decode_tokens": n_out,
+      "prompt_ms": (t1 - t0) * 1e3, "predicted_ms": (t2 - t1) * 1e3,
+      "prefill_tps": n_prompt / max(t1 - t0, 1e-9),
+      "decode_tps": n_dec / max(t2 - t1, 1e-9) if n_dec else 0.0,
+  }
+  if hasattr(kv, "metrics"):
+    metrics.update(kv.metrics())
+  return metrics
 
 
 def generate(runner: Runner, kv: KVProvider, prompt: Sequence[int], n_predict: int,
@@ -126,13 +151,4 @@ def generate(runner: Runner, kv: KVProvider, prompt: Sequence[int], n_predict: i
     logits = seq.forward([tok])
     tok = sample_token(logits, sampling, step + 1)
   t2 = time.perf_counter()
-  n_dec = max(len(out) - 1, 0)
-  metrics = {
-      "prompt_tokens": len(prompt), "decode_tokens": len(out),
-      "prompt_ms": (t1 - t0) * 1e3, "predicted_ms": (t2 - t1) * 1e3,
-      "prefill_tps": len(prompt) / max(t1 - t0, 1e-9),
-      "decode_tps": n_dec / max(t2 - t1, 1e-9) if n_dec else 0.0,
-  }
-  if hasattr(kv, "metrics"):
-    metrics.update(kv.metrics())
-  return GenerationResult(out, metrics)
+  return GenerationResult(out, generation_metrics(kv, len(prompt), len(out), t0, t1, t2))

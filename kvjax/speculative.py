@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.engine import KVProvider, Runner, select_row
-from kvjax.generate import GenerationResult, SequenceState
+from kvjax.generate import GenerationResult, SequenceState, generation_metrics, prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,18 +93,8 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
   seq = SequenceState(runner, kv)
   t0 = time.perf_counter()
   # prefill the target; keep every row's post-norm hidden for the MTP catch-up
-  hidden = []
-  logits = None
-  for i in range(0, len(prompt), ubatch):
-    chunk = prompt[i:i + ubatch]
-    toks = np.zeros((ubatch if len(prompt) > 1 else len(chunk),), np.int32)
-    toks[:len(chunk)] = chunk
-    out = runner.forward(toks, seq.pos, len(chunk), seq.rec_states, kv, logits_rows=np.array([len(chunk) - 1]))
-    seq.rec_states, seq.pos = out.rec_states, seq.pos + len(chunk)
-    hidden.append(out.hn_se[:len(chunk)])
-    logits = out.logits_rv[0]
+  logits, hn_se = prefill(seq, prompt, ubatch, with_hidden=True)
   b = int(jnp.argmax(logits))
-  hn_se = jnp.concatenate(hidden, 0)
   # MTP catch-up over the prompt: rows (hn_i, x_{i+1}) for i < C, with x_C = b
   if use_mtp:
     d1, p1, hm = _mtp_catch_up(runner, kv, hn_se, prompt[1:] + [b], 0, ubatch)
@@ -161,19 +151,13 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
     d1, p1, hm = _mtp_catch_up(runner, kv, vout.hn_se[:j + 1], drafts[:j] + [b], c, ubatch)
   t2 = time.perf_counter()
   out_tokens = out_tokens[:n_predict]
-  n_dec = max(len(out_tokens) - 1, 0)
-  metrics = {
-      "prompt_tokens": len(prompt), "decode_tokens": len(out_tokens),
-      "prompt_ms": (t1 - t0) * 1e3, "predicted_ms": (t2 - t1) * 1e3,
-      "prefill_tps": len(prompt) / max(t1 - t0, 1e-9),
-      "decode_tps": n_dec / max(t2 - t1, 1e-9) if n_dec else 0.0,
+  metrics = generation_metrics(kv, len(prompt), len(out_tokens), t0, t1, t2)
+  metrics.update({
       "mtp_draft_generated": drafted, "mtp_draft_accepted": accepted,
       "mtp_acceptance": accepted / drafted if drafted else 0.0,
       "verify_forwards": rounds,
       "realized_verify_width": (drafted + rounds) / rounds if rounds else 0.0,
-  }
-  if hasattr(kv, "metrics"):
-    metrics.update(kv.metrics())
+  })
   return GenerationResult(out_tokens, metrics)
 
 
