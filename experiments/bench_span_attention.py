@@ -43,18 +43,23 @@ flags.DEFINE_integer("q_heads", 24, "query heads")
 flags.DEFINE_integer("head_dim", 256, "head dim")
 flags.DEFINE_integer("page_tokens", 256, "tokens per page")
 flags.DEFINE_integer("block_pages", 4, "logical partition (pages) of the kernel split-K")
-flags.DEFINE_string("precision", "tf32", "kernel dot precision")
+flags.DEFINE_string("precision", kt.DEFAULT_PRECISION, f"kernel dot precision {kt.PRECISIONS}")
 flags.DEFINE_integer("iters", 10, "dependent calls per timed loop")
 flags.DEFINE_integer("rounds", 5, "timed loops (median)")
 flags.DEFINE_float("max_seconds", 300.0, "stop starting new measurements after this")
 flags.DEFINE_bool("sweep", True, "tile sweep for decode at --sweep_context")
 flags.DEFINE_integer("sweep_context", 131072, "context of the tile sweep")
 flags.DEFINE_bool("check", True, "correctness vs the jnp reference at real shapes")
-flags.DEFINE_list("check_precisions", ["tf32", "tf32x3", "ieee", "f16"], "precisions checked (1 row)")
+flags.DEFINE_list("check_precisions", list(kt.PRECISIONS), "precisions checked (1 row)")
+flags.DEFINE_string("compare_module", "", "path of another kernel module (same API) for sweep "
+                    "configs with old=1 (version comparisons)")
 flags.DEFINE_list("check_rows", ["1", "6", "256"], "query tokens checked")
 flags.DEFINE_list("sweep_configs", [], "kernel configs of the sweep as k=v;k=v (empty: built-in list)")
 flags.DEFINE_integer("num_stages", 0, "kernel num_stages (0: path default)")
 flags.DEFINE_integer("reference_max_rows", 6, "skip the jnp reference above this many rows")
+flags.DEFINE_string("profile_config", "", "only run the kernel (config k=v;k=v) at --sweep_context "
+                    "for --profile_calls calls (a target for ncu) and exit")
+flags.DEFINE_integer("profile_calls", 5, "calls in --profile_config mode")
 flags.DEFINE_bool("interpret", False, "run kernels in interpret mode (CPU smoke test)")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_span"), "CSV / log folder")
 
@@ -133,8 +138,17 @@ def _parse_config(text):
   kw = {}
   for item in filter(None, text.split(";")):
     k, v = item.split("=")
-    kw[k] = v if k == "precision" else int(v)
+    kw[k] = v if k == "precision" else (bool(int(v)) if k in ("prefetch", "old", "u16pool") else int(v))
   return kw
+
+
+def _compare_module():
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location("kvjax_compare_kernel", FLAGS.compare_module)
+  mod = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = mod  # dataclasses look their module up
+  spec.loader.exec_module(mod)
+  return mod
 
 
 def _write_csv(results):
@@ -171,14 +185,48 @@ def main(argv):
     return us
 
   def kernel_fn(pool, table, kv_len, q_pos, **kw):
+    mod = kt
+    if kw.pop("u16pool", False):
+      pool = jax.jit(kt.halfword_view)(pool)
+    if kw.pop("old", False):
+      mod = _compare_module()
+      kw.setdefault("precision", "f16")
     kw.setdefault("precision", FLAGS.precision)
     kw.setdefault("block_pages", bp)
     kw.setdefault("interpret", FLAGS.interpret)
     if FLAGS.num_stages:
       kw.setdefault("num_stages", FLAGS.num_stages)
-    return lambda q: kt.span_attention_triton(q, pool, table, kv_len, q_pos, layout=layout, **kw)
+    return lambda q: mod.span_attention_triton(q, pool, table, kv_len, q_pos, layout=layout, **kw)
 
   max_ctx = max(contexts)
+  if FLAGS.profile_config:
+    ctx = FLAGS.sweep_context
+    n_pages = ctx // layout.page_tokens
+    pool, _, _ = _make_pool(layout, n_pages, n_pages + 64)
+    contiguous, _ = _tables(n_pages, n_pages + 64)
+    s = int(rows_list[0])
+    q_pos = jnp.arange(ctx - s, ctx, dtype=jnp.int32)
+    q = jax.random.normal(jax.random.PRNGKey(0), (s, h, d), jnp.float32)
+    fn = jax.jit(kernel_fn(pool, contiguous, ctx, q_pos, **_parse_config(FLAGS.profile_config)))
+    for _ in range(2):  # compile + warm up outside the profiled range
+      q = q + 1e-30 * fn(q)
+    q.block_until_ready()
+    prof = None
+    try:  # ncu --profile-from-start off: profile only the calls below
+      import torch  # pylint: disable=import-outside-toplevel
+      prof = torch.cuda.profiler
+      torch.cuda.init()
+    except Exception:  # no torch: ncu profiles from the start
+      pass
+    if prof is not None:
+      prof.start()
+    for _ in range(FLAGS.profile_calls):
+      q = q + 1e-30 * fn(q)
+    q.block_until_ready()
+    if prof is not None:
+      prof.stop()
+    print(f"profiled {FLAGS.profile_config} at {ctx} tokens, {s} rows", flush=True)
+    return
   # ---- correctness at real shapes ----
   if FLAGS.check:
     ctx = min(32768, max_ctx)
@@ -205,10 +253,9 @@ def main(argv):
     q_pos = jnp.full((1,), ctx - 1, jnp.int32)
     q = jax.random.normal(jax.random.PRNGKey(0), (1, h, d), jnp.float32)
     configs = [_parse_config(c) for c in FLAGS.sweep_configs] or [
-        {}, dict(block_tokens=32), dict(block_tokens=128), dict(num_warps=8),
-               dict(block_tokens=128, num_warps=8), dict(num_stages=2), dict(num_stages=4),
-               dict(block_pages=1), dict(block_pages=2), dict(block_pages=8),
-               dict(precision="tf32x3"), dict(precision="ieee")]
+        {}, dict(prefetch=False), dict(block_tokens=32), dict(block_tokens=128),
+        dict(num_warps=8), dict(block_pages=2), dict(block_pages=8), dict(block_pages=16),
+        dict(precision="f16"), dict(precision="tf32")]
     for kw in configs:
       if _elapsed() > FLAGS.max_seconds:
         break

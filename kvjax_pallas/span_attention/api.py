@@ -7,8 +7,11 @@ implementations:
                combine; runs on NVIDIA GPUs, or anywhere with `interpret=True`.
 
 Kernel-only keyword arguments (ignored by "reference"):
-  precision  "tf32" (default), "tf32x3" or "ieee": the in-kernel f32 dot on
-             GPU. Interpret mode always computes float32 exactly.
+  precision  how the kernel's dots meet the tensor cores (`kernel_triton.PRECISIONS`):
+             "f16" (default, ~3e-4 relative), "f16x3" (16-bit head + tail
+             terms, float32-class ~1e-6), "tf32", "ieee". Interpret mode
+             computes every dot in float32, so only the operand rounding of
+             "f16" shows there.
   path       None (pick by query tokens: 1-2 "vector", 3-8 "matrix",
              9-256 "prefill") or one of those names.
 
@@ -87,7 +90,7 @@ def check_page_table(page_table_t, num_pages: int, layout: PageLayout, kv_len=No
 def span_attention(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: PageLayout,
                    block_pages: int = 1, sm_scale: Optional[float] = None,
                    implementation: str = "reference", interpret: bool = False,
-                   precision: str = "tf32", path: Optional[str] = None):
+                   precision: str = _triton.DEFAULT_PRECISION, path: Optional[str] = None):
   """o_shd [S, H, D] float32: attention of query rows over the active logical pages."""
   implementation = resolve_implementation(implementation)
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len)
@@ -103,7 +106,7 @@ def span_attention(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: Pag
 def span_attention_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end,
                            *, layout: PageLayout, num_q_heads: int, block_pages: int = 1,
                            sm_scale: Optional[float] = None, implementation: str = "reference",
-                           interpret: bool = False, precision: str = "tf32",
+                           interpret: bool = False, precision: str = _triton.DEFAULT_PRECISION,
                            path: Optional[str] = None):
   """Fold logical pages [tile_begin, tile_end) into `carry` (see reference.py).
 

@@ -5,10 +5,10 @@ Two kernels:
 * `_span_kernel` — split-K over fixed LOGICAL partitions of `block_pages`
   pages. Grid (KV head g, row block, partition). A program reads its
   partition's pages through the page table (a plain GMEM ref: no scalar
-  prefetch, which is TPU-only), dequantizes K and V tile by tile from the raw
+  prefetch, which is TPU-only), decodes K and V tile by tile from the raw
   page bytes (never a full-precision copy of the cache), and runs one online
-  softmax over the partition in logical token order. It writes the partition's
-  un-normalised `(m, l, acc)`.
+  softmax over the partition in logical token order. It writes the
+  partition's un-normalised `(m, l, acc)`.
 * `_combine_kernel` — folds the partitions into the carry strictly left to
   right in logical order, so one call equals any sequence of waves whose
   boundaries are multiples of `block_pages` pages, bit for bit. An empty
@@ -17,24 +17,37 @@ Two kernels:
 Neither kernel looks at a physical page number except to form an address, so
 the result depends only on the logical token order (placement invariance).
 
-Page bytes are read as little-endian uint16 halfwords (every ggml block,
-row and plane offset is even). A head row is decoded into "planes" whose
-columns are a fixed permutation of the head dimension:
+Decoding: page bytes are read as little-endian uint16 halfwords (every ggml
+block, row and plane offset is even), gathered as [tokens, blocks, halfwords]
+(one ggml block = 32 values of the head dimension):
 
-* Q8_0 (17 halfwords a block: scale, then 16 pairs of int8): 2 planes,
-  plane e holds dims `blk*32 + 2i + e` (one halfword gives both planes).
-* Q4_0 (9 halfwords a block: scale, then 8 halfwords of 4 nibbles): 4 planes,
-  halfword i of a block holds dims 2i (bits 0-3), 2i+16 (4-7), 2i+1 (8-11),
-  2i+17 (12-15).
-* F16 / BF16: 1 plane, identity.
+* Q8_0 (17 halfwords a block: f16 scale, then 16 halfwords of two int8):
+  the two bytes of halfword i are dims 2i and 2i+1: natural order.
+* Q4_0 (9 halfwords: scale, then 8 halfwords of four nibbles): halfword i
+  holds dims 2i (bits 0-3), 2i+16 (4-7), 2i+1 (8-11), 2i+17 (12-15); the
+  kernel's column c of a block is dim c//2 + 16*(c%2) (undone in the wrapper).
+* F16 / BF16: 32 halfwords a block, natural order, no scale.
 
-The query is permuted into K's plane order in the wrapper (a gather of a few
-KB), and the output is permuted back from V's plane order.
+A quant becomes an f16 integer without an int->float conversion: `0x6400 | b`
+is the f16 number 1024 + b, so `(0x6400 | byte) - 1152` is the signed int8 and
+`(0x6400 | nibble) - 1032` the Q4_0 value, exactly. The block scale ([tokens,
+blocks, 1]) multiplies the values, and one dot per tile takes the whole head
+row: scores `[rows, 256] . [tokens, 256]^T`, output `[rows, tokens] .
+[tokens, 256]`. `precision` says how the float32 side meets the tensor cores:
+
+  "f16"    16-bit operands (bf16 for BF16 pages): ~3e-4 relative error, fastest
+  "f16x3"  each float32 operand split into a 16-bit head and tail (the exact
+           integers / F16 / BF16 values need no tail); three dots (two when one
+           side is exact) give float32-class results (~1e-6)
+  "tf32"   float32 operands on TF32 tensor cores (~3e-4)
+  "ieee"   float32 FMAs (exact float32, slow)
+
+The softmax scale is applied to the scores, not to the query.
 
 Paths (all one kernel body, different tiles; see `select_path`):
-  "vector"  1-2 query tokens  (decode)           row block 16-32, wide key tiles
-  "matrix"  3-8 query tokens  (speculative verify) one row block of <= 64 rows
-  "prefill" 9-256 query tokens (chunk vs history) 64-row blocks, causal skip
+  "vector"  1-2 query tokens  (decode)             row block 16, key tile 32
+  "matrix"  3-8 query tokens  (speculative verify) one row block of <= 64 rows, key tile 32
+  "prefill" 9-256 query tokens (chunk vs history)  64-row blocks, causal skip
 """
 
 from __future__ import annotations
@@ -60,63 +73,26 @@ from kvjax_pallas.span_attention import reference as _ref
 SUPPORTED_PAIRS = (("q8_0", "q4_0"), ("q8_0", "q8_0"), ("f16", "f16"), ("bf16", "bf16"))
 MAX_QUERY_ROWS = 256  # query tokens per call (prefill chunk)
 PATHS = ("vector", "matrix", "prefill")
-PRECISIONS = ("tf32", "tf32x3", "ieee", "f16", "bf16")
-# "f16" / "bf16": dot operands rounded to that type (f32 accumulation). Dequantized
-# Q8_0 / Q4_0 values carry <= 11 significant bits, so f16 loses about what tf32 does.
-_OPERAND_DTYPES = {"f16": jnp.float16, "bf16": jnp.bfloat16}
-_COMBINE_UNROLL = 8  # partitions loaded at once by the combine kernel
+PRECISIONS = ("f16", "f16x3", "tf32", "ieee")  # see the module docstring
+DEFAULT_PRECISION = "f16"
+BLOCK = 32                 # head-dim values per decoded block (the ggml quant block)
+_COMBINE_UNROLL = 8        # partitions loaded at once by the combine kernel
 
-# kind -> (planes, halfwords per 32-value block or None for plain scalars)
-_FORMATS = {"q8_0": (2, 17), "q4_0": (4, 9), "f16": (1, None), "bf16": (1, None)}
+# kind -> (halfwords per 32-value block, data halfword offset, has scale)
+_BLOCK_HW = {"q8_0": (17, 1, True), "q4_0": (9, 1, True), "f16": (32, 0, False),
+             "bf16": (32, 0, False)}
 
 
 def _next_pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 
 
-@dataclasses.dataclass(frozen=True)
-class PlaneMap:
-  """How one KV kind's head row becomes planes [tokens, width] in the kernel."""
-
-  kind: str
-  head_dim: int
-
-  @property
-  def planes(self) -> int:
-    return _FORMATS[self.kind][0]
-
-  @property
-  def width(self) -> int:  # real columns per plane
-    return self.head_dim // self.planes
-
-  @property
-  def width_pad(self) -> int:  # power of two, >= 16 (Triton dot / tensor shapes)
-    return max(16, _next_pow2(self.width))
-
-  def dims(self) -> np.ndarray:
-    """[planes, width] int: head-dim index of each plane column."""
-    d = self.head_dim
-    if self.kind == "q8_0":
-      j = np.arange(d // 2)
-      blk, i = j // 16, j % 16
-      return np.stack([blk * 32 + 2 * i + e for e in range(2)])
-    if self.kind == "q4_0":
-      j = np.arange(d // 4)
-      blk, i = j // 8, j % 8
-      return np.stack([blk * 32 + 2 * i, blk * 32 + 16 + 2 * i,
-                       blk * 32 + 2 * i + 1, blk * 32 + 17 + 2 * i])
-    return np.arange(d)[None]
-
-  def halfword_cols(self):
-    """In-kernel: ([1, Wp] data, [1, Wp] scale or None) halfword offsets in a head row."""
-    j = jnp.minimum(lax.broadcasted_iota(jnp.int32, (1, self.width_pad), 1), self.width - 1)
-    if self.kind == "q8_0":
-      blk, i = j // 16, j % 16
-      return blk * 17 + 1 + i, blk * 17
-    if self.kind == "q4_0":
-      blk, i = j // 8, j % 8
-      return blk * 9 + 1 + i, blk * 9
-    return j, None
+def column_dims(kind: str) -> np.ndarray:
+  """[32] int: the head-dim offset (within a block) of each kernel column of a block."""
+  c = np.arange(BLOCK)
+  if kind == "q4_0":
+    return c // 2 + 16 * (c % 2)
+  return c
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +102,7 @@ class TileConfig:
   block_tokens: int   # BT: keys per inner step (divides page_tokens)
   num_warps: int
   num_stages: int
+  prefetch: bool      # load tile i+1 while computing tile i
 
 
 def select_path(num_tokens: int) -> str:
@@ -143,7 +120,7 @@ def select_path(num_tokens: int) -> str:
 
 def tile_config(num_tokens: int, group: int, page_tokens: int, path: Optional[str] = None,
                 block_tokens: Optional[int] = None, num_warps: Optional[int] = None,
-                num_stages: Optional[int] = None) -> TileConfig:
+                num_stages: Optional[int] = None, prefetch: Optional[bool] = None) -> TileConfig:
   """Tile sizes of a path. `group` = query heads per KV head (rows per token)."""
   auto = select_path(num_tokens)
   path = path or auto
@@ -154,20 +131,17 @@ def tile_config(num_tokens: int, group: int, page_tokens: int, path: Optional[st
     raise ValueError(f"too many query rows for the {path} path: {num_tokens} tokens > {limit}")
   rows = num_tokens * group
   if path == "prefill":
-    bm, bt, nw, ns = min(64, max(16, _next_pow2(rows))), 64, 4, 2
+    bm, bt, nw, ns, pf = min(64, max(16, _next_pow2(rows))), 64, 4, 1, False
   elif path == "matrix":
-    bm, bt, nw, ns = max(16, _next_pow2(rows)), 64, 4, 2
-    if bm > 64:
-      bm = 64
+    bm, bt, nw, ns, pf = min(64, max(16, _next_pow2(rows))), 32, 4, 1, False
   else:
-    bm, bt, nw, ns = max(16, _next_pow2(rows)), 64, 4, 3
-    if bm > 32:
-      bm = 32
+    bm, bt, nw, ns, pf = min(32, max(16, _next_pow2(rows))), 32, 4, 1, False
   bt = block_tokens or bt
   bt = min(bt, _largest_pow2_divisor(page_tokens))
   if bt < 16:
     raise ValueError(f"page_tokens {page_tokens} needs a power-of-two divisor >= 16 for key tiles")
-  return TileConfig(path, bm, bt, num_warps or nw, num_stages or ns)
+  return TileConfig(path, bm, bt, num_warps or nw, num_stages or ns,
+                    pf if prefetch is None else bool(prefetch))
 
 
 def _largest_pow2_divisor(n: int) -> int:
@@ -187,30 +161,66 @@ def check_layout(layout: PageLayout, head_dim: int):
     raise ValueError("page layout offsets must be even (halfword addressing)")
 
 
-def _dot_precision(precision: str, interpret: bool):
-  if interpret:
-    return lax.Precision.HIGHEST  # the CPU interpreter computes float32 exactly
+@dataclasses.dataclass(frozen=True)
+class OperandPlan:
+  dtype: object         # dot operand dtype
+  q_terms: int          # terms of the query / softmax weights
+  kv_terms: int         # terms of the decoded K / V values
+  precision: object     # lax precision of each dot
+
+  def pairs(self):
+    """(i, j) term pairs that are kept: i + j < max terms (drops the tail x tail products)."""
+    n = max(self.q_terms, self.kv_terms)
+    return [(i, j) for i in range(self.q_terms) for j in range(self.kv_terms) if i + j < n]
+
+
+def _operand_plan(precision: str, layout: PageLayout, interpret: bool) -> OperandPlan:
+  if precision not in PRECISIONS:
+    raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
+  exact = lax.Precision.HIGHEST  # the CPU interpreter computes float32 exactly
   if precision == "tf32":
-    return lax.Precision.DEFAULT
-  if precision == "tf32x3":
-    return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return OperandPlan(jnp.float32, 1, 1, exact if interpret else lax.Precision.DEFAULT)
   if precision == "ieee":
-    return lax.Precision.HIGHEST
-  if precision in _OPERAND_DTYPES:
-    return lax.Precision.DEFAULT
-  raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
+    return OperandPlan(jnp.float32, 1, 1, lax.Precision.HIGHEST)
+  kinds = (layout.k_type, layout.v_type)
+  dtype = jnp.bfloat16 if "bf16" in kinds else jnp.float16
+  prec = exact if interpret else lax.Precision.DEFAULT
+  if precision == "f16":
+    return OperandPlan(dtype, 1, 1, prec)
+  if kinds == ("bf16", "bf16"):
+    return OperandPlan(dtype, 3, 1, prec)   # values exact in bf16: 3 x 8 bits of q / p
+  if kinds == ("f16", "f16"):
+    return OperandPlan(dtype, 2, 1, prec)   # values exact in f16: 2 x 11 bits
+  return OperandPlan(dtype, 2, 2, prec)     # scaled quants: head + tail on both sides
 
 
-def _dot_nt(a, b, precision, dtype=None):  # a [M, K] . b [N, K]^T -> [M, N] f32
-  if dtype is not None:
-    a, b = a.astype(dtype), b.astype(dtype)
+_KEEP_BITS = {jnp.dtype(jnp.float16): 0xFFFFE000, jnp.dtype(jnp.bfloat16): 0xFFFF0000}
+
+
+def _split(x, n: int, dtype):
+  """x (f32) -> n terms of `dtype` whose float32 sum approximates x (head first).
+
+  Heads are cut with a bit mask, not a round trip through `dtype` (XLA may
+  remove f32 -> 16 bit -> f32 round trips under its excess-precision rule).
+  """
+  if n == 1 or dtype == jnp.float32:
+    return [x.astype(dtype)]
+  keep = jnp.uint32(_KEEP_BITS[jnp.dtype(dtype)])
+  terms = []
+  for _ in range(n - 1):
+    head = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) & keep, jnp.float32)
+    terms.append(head.astype(dtype))
+    x = x - head
+  terms.append(x.astype(dtype))
+  return terms
+
+
+def _dot_nt(a, b, precision):  # a [M, K] . b [N, K]^T -> [M, N] f32
   return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
                          preferred_element_type=jnp.float32)
 
 
-def _dot_nn(a, b, precision, dtype=None):  # a [M, K] . b [K, N] -> [M, N] f32
-  if dtype is not None:
-    a, b = a.astype(dtype), b.astype(dtype)
+def _dot_nn(a, b, precision):  # a [M, K] . b [K, N] -> [M, N] f32
   return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
                          preferred_element_type=jnp.float32)
 
@@ -222,48 +232,84 @@ def _masked_load(ref, idx, mask, other):
   return pl.load(ref, idx, mask=mask, other=other)  # pragma: no cover (older jax)
 
 
-def _f16_to_f32(w_u16):
-  return lax.bitcast_convert_type(w_u16, jnp.float16).astype(jnp.float32)
+def _f16_bits_to_f32(w):
+  return lax.bitcast_convert_type(w.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
 
 
-def _bf16_to_f32(w_u16):
-  return lax.bitcast_convert_type(w_u16.astype(jnp.int32) << 16, jnp.float32)
+def _load_rows(pool_ref, phys, rows_hw, valid, kind: str, num_blocks: int):
+  """Raw halfwords of a tile of head rows.
 
-
-def _decode_planes(pool_ref, phys, row_hw, kind, cols, scale_cols, valid):
-  """Gather one tile of head rows and decode it into planes of float32.
-
-  row_hw   [BT, 1] int32 halfword offset of each token's head row in the page
-  cols     [1, Wp] int32 halfword offset of each plane column in a head row
-  valid    [BT, 1] bool  rows that may be read (others load 0)
-  -> list of [BT, Wp] float32 planes (padded columns hold junk of column W-1;
-     the matching query / output columns are zero / dropped).
+  rows_hw [BT, 1] int32 halfword offset of each token's head row; valid [BT, 1]
+  -> (data [BT, NB, W] uint16, scale [BT, NB, 1] uint16 or None)
   """
-  bt, wp = row_hw.shape[0], cols.shape[1]
-  mask = jnp.broadcast_to(valid, (bt, wp))
-  w = _masked_load(pool_ref, (phys, row_hw + cols), mask, 0)
-  if kind == "bf16":
-    return [_bf16_to_f32(w)]
-  if kind == "f16":
-    return [_f16_to_f32(w)]
-  s = _f16_to_f32(_masked_load(pool_ref, (phys, row_hw + scale_cols), mask, 0))
-  x = w.astype(jnp.int32)
+  per_block, data_off, scaled = _BLOCK_HW[kind]
+  width = per_block - data_off                      # 16 (q8_0), 8 (q4_0), 32 (f16/bf16)
+  bt = rows_hw.shape[0]
+  blk = lax.broadcasted_iota(jnp.int32, (1, num_blocks, 1), 1) * per_block
+  col = lax.broadcasted_iota(jnp.int32, (1, 1, width), 2) + data_off
+  rows3 = rows_hw[:, :, None]                       # [BT, 1, 1]
+  ok3 = valid[:, :, None]
+  data = _masked_load(pool_ref, (phys, rows3 + blk + col),
+                      jnp.broadcast_to(ok3, (bt, num_blocks, width)), 0)
+  scale = None
+  if scaled:
+    scale = _masked_load(pool_ref, (phys, rows3 + blk), jnp.broadcast_to(ok3, (bt, num_blocks, 1)), 0)
+  return data, scale
+
+
+def _magic(bits_i32, offset: float):
+  """Small non-negative ints -> f16 `value - offset` exactly (0x6400 | v is 1024 + v)."""
+  h = lax.bitcast_convert_type((bits_i32 | 0x6400).astype(jnp.int16), jnp.float16)
+  return h - jnp.float16(offset)
+
+
+def _decode_rows(data, scale, kind: str, f32: bool):
+  """Raw halfwords [BT, NB, W] -> values [BT, NB*32] in kernel column order.
+
+  f32=False: f16 (bf16 for BF16 pages), each value rounded once (the "f16" operand);
+  f32=True: float32, exact (the source of "f16x3" heads / tails and "tf32" / "ieee").
+  """
+  bt, nb, _ = data.shape
+  if kind in ("f16", "bf16"):
+    src = jnp.float16 if kind == "f16" else jnp.bfloat16
+    v = lax.bitcast_convert_type(data, src).reshape(bt, nb * BLOCK)
+    return v.astype(jnp.float32) if f32 else v
+  x = data.astype(jnp.int32)
   if kind == "q8_0":
-    lo = ((x & 0xFF) ^ 0x80) - 0x80
-    hi = (((x >> 8) & 0xFF) ^ 0x80) - 0x80
-    return [lo.astype(jnp.float32) * s, hi.astype(jnp.float32) * s]
-  # q4_0: dims 2i, 2i+16, 2i+1, 2i+17 of the block
-  return [(((x >> sh) & 0xF) - 8).astype(jnp.float32) * s for sh in (0, 4, 8, 12)]
+    lo, hi = (x & 0xFF) ^ 0x80, ((x >> 8) & 0xFF) ^ 0x80      # byte + 128
+    v = jnp.stack([_magic(lo, 1152.0), _magic(hi, 1152.0)], axis=-1).reshape(bt, nb, BLOCK)
+  else:  # q4_0
+    n0, n4, n8, n12 = (_magic((x >> sh) & 0xF, 1032.0) for sh in (0, 4, 8, 12))
+    first = jnp.stack([n0, n8], axis=-1).reshape(bt, nb, 16)     # dims 0..15
+    second = jnp.stack([n4, n12], axis=-1).reshape(bt, nb, 16)   # dims 16..31
+    v = jnp.stack([first, second], axis=-1).reshape(bt, nb, BLOCK)
+  sc = lax.bitcast_convert_type(scale, jnp.float16)               # [BT, NB, 1]
+  if f32:
+    return (v.astype(jnp.float32) * sc.astype(jnp.float32)).reshape(bt, nb * BLOCK)
+  return (v * sc).reshape(bt, nb * BLOCK)  # f16 product = the exact product rounded once
+
+
+def _value_terms(data, scale, kind: str, plan: OperandPlan):
+  if plan.dtype == jnp.float32:
+    return [_decode_rows(data, scale, kind, True)]
+  if plan.kv_terms == 1:
+    return [_decode_rows(data, scale, kind, False)]
+  return _split(_decode_rows(data, scale, kind, True), plan.kv_terms, plan.dtype)
 
 
 def _span_kernel(meta_ref, tab_ref, qpos_ref, q_ref, pool_ref, m_out, l_out, acc_out, *,
-                 layout: PageLayout, kmap: PlaneMap, vmap: PlaneMap, cfg: TileConfig,
-                 block_pages: int, num_phys: int, precision, operand_dtype):
+                 layout: PageLayout, cfg: TileConfig, block_pages: int, num_phys: int,
+                 plan: OperandPlan, sm_scale: float):
+  # meta_ref [4] i32, tab_ref [T] i32, qpos_ref [Mp] i32, q_ref [terms, G, Mp, D] plan.dtype,
+  # pool_ref [P, page_hw] u16 -> m_out, l_out [G, parts, Mp], acc_out [G, parts, Mp, D] f32
   g = pl.program_id(0)
   mb = pl.program_id(1)
   pp = pl.program_id(2)
   bm, bt = cfg.block_rows, cfg.block_tokens
   pt = layout.page_tokens
+  nb = layout.head_dim // BLOCK
+  kk, vk = layout.k_type, layout.v_type
+  prec = plan.precision
   kv_len = meta_ref[0]
   tile_begin = meta_ref[1]
   tile_end = meta_ref[2]       # already clipped to the active pages
@@ -271,7 +317,7 @@ def _span_kernel(meta_ref, tab_ref, qpos_ref, q_ref, pool_ref, m_out, l_out, acc
 
   rows = pl.ds(mb * bm, bm)
   qpos = qpos_ref[rows]                                   # [BM] int32 (-1: padding row)
-  q_planes = [q_ref[g, rows, p, :] for p in range(kmap.planes)]  # [BM, Wk] f32, pre-scaled
+  q_terms = [q_ref[i, g, rows, :] for i in range(plan.q_terms)]  # [BM, D] each, unscaled
 
   page_lo = jnp.maximum(pp * block_pages, tile_begin)
   page_hi = jnp.minimum(pp * block_pages + block_pages, tile_end)
@@ -280,8 +326,6 @@ def _span_kernel(meta_ref, tab_ref, qpos_ref, q_ref, pool_ref, m_out, l_out, acc
   tok_hi = jnp.minimum(tok_end, jnp.max(qpos) + 1)        # causal skip for the whole row block
   n_tiles = jnp.maximum(tok_hi - tok_lo + bt - 1, 0) // bt
 
-  k_cols, k_scols = kmap.halfword_cols()
-  v_cols, v_scols = vmap.halfword_cols()
   k_head_hw = layout.k_head_bytes // 2
   v_head_hw = layout.v_head_bytes // 2
   k_row_hw = layout.k_row_bytes // 2
@@ -290,53 +334,76 @@ def _span_kernel(meta_ref, tab_ref, qpos_ref, q_ref, pool_ref, m_out, l_out, acc
   t_iota = lax.broadcasted_iota(jnp.int32, (bt, 1), 0)
   tk_iota = lax.broadcasted_iota(jnp.int32, (1, bt), 1)
 
-  def body(i, carry):
-    m_i, l_i, accs = carry
+  def load_tile(i):
+    """Raw halfwords of key tile i (masked off past the causal end)."""
     t0 = tok_lo + i * bt
     lp = jnp.minimum(t0 // pt, n_table - 1)
     phys = jnp.clip(tab_ref[lp], 0, num_phys - 1)
-    off = t0 - (t0 // pt) * pt + t_iota                   # [BT, 1] token row within the page
-    valid = (t0 + t_iota) < tok_end                        # [BT, 1]
-    k_rows = off * k_row_hw + g * k_head_hw
-    v_rows = v_base_hw + off * v_row_hw + g * v_head_hw
-    k_planes = _decode_planes(pool_ref, phys, k_rows, kmap.kind, k_cols, k_scols, valid)
-    s = _dot_nt(q_planes[0], k_planes[0], precision, operand_dtype)
-    for p in range(1, kmap.planes):
-      s = s + _dot_nt(q_planes[p], k_planes[p], precision, operand_dtype)  # [BM, BT]
+    in_page = t0 - (t0 // pt) * pt + t_iota               # [BT, 1] token row within the page
+    valid = (t0 + t_iota) < tok_hi
+    k = _load_rows(pool_ref, phys, in_page * k_row_hw + g * k_head_hw, valid, kk, nb)
+    v = _load_rows(pool_ref, phys, v_base_hw + in_page * v_row_hw + g * v_head_hw, valid, vk, nb)
+    return k, v
+
+  def compute(i, raw, m_i, l_i, acc):
+    (k_data, k_scale), (v_data, v_scale) = raw
+    t0 = tok_lo + i * bt
+    k_terms = _value_terms(k_data, k_scale, kk, plan)     # [BT, D] each
+    s = None
+    for a, b in plan.pairs():
+      d = _dot_nt(q_terms[a], k_terms[b], prec)           # [BM, BT]
+      s = d if s is None else s + d
+    s = s * sm_scale
     key = t0 + tk_iota                                     # [1, BT]
     ok = (key < tok_end) & (key <= qpos[:, None])
     s = jnp.where(ok, s, -jnp.inf)
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
     m_use = jnp.where(m_new > -jnp.inf, m_new, 0.0)
-    p_mt = jnp.exp(s - m_use[:, None])
+    p = jnp.exp(s - m_use[:, None])                        # [BM, BT]
     alpha = jnp.exp(m_i - m_use)
-    l_new = l_i * alpha + jnp.sum(p_mt, axis=1)
-    v_planes = _decode_planes(pool_ref, phys, v_rows, vmap.kind, v_cols, v_scols, valid)
-    accs = tuple(a * alpha[:, None] + _dot_nn(p_mt, vp, precision, operand_dtype) for a, vp in zip(accs, v_planes))
-    return m_new, l_new, accs
+    l_new = l_i * alpha + jnp.sum(p, axis=1)
+    v_terms = _value_terms(v_data, v_scale, vk, plan)
+    p_terms = _split(p, plan.q_terms, plan.dtype)
+    upd = None
+    for a, b in plan.pairs():
+      d = _dot_nn(p_terms[a], v_terms[b], prec)           # [BM, D]
+      upd = d if upd is None else upd + d
+    return m_new, l_new, acc * alpha[:, None] + upd
 
   init = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
-          tuple(jnp.zeros((bm, vmap.width_pad), jnp.float32) for _ in range(vmap.planes)))
-  m_f, l_f, accs = lax.fori_loop(0, n_tiles, body, init)
+          jnp.zeros((bm, layout.head_dim), jnp.float32))
+  if cfg.prefetch:
+    def body(i, carry):
+      m_i, l_i, acc, raw = carry
+      nxt = load_tile(i + 1)            # in flight while tile i is computed
+      m_i, l_i, acc = compute(i, raw, m_i, l_i, acc)
+      return m_i, l_i, acc, nxt
+    m_f, l_f, acc, _ = lax.fori_loop(0, n_tiles, body, init + (load_tile(0),))
+  else:
+    def body(i, carry):
+      return compute(i, load_tile(i), *carry)
+    m_f, l_f, acc = lax.fori_loop(0, n_tiles, body, init)
   m_out[g, pp, rows] = m_f
   l_out[g, pp, rows] = l_f
-  for p in range(vmap.planes):
-    acc_out[g, pp, rows, p, :] = accs[p]
+  acc_out[g, pp, rows, :] = acc
 
 
 def _combine_kernel(m_parts, l_parts, acc_parts, m_in, l_in, acc_in, m_out, l_out, acc_out, *,
                     block_rows: int, num_parts: int, unroll: int):
-  """Left fold of the partitions (logical order) into the carry; grid (g, row block, plane)."""
+  """Left fold of the partitions (logical order) into the carry; grid (g, row block, column block).
+
+  Software-pipelined: the loads of group j+1 are issued before group j is
+  folded (a plain loop let the compiler sink each load next to its fold: one
+  memory round trip per partition, 65 us for 64 partitions at 128K).
+  """
   g = pl.program_id(0)
   mb = pl.program_id(1)
-  p = pl.program_id(2)
+  c = pl.program_id(2)
   rows = pl.ds(mb * block_rows, block_rows)
-  m_c = m_in[g, rows]
-  l_c = l_in[g, rows]
-  a_c = acc_in[g, rows, p, :]
+  cols = pl.ds(c * BLOCK, BLOCK)
 
-  def fold(c, part):
-    m_c, l_c, a_c = c
+  def fold(carry, part):
+    m_c, l_c, a_c = carry
     m_p, l_p, a_p = part
     m_new = jnp.maximum(m_c, m_p)
     m_use = jnp.where(m_new > -jnp.inf, m_new, 0.0)
@@ -344,19 +411,26 @@ def _combine_kernel(m_parts, l_parts, acc_parts, m_in, l_in, acc_in, m_out, l_ou
     al_p = jnp.exp(m_p - m_use)
     return (m_new, l_c * al_c + l_p * al_p, a_c * al_c[:, None] + a_p * al_p[:, None])
 
-  def body(j, c):
+  def load_group(j):
+    j = jnp.minimum(j, num_parts // unroll - 1)   # the prefetch past the end re-reads the last
     parts = []
-    for u in range(unroll):  # issue all loads of the group, then fold in order
+    for u in range(unroll):
       q = j * unroll + u
-      parts.append((m_parts[g, q, rows], l_parts[g, q, rows], acc_parts[g, q, rows, p, :]))
-    for part in parts:
-      c = fold(c, part)
-    return c
+      parts.append((m_parts[g, q, rows], l_parts[g, q, rows], acc_parts[g, q, rows, cols]))
+    return tuple(parts)
 
-  m_c, l_c, a_c = lax.fori_loop(0, num_parts // unroll, body, (m_c, l_c, a_c))
-  m_out[g, rows, p] = m_c
-  l_out[g, rows, p] = l_c
-  acc_out[g, rows, p, :] = a_c
+  def body(j, carry):
+    state, parts = carry
+    nxt = load_group(j + 1)
+    for part in parts:
+      state = fold(state, part)
+    return state, nxt
+
+  state = (m_in[g, rows], l_in[g, rows], acc_in[g, rows, cols])
+  (m_c, l_c, a_c), _ = lax.fori_loop(0, num_parts // unroll, body, (state, load_group(0)))
+  m_out[g, rows, c] = m_c
+  l_out[g, rows, c] = l_c
+  acc_out[g, rows, cols] = a_c
 
 
 def _compiler_params(cfg_warps: int, cfg_stages: int, interpret: bool):
@@ -365,30 +439,37 @@ def _compiler_params(cfg_warps: int, cfg_stages: int, interpret: bool):
   return _pltriton.CompilerParams(num_warps=cfg_warps, num_stages=cfg_stages)
 
 
-def _permutations(kmap: PlaneMap, vmap: PlaneMap):
-  """Gather indices: q [.., D] -> [.., NK, WKp] and acc [.., NV*WVp] -> [.., D]."""
-  kd = kmap.dims()                                   # [NK, WK]
-  k_idx = np.full((kmap.planes, kmap.width_pad), -1, np.int64)
-  k_idx[:, :kmap.width] = kd
-  vd = vmap.dims()
-  v_src = np.zeros(vmap.head_dim, np.int64)          # dim -> flat padded plane column
-  for p in range(vmap.planes):
-    v_src[vd[p]] = p * vmap.width_pad + np.arange(vmap.width)
-  v_to_plane = np.zeros((vmap.planes, vmap.width_pad), np.int64)  # padded plane col -> dim
-  v_to_plane[:, :vmap.width] = vd
-  return k_idx, v_src, v_to_plane
+def _v_permutation(vk: str, head_dim: int):
+  """(kernel column -> dim, dim -> kernel column) for V, or (None, None) when the identity."""
+  cd = column_dims(vk)
+  if np.array_equal(cd, np.arange(BLOCK)):
+    return None, None
+  col_to_dim = (np.arange(head_dim) // BLOCK) * BLOCK + np.tile(cd, head_dim // BLOCK)
+  dim_to_col = np.argsort(col_to_dim)
+  return col_to_dim, dim_to_col
+
+
+def halfword_view(pool_pn):
+  """uint8 [P, page_bytes] -> uint16 [P, page_bytes // 2] (little-endian halfwords).
+
+  XLA may materialise this as a copy of the pool; callers that keep a pool for
+  many calls can convert it once and pass the uint16 view instead.
+  """
+  p, nbytes = pool_pn.shape
+  return lax.bitcast_convert_type(pool_pn.reshape(p, nbytes // 2, 2), jnp.uint16)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "precision", "path",
-    "block_tokens", "num_warps", "num_stages"))
+    "block_tokens", "num_warps", "num_stages", "prefetch"))
 def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry: _ref.Carry,
                                   tile_begin, tile_end, *, layout: PageLayout, num_q_heads: int,
                                   block_pages: int = 1, sm_scale: Optional[float] = None,
-                                  interpret: bool = False, precision: str = "tf32",
+                                  interpret: bool = False, precision: str = DEFAULT_PRECISION,
                                   path: Optional[str] = None, block_tokens: Optional[int] = None,
                                   num_warps: Optional[int] = None,
-                                  num_stages: Optional[int] = None) -> _ref.Carry:
+                                  num_stages: Optional[int] = None,
+                                  prefetch: Optional[bool] = None) -> _ref.Carry:
   """Kernel version of `reference.span_attention_partial_reference` (same contract)."""
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads
@@ -399,12 +480,16 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
     raise ValueError(f"q has {h} heads but num_q_heads={num_q_heads}")
   if block_pages < 1:
     raise ValueError(f"block_pages must be >= 1, got {block_pages}")
-  if pool_pn.ndim != 2 or pool_pn.shape[1] != layout.page_bytes:
-    raise ValueError(f"pool must be [pages, {layout.page_bytes}] bytes, got {pool_pn.shape}")
+  if pool_pn.dtype == jnp.uint16:  # a halfword view of the pool (no bitcast in the call)
+    if pool_pn.ndim != 2 or pool_pn.shape[1] * 2 != layout.page_bytes:
+      raise ValueError(f"uint16 pool must be [pages, {layout.page_bytes // 2}], got {pool_pn.shape}")
+  elif pool_pn.dtype != jnp.uint8 or pool_pn.ndim != 2 or pool_pn.shape[1] != layout.page_bytes:
+    raise ValueError(f"pool must be uint8 [pages, {layout.page_bytes}] (or its uint16 view), "
+                     f"got {pool_pn.dtype} {pool_pn.shape}")
   r = h // g
-  cfg = tile_config(s_tok, r, layout.page_tokens, path, block_tokens, num_warps, num_stages)
-  kmap, vmap = PlaneMap(layout.k_type, d), PlaneMap(layout.v_type, d)
-  prec = _dot_precision(precision, interpret)
+  cfg = tile_config(s_tok, r, layout.page_tokens, path, block_tokens, num_warps, num_stages,
+                    prefetch)
+  plan = _operand_plan(precision, layout, interpret)
   scale = (1.0 / d ** 0.5) if sm_scale is None else sm_scale
   bm = cfg.block_rows
   rows = s_tok * r
@@ -416,10 +501,9 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
   n_parts = -(-n_parts // unroll) * unroll
   num_phys = pool_pn.shape[0]
 
-  k_idx, v_src, _ = _permutations(kmap, vmap)
-  qf_gmd = _ref.fold_query(q_shd.astype(jnp.float32), g) * jnp.float32(scale)
+  qf_gmd = _ref.fold_query(q_shd.astype(jnp.float32), g)
   qf_gmd = jnp.pad(qf_gmd, ((0, 0), (0, rows_pad - rows), (0, 0)))
-  q_planes = jnp.where(jnp.asarray(k_idx >= 0), qf_gmd[:, :, np.maximum(k_idx, 0)], 0.0)  # [G,Mp,NK,WKp]
+  q_terms = jnp.stack(_split(qf_gmd, plan.q_terms, plan.dtype))  # [terms, G, Mp, D] (K order = dims)
   qpos_m = jnp.repeat(q_pos_s.astype(jnp.int32), r)
   qpos_m = jnp.pad(qpos_m, (0, rows_pad - rows), constant_values=-1)
   kv_len = jnp.asarray(kv_len, jnp.int32)
@@ -427,44 +511,44 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
   tile_end_c = jnp.minimum(jnp.minimum(jnp.asarray(tile_end, jnp.int32), n_active), n_table)
   meta = jnp.stack([kv_len, jnp.asarray(tile_begin, jnp.int32), tile_end_c,
                     jnp.int32(n_table)]).astype(jnp.int32)
-  pool_u16 = lax.bitcast_convert_type(
-      pool_pn.reshape(num_phys, layout.page_bytes // 2, 2), jnp.uint16)
+  pool_u16 = pool_pn if pool_pn.dtype == jnp.uint16 else halfword_view(pool_pn)
 
-  nv, wvp = vmap.planes, vmap.width_pad
-  kern = functools.partial(_span_kernel, layout=layout, kmap=kmap, vmap=vmap, cfg=cfg,
-                           block_pages=block_pages, num_phys=num_phys, precision=prec,
-                           operand_dtype=_OPERAND_DTYPES.get(precision))
+  kern = functools.partial(_span_kernel, layout=layout, cfg=cfg, block_pages=block_pages,
+                           num_phys=num_phys, plan=plan, sm_scale=float(scale))
   m_p, l_p, acc_p = pl.pallas_call(
       kern,
       grid=(g, n_mb, n_parts),
       out_shape=(jax.ShapeDtypeStruct((g, n_parts, rows_pad), jnp.float32),
                  jax.ShapeDtypeStruct((g, n_parts, rows_pad), jnp.float32),
-                 jax.ShapeDtypeStruct((g, n_parts, rows_pad, nv, wvp), jnp.float32)),
+                 jax.ShapeDtypeStruct((g, n_parts, rows_pad, d), jnp.float32)),
       compiler_params=_compiler_params(cfg.num_warps, cfg.num_stages, interpret),
       interpret=interpret,
       name="kvjax_span_attention",
-  )(meta, page_table_t.astype(jnp.int32), qpos_m, q_planes, pool_u16)
+  )(meta, page_table_t.astype(jnp.int32), qpos_m, q_terms, pool_u16)
 
-  # carry -> padded plane order
-  v_dims = np.zeros((nv, wvp), np.int64)
-  v_dims[:, :vmap.width] = vmap.dims()
+  col_to_dim, dim_to_col = _v_permutation(layout.v_type, d)
   pad_m = ((0, 0), (0, rows_pad - rows))
   m_in = jnp.pad(carry.m_gm, pad_m, constant_values=-jnp.inf)
   l_in = jnp.pad(carry.l_gm, pad_m)
-  acc_in = jnp.pad(carry.acc_gmd, pad_m + ((0, 0),))[:, :, v_dims]      # [G, Mp, NV, WVp]
-  # the combine grid also runs over planes; m/l come back once per plane
+  acc_in = jnp.pad(carry.acc_gmd, pad_m + ((0, 0),))
+  if col_to_dim is not None:
+    acc_in = acc_in[:, :, col_to_dim]                      # dims -> kernel columns
+  # the combine grid also runs over column blocks; m/l come back once per block
+  n_cb = d // BLOCK
   m_c, l_c, acc_c = pl.pallas_call(
       functools.partial(_combine_kernel, block_rows=bm, num_parts=n_parts, unroll=unroll),
-      grid=(g, n_mb, nv),
-      out_shape=(jax.ShapeDtypeStruct((g, rows_pad, nv), jnp.float32),
-                 jax.ShapeDtypeStruct((g, rows_pad, nv), jnp.float32),
-                 jax.ShapeDtypeStruct((g, rows_pad, nv, wvp), jnp.float32)),
-      compiler_params=_compiler_params(4, 2, interpret),
+      grid=(g, n_mb, n_cb),
+      out_shape=(jax.ShapeDtypeStruct((g, rows_pad, n_cb), jnp.float32),
+                 jax.ShapeDtypeStruct((g, rows_pad, n_cb), jnp.float32),
+                 jax.ShapeDtypeStruct((g, rows_pad, d), jnp.float32)),
+      compiler_params=_compiler_params(4, 1, interpret),
       interpret=interpret,
       name="kvjax_span_combine",
   )(m_p, l_p, acc_p, m_in, l_in, acc_in)
-  acc_flat = acc_c.reshape(g, rows_pad, nv * wvp)[:, :rows, v_src]
-  return _ref.Carry(m_c[:, :rows, 0], l_c[:, :rows, 0], acc_flat)
+  acc = acc_c[:, :rows]
+  if dim_to_col is not None:
+    acc = acc[:, :, dim_to_col]                            # kernel columns -> dims
+  return _ref.Carry(m_c[:, :rows, 0], l_c[:, :rows, 0], acc)
 
 
 def span_attention_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: PageLayout,
