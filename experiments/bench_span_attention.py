@@ -60,6 +60,7 @@ flags.DEFINE_integer("reference_max_rows", 6, "skip the jnp reference above this
 flags.DEFINE_string("profile_config", "", "only run the kernel (config k=v;k=v) at --sweep_context "
                     "for --profile_calls calls (a target for ncu) and exit")
 flags.DEFINE_integer("profile_calls", 5, "calls in --profile_config mode")
+flags.DEFINE_integer("copy_probe_mib", 2048, "size of the device copy-bandwidth probe (0: skip)")
 flags.DEFINE_bool("interpret", False, "run kernels in interpret mode (CPU smoke test)")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_span"), "CSV / log folder")
 
@@ -134,6 +135,25 @@ def _cudnn_attention(q_shd, k_tgd, v_tgd):
   return o[0].astype(jnp.float32)
 
 
+def _copy_bandwidth(mib: int):
+  """Measured device bandwidth (GB/s): an elementwise uint32 pass (read + write) and a reduction
+  (read only) over `mib` MiB, median of 5 after a warm-up; bytes = what each must move."""
+  n = mib * 2 ** 20 // 4
+  x = jax.random.bits(jax.random.PRNGKey(7), (n,), jnp.uint32)
+  out = {}
+  for name, fn, nbytes in (("copy", jax.jit(lambda a: a ^ jnp.uint32(1)), 2 * 4 * n),
+                           ("read", jax.jit(lambda a: jnp.bitwise_xor.reduce(a)), 4 * n)):
+    fn(x).block_until_ready()
+    ts = []
+    for _ in range(5):
+      t = time.perf_counter()
+      fn(x).block_until_ready()
+      ts.append(time.perf_counter() - t)
+    out[name] = nbytes / float(np.median(ts)) / 1e9
+  del x
+  return out
+
+
 def _parse_config(text):
   kw = {}
   for item in filter(None, text.split(";")):
@@ -175,6 +195,7 @@ def main(argv):
   rows_list = [int(r) for r in FLAGS.rows]
   contexts = [int(c) for c in FLAGS.contexts]
   results = []
+  copy_gbps = {"copy": float("nan"), "read": float("nan")}
 
   def record(**kw):
     results.append(kw)
@@ -199,6 +220,10 @@ def main(argv):
     return lambda q: mod.span_attention_triton(q, pool, table, kv_len, q_pos, layout=layout, **kw)
 
   max_ctx = max(contexts)
+  if FLAGS.copy_probe_mib and not FLAGS.profile_config:
+    copy_gbps = _copy_bandwidth(FLAGS.copy_probe_mib)
+    record(kind="copy_probe", mib=FLAGS.copy_probe_mib, copy_gbps=copy_gbps["copy"],
+           read_gbps=copy_gbps["read"])
   if FLAGS.profile_config:
     ctx = FLAGS.sweep_context
     n_pages = ctx // layout.page_tokens
@@ -304,7 +329,9 @@ def main(argv):
   # ---- outputs ----
   path = _write_csv(results)
   print(f"\nwrote {path}; {_elapsed():.0f}s total")
-  print(f"{'ctx':>7} {'S':>4} | {'kern us':>8} {'GB/s':>6} {'%HBM':>5} | {'ring us':>8} {'ring/c':>6} | "
+  print(f"device copy {copy_gbps['copy']:.0f} GB/s (read + write), read-only {copy_gbps['read']:.0f} GB/s; "
+        f"%copy = kernel GB/s / copy GB/s, %HBM against {HBM_TBPS} TB/s")
+  print(f"{'ctx':>7} {'S':>4} | {'kern us':>8} {'GB/s':>6} {'%HBM':>5} {'%copy':>5} | {'ring us':>8} {'ring/c':>6} | "
         f"{'xla us':>8} {'xla/k':>5} | {'cudnn us':>8} | {'ref us':>8}")
   for r in results:
     if r.get("kind") != "main":
@@ -312,7 +339,8 @@ def main(argv):
     kc, kr = r.get("kernel_contiguous_us", float("nan")), r.get("kernel_ring_us", float("nan"))
     gb = r.get("kernel_contiguous_gbps", float("nan"))
     xl = r.get("xla_bf16_us", float("nan"))
-    print(f"{r['context']:>7} {r['rows']:>4} | {kc:8.1f} {gb:6.0f} {100 * gb / 1e3 / HBM_TBPS:5.1f} | "
+    print(f"{r['context']:>7} {r['rows']:>4} | {kc:8.1f} {gb:6.0f} {100 * gb / 1e3 / HBM_TBPS:5.1f} "
+          f"{100 * gb / copy_gbps['copy']:5.1f} | "
           f"{kr:8.1f} {kr / kc:6.3f} | {xl:8.1f} {xl / kc:5.2f} | "
           f"{r.get('cudnn_bf16_us', float('nan')):8.1f} | {r.get('reference_us', float('nan')):8.1f}")
 

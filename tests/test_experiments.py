@@ -111,3 +111,25 @@ def test_bench_h2d_smoke(tmp_path):
   p = _run([os.path.join(REPO, "experiments", "bench_h2d.py"), "--sizes_mib=1", "--reps=1"], cwd=str(tmp_path))
   lines = [l for l in p.stdout.splitlines() if l.strip().startswith("1 ")]
   assert len(lines) == 5  # five copy variants measured
+
+
+def test_bench_span_attention_smoke(tmp_path):
+  """The span-kernel benchmark runs end to end in interpret mode: copy probe, correctness check
+  (kernel vs the jnp reference), a sweep row and a main-table row with every baseline column."""
+  out = str(tmp_path / "bs")
+  p = _run([os.path.join(REPO, "experiments", "bench_span_attention.py"), "--interpret",
+            "--contexts=256", "--rows=1", "--sweep_context=256", "--sweep_configs=block_tokens=16",
+            "--check_rows=1", "--check_precisions=f16x3", "--head_dim=64", "--page_tokens=64",
+            "--q_heads=4", "--kv_heads=2", "--iters=1", "--rounds=1", "--copy_probe_mib=8",
+            f"--out_dir={out}"], cwd=str(tmp_path), timeout=600)
+  with open(os.path.join(out, "bench_span_attention.csv"), newline="") as f:
+    rows = list(csv.DictReader(f))
+  kinds = [r["kind"] for r in rows]
+  assert kinds == ["copy_probe", "check", "sweep", "main"], kinds
+  probe, check, sweep, main = rows
+  assert float(probe["copy_gbps"]) > 0 and float(probe["read_gbps"]) > 0
+  assert check["precision"] == "f16x3" and float(check["rel_err_vs_reference"]) < 1e-5
+  assert float(sweep["us"]) > 0 and "block_tokens" in sweep["config"]
+  for col in ("kernel_contiguous_us", "kernel_ring_us", "xla_bf16_us", "reference_us"):
+    assert float(main[col]) > 0, col
+  assert "%copy" in p.stdout and "device copy" in p.stdout
