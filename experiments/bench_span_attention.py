@@ -32,6 +32,7 @@ from jax import lax  # noqa: E402
 
 from kvjax_pallas import ggml_codec  # noqa: E402
 from kvjax_pallas.page_layout import PageLayout  # noqa: E402
+from kvjax_pallas.span_attention import kernel_mosaic as km  # noqa: E402
 from kvjax_pallas.span_attention import kernel_triton as kt  # noqa: E402
 from kvjax_pallas.span_attention import reference as ref  # noqa: E402
 
@@ -60,6 +61,8 @@ flags.DEFINE_integer("reference_max_rows", 6, "skip the jnp reference above this
 flags.DEFINE_string("profile_config", "", "only run the kernel (config k=v;k=v) at --sweep_context "
                     "for --profile_calls calls (a target for ncu) and exit")
 flags.DEFINE_integer("profile_calls", 5, "calls in --profile_config mode")
+flags.DEFINE_bool("mosaic", False, "also time the Mosaic GPU kernel (kernel_mosaic, f16, v1) in "
+                  "the main table and check it in the correctness check")
 flags.DEFINE_integer("copy_probe_mib", 2048, "size of the device copy-bandwidth probe (0: skip)")
 flags.DEFINE_bool("interpret", False, "run kernels in interpret mode (CPU smoke test)")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_span"), "CSV / log folder")
@@ -158,7 +161,7 @@ def _parse_config(text):
   kw = {}
   for item in filter(None, text.split(";")):
     k, v = item.split("=")
-    kw[k] = v if k == "precision" else (bool(int(v)) if k in ("prefetch", "old", "u16pool") else int(v))
+    kw[k] = v if k == "precision" else (bool(int(v)) if k in ("prefetch", "old", "u16pool", "mosaic") else int(v))
   return kw
 
 
@@ -206,6 +209,9 @@ def main(argv):
     return us
 
   def kernel_fn(pool, table, kv_len, q_pos, **kw):
+    if kw.pop("mosaic", False):  # Mosaic GPU v1: f16 operands, no tile options
+      mkw = dict(block_pages=kw.get("block_pages", bp), interpret=kw.get("interpret", FLAGS.interpret))
+      return lambda q: km.span_attention_mosaic(q, pool, table, kv_len, q_pos, layout=layout, **mkw)
     mod = kt
     if kw.pop("u16pool", False):
       pool = jax.jit(kt.halfword_view)(pool)
@@ -263,11 +269,17 @@ def main(argv):
       q_pos = jnp.arange(ctx - s, ctx, dtype=jnp.int32)
       o_ref = ref.span_attention_reference(q, pool, scattered, ctx, q_pos, layout=layout,
                                            block_pages=bp)
-      for prec in FLAGS.check_precisions if s == 1 else (FLAGS.precision,):
-        o = kernel_fn(pool, scattered, ctx, q_pos, precision=prec)(q)
-        err = float(jnp.linalg.norm(o - o_ref) / jnp.linalg.norm(o_ref))
-        record(kind="check", context=ctx, rows=s, precision=prec, rel_err_vs_reference=err,
-               finite=bool(jnp.isfinite(o).all()))
+      checks = [dict(precision=p) for p in (FLAGS.check_precisions if s == 1 else (FLAGS.precision,))]
+      if FLAGS.mosaic:
+        checks.append(dict(mosaic=True))
+      for kw in checks:
+        try:
+          o = kernel_fn(pool, scattered, ctx, q_pos, **kw)(q)
+          err = float(jnp.linalg.norm(o - o_ref) / jnp.linalg.norm(o_ref))
+          record(kind="check", context=ctx, rows=s, precision=kw.get("precision", "mosaic_f16"),
+                 rel_err_vs_reference=err, finite=bool(jnp.isfinite(o).all()))
+        except Exception as e:  # record and go on
+          record(kind="check", context=ctx, rows=s, precision=str(kw), error=str(e)[:300])
 
   # ---- tile sweep (decode) ----
   if FLAGS.sweep:
@@ -310,6 +322,9 @@ def main(argv):
       cases = [("kernel_contiguous", kernel_fn(pool, contiguous, ctx, q_pos), ctx * kv_token),
                ("kernel_ring", kernel_fn(pool, scattered, ctx, q_pos), ctx * kv_token),
                ("xla_bf16", lambda q: _xla_attention(q, k_bf, v_bf, q_pos), ctx * bf16_token)]
+      if FLAGS.mosaic:
+        cases.append(("mosaic_contiguous", kernel_fn(pool, contiguous, ctx, q_pos, mosaic=True),
+                      ctx * kv_token))
       if s == 1:
         cases.append(("cudnn_bf16", lambda q: _cudnn_attention(q, k_bf, v_bf), ctx * bf16_token))
       if s <= FLAGS.reference_max_rows:
@@ -342,7 +357,8 @@ def main(argv):
     print(f"{r['context']:>7} {r['rows']:>4} | {kc:8.1f} {gb:6.0f} {100 * gb / 1e3 / HBM_TBPS:5.1f} "
           f"{100 * gb / copy_gbps['copy']:5.1f} | "
           f"{kr:8.1f} {kr / kc:6.3f} | {xl:8.1f} {xl / kc:5.2f} | "
-          f"{r.get('cudnn_bf16_us', float('nan')):8.1f} | {r.get('reference_us', float('nan')):8.1f}")
+          f"{r.get('cudnn_bf16_us', float('nan')):8.1f} | {r.get('reference_us', float('nan')):8.1f}"
+          + (f" | mosaic {r.get('mosaic_contiguous_us', float('nan')):8.1f}" if FLAGS.mosaic else ""))
 
 
 if __name__ == "__main__":

@@ -174,6 +174,26 @@ class OperandPlan:
     return [(i, j) for i in range(self.q_terms) for j in range(self.kv_terms) if i + j < n]
 
 
+def check_call(q_shd, pool_pn, layout: PageLayout, num_q_heads: int, block_pages: int,
+               layout_check=check_layout):
+  """Argument checks shared by the kernels' wrappers (`layout_check`: the kernel's own)."""
+  _, h, d = q_shd.shape
+  g = layout.num_kv_heads
+  layout_check(layout, d)
+  if h % g:
+    raise ValueError(f"{h} query heads are not a multiple of {g} KV heads")
+  if h != num_q_heads:
+    raise ValueError(f"q has {h} heads but num_q_heads={num_q_heads}")
+  if block_pages < 1:
+    raise ValueError(f"block_pages must be >= 1, got {block_pages}")
+  if pool_pn.dtype == jnp.uint16:  # a halfword view of the pool (no bitcast in the call)
+    if pool_pn.ndim != 2 or pool_pn.shape[1] * 2 != layout.page_bytes:
+      raise ValueError(f"uint16 pool must be [pages, {layout.page_bytes // 2}], got {pool_pn.shape}")
+  elif pool_pn.dtype != jnp.uint8 or pool_pn.ndim != 2 or pool_pn.shape[1] != layout.page_bytes:
+    raise ValueError(f"pool must be uint8 [pages, {layout.page_bytes}] (or its uint16 view), "
+                     f"got {pool_pn.dtype} {pool_pn.shape}")
+
+
 def _operand_plan(precision: str, layout: PageLayout, interpret: bool) -> OperandPlan:
   if precision not in PRECISIONS:
     raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
@@ -402,15 +422,6 @@ def _combine_kernel(m_parts, l_parts, acc_parts, m_in, l_in, acc_in, m_out, l_ou
   rows = pl.ds(mb * block_rows, block_rows)
   cols = pl.ds(c * BLOCK, BLOCK)
 
-  def fold(carry, part):
-    m_c, l_c, a_c = carry
-    m_p, l_p, a_p = part
-    m_new = jnp.maximum(m_c, m_p)
-    m_use = jnp.where(m_new > -jnp.inf, m_new, 0.0)
-    al_c = jnp.exp(m_c - m_use)
-    al_p = jnp.exp(m_p - m_use)
-    return (m_new, l_c * al_c + l_p * al_p, a_c * al_c[:, None] + a_p * al_p[:, None])
-
   def load_group(j):
     j = jnp.minimum(j, num_parts // unroll - 1)   # the prefetch past the end re-reads the last
     parts = []
@@ -423,7 +434,7 @@ def _combine_kernel(m_parts, l_parts, acc_parts, m_in, l_in, acc_in, m_out, l_ou
     state, parts = carry
     nxt = load_group(j + 1)
     for part in parts:
-      state = fold(state, part)
+      state = _ref.merge_partials(state, part)
     return state, nxt
 
   state = (m_in[g, rows], l_in[g, rows], acc_in[g, rows, cols])
@@ -473,19 +484,7 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
   """Kernel version of `reference.span_attention_partial_reference` (same contract)."""
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads
-  check_layout(layout, d)
-  if h % g:
-    raise ValueError(f"{h} query heads are not a multiple of {g} KV heads")
-  if h != num_q_heads:
-    raise ValueError(f"q has {h} heads but num_q_heads={num_q_heads}")
-  if block_pages < 1:
-    raise ValueError(f"block_pages must be >= 1, got {block_pages}")
-  if pool_pn.dtype == jnp.uint16:  # a halfword view of the pool (no bitcast in the call)
-    if pool_pn.ndim != 2 or pool_pn.shape[1] * 2 != layout.page_bytes:
-      raise ValueError(f"uint16 pool must be [pages, {layout.page_bytes // 2}], got {pool_pn.shape}")
-  elif pool_pn.dtype != jnp.uint8 or pool_pn.ndim != 2 or pool_pn.shape[1] != layout.page_bytes:
-    raise ValueError(f"pool must be uint8 [pages, {layout.page_bytes}] (or its uint16 view), "
-                     f"got {pool_pn.dtype} {pool_pn.shape}")
+  check_call(q_shd, pool_pn, layout, num_q_heads, block_pages, check_layout)
   r = h // g
   cfg = tile_config(s_tok, r, layout.page_tokens, path, block_tokens, num_warps, num_stages,
                     prefetch)

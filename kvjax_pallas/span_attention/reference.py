@@ -51,6 +51,22 @@ def init_carry(num_kv_heads: int, rows: int, head_dim: int) -> Carry:
                jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32))
 
 
+def merge_partials(carry, part):
+  """Fold one partition's un-normalised (m, l, acc) into the running (m, l, acc).
+
+  The one merge rule of every implementation (kernel bodies and jnp): rows
+  broadcast over acc's last axis; an empty part (m=-inf, l=0, acc=0) is an
+  exact no-op, and so is an empty carry folded into by the first part.
+  """
+  m_c, l_c, a_c = carry
+  m_p, l_p, a_p = part
+  m_new = jnp.maximum(m_c, m_p)
+  m_use = jnp.where(m_new > -jnp.inf, m_new, 0.0)
+  al_c = jnp.exp(m_c - m_use)
+  al_p = jnp.exp(m_p - m_use)
+  return m_new, l_c * al_c + l_p * al_p, a_c * al_c[..., None] + a_p * al_p[..., None]
+
+
 def fold_query(q_shd, num_kv_heads: int):
   """[S, H, D] -> [G, S*R, D] (query heads of one KV head folded into rows)."""
   s, h, d = q_shd.shape

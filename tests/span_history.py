@@ -1,0 +1,56 @@
+"""Random K/V histories encoded into KV pages, placeable anywhere in a pool (span-attention tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+
+from kvjax_pallas import ggml_codec
+from kvjax_pallas.page_layout import PageLayout
+
+
+class History:
+  """Random K/V history encoded into pages, placeable anywhere in a pool."""
+
+  def __init__(self, layout: PageLayout, tokens: int, seed: int):
+    rng = np.random.default_rng(seed)
+    self.layout, self.tokens = layout, tokens
+    self.num_pages = layout.pages_for(tokens)
+    alloc = self.num_pages * layout.page_tokens  # slots past kv_len hold future tokens
+    g, d = layout.num_kv_heads, layout.head_dim
+    k = rng.standard_normal((alloc, g, d)).astype(np.float32) * 1.5
+    v = rng.standard_normal((alloc, g, d)).astype(np.float32)
+    self.k_bytes = np.asarray(ggml_codec.encode_rows(jnp.asarray(k), layout.k_type))
+    self.v_bytes = np.asarray(ggml_codec.encode_rows(jnp.asarray(v), layout.v_type))
+    self.k_tgd = np.asarray(ggml_codec.decode_rows(jnp.asarray(self.k_bytes), layout.k_type, g))
+    self.v_tgd = np.asarray(ggml_codec.decode_rows(jnp.asarray(self.v_bytes), layout.v_type, g))
+    self.rng = rng
+
+  def pool(self, physical, num_phys: int, table_len: int):
+    """Pool of random bytes with logical page i at physical[i]; table padded with junk."""
+    lay, pt = self.layout, self.layout.page_tokens
+    pool = self.rng.integers(0, 256, (num_phys, lay.page_bytes), dtype=np.uint8)
+    for i, p in enumerate(physical):
+      pool[p, :lay.k_plane_bytes] = self.k_bytes[i * pt:(i + 1) * pt].reshape(-1)
+      pool[p, lay.v_offset:] = self.v_bytes[i * pt:(i + 1) * pt].reshape(-1)
+    table = np.full(table_len, 10 ** 6, np.int32)  # entries past the active pages are ignored
+    table[:len(physical)] = physical
+    return jnp.asarray(pool), jnp.asarray(table)
+
+  def contiguous(self, extra: int = 2):
+    return self.pool(np.arange(self.num_pages), self.num_pages + extra, self.num_pages + extra)
+
+  def resident_ring(self, resident: int, ring_base: int, ring_slots: int, wrap: int):
+    """First `resident` pages at physical 1..; the rest in a ring that wraps at `wrap`."""
+    n = self.num_pages
+    ring_slots = max(ring_slots, n - resident + 1)  # real shapes have more pages
+    phys = [1 + i for i in range(min(resident, n))]
+    phys += [ring_base + (wrap + j) % ring_slots for j in range(n - len(phys))]
+    assert len(set(phys)) == n
+    return self.pool(np.asarray(phys), ring_base + ring_slots, n + 3)
+
+  def shuffled(self, seed: int):
+    """Logical pages at random distinct physical pages of a pool 3 pages larger."""
+    n = self.num_pages
+    phys = np.random.default_rng(seed).permutation(n + 3)[:n]
+    return self.pool(phys, n + 3, n + 3)
