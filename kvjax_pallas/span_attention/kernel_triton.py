@@ -252,10 +252,6 @@ def _masked_load(ref, idx, mask, other):
   return pl.load(ref, idx, mask=mask, other=other)  # pragma: no cover (older jax)
 
 
-def _f16_bits_to_f32(w):
-  return lax.bitcast_convert_type(w.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
-
-
 def _load_rows(pool_ref, phys, rows_hw, valid, kind: str, num_blocks: int):
   """Raw halfwords of a tile of head rows.
 
