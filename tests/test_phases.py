@@ -4,20 +4,17 @@ import numpy as np
 import pytest
 
 from kvjax import arena as arena_lib
-from kvjax import config, engine, generate, weights
+from kvjax import engine, generate
 from kvjax.streaming import StreamedKV, fixed_split
 from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV
-from kvjax_pallas.page_layout import PageLayout
+from tiny_setup import build_tiny_runner
 
 UBATCH = 64
 
 
 @pytest.fixture(scope="module")
 def setup():
-  cfg = config.tiny()
-  model = engine.build_model(cfg, weights.random_tensors(cfg, 2).items())
-  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", page_tokens=16)
-  return cfg, engine.Runner(model, layout), layout
+  return build_tiny_runner(2, page_tokens=16)
 
 
 def test_prefill_decode_prefill_across_two_requests(setup):

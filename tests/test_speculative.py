@@ -4,19 +4,16 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax import config, engine, generate, speculative, weights
+from kvjax import engine, generate, speculative
 from kvjax.streaming import StreamedKV, fixed_split
-from kvjax_pallas.page_layout import PageLayout
+from tiny_setup import build_tiny_runner
 
 N = 48
 
 
 @pytest.fixture(scope="module")
 def setup():
-  cfg = config.tiny()
-  model = engine.build_model(cfg, weights.random_tensors(cfg, 0).items())
-  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", page_tokens=16)
-  runner = engine.Runner(model, layout)
+  cfg, runner, layout = build_tiny_runner(0, page_tokens=16)
   prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.vocab_size, 70)]
   plain = generate.generate(runner, engine.PlainKV(cfg, layout, 70 + N + 8), prompt, N, ubatch=32)
   return cfg, layout, runner, prompt, plain.tokens

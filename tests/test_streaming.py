@@ -5,20 +5,18 @@ import pytest
 import jax.numpy as jnp
 from hypothesis import given, settings, strategies as st
 
-from kvjax import config, engine, generate, weights
+from kvjax import engine, generate
 from kvjax.streaming import (HostHistory, Span, SpanPlanError, StreamBudgetError, StreamConfig, StreamedKV,
                              fixed_split, make_plan, page_table)
 from kvjax.streaming.span_plan import SpanPlan, validate_plan
 from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import reference as ref_attn
+from tiny_setup import build_tiny_runner
 
 
 @pytest.fixture(scope="module")
 def tiny_runner():
-  cfg = config.tiny()
-  model = engine.build_model(cfg, weights.random_tensors(cfg, 0).items())
-  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", page_tokens=256)
-  return cfg, engine.Runner(model, layout), layout
+  return build_tiny_runner(0, page_tokens=256)
 
 
 def test_streamed_greedy_equals_plain_long(tiny_runner):
@@ -201,10 +199,7 @@ def test_v_plane_overflow_reported_separately():
 
 def test_pinned_chunks_stream_identically():
   """Sealed copy units go through pinned_host memory (as on the GPU); results are unchanged."""
-  cfg = config.tiny()
-  model = engine.build_model(cfg, weights.random_tensors(cfg, 1).items())
-  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", page_tokens=16)
-  runner = engine.Runner(model, layout)
+  cfg, runner, layout = build_tiny_runner(1, page_tokens=16)
   prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 150))
   max_tokens = 150 + 40
   plain = generate.generate(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 40, ubatch=64)
@@ -219,10 +214,7 @@ def test_pinned_chunks_stream_identically():
 
 def test_mtp_layer_streams_like_plain():
   """The MTP head's own cache layer (logical cache "mtp") streams through the shared ring too."""
-  cfg = config.tiny()
-  model = engine.build_model(cfg, weights.random_tensors(cfg, 4).items())
-  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", page_tokens=16)
-  runner = engine.Runner(model, layout)
+  cfg, runner, layout = build_tiny_runner(4, page_tokens=16)
   tokens = np.random.default_rng(9).integers(0, cfg.vocab_size, 120).astype(np.int32)
   n = len(tokens)
   results = []
