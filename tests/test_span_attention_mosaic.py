@@ -61,7 +61,7 @@ def test_lowers_for_cuda_at_real_shape(pair, s_tok):
   layout = _layout(REAL, pair)
   num_pages = 5
   q = jnp.zeros((s_tok, REAL["q_heads"], REAL["head_dim"]), jnp.float32)
-  pool = jnp.zeros((num_pages + 2, layout.page_bytes // 2), jnp.uint16)
+  pool = jnp.zeros((num_pages + 2, layout.page_bytes), jnp.uint8)
   table = jnp.arange(num_pages, dtype=jnp.int32)
   q_pos = jnp.arange(s_tok, dtype=jnp.int32) + 1000
 
@@ -91,8 +91,8 @@ def test_partial_lowers_with_uint8_pool():
 @pytest.mark.parametrize("pair", PAIRS)
 def test_tile_step_lowers_for_cuda(pair):
   layout = _layout(REAL, pair)
-  k = jnp.zeros((64, layout.k_head_bytes // 2), jnp.uint16)
-  v = jnp.zeros((64, layout.v_head_bytes // 2), jnp.uint16)
+  k = jnp.zeros((64, layout.k_head_bytes), jnp.uint8)
+  v = jnp.zeros((64, layout.v_head_bytes), jnp.uint8)
   qt = jnp.zeros((256, 16), jnp.float16)
 
   def f(k, v, qt):
@@ -105,10 +105,17 @@ def test_tile_step_lowers_for_cuda(pair):
 # ----------------------------------------------------------------------------- interpreter (CPU)
 
 
+TILE_MODES = ["interpret"] + (["compiled"] if ON_GPU else [])
+
+
+@pytest.mark.parametrize("mode", TILE_MODES)
 @pytest.mark.parametrize("pair", PAIRS)
 @pytest.mark.parametrize("s_tok,group,tok_end", [(1, 6, 64), (2, 6, 40), (3, 5, 17)])
-def test_tile_step_interpret_matches_numpy(pair, s_tok, group, tok_end):
-  """Decode + S^T + masks + softmax statistics + PV of one tile, against numpy."""
+def test_tile_step_matches_numpy(pair, s_tok, group, tok_end, mode):
+  """Decode + S^T + masks + softmax statistics + PV of one tile, against numpy.
+
+  mode "interpret": the Mosaic GPU interpreter (CPU); "compiled" (GPU only): the real kernel.
+  """
   rng = np.random.default_rng(100 * s_tok + tok_end + (pair[1] == "q8_0"))
   kt, vt = pair
   bt, d = 64, 256
@@ -123,25 +130,25 @@ def test_tile_step_interpret_matches_numpy(pair, s_tok, group, tok_end):
   vb[tok_end:] = rng.integers(0, 256, vb[tok_end:].shape, dtype=np.uint8)
   kb[tok_end:, 0:2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
   vb[tok_end:, 0:2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
-  k_rows = jnp.asarray(kb.view(np.uint16))
-  v_rows = jnp.asarray(vb.view(np.uint16))
+  k_rows = jnp.asarray(kb)
+  v_rows = jnp.asarray(vb)
 
   t0 = 128                                   # absolute position of row 0
   rows = s_tok * group
   n = km.rows_padded(rows)
   q = rng.standard_normal((rows, d)).astype(np.float32)
   qt = np.zeros((d, n), np.float16)
-  qt[:, :rows] = q.T[km.col_to_dim(kt)]
+  qt[:, :rows] = q.T
   q_pos = np.asarray([t0 + 30 + 9 * i for i in range(s_tok)], np.int32)
   scale = 1.0 / 16
   kf, vf, s, ml, acct = km.tile_step_mosaic(
       k_rows, v_rows, jnp.asarray(qt), jnp.asarray([t0, t0 + tok_end], jnp.int32),
-      jnp.asarray(q_pos), k_type=kt, v_type=vt, group=group, sm_scale=scale, interpret=True)
+      jnp.asarray(q_pos), k_type=kt, v_type=vt, group=group, sm_scale=scale,
+      interpret=mode == "interpret")
   kf, vf, s, ml, acct = map(lambda x: np.asarray(x, np.float32), (kf, vf, s, ml, acct))
 
-  ck, cv = km.col_to_dim(kt), km.col_to_dim(vt)
-  np.testing.assert_allclose(kf[:tok_end], kd[:tok_end][:, ck].astype(np.float16), rtol=0, atol=0)
-  np.testing.assert_allclose(vf[:tok_end], vd[:tok_end][:, cv].astype(np.float16), rtol=0, atol=0)
+  np.testing.assert_allclose(kf[:tok_end], kd[:tok_end].astype(np.float16), rtol=0, atol=0)
+  np.testing.assert_allclose(vf[:tok_end], vd[:tok_end].astype(np.float16), rtol=0, atol=0)
   assert not kf[tok_end:].any() and not vf[tok_end:].any()        # zero scale: exact zeros
 
   k16 = kd.astype(np.float16).astype(np.float64)
@@ -160,7 +167,7 @@ def test_tile_step_interpret_matches_numpy(pair, s_tok, group, tok_end):
   assert np.all(ml[0, rows:] == -np.inf) and np.all(ml[1, rows:] == 0)
   v16 = np.where(np.arange(bt)[:, None] < tok_end, vd, 0).astype(np.float16).astype(np.float64)
   acc_ref = v16.T @ p_ref.astype(np.float16).astype(np.float64)    # [256 dims, rows]
-  np.testing.assert_allclose(acct[:, :rows], acc_ref[cv], rtol=1e-4, atol=1e-3)
+  np.testing.assert_allclose(acct[:, :rows], acc_ref, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("pair,s_tok,tokens,block_pages", [
@@ -237,6 +244,31 @@ def test_rejects_unsupported_arguments():
   with pytest.raises(ValueError, match="page_tokens"):
     km.span_attention_mosaic(q, jnp.zeros((2, lay100.page_bytes), jnp.uint8), table, 10,
                              jnp.asarray([9]), layout=lay100)
+
+
+def test_api_routes_to_the_mosaic_kernel():
+  """api.span_attention(implementation="mosaic") is the Mosaic kernel, bit for bit; the api
+  refuses the precisions it does not have and a bad page table entry."""
+  from kvjax_pallas.span_attention import api
+  layout = _layout(SMALL)
+  tokens = 3 * 64 - 7
+  hist = History(layout, tokens, seed=17)
+  pool, table = hist.shuffled(seed=2)
+  q, q_pos = _query(17, 1, SMALL["q_heads"], SMALL["head_dim"], tokens)
+  direct = km.span_attention_mosaic(q, pool, table, tokens, q_pos, layout=layout, block_pages=2,
+                                    interpret=True)
+  routed = api.span_attention(q, pool, table, tokens, q_pos, layout=layout, block_pages=2,
+                              implementation="mosaic", interpret=True)
+  np.testing.assert_array_equal(np.asarray(direct), np.asarray(routed))
+  assert "mosaic" in api.IMPLEMENTATIONS and "mosaic" not in api.FULL_IMPLEMENTATIONS
+  with pytest.raises(ValueError, match="f16 operands only.*f16x3"):
+    api.span_attention(q, pool, table, tokens, q_pos, layout=layout, implementation="mosaic",
+                       precision="f16x3", interpret=True)
+  bad = np.asarray(table).copy()
+  bad[1] = pool.shape[0]
+  with pytest.raises(ValueError, match="page table entry 1"):
+    api.span_attention(q, pool, jnp.asarray(bad), tokens, q_pos, layout=layout,
+                       implementation="mosaic", interpret=True)
 
 
 # ----------------------------------------------------------------------------- GPU only

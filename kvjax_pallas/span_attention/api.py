@@ -5,6 +5,12 @@ implementations:
   "triton"     Pallas kernels, Triton lowering (`kernel_triton.py`): split-K
                over logical partitions of `block_pages` pages + an in-order
                combine; runs on NVIDIA GPUs, or anywhere with `interpret=True`.
+  "mosaic"     EXPERIMENTAL Pallas kernel, Mosaic GPU lowering (`kernel_mosaic.py`,
+               Hopper: TMA + wgmma): Q8_0/Q4_0 and Q8_0/Q8_0 pages, head_dim 256,
+               page_tokens a multiple of 64, <= 64 folded query rows, precision
+               "f16" only. Correct on the H200 (3.7e-4 vs the float32 reference)
+               but 4.9x slower than "triton" at 128K (docs/PERFORMANCE.md), so
+               "auto" never picks it. `interpret=True` runs the Mosaic GPU interpreter.
 
 Kernel-only keyword arguments (ignored by "reference"):
   precision  how the kernel's dots meet the tensor cores (`kernel_triton.PRECISIONS`):
@@ -29,8 +35,11 @@ import jax
 from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import reference as _ref
 from kvjax_pallas.span_attention import kernel_triton as _triton
+from kvjax_pallas.span_attention import kernel_mosaic as _mosaic
 
-IMPLEMENTATIONS = ("reference", "triton")
+IMPLEMENTATIONS = ("reference", "triton", "mosaic")
+# the implementations that take every K/V pair, path and precision of the contract
+FULL_IMPLEMENTATIONS = ("reference", "triton")
 
 
 def resolve_implementation(implementation: str) -> str:
@@ -45,6 +54,12 @@ def _check(implementation: str):
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown span-attention implementation {implementation!r}; "
                      f"choose one of {IMPLEMENTATIONS} or 'auto'")
+
+
+def _check_mosaic_options(precision: str):
+  if precision != "f16":
+    raise ValueError(f"the Mosaic GPU kernel computes with f16 operands only (precision='f16'), "
+                     f"got precision={precision!r}; use implementation='triton' for it")
 
 
 def _concrete(x) -> Optional[np.ndarray]:
@@ -94,6 +109,11 @@ def span_attention(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: Pag
   """o_shd [S, H, D] float32: attention of query rows over the active logical pages."""
   implementation = resolve_implementation(implementation)
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len)
+  if implementation == "mosaic":
+    _check_mosaic_options(precision)
+    return _mosaic.span_attention_mosaic(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
+                                         layout=layout, block_pages=block_pages,
+                                         sm_scale=sm_scale, interpret=interpret)
   if implementation == "triton":
     return _triton.span_attention_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                          layout=layout, block_pages=block_pages,
@@ -115,6 +135,11 @@ def span_attention_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry,
   """
   implementation = resolve_implementation(implementation)
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len, tile_begin, tile_end)
+  if implementation == "mosaic":
+    _check_mosaic_options(precision)
+    return _mosaic.span_attention_partial_mosaic(
+        q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end, layout=layout,
+        num_q_heads=num_q_heads, block_pages=block_pages, sm_scale=sm_scale, interpret=interpret)
   if implementation == "triton":
     return _triton.span_attention_partial_triton(
         q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end, layout=layout,

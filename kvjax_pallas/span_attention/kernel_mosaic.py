@@ -17,38 +17,39 @@ page:
    Q^T has N = 16 columns): `(0x6400 | bits)` as f16 minus 1152 (int8) or 1032
    (Q4_0 nibble) is exact, times the per-token-per-block f16 scale (scales of
    rows past the partition's end are zeroed, so junk bytes never make NaN/inf
-   values). The columns of a 32-value block come out permuted
-   (`column_dims`): Q8_0 even dims then odd dims (the two bytes of a
-   halfword), Q4_0 in nibble quarters. Q8_0 stores [64, 16] slices straight
-   into the swizzled tile; Q4_0 makes [64, 8] slices (smaller than a swizzle
-   tile), so it goes through a plain staging tile and one relayout copy;
+   values). The raw SMEM rows are uint8 and the quants are loaded as
+   [64, 16]-byte windows in the WGMMA layout (2-byte loads: every ggml block
+   starts at an even byte; a 16-bit WGMMA-layout load goes through ldmatrix,
+   which needs 16-byte-aligned rows, and failed with
+   CUDA_ERROR_MISALIGNED_ADDRESS on the H200). Each window decodes to a
+   [64, 16] f16 slice stored straight into the swizzled tile, columns in
+   head-dim order;
 3. `S^T[64, N] = K_f16[64, 256] @ Q^T[256, N]` (wgmma, Q^T resident in SMEM),
    times sm_scale, mask (key < kv_len, key < partition end, key <= q_pos of the
    column's query token), online softmax along axis 0 with running m, l [N];
 4. `O^T[256, N] = O^T * alpha + V_f16^T @ P^T` (wgmma, V through `transpose_ref`).
 
-The wrapper permutes Q^T's rows into K's column order; the program writes
-m, l [N] and acc^T [256, N] (rows in V's column order); the wrapper
-un-permutes them, folds the partitions (after the carry) left to right in jnp
-and returns a `reference.Carry`.
+The program writes m, l [N] and acc^T [256, N]; the wrapper folds the
+partitions (after the carry) left to right in jnp and returns a
+`reference.Carry`.
 
 Copy scheme. TMA boxes are <= 256 elements a dimension, a copy must move a
 multiple of 128 bytes (Pallas arrives on the barrier from every thread of the
-warpgroup), and Pallas has no GMEM reshape, so a head's [64 tokens, 136
-halfwords] K rows (token stride 544 halfwords) cannot be one strided copy of
-the [P, page_hw] pool. The wrapper views the pool (free reshape) as
-[P, page_hw / 8, 8] uint16 (16-byte rows; every row, head, plane and tile
+warpgroup), and Pallas has no GMEM reshape, so a head's [64 tokens, 272
+bytes] K rows (token stride 1088 bytes) cannot be one strided copy of the
+[P, page_bytes] pool. The wrapper views the pool (free reshape) as
+[P, page_bytes / 16, 16] uint8 (16-byte rows; every row, head, plane and tile
 offset of the supported layouts is a multiple of 16 bytes); the kernel copies
 the CONTIGUOUS span of 64 token rows that starts at head g's first byte
-(`64 * k_row_hw` halfwords, in boxes of [256, 8]) and reshapes the SMEM buffer
-to [64, k_row_hw]: head g's K row of token t is then columns [0, 136) of row
+(`64 * k_row_bytes` bytes, in boxes of [256, 16]) and reshapes the SMEM buffer
+to [64, k_row_bytes]: head g's K row of token t is then columns [0, 272) of row
 t (static offsets). The same for V. Spans that run past the page end are
 zero-filled by TMA and never used.
 
 Interpret mode (`interpret=True`, the Mosaic GPU CPU interpreter) cannot run
 SMEM reshapes, `plgpu.load` with a layout, `layout_cast`, `transpose_ref`, or
-dynamic SMEM slices, so it uses: a pre-gathered GMEM view [P, T, G, head_hw]
-built in the wrapper (a copy of the pool: test sizes only) and one [64, head_hw]
+dynamic SMEM slices, so it uses: a pre-gathered GMEM view [P, T, G, head_bytes]
+built in the wrapper (a copy of the pool: test sizes only) and one [64, head_bytes]
 copy per tile; plain `ref[...]` loads; and `V^T @ P^T` as a register
 `dot_general` instead of the transposed-A wgmma. Everything else (page-table
 reads, the decode, the QK^T wgmma, masks, softmax, outputs) is the same code.
@@ -95,12 +96,12 @@ HEAD_DIM = 256
 BLOCK_TOKENS = 64          # keys per tile (the wgmma M dimension)
 MAX_ROWS = 64              # folded query rows (S * R) per program
 BLOCK = 32                 # values per ggml quant block
-_HW_ROW = 8                # halfwords per row of the GMEM pool view (16 bytes)
+_ROW_BYTES = 16            # bytes per row of the GMEM pool view (the TMA copy granule)
 _TMA_ROWS = 256            # TMA box limit per dimension
 _KV_SWIZZLE = 32          # decoded K/V tiles: 16-column swizzle tiles (Q8_0 stores 16 columns)
 
-# kind -> halfwords per 32-value block (f16 scale first)
-_BLOCK_HW = {"q8_0": 17, "q4_0": 9}
+# kind -> bytes per 32-value block (f16 scale first)
+_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
 
 _ROW = _mgpu.WGMMA_ROW_LAYOUT
 # a [64] vector along the token axis (one value per row of a WGMMA tile)
@@ -108,24 +109,16 @@ _ROW_LAYOUT = plgpu.Layout.TILED(_ROW.tiling, warp_dims=_ROW.warp_dims,
                                  lane_dims=_ROW.lane_dims, vector_dim=_ROW.vector_dim)
 
 
+# Lane semantics (the kernel manages register layouts itself: plgpu.load(layout=...), layout_cast).
+# jax 0.10 defaults to Lane; jax 0.11 defaults to Warpgroup, whose layout inference crashes on
+# this kernel's reshaped SMEM views (IndexError in _conjure_transforms_for_smem_ref, seen on the
+# H200 with jax 0.11.2), so it is pinned here.
+_COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
 def _interpret_params():
   from jax._src.pallas.mosaic_gpu.interpret import params as _ip
   return _ip.InterpretGPUParams()
-
-
-def column_dims(kind: str) -> np.ndarray:
-  """[32] int: the head-dim offset (within a block) of each decoded column of a block."""
-  c = np.arange(BLOCK)
-  if kind == "q8_0":
-    # halfword i holds dims 2i (low byte) and 2i+1 (high byte): columns [0,16) are the even
-    # dims, [16,32) the odd dims
-    return np.where(c < 16, 2 * c, 2 * (c - 16) + 1)
-  if kind == "q4_0":
-    # columns [0,8): dims 0,2,..14 (bits 0-3 of halfword i), [8,16): 1,3,..15 (bits 8-11),
-    # [16,24): 16,18,..30 (bits 4-7), [24,32): 17,..31 (bits 12-15)
-    quarter, i = c // 8, c % 8
-    return np.choose(quarter, [2 * i, 2 * i + 1, 16 + 2 * i, 17 + 2 * i])
-  return c
 
 
 def _tiles(sw: int):
@@ -156,7 +149,7 @@ def check_layout(layout: PageLayout, head_dim: int):
     raise ValueError(f"the Mosaic GPU kernel supports head_dim {HEAD_DIM} only, got {head_dim}")
   if layout.page_tokens % BLOCK_TOKENS:
     raise ValueError(f"page_tokens {layout.page_tokens} is not a multiple of {BLOCK_TOKENS}")
-  unit = 2 * _HW_ROW
+  unit = _ROW_BYTES
   for name, val in (("k head bytes", layout.k_head_bytes), ("v head bytes", layout.v_head_bytes),
                     ("k row bytes", layout.k_row_bytes), ("v row bytes", layout.v_row_bytes),
                     ("v offset", layout.v_offset), ("page bytes", layout.page_bytes)):
@@ -164,10 +157,12 @@ def check_layout(layout: PageLayout, head_dim: int):
       raise ValueError(f"{name} {val} is not a multiple of {unit} (TMA copy granule)")
 
 
-def halfword_view(pool_pn):
-  """uint8 [P, page_bytes] -> uint16 [P, page_bytes // 2] (little-endian halfwords)."""
-  p, nbytes = pool_pn.shape
-  return lax.bitcast_convert_type(pool_pn.reshape(p, nbytes // 2, 2), jnp.uint16)
+def byte_view(pool):
+  """uint8 [P, page_bytes] (as is) or uint16 [P, page_bytes // 2] -> uint8 [P, page_bytes]."""
+  if pool.dtype == jnp.uint8:
+    return pool
+  p, nhw = pool.shape
+  return lax.bitcast_convert_type(pool, jnp.uint8).reshape(p, 2 * nhw)
 
 
 # ----------------------------------------------------------------------------- kernel pieces
@@ -203,37 +198,35 @@ def _magic(bits, offset: float):
   return lax.bitcast_convert_type(bits | jnp.uint16(0x6400), jnp.float16) - jnp.float16(offset)
 
 
-def _decode_head(ops: _Ops, raw, dst, kind: str, valid_rows, stage=None):
-  """raw SMEM [BT, >= head_hw] uint16 (one head's rows at column 0) -> dst SMEM [BT, 256] f16.
+def _decode_head(ops: _Ops, raw, dst, kind: str, valid_rows):
+  """raw SMEM [BT, >= head_bytes] uint8 (one head's rows at column 0) -> dst SMEM [BT, 256] f16.
 
-  valid_rows: [BT] bool (row layout); invalid rows get a zero scale (exact zeros).
-  Column order within each 32-column block: `column_dims(kind)`.
-  Q8_0 writes [BT, 16] column slices straight into dst (swizzle 32: 16-column tiles);
-  Q4_0 makes [BT, 8] slices, smaller than any swizzle tile, so it writes them into the
-  plain (unswizzled) `stage` buffer and copies the whole tile into dst afterwards.
+  valid_rows: [BT] bool (row layout); invalid rows get a zero scale (exact zeros). Columns come
+  out in head-dim order. The quants are read as [BT, 16]-byte windows in the WGMMA layout (two
+  consecutive bytes a thread: 2-byte loads, and every ggml block starts at an even byte). A
+  16-bit WGMMA-layout load would go through ldmatrix, which needs 16-byte-aligned rows: the
+  blocks of a head row (34 / 18 bytes) do not start there (CUDA_ERROR_MISALIGNED_ADDRESS on the
+  H200 with the first, uint16 version).
   """
   bt = raw.shape[0]
-  per = _BLOCK_HW[kind]
+  per = _BLOCK_BYTES[kind]
+  wgmma = plgpu.Layout.WGMMA
   for b in range(HEAD_DIM // BLOCK):
     base = b * per
-    sc_bits = ops.load(raw, (slice(None), base), _ROW_LAYOUT)
-    sc = lax.bitcast_convert_type(sc_bits, jnp.float16)
+    lo = ops.load(raw, (slice(None), base), _ROW_LAYOUT).astype(jnp.uint16)
+    hi = ops.load(raw, (slice(None), base + 1), _ROW_LAYOUT).astype(jnp.uint16)
+    sc = lax.bitcast_convert_type(lo | (hi << jnp.uint16(8)), jnp.float16)
     sc = jnp.where(valid_rows, sc, jnp.float16(0))
-    if kind == "q8_0":
-      x = ops.load(raw, (slice(None), pl.ds(base + 1, 16)), plgpu.Layout.WGMMA)
-      scb = lax.broadcast_in_dim(sc, (bt, 16), (0,))
-      lo = _magic((x & jnp.uint16(0xFF)) ^ jnp.uint16(0x80), 1152.0)
-      hi = _magic((x >> jnp.uint16(8)) ^ jnp.uint16(0x80), 1152.0)
-      dst[:, pl.ds(b * BLOCK, 16)] = lo * scb
-      dst[:, pl.ds(b * BLOCK + 16, 16)] = hi * scb
-    else:  # q4_0
-      x = ops.load(raw, (slice(None), pl.ds(base + 1, 8)), plgpu.Layout.WGMMA)
-      scb = lax.broadcast_in_dim(sc, (bt, 8), (0,))
-      for j, sh in enumerate((0, 8, 4, 12)):     # column quarters, see column_dims
-        nib = (x >> jnp.uint16(sh)) & jnp.uint16(0xF)
-        stage[:, pl.ds(b * BLOCK + 8 * j, 8)] = _magic(nib, 1032.0) * scb
-  if kind == "q4_0":
-    dst[...] = ops.load(stage, (), plgpu.Layout.WGMMA)
+    scb = lax.broadcast_in_dim(sc, (bt, 16), (0,))
+    if kind == "q8_0":        # values 0-15 and 16-31: int8 = (byte ^ 0x80) - 128
+      for half in range(2):
+        x = ops.load(raw, (slice(None), pl.ds(base + 2 + 16 * half, 16)), wgmma)
+        x = (x ^ jnp.uint8(0x80)).astype(jnp.uint16)
+        dst[:, pl.ds(b * BLOCK + 16 * half, 16)] = _magic(x, 1152.0) * scb
+    else:                     # q4_0: value j = (qs[j] & 15) - 8, value 16 + j = (qs[j] >> 4) - 8
+      x = ops.load(raw, (slice(None), pl.ds(base + 2, 16)), wgmma).astype(jnp.uint16)
+      dst[:, pl.ds(b * BLOCK, 16)] = _magic(x & jnp.uint16(0xF), 1032.0) * scb
+      dst[:, pl.ds(b * BLOCK + 16, 16)] = _magic(x >> jnp.uint16(4), 1032.0) * scb
 
 
 def _tile_scores(ops: _Ops, k_f16, qt_s, t0, tok_end, qcol, sm_scale: float, n: int):
@@ -270,18 +263,18 @@ def _init_state(ops: _Ops, n: int):
           ops.cast(jnp.zeros((HEAD_DIM, n), jnp.float32), plgpu.Layout.WGMMA))
 
 
-def _tile_update(ops: _Ops, k_rows, v_rows, k_f16, v_f16, stage, p_s, qt_s, t0, tok_end, qcol,
+def _tile_update(ops: _Ops, k_rows, v_rows, k_f16, v_f16, p_s, qt_s, t0, tok_end, qcol,
                  state, *, k_type: str, v_type: str, sm_scale: float, n: int):
   """One key tile (tokens t0 .. t0+BT) folded into the online softmax state.
 
-  k_rows: SMEM [BT, >= k_head_hw] raw K rows of the head; v_rows: a callable returning the
+  k_rows: SMEM [BT, >= k_head_bytes] raw K rows of the head; v_rows: a callable returning the
   V rows (called after K is decoded). Returns (new state, masked scaled scores S^T [BT, N]).
   """
   bt = BLOCK_TOKENS
   m_i, l_i, acc = state
   valid = (t0 + ops.row_iota(bt)) < tok_end                    # [BT] row layout
-  _decode_head(ops, k_rows, k_f16, k_type, valid, stage)
-  _decode_head(ops, v_rows(), v_f16, v_type, valid, stage)
+  _decode_head(ops, k_rows, k_f16, k_type, valid)
+  _decode_head(ops, v_rows(), v_f16, v_type, valid)
   plgpu.commit_smem()                                           # decoded tiles -> wgmma
   s = _tile_scores(ops, k_f16, qt_s, t0, tok_end, qcol, sm_scale, n)
   m_new = jnp.maximum(m_i, jnp.max(s, axis=0))
@@ -309,12 +302,12 @@ def _tile_update(ops: _Ops, k_rows, v_rows, k_f16, v_f16, stage, p_s, qt_s, t0, 
 
 def _span_kernel_mosaic(meta_ref, tab_ref, qpos_ref, qt_ref, kmem, vmem,     # inputs
                         ml_out, acc_out,                                    # outputs
-                        qt_s, raw_bufs, k_f16, v_f16, stage, p_s, ml_s, acc_s, bar, k_bar, v_bar,  # scratch
+                        qt_s, raw_bufs, k_f16, v_f16, p_s, ml_s, acc_s, bar, k_bar, v_bar,  # scratch
                         *, layout: PageLayout, block_pages: int, num_phys: int, num_tokens: int,
                         group: int, n: int, sm_scale: float, interpret: bool):
   # meta [8] i32: kv_len, tile_begin, tile_end (clipped), n_table, causal end (max q_pos + 1)
   # tab [T] i32, qpos [S] i32, qt [G, 256, N] f16
-  # compiled: kmem = vmem = pool [P, page_hw // 8, 8] u16; interpret: [P, T, G, head_hw] u16
+  # compiled: kmem = vmem = pool [P, page_bytes // 16, 16] u8; interpret: [P, T, G, head_bytes] u8
   # -> ml_out [G, parts, 2, N] f32 (m, l), acc_out [G, parts, 256, N] f32 (acc^T, V columns)
   ops = _Ops(interpret)
   g = lax.axis_index("g")
@@ -322,9 +315,6 @@ def _span_kernel_mosaic(meta_ref, tab_ref, qpos_ref, qt_ref, kmem, vmem,     # i
   bt = BLOCK_TOKENS
   pt = layout.page_tokens
   kk, vk = layout.k_type, layout.v_type
-  k_head_hw, v_head_hw = layout.k_head_bytes // 2, layout.v_head_bytes // 2
-  k_row_hw, v_row_hw = layout.k_row_bytes // 2, layout.v_row_bytes // 2
-  v_base_hw = layout.v_offset // 2
 
   kv_len = meta_ref[0]
   tile_begin = meta_ref[1]
@@ -344,11 +334,11 @@ def _span_kernel_mosaic(meta_ref, tab_ref, qpos_ref, qt_ref, kmem, vmem,     # i
   plgpu.barrier_wait(bar)
 
   def fetch(plane: str, phys, r0):
-    """Raw rows [r0, r0 + BT) of head g's K or V in page `phys` -> SMEM [BT, >= head_hw] view.
+    """Raw rows [r0, r0 + BT) of head g's K or V in page `phys` -> SMEM [BT, >= head_bytes] view.
 
-    Compiled: the contiguous span of BT token rows starting at head g's first halfword, in
-    [<=256, 8] TMA boxes, into the one raw buffer (K and V take turns); head g's row of
-    token t is then columns [0, head_hw) of row t of the [BT, row_hw] view.
+    Compiled: the contiguous span of BT token rows starting at head g's first byte, in
+    [<=256, 16] uint8 TMA boxes, into the one raw buffer (K and V take turns); head g's row
+    of token t is then columns [0, head_bytes) of row t of the [BT, row_bytes] view.
     """
     if interpret:
       mem, dst, b = (kmem, raw_bufs[0], k_bar) if plane == "k" else (vmem, raw_bufs[1], v_bar)
@@ -357,16 +347,17 @@ def _span_kernel_mosaic(meta_ref, tab_ref, qpos_ref, qt_ref, kmem, vmem,     # i
       return dst
     raw = raw_bufs[0]
     if plane == "k":
-      start_hw, row_hw, b = r0 * k_row_hw + g * k_head_hw, k_row_hw, k_bar
+      start_b, row_b, b = r0 * layout.k_row_bytes + g * layout.k_head_bytes, layout.k_row_bytes, k_bar
     else:
-      start_hw, row_hw, b = v_base_hw + r0 * v_row_hw + g * v_head_hw, v_row_hw, v_bar
-    rows = bt * row_hw // _HW_ROW
-    start = start_hw // _HW_ROW
+      start_b, row_b, b = (layout.v_offset + r0 * layout.v_row_bytes + g * layout.v_head_bytes,
+                           layout.v_row_bytes, v_bar)
+    rows = bt * row_b // _ROW_BYTES
+    start = start_b // _ROW_BYTES
     for c0 in range(0, rows, _TMA_ROWS):
       c = min(_TMA_ROWS, rows - c0)
       plgpu.copy_gmem_to_smem(kmem.at[phys, pl.ds(start + c0, c)], raw.at[pl.ds(c0, c)], b)
     plgpu.barrier_wait(b)                          # every box of the span arrives on it
-    return raw.at[pl.ds(0, rows)].reshape(bt, row_hw)
+    return raw.at[pl.ds(0, rows)].reshape(bt, row_b)
 
   qcol = _column_qpos(ops, qpos_ref, num_tokens, group, (bt, n))
 
@@ -378,7 +369,7 @@ def _span_kernel_mosaic(meta_ref, tab_ref, qpos_ref, qt_ref, kmem, vmem,     # i
     r0 = t0 - (t0 // pt) * pt
     k_rows = fetch("k", phys, r0)
     v_rows = lambda: fetch("v", phys, r0)     # K is decoded first (compiled: one raw buffer)
-    carry, _ = _tile_update(ops, k_rows, v_rows, k_f16, v_f16, stage, p_s, qt_s, t0, tok_end,
+    carry, _ = _tile_update(ops, k_rows, v_rows, k_f16, v_f16, p_s, qt_s, t0, tok_end,
                             qcol, carry, k_type=kk, v_type=vk, sm_scale=sm_scale, n=n)
     return carry
 
@@ -402,25 +393,33 @@ def tile_step_mosaic(k_rows, v_rows, qt, tile_meta, q_pos_s, *, k_type: str, v_t
                      group: int, sm_scale: float, interpret: bool = False):
   """One key tile through the kernel's tile code (decode, S^T, mask, softmax, PV): for tests.
 
-  k_rows [64, k_head_hw] / v_rows [64, v_head_hw] uint16: one head's raw K / V rows;
-  qt [256, N] f16 (rows in K tile column order, `col_to_dim(k_type)`); tile_meta [2] int32
+  k_rows [64, k_head_bytes] / v_rows [64, v_head_bytes] uint8: one head's raw K / V rows;
+  qt [256, N] f16 (Q^T, rows in head-dim order); tile_meta [2] int32
   (t0: position of row 0, tok_end: keys at or past it are masked); q_pos_s [S] int32 (column
-  c belongs to query token c // group). Returns (k_f16 [64, 256], v_f16 [64, 256] f16 in tile
-  column order, s [64, N] masked scaled scores, ml [2, N] (m, l), acc^T [256, N] f32).
+  c belongs to query token c // group). Returns (k_f16 [64, 256], v_f16 [64, 256] f16 decoded
+  tiles, s [64, N] masked scaled scores, ml [2, N] (m, l), acc^T [256, N] f32).
   """
   bt = BLOCK_TOKENS
   n = qt.shape[1]
   num_tokens = q_pos_s.shape[0]
 
   def body(meta_ref, qpos_ref, k_ref, v_ref, qt_ref, kf_out, vf_out, s_out, ml_out, acc_out,
-           kraw, vraw, qt_s, k_f16, v_f16, stage, p_s, s_s, ml_s, acc_s, bar):
+           kraw, vraw, qt_s, k_f16, v_f16, p_s, s_s, ml_s, acc_s, bar):
     ops = _Ops(interpret)
-    for src, dst in ((k_ref, kraw), (v_ref, vraw), (qt_ref, qt_s)):
-      plgpu.copy_gmem_to_smem(src, dst, bar)
-      plgpu.barrier_wait(bar)
+    raws = []
+    for src, dst, nbytes in ((k_ref, kraw, k_rows.shape[1]), (v_ref, vraw, v_rows.shape[1])):
+      # compiled: [BT * nbytes / 16, 16] rows in <= 256-row TMA boxes (as `fetch` does)
+      step = src.shape[0] if interpret else _TMA_ROWS
+      for r0 in range(0, src.shape[0], step):
+        rows = pl.ds(r0, min(step, src.shape[0] - r0))
+        plgpu.copy_gmem_to_smem(src.at[rows], dst.at[rows], bar)
+        plgpu.barrier_wait(bar)
+      raws.append(dst if interpret else dst.reshape(bt, nbytes))
+    plgpu.copy_gmem_to_smem(qt_ref, qt_s, bar)
+    plgpu.barrier_wait(bar)
     t0, tok_end = meta_ref[0], meta_ref[1]
     qcol = _column_qpos(ops, qpos_ref, num_tokens, group, (bt, n))
-    (m, l, acc), s = _tile_update(ops, kraw, lambda: vraw, k_f16, v_f16, stage, p_s, qt_s, t0,
+    (m, l, acc), s = _tile_update(ops, raws[0], lambda: raws[1], k_f16, v_f16, p_s, qt_s, t0,
                                   tok_end, qcol, _init_state(ops, n), k_type=k_type,
                                   v_type=v_type, sm_scale=sm_scale, n=n)
     s_s[...] = s
@@ -434,6 +433,10 @@ def tile_step_mosaic(k_rows, v_rows, qt, tile_meta, q_pos_s, *, k_type: str, v_t
     plgpu.wait_smem_to_gmem(0)
 
   sw = _tiles(_KV_SWIZZLE)
+  if interpret:
+    k_in, v_in = k_rows, v_rows
+  else:
+    k_in, v_in = (x.reshape(-1, _ROW_BYTES) for x in (k_rows, v_rows))
   kern = plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((bt, HEAD_DIM), jnp.float16),
@@ -441,17 +444,17 @@ def tile_step_mosaic(k_rows, v_rows, qt, tile_meta, q_pos_s, *, k_type: str, v_t
                 jax.ShapeDtypeStruct((bt, n), jnp.float32),
                 jax.ShapeDtypeStruct((2, n), jnp.float32),
                 jax.ShapeDtypeStruct((HEAD_DIM, n), jnp.float32)),
-      scratch_types=[plgpu.SMEM(k_rows.shape, jnp.uint16), plgpu.SMEM(v_rows.shape, jnp.uint16),
+      scratch_types=[plgpu.SMEM(k_in.shape, jnp.uint8), plgpu.SMEM(v_in.shape, jnp.uint8),
                      plgpu.SMEM((HEAD_DIM, n), jnp.float16, transforms=sw),
                      plgpu.SMEM((bt, HEAD_DIM), jnp.float16, transforms=sw),
                      plgpu.SMEM((bt, HEAD_DIM), jnp.float16, transforms=sw),
-                     plgpu.SMEM((bt, HEAD_DIM), jnp.float16),
                      plgpu.SMEM((bt, n), jnp.float16, transforms=sw),
                      plgpu.SMEM((bt, n), jnp.float32), plgpu.SMEM((2, n), jnp.float32),
                      plgpu.SMEM((HEAD_DIM, n), jnp.float32), plgpu.Barrier(num_arrivals=1)],
+      compiler_params=_COMPILER_PARAMS,
       interpret=_interpret_params() if interpret else None,
   )
-  return kern(tile_meta.astype(jnp.int32), q_pos_s.astype(jnp.int32), k_rows, v_rows, qt)
+  return kern(tile_meta.astype(jnp.int32), q_pos_s.astype(jnp.int32), k_in, v_in, qt)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -468,11 +471,6 @@ def _fold_partitions(carry: _ref.Carry, m_p, l_p, acc_p) -> _ref.Carry:
   return _ref.Carry(m, l, a)
 
 
-def col_to_dim(kind: str) -> np.ndarray:
-  """[256] int: the head dim held by each decoded column of a tile."""
-  return (np.arange(HEAD_DIM) // BLOCK) * BLOCK + np.tile(column_dims(kind), HEAD_DIM // BLOCK)
-
-
 def _check_args(q_shd, pool_pn, layout, num_q_heads, block_pages):
   _triton.check_call(q_shd, pool_pn, layout, num_q_heads, block_pages, check_layout)
   s_tok, h, _ = q_shd.shape
@@ -483,10 +481,10 @@ def _copies_per_fetch(row_bytes: int, interpret: bool) -> int:
   """TMA boxes of one K or V span (each arrives once on the span's barrier)."""
   if interpret:
     return 1
-  return -(-(BLOCK_TOKENS * row_bytes // 2 // _HW_ROW) // _TMA_ROWS)
+  return -(-(BLOCK_TOKENS * row_bytes // _ROW_BYTES) // _TMA_ROWS)
 
 
-def _span_call(q_shd, pool_u16, page_table_t, meta, q_pos_s, *, layout: PageLayout,
+def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayout,
                block_pages: int, n_parts: int, sm_scale: float, interpret: bool):
   """The kernel call: -> (ml [G, parts, 2, N], acc^T [G, parts, 256, N]) float32."""
   s_tok, h, d = q_shd.shape
@@ -495,23 +493,22 @@ def _span_call(q_shd, pool_u16, page_table_t, meta, q_pos_s, *, layout: PageLayo
   rows = s_tok * r
   n = rows_padded(rows)
   bt = BLOCK_TOKENS
-  num_phys = pool_u16.shape[0]
+  num_phys = pool_u8.shape[0]
   qf = _ref.fold_query(q_shd.astype(jnp.float32), g)                  # [G, rows, D]
   qf = jnp.pad(qf, ((0, 0), (0, n - rows), (0, 0)))
-  qf = qf[:, :, col_to_dim(layout.k_type)]                             # dims -> K tile columns
   qt = jnp.swapaxes(qf, 1, 2).astype(jnp.float16)                      # [G, D, N]
 
-  k_head_hw, v_head_hw = layout.k_head_bytes // 2, layout.v_head_bytes // 2
+  kb, vb = layout.k_head_bytes, layout.v_head_bytes
   if interpret:
     pt = layout.page_tokens
-    kmem = pool_u16[:, :layout.k_plane_bytes // 2].reshape(num_phys, pt, g, k_head_hw)
-    v0 = layout.v_offset // 2
-    vmem = pool_u16[:, v0:v0 + layout.v_plane_bytes // 2].reshape(num_phys, pt, g, v_head_hw)
-    raw_t = (plgpu.SMEM((bt, k_head_hw), jnp.uint16), plgpu.SMEM((bt, v_head_hw), jnp.uint16))
+    kmem = pool_u8[:, :layout.k_plane_bytes].reshape(num_phys, pt, g, kb)
+    v0 = layout.v_offset
+    vmem = pool_u8[:, v0:v0 + layout.v_plane_bytes].reshape(num_phys, pt, g, vb)
+    raw_t = (plgpu.SMEM((bt, kb), jnp.uint8), plgpu.SMEM((bt, vb), jnp.uint8))
   else:
-    kmem = vmem = pool_u16.reshape(num_phys, pool_u16.shape[1] // _HW_ROW, _HW_ROW)
-    raw_rows = bt * max(layout.k_row_bytes, layout.v_row_bytes) // 2 // _HW_ROW
-    raw_t = (plgpu.SMEM((raw_rows, _HW_ROW), jnp.uint16),)
+    kmem = vmem = pool_u8.reshape(num_phys, pool_u8.shape[1] // _ROW_BYTES, _ROW_BYTES)
+    raw_rows = bt * max(layout.k_row_bytes, layout.v_row_bytes) // _ROW_BYTES
+    raw_t = (plgpu.SMEM((raw_rows, _ROW_BYTES), jnp.uint8),)
 
   sw_n = _KV_SWIZZLE                # wgmma needs the lhs and rhs swizzles to match
   scratch = [
@@ -519,7 +516,6 @@ def _span_call(q_shd, pool_u16, page_table_t, meta, q_pos_s, *, layout: PageLayo
       raw_t,
       plgpu.SMEM((bt, d), jnp.float16, transforms=_tiles(_KV_SWIZZLE)),  # k_f16
       plgpu.SMEM((bt, d), jnp.float16, transforms=_tiles(_KV_SWIZZLE)),  # v_f16
-      plgpu.SMEM((bt, d), jnp.float16),                                # stage (Q4_0 decode)
       plgpu.SMEM((bt, n), jnp.float16, transforms=_tiles(sw_n)),       # p_s (P^T)
       plgpu.SMEM((2, n), jnp.float32),                                 # ml_s
       plgpu.SMEM((bt, n), jnp.float32),                                # acc_s (a row chunk)
@@ -536,6 +532,7 @@ def _span_call(q_shd, pool_u16, page_table_t, meta, q_pos_s, *, layout: PageLayo
                 jax.ShapeDtypeStruct((g, n_parts, d, n), jnp.float32)),
       scratch_types=scratch,
       grid=(g, n_parts), grid_names=("g", "p"),
+      compiler_params=_COMPILER_PARAMS,
       interpret=_interpret_params() if interpret else None,
   )
   return kern(meta, page_table_t.astype(jnp.int32), q_pos_s.astype(jnp.int32), qt, kmem, vmem)
@@ -563,15 +560,12 @@ def span_attention_partial_mosaic(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
   z = jnp.int32(0)
   meta = jnp.stack([kv_len, jnp.asarray(tile_begin, jnp.int32), tile_end_c, jnp.int32(n_table),
                     causal_end, z, z, z]).astype(jnp.int32)
-  pool_u16 = pool_pn if pool_pn.dtype == jnp.uint16 else halfword_view(pool_pn)
-
-  ml_p, acct_p = _span_call(q_shd, pool_u16, page_table_t, meta, q_pos_s, layout=layout,
+  ml_p, acct_p = _span_call(q_shd, byte_view(pool_pn), page_table_t, meta, q_pos_s, layout=layout,
                             block_pages=block_pages, n_parts=n_parts, sm_scale=scale,
                             interpret=interpret)
   m_p = ml_p[:, :, 0, :rows]                                     # [G, parts, rows]
   l_p = ml_p[:, :, 1, :rows]
-  acc_p = jnp.swapaxes(acct_p, 2, 3)[:, :, :rows, :]             # [G, parts, rows, D] (V columns)
-  acc_p = acc_p[..., np.argsort(col_to_dim(layout.v_type))]    # V tile columns -> dims
+  acc_p = jnp.swapaxes(acct_p, 2, 3)[:, :, :rows, :]             # [G, parts, rows, D]
   return _fold_partitions(carry, m_p, l_p, acc_p)
 
 
