@@ -161,7 +161,7 @@ def _parse_config(text):
   kw = {}
   for item in filter(None, text.split(";")):
     k, v = item.split("=")
-    kw[k] = v if k == "precision" else (bool(int(v)) if k in ("prefetch", "old", "u16pool", "mosaic") else int(v))
+    kw[k] = v if k in ("precision", "reads") else (bool(int(v)) if k in ("prefetch", "old", "u16pool", "mosaic") else int(v))
   return kw
 
 
@@ -292,7 +292,8 @@ def main(argv):
     configs = [_parse_config(c) for c in FLAGS.sweep_configs] or [
         {}, dict(prefetch=False), dict(block_tokens=32), dict(block_tokens=128),
         dict(num_warps=8), dict(block_pages=2), dict(block_pages=8), dict(block_pages=16),
-        dict(precision="f16"), dict(precision="tf32")]
+        dict(precision="f16"), dict(precision="tf32"), dict(reads="windows"),
+        dict(reads="windows", block_pages=8)]
     for kw in configs:
       if _elapsed() > FLAGS.max_seconds:
         break

@@ -112,6 +112,24 @@ class TestSpanAttention:
     other = np.asarray(kernel_triton.span_attention_triton(*args, block_tokens=16, num_warps=8, **kw))
     assert _rel(other, oracle) <= TOL[impl]
 
+  @pytest.mark.parametrize("pair", PAIRS)
+  @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
+  def test_window_reads(self, impl, pair):
+    """reads="windows" (contiguous power-of-two windows + junk columns) stays on the oracle at
+    f16x3 and keeps placement invariance bit for bit."""
+    from kvjax_pallas.span_attention import kernel_triton
+    layout = _layout(pair)
+    hist = History(layout, SHAPE["tokens"], seed=19)
+    q, q_pos = _query(19, 2, hist.tokens)
+    kw = dict(layout=layout, block_pages=SHAPE["block_pages"], interpret=INTERPRET,
+              precision=KERNEL_PRECISION, reads="windows")
+    outs = [np.asarray(kernel_triton.span_attention_triton(
+        jnp.asarray(q), pool, table, hist.tokens, jnp.asarray(q_pos), **kw))
+        for pool, table in (hist.contiguous(), hist.shuffled(seed=3))]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, q_pos, hist.tokens)
+    assert _rel(outs[0], oracle) <= TOL[impl], _rel(outs[0], oracle)
+
   def test_kv_len_and_positions_are_respected(self, impl):
     """A shorter kv_len and earlier query positions change the answer exactly as the oracle says."""
     layout = _layout()

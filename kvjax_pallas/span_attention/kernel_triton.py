@@ -18,22 +18,29 @@ Neither kernel looks at a physical page number except to form an address, so
 the result depends only on the logical token order (placement invariance).
 
 Decoding: page bytes are read as little-endian uint16 halfwords (every ggml
-block, row and plane offset is even), gathered as [tokens, blocks, halfwords]
-(one ggml block = 32 values of the head dimension):
+block, row and plane offset is even), in pieces (`row_pieces`, `reads=`):
 
-* Q8_0 (17 halfwords a block: f16 scale, then 16 halfwords of two int8):
-  the two bytes of halfword i are dims 2i and 2i+1: natural order.
-* Q4_0 (9 halfwords: scale, then 8 halfwords of four nibbles): halfword i
-  holds dims 2i (bits 0-3), 2i+16 (4-7), 2i+1 (8-11), 2i+17 (12-15); the
-  kernel's column c of a block is dim c//2 + 16*(c%2) (undone in the wrapper).
-* F16 / BF16: 32 halfwords a block, natural order, no scale.
+* "gather" (default): [tokens, blocks, halfwords] gathers of each block's data
+  halfwords (one ggml block = 32 values of the head dimension) and
+  [tokens, blocks, 1] gathers of the scales: 2-byte loads.
+* "windows": contiguous power-of-two windows of the head row (for Q8_0 at
+  D=256: [0, 128) and [120, 136)) loaded 16 bytes at a time; the scale of
+  each group of 8 halfwords is a select between two gathered scales; scale
+  halfwords and overlaps decode to junk columns that meet zero query columns
+  and are dropped. One dot per piece (two per tile).
+
+Each halfword decodes to its planes, kept next to each other: Q8_0 its low
+and high byte (dims 2i, 2i+1 of the block's data halfword i), Q4_0 the
+nibbles at bits 0, 4, 8, 12 (dims 2i, 2i+16, 2i+1, 2i+17), F16 / BF16 the
+halfword itself. `column_dims` maps the kernel's columns to head dims: the
+wrapper puts the query into K's columns and takes V's columns back to dims.
 
 A quant becomes an f16 integer without an int->float conversion: `0x6400 | b`
 is the f16 number 1024 + b, so `(0x6400 | byte) - 1152` is the signed int8 and
-`(0x6400 | nibble) - 1032` the Q4_0 value, exactly. The block scale ([tokens,
-blocks, 1]) multiplies the values, and one dot per tile takes the whole head
-row: scores `[rows, 256] . [tokens, 256]^T`, output `[rows, tokens] .
-[tokens, 256]`. `precision` says how the float32 side meets the tensor cores:
+`(0x6400 | nibble) - 1032` the Q4_0 value, exactly. The block scale
+multiplies the values, and one dot per piece takes the piece's columns:
+scores `[rows, columns] . [tokens, columns]^T`, output `[rows, tokens] .
+[tokens, columns]`. `precision` says how the float32 side meets the tensor cores:
 
   "f16"    16-bit operands (bf16 for BF16 pages): ~3e-4 relative error, fastest
   "f16x3"  each float32 operand split into a 16-bit head and tail (the exact
@@ -75,24 +82,109 @@ MAX_QUERY_ROWS = 256  # query tokens per call (prefill chunk)
 PATHS = ("vector", "matrix", "prefill")
 PRECISIONS = ("f16", "f16x3", "tf32", "ieee")  # see the module docstring
 DEFAULT_PRECISION = "f16"
+READS = ("gather", "windows")  # how head rows are read, see `row_pieces`
+DEFAULT_READS = "gather"       # measured faster (docs/PERFORMANCE.md, S3-6)
 BLOCK = 32                 # head-dim values per decoded block (the ggml quant block)
 _COMBINE_UNROLL = 8        # partitions loaded at once by the combine kernel
 
-# kind -> (halfwords per 32-value block, data halfword offset, has scale)
-_BLOCK_HW = {"q8_0": (17, 1, True), "q4_0": (9, 1, True), "f16": (32, 0, False),
-             "bf16": (32, 0, False)}
+# kind -> (halfwords per 32-value block, has an f16 scale in front)
+_BLOCK_HW = {"q8_0": (17, True), "q4_0": (9, True), "f16": (32, False), "bf16": (32, False)}
+# kind -> the planes decoded from one raw halfword: (operation, shift)
+_PLANES = {"q8_0": (("byte", 0), ("byte", 8)),
+           "q4_0": (("nibble", 0), ("nibble", 4), ("nibble", 8), ("nibble", 12)),
+           "f16": (("raw", 0),), "bf16": (("raw", 0),)}
+_GROUP = 8                 # halfwords a thread loads at once (16 bytes) and that share <= 2 scales
 
 
 def _next_pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 
 
-def column_dims(kind: str) -> np.ndarray:
-  """[32] int: the head-dim offset (within a block) of each kernel column of a block."""
-  c = np.arange(BLOCK)
-  if kind == "q4_0":
-    return c // 2 + 16 * (c % 2)
-  return c
+def _prev_pow2(n: int) -> int:
+  return 1 << (int(n).bit_length() - 1)
+
+
+def row_pieces(kind: str, head_dim: int, reads: str = "gather"):
+  """The pieces a tile of head rows is read in, each decoded to its own block of columns.
+
+  reads="gather": one piece ("gather", blocks): the data halfwords of every block gathered as
+    [tokens, blocks, halfwords] and the scales as [tokens, blocks, 1] (2-byte loads: ggml blocks
+    of 17 / 9 halfwords start at any halfword).
+  reads="windows": ("window", first halfword, width) pieces, power-of-two widths >= 16: a head
+    row of a quant kind (136 halfwords for Q8_0, 72 for Q4_0 at D=256) is one main window
+    [0, P) (P the largest power of two that fits) and one tail window that ends at the row's end
+    and may overlap the main one ([120, 136), [56, 72)): contiguous 16-byte loads; the scale of
+    each group of 8 halfwords is a select between two gathered scales.
+  """
+  per, _ = _BLOCK_HW[kind]
+  nb = head_dim // BLOCK
+  if reads == "gather":
+    return [("gather", nb)]
+  if reads != "windows":
+    raise ValueError(f"unknown reads {reads!r}; choose one of {READS}")
+  head_hw = per * nb
+  if head_hw <= 16:
+    return [("window", 0, 16)]                     # halfwords past the row are masked off
+  main = _prev_pow2(head_hw)
+  rem = head_hw - main
+  if not rem:
+    return [("window", 0, main)]
+  tail = max(16, _next_pow2(rem))
+  return [("window", 0, main), ("window", head_hw - tail, tail)]
+
+
+def _piece_positions(kind: str, head_dim: int, piece) -> np.ndarray:
+  """[halfwords] int: the row halfword behind each raw halfword of a piece, in load order."""
+  per, scaled = _BLOCK_HW[kind]
+  if piece[0] == "gather":
+    blk = np.arange(piece[1])[:, None]
+    return (blk * per + int(scaled) + np.arange(per - int(scaled))[None, :]).reshape(-1)
+  return np.arange(piece[1], piece[1] + piece[2])
+
+
+def column_dims(kind: str, head_dim: int, reads: str = "gather") -> np.ndarray:
+  """[columns] int: the head dim of each kernel column of a decoded K or V tile (-1: junk).
+
+  Columns run piece by piece, raw halfword by halfword, and within a halfword plane by plane
+  (`_PLANES`: Q8_0 low then high byte, Q4_0 the nibbles at bits 0, 4, 8, 12). Junk columns
+  (windows only: a block's scale halfword, a tail window's overlap with the main window,
+  halfwords past the row) meet zero query columns in the scores and are dropped from the output.
+  """
+  per, scaled = _BLOCK_HW[kind]
+  head_hw = per * (head_dim // BLOCK)
+  cols = []
+  covered = 0
+  for piece in row_pieces(kind, head_dim, reads):
+    pos = _piece_positions(kind, head_dim, piece)
+    blk, off = pos // per, pos % per
+    junk = (pos < covered) | (pos >= head_hw)
+    if scaled:
+      junk |= off == 0
+      i = off - 1                                    # data halfword within the block
+    else:
+      i = off
+    planes = []
+    for op, shift in _PLANES[kind]:
+      if op == "byte":                               # Q8_0: bytes 2i, 2i+1 are dims 2i, 2i+1
+        dim = 2 * i + shift // 8
+      elif op == "nibble":                           # Q4_0: qs[j] & 15 -> j, qs[j] >> 4 -> j + 16
+        dim = 2 * i + (shift // 8) + 16 * ((shift // 4) % 2)
+      else:                                          # F16 / BF16: halfword = dim
+        dim = i
+      planes.append(np.where(junk, -1, blk * BLOCK + dim))
+    cols.append(np.stack(planes, axis=-1).reshape(-1))   # halfword-major, plane-minor
+    covered = max(covered, int(pos.max()) + 1)
+  return np.concatenate(cols).astype(np.int64)
+
+
+def _piece_slices(kind: str, head_dim: int, reads: str):
+  """[(first column, columns)] of each piece of `row_pieces`, in column order."""
+  out, col = [], 0
+  for piece in row_pieces(kind, head_dim, reads):
+    n = _piece_positions(kind, head_dim, piece).shape[0] * len(_PLANES[kind])
+    out.append((col, n))
+    col += n
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +195,7 @@ class TileConfig:
   num_warps: int
   num_stages: int
   prefetch: bool      # load tile i+1 while computing tile i
+  reads: str = DEFAULT_READS  # `row_pieces`
 
 
 def select_path(num_tokens: int) -> str:
@@ -120,7 +213,8 @@ def select_path(num_tokens: int) -> str:
 
 def tile_config(num_tokens: int, group: int, page_tokens: int, path: Optional[str] = None,
                 block_tokens: Optional[int] = None, num_warps: Optional[int] = None,
-                num_stages: Optional[int] = None, prefetch: Optional[bool] = None) -> TileConfig:
+                num_stages: Optional[int] = None, prefetch: Optional[bool] = None,
+                reads: Optional[str] = None) -> TileConfig:
   """Tile sizes of a path. `group` = query heads per KV head (rows per token)."""
   auto = select_path(num_tokens)
   path = path or auto
@@ -140,8 +234,11 @@ def tile_config(num_tokens: int, group: int, page_tokens: int, path: Optional[st
   bt = min(bt, _largest_pow2_divisor(page_tokens))
   if bt < 16:
     raise ValueError(f"page_tokens {page_tokens} needs a power-of-two divisor >= 16 for key tiles")
+  reads = reads or DEFAULT_READS
+  if reads not in READS:
+    raise ValueError(f"unknown reads {reads!r}; choose one of {READS}")
   return TileConfig(path, bm, bt, num_warps or nw, num_stages or ns,
-                    pf if prefetch is None else bool(prefetch))
+                    pf if prefetch is None else bool(prefetch), reads)
 
 
 def _largest_pow2_divisor(n: int) -> int:
@@ -252,25 +349,48 @@ def _masked_load(ref, idx, mask, other):
   return pl.load(ref, idx, mask=mask, other=other)  # pragma: no cover (older jax)
 
 
-def _load_rows(pool_ref, phys, rows_hw, valid, kind: str, num_blocks: int):
-  """Raw halfwords of a tile of head rows.
+def _load_piece(pool_ref, phys, row_hw, valid, kind: str, head_dim: int, piece):
+  """Raw halfwords of one piece (`row_pieces`) of a tile of head rows, and their scales.
 
-  rows_hw [BT, 1] int32 halfword offset of each token's head row; valid [BT, 1]
-  -> (data [BT, NB, W] uint16, scale [BT, NB, 1] uint16 or None)
+  row_hw [BT, 1] int32 halfword offset of each token's head row; valid [BT, 1]
+  -> (data [BT, n, w] uint16, scale [BT, n, w or 1] uint16 (f16 bits) or None)
+  gather: n = blocks, w = data halfwords a block, one scale a block.
+  window: n = width / 8, w = 8: each group of 8 halfwords (one 16-byte load) holds at most two
+  blocks, whose scales are two [BT, n, 1] gathers and a select (not a gather per halfword).
   """
-  per_block, data_off, scaled = _BLOCK_HW[kind]
-  width = per_block - data_off                      # 16 (q8_0), 8 (q4_0), 32 (f16/bf16)
-  bt = rows_hw.shape[0]
-  blk = lax.broadcasted_iota(jnp.int32, (1, num_blocks, 1), 1) * per_block
-  col = lax.broadcasted_iota(jnp.int32, (1, 1, width), 2) + data_off
-  rows3 = rows_hw[:, :, None]                       # [BT, 1, 1]
-  ok3 = valid[:, :, None]
-  data = _masked_load(pool_ref, (phys, rows3 + blk + col),
-                      jnp.broadcast_to(ok3, (bt, num_blocks, width)), 0)
-  scale = None
-  if scaled:
-    scale = _masked_load(pool_ref, (phys, rows3 + blk), jnp.broadcast_to(ok3, (bt, num_blocks, 1)), 0)
-  return data, scale
+  per, scaled = _BLOCK_HW[kind]
+  nb = head_dim // BLOCK
+  bt = row_hw.shape[0]
+  rows3 = row_hw[:, :, None]                       # [BT, 1, 1]
+  ok = valid[:, :, None]
+  if piece[0] == "gather":
+    w = per - int(scaled)                          # 16 (q8_0), 8 (q4_0), 32 (f16/bf16)
+    blk = lax.broadcasted_iota(jnp.int32, (1, nb, 1), 1) * per
+    col = lax.broadcasted_iota(jnp.int32, (1, 1, w), 2) + int(scaled)
+    data = _masked_load(pool_ref, (phys, rows3 + blk + col), jnp.broadcast_to(ok, (bt, nb, w)), 0)
+    scale = None
+    if scaled:
+      scale = _masked_load(pool_ref, (phys, rows3 + blk), jnp.broadcast_to(ok, (bt, nb, 1)), 0)
+    return data, scale
+  _, start, width = piece
+  head_hw = per * nb
+  n8 = width // _GROUP
+  grp = lax.broadcasted_iota(jnp.int32, (1, n8, 1), 1)
+  c8 = lax.broadcasted_iota(jnp.int32, (1, 1, _GROUP), 2)
+  pos = start + grp * _GROUP + c8                  # [1, n8, 8] halfword within the row
+  if start + width > head_hw:                      # rows shorter than 16 halfwords
+    ok = ok & (pos < head_hw)
+  data = _masked_load(pool_ref, (phys, rows3 + pos), jnp.broadcast_to(ok, (bt, n8, _GROUP)), 0)
+  if not scaled:
+    return data, None
+  pos0 = start + grp * _GROUP                      # [1, n8, 1]
+  lo_blk = pos0 // per
+  hi_blk = jnp.minimum((pos0 + _GROUP - 1) // per, nb - 1)
+  split = (lo_blk + 1) * per - pos0                # halfwords of the group in lo_blk
+  ok1 = jnp.broadcast_to(valid[:, :, None], (bt, n8, 1))
+  s_lo = _masked_load(pool_ref, (phys, rows3 + lo_blk * per), ok1, 0)
+  s_hi = _masked_load(pool_ref, (phys, rows3 + hi_blk * per), ok1, 0)
+  return data, jnp.where(c8 < split, s_lo, s_hi)
 
 
 def _magic(bits_i32, offset: float):
@@ -279,61 +399,70 @@ def _magic(bits_i32, offset: float):
   return h - jnp.float16(offset)
 
 
-def _decode_rows(data, scale, kind: str, f32: bool):
-  """Raw halfwords [BT, NB, W] -> values [BT, NB*32] in kernel column order.
+def _decode_piece(data, scale, kind: str, f32: bool):
+  """Raw halfwords [BT, n, w] (+ scales) -> values [BT, n * w * planes] (kernel columns).
 
   f32=False: f16 (bf16 for BF16 pages), each value rounded once (the "f16" operand);
   f32=True: float32, exact (the source of "f16x3" heads / tails and "tf32" / "ieee").
+  Junk columns hold finite values (a scale's bytes as a quant, times a real scale).
   """
-  bt, nb, _ = data.shape
-  if kind in ("f16", "bf16"):
+  bt, n, w = data.shape
+  width = n * w
+  planes = _PLANES[kind]
+  if planes[0][0] == "raw":
     src = jnp.float16 if kind == "f16" else jnp.bfloat16
-    v = lax.bitcast_convert_type(data, src).reshape(bt, nb * BLOCK)
+    v = lax.bitcast_convert_type(data, src).reshape(bt, width)
     return v.astype(jnp.float32) if f32 else v
   x = data.astype(jnp.int32)
-  if kind == "q8_0":
-    lo, hi = (x & 0xFF) ^ 0x80, ((x >> 8) & 0xFF) ^ 0x80      # byte + 128
-    v = jnp.stack([_magic(lo, 1152.0), _magic(hi, 1152.0)], axis=-1).reshape(bt, nb, BLOCK)
-  else:  # q4_0
-    n0, n4, n8, n12 = (_magic((x >> sh) & 0xF, 1032.0) for sh in (0, 4, 8, 12))
-    first = jnp.stack([n0, n8], axis=-1).reshape(bt, nb, 16)     # dims 0..15
-    second = jnp.stack([n4, n12], axis=-1).reshape(bt, nb, 16)   # dims 16..31
-    v = jnp.stack([first, second], axis=-1).reshape(bt, nb, BLOCK)
-  sc = lax.bitcast_convert_type(scale, jnp.float16)               # [BT, NB, 1]
+  sc = lax.bitcast_convert_type(scale, jnp.float16)
   if f32:
-    return (v.astype(jnp.float32) * sc.astype(jnp.float32)).reshape(bt, nb * BLOCK)
-  return (v * sc).reshape(bt, nb * BLOCK)  # f16 product = the exact product rounded once
+    sc = sc.astype(jnp.float32)
+  vals = []
+  for op, shift in planes:
+    if op == "byte":
+      v = _magic(((x >> shift) & 0xFF) ^ 0x80, 1152.0)           # int8 = (byte ^ 0x80) - 128
+    else:
+      v = _magic((x >> shift) & 0xF, 1032.0)                      # Q4_0: nibble - 8
+    vals.append(v.astype(jnp.float32) * sc if f32 else v * sc)   # f16: rounded once
+  if len(vals) == 4:   # Triton stacks two at a time: [.., (v0, v2)] and [.., (v1, v3)] -> v0..v3
+    vals = [jnp.stack([vals[0], vals[2]], axis=-1), jnp.stack([vals[1], vals[3]], axis=-1)]
+  return jnp.stack(vals, axis=-1).reshape(bt, width * len(planes))
 
 
 def _value_terms(data, scale, kind: str, plan: OperandPlan):
   if plan.dtype == jnp.float32:
-    return [_decode_rows(data, scale, kind, True)]
+    return [_decode_piece(data, scale, kind, True)]
   if plan.kv_terms == 1:
-    return [_decode_rows(data, scale, kind, False)]
-  return _split(_decode_rows(data, scale, kind, True), plan.kv_terms, plan.dtype)
+    return [_decode_piece(data, scale, kind, False)]
+  return _split(_decode_piece(data, scale, kind, True), plan.kv_terms, plan.dtype)
 
 
 def _span_kernel(meta_ref, tab_ref, qpos_ref, q_ref, pool_ref, m_out, l_out, acc_out, *,
                  layout: PageLayout, cfg: TileConfig, block_pages: int, num_phys: int,
                  plan: OperandPlan, sm_scale: float):
-  # meta_ref [4] i32, tab_ref [T] i32, qpos_ref [Mp] i32, q_ref [terms, G, Mp, D] plan.dtype,
-  # pool_ref [P, page_hw] u16 -> m_out, l_out [G, parts, Mp], acc_out [G, parts, Mp, D] f32
+  # meta_ref [4] i32, tab_ref [T] i32, qpos_ref [Mp] i32, q_ref [terms, G, Mp, Kc] plan.dtype
+  # (K kernel columns), pool_ref [P, page_hw] u16
+  # -> m_out, l_out [G, parts, Mp], acc_out [G, parts, Mp, Vc] f32 (V kernel columns)
   g = pl.program_id(0)
   mb = pl.program_id(1)
   pp = pl.program_id(2)
   bm, bt = cfg.block_rows, cfg.block_tokens
   pt = layout.page_tokens
-  nb = layout.head_dim // BLOCK
+  d = layout.head_dim
   kk, vk = layout.k_type, layout.v_type
   prec = plan.precision
   kv_len = meta_ref[0]
   tile_begin = meta_ref[1]
   tile_end = meta_ref[2]       # already clipped to the active pages
   n_table = meta_ref[3]
+  k_pieces, v_pieces = row_pieces(kk, d, cfg.reads), row_pieces(vk, d, cfg.reads)
+  k_slices, v_slices = _piece_slices(kk, d, cfg.reads), _piece_slices(vk, d, cfg.reads)
 
   rows = pl.ds(mb * bm, bm)
   qpos = qpos_ref[rows]                                   # [BM] int32 (-1: padding row)
-  q_terms = [q_ref[i, g, rows, :] for i in range(plan.q_terms)]  # [BM, D] each, unscaled
+  # per K piece: the query terms of its columns, [BM, columns] each (unscaled)
+  q_pieces = [[q_ref[i, g, rows, pl.ds(c0, n)] for i in range(plan.q_terms)]
+               for c0, n in k_slices]
 
   page_lo = jnp.maximum(pp * block_pages, tile_begin)
   page_hi = jnp.minimum(pp * block_pages + block_pages, tile_end)
@@ -351,57 +480,64 @@ def _span_kernel(meta_ref, tab_ref, qpos_ref, q_ref, pool_ref, m_out, l_out, acc
   tk_iota = lax.broadcasted_iota(jnp.int32, (1, bt), 1)
 
   def load_tile(i):
-    """Raw halfwords of key tile i (masked off past the causal end)."""
+    """Raw pieces of key tile i (masked off past the causal end)."""
     t0 = tok_lo + i * bt
     lp = jnp.minimum(t0 // pt, n_table - 1)
     phys = jnp.clip(tab_ref[lp], 0, num_phys - 1)
     in_page = t0 - (t0 // pt) * pt + t_iota               # [BT, 1] token row within the page
     valid = (t0 + t_iota) < tok_hi
-    k = _load_rows(pool_ref, phys, in_page * k_row_hw + g * k_head_hw, valid, kk, nb)
-    v = _load_rows(pool_ref, phys, v_base_hw + in_page * v_row_hw + g * v_head_hw, valid, vk, nb)
+    k_row = in_page * k_row_hw + g * k_head_hw
+    v_row = v_base_hw + in_page * v_row_hw + g * v_head_hw
+    k = tuple(_load_piece(pool_ref, phys, k_row, valid, kk, d, pc) for pc in k_pieces)
+    v = tuple(_load_piece(pool_ref, phys, v_row, valid, vk, d, pc) for pc in v_pieces)
     return k, v
 
-  def compute(i, raw, m_i, l_i, acc):
-    (k_data, k_scale), (v_data, v_scale) = raw
+  def compute(i, raw, m_i, l_i, accs):
+    k_raw, v_raw = raw
     t0 = tok_lo + i * bt
-    k_terms = _value_terms(k_data, k_scale, kk, plan)     # [BT, D] each
     s = None
-    for a, b in plan.pairs():
-      d = _dot_nt(q_terms[a], k_terms[b], prec)           # [BM, BT]
-      s = d if s is None else s + d
+    for w, q_terms in enumerate(q_pieces):
+      k_terms = _value_terms(*k_raw[w], kk, plan)         # [BT, columns] each
+      for a, b in plan.pairs():
+        part = _dot_nt(q_terms[a], k_terms[b], prec)      # [BM, BT]
+        s = part if s is None else s + part
     s = s * sm_scale
     key = t0 + tk_iota                                     # [1, BT]
     ok = (key < tok_end) & (key <= qpos[:, None])
     s = jnp.where(ok, s, -jnp.inf)
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
     m_use = jnp.where(m_new > -jnp.inf, m_new, 0.0)
-    p = jnp.exp(s - m_use[:, None])                        # [BM, BT]
+    p_bt = jnp.exp(s - m_use[:, None])                     # [BM, BT]
     alpha = jnp.exp(m_i - m_use)
-    l_new = l_i * alpha + jnp.sum(p, axis=1)
-    v_terms = _value_terms(v_data, v_scale, vk, plan)
-    p_terms = _split(p, plan.q_terms, plan.dtype)
-    upd = None
-    for a, b in plan.pairs():
-      d = _dot_nn(p_terms[a], v_terms[b], prec)           # [BM, D]
-      upd = d if upd is None else upd + d
-    return m_new, l_new, acc * alpha[:, None] + upd
+    l_new = l_i * alpha + jnp.sum(p_bt, axis=1)
+    p_terms = _split(p_bt, plan.q_terms, plan.dtype)
+    new_accs = []
+    for w, acc in enumerate(accs):
+      v_terms = _value_terms(*v_raw[w], vk, plan)
+      upd = None
+      for a, b in plan.pairs():
+        part = _dot_nn(p_terms[a], v_terms[b], prec)      # [BM, columns]
+        upd = part if upd is None else upd + part
+      new_accs.append(acc * alpha[:, None] + upd)
+    return m_new, l_new, tuple(new_accs)
 
   init = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
-          jnp.zeros((bm, layout.head_dim), jnp.float32))
+          tuple(jnp.zeros((bm, n), jnp.float32) for _, n in v_slices))
   if cfg.prefetch:
     def body(i, carry):
-      m_i, l_i, acc, raw = carry
+      m_i, l_i, accs, raw = carry
       nxt = load_tile(i + 1)            # in flight while tile i is computed
-      m_i, l_i, acc = compute(i, raw, m_i, l_i, acc)
-      return m_i, l_i, acc, nxt
-    m_f, l_f, acc, _ = lax.fori_loop(0, n_tiles, body, init + (load_tile(0),))
+      m_i, l_i, accs = compute(i, raw, m_i, l_i, accs)
+      return m_i, l_i, accs, nxt
+    m_f, l_f, accs, _ = lax.fori_loop(0, n_tiles, body, init + (load_tile(0),))
   else:
     def body(i, carry):
       return compute(i, load_tile(i), *carry)
-    m_f, l_f, acc = lax.fori_loop(0, n_tiles, body, init)
+    m_f, l_f, accs = lax.fori_loop(0, n_tiles, body, init)
   m_out[g, pp, rows] = m_f
   l_out[g, pp, rows] = l_f
-  acc_out[g, pp, rows, :] = acc
+  for (c0, n), acc in zip(v_slices, accs):
+    acc_out[g, pp, rows, pl.ds(c0, n)] = acc
 
 
 def _combine_kernel(m_parts, l_parts, acc_parts, m_in, l_in, acc_in, m_out, l_out, acc_out, *,
@@ -446,14 +582,24 @@ def _compiler_params(cfg_warps: int, cfg_stages: int, interpret: bool):
   return _pltriton.CompilerParams(num_warps=cfg_warps, num_stages=cfg_stages)
 
 
-def _v_permutation(vk: str, head_dim: int):
-  """(kernel column -> dim, dim -> kernel column) for V, or (None, None) when the identity."""
-  cd = column_dims(vk)
-  if np.array_equal(cd, np.arange(BLOCK)):
-    return None, None
-  col_to_dim = (np.arange(head_dim) // BLOCK) * BLOCK + np.tile(cd, head_dim // BLOCK)
-  dim_to_col = np.argsort(col_to_dim)
-  return col_to_dim, dim_to_col
+def _to_columns(x_gmd, col_dims: np.ndarray):
+  """[..., D] -> [..., columns]: each kernel column takes its dim; junk columns are zero."""
+  if np.array_equal(col_dims, np.arange(x_gmd.shape[-1])):
+    return x_gmd
+  take = x_gmd[..., np.maximum(col_dims, 0)]
+  return jnp.where(jnp.asarray(col_dims >= 0), take, jnp.zeros((), x_gmd.dtype))
+
+
+def _from_columns(x_gmc, col_dims: np.ndarray, head_dim: int):
+  """[..., columns] -> [..., D]: dim d from the one non-junk column that holds it."""
+  if np.array_equal(col_dims, np.arange(head_dim)):
+    return x_gmc
+  first = np.full(head_dim, -1)
+  for c in range(col_dims.shape[0] - 1, -1, -1):
+    if col_dims[c] >= 0:
+      first[col_dims[c]] = c
+  assert (first >= 0).all()
+  return x_gmc[..., first]
 
 
 def halfword_view(pool_pn):
@@ -468,7 +614,7 @@ def halfword_view(pool_pn):
 
 @functools.partial(jax.jit, static_argnames=(
     "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "precision", "path",
-    "block_tokens", "num_warps", "num_stages", "prefetch"))
+    "block_tokens", "num_warps", "num_stages", "prefetch", "reads"))
 def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry: _ref.Carry,
                                   tile_begin, tile_end, *, layout: PageLayout, num_q_heads: int,
                                   block_pages: int = 1, sm_scale: Optional[float] = None,
@@ -476,14 +622,15 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                   path: Optional[str] = None, block_tokens: Optional[int] = None,
                                   num_warps: Optional[int] = None,
                                   num_stages: Optional[int] = None,
-                                  prefetch: Optional[bool] = None) -> _ref.Carry:
+                                  prefetch: Optional[bool] = None,
+                                  reads: Optional[str] = None) -> _ref.Carry:
   """Kernel version of `reference.span_attention_partial_reference` (same contract)."""
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads
   check_call(q_shd, pool_pn, layout, num_q_heads, block_pages, check_layout)
   r = h // g
   cfg = tile_config(s_tok, r, layout.page_tokens, path, block_tokens, num_warps, num_stages,
-                    prefetch)
+                    prefetch, reads)
   plan = _operand_plan(precision, layout, interpret)
   scale = (1.0 / d ** 0.5) if sm_scale is None else sm_scale
   bm = cfg.block_rows
@@ -498,7 +645,10 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
 
   qf_gmd = _ref.fold_query(q_shd.astype(jnp.float32), g)
   qf_gmd = jnp.pad(qf_gmd, ((0, 0), (0, rows_pad - rows), (0, 0)))
-  q_terms = jnp.stack(_split(qf_gmd, plan.q_terms, plan.dtype))  # [terms, G, Mp, D] (K order = dims)
+  k_cols = column_dims(layout.k_type, d, cfg.reads)
+  v_cols = column_dims(layout.v_type, d, cfg.reads)
+  q_gmk = _to_columns(qf_gmd, k_cols)                              # [G, Mp, Kc] K kernel columns
+  q_terms = jnp.stack(_split(q_gmk, plan.q_terms, plan.dtype))     # [terms, G, Mp, Kc]
   qpos_m = jnp.repeat(q_pos_s.astype(jnp.int32), r)
   qpos_m = jnp.pad(qpos_m, (0, rows_pad - rows), constant_values=-1)
   kv_len = jnp.asarray(kv_len, jnp.int32)
@@ -515,34 +665,30 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
       grid=(g, n_mb, n_parts),
       out_shape=(jax.ShapeDtypeStruct((g, n_parts, rows_pad), jnp.float32),
                  jax.ShapeDtypeStruct((g, n_parts, rows_pad), jnp.float32),
-                 jax.ShapeDtypeStruct((g, n_parts, rows_pad, d), jnp.float32)),
+                 jax.ShapeDtypeStruct((g, n_parts, rows_pad, v_cols.shape[0]), jnp.float32)),
       compiler_params=_compiler_params(cfg.num_warps, cfg.num_stages, interpret),
       interpret=interpret,
       name="kvjax_span_attention",
   )(meta, page_table_t.astype(jnp.int32), qpos_m, q_terms, pool_u16)
 
-  col_to_dim, dim_to_col = _v_permutation(layout.v_type, d)
   pad_m = ((0, 0), (0, rows_pad - rows))
   m_in = jnp.pad(carry.m_gm, pad_m, constant_values=-jnp.inf)
   l_in = jnp.pad(carry.l_gm, pad_m)
-  acc_in = jnp.pad(carry.acc_gmd, pad_m + ((0, 0),))
-  if col_to_dim is not None:
-    acc_in = acc_in[:, :, col_to_dim]                      # dims -> kernel columns
+  acc_in = _to_columns(jnp.pad(carry.acc_gmd, pad_m + ((0, 0),)), v_cols)  # [G, Mp, Vc]
   # the combine grid also runs over column blocks; m/l come back once per block
-  n_cb = d // BLOCK
+  vc = v_cols.shape[0]
+  n_cb = vc // BLOCK
   m_c, l_c, acc_c = pl.pallas_call(
       functools.partial(_combine_kernel, block_rows=bm, num_parts=n_parts, unroll=unroll),
       grid=(g, n_mb, n_cb),
       out_shape=(jax.ShapeDtypeStruct((g, rows_pad, n_cb), jnp.float32),
                  jax.ShapeDtypeStruct((g, rows_pad, n_cb), jnp.float32),
-                 jax.ShapeDtypeStruct((g, rows_pad, d), jnp.float32)),
+                 jax.ShapeDtypeStruct((g, rows_pad, vc), jnp.float32)),
       compiler_params=_compiler_params(4, 1, interpret),
       interpret=interpret,
       name="kvjax_span_combine",
   )(m_p, l_p, acc_p, m_in, l_in, acc_in)
-  acc = acc_c[:, :rows]
-  if dim_to_col is not None:
-    acc = acc[:, :, dim_to_col]                            # kernel columns -> dims
+  acc = _from_columns(acc_c[:, :rows], v_cols, d)          # kernel columns -> dims
   return _ref.Carry(m_c[:, :rows, 0], l_c[:, :rows, 0], acc)
 
 
