@@ -161,7 +161,8 @@ def _parse_config(text):
   kw = {}
   for item in filter(None, text.split(";")):
     k, v = item.split("=")
-    kw[k] = v if k in ("precision", "reads") else (bool(int(v)) if k in ("prefetch", "old", "u16pool", "mosaic") else int(v))
+    flags_ = ("prefetch", "old", "u16pool", "mosaic", "overlap")
+    kw[k] = v if k in ("precision", "reads") else (bool(int(v)) if k in flags_ else int(v))
   return kw
 
 
@@ -210,7 +211,8 @@ def main(argv):
 
   def kernel_fn(pool, table, kv_len, q_pos, **kw):
     if kw.pop("mosaic", False):  # Mosaic GPU v1: f16 operands, no tile options
-      mkw = dict(block_pages=kw.get("block_pages", bp), interpret=kw.get("interpret", FLAGS.interpret))
+      mkw = dict(block_pages=kw.get("block_pages", bp), interpret=kw.get("interpret", FLAGS.interpret),
+                 overlap=kw.get("overlap", False))
       return lambda q: km.span_attention_mosaic(q, pool, table, kv_len, q_pos, layout=layout, **mkw)
     mod = kt
     if kw.pop("u16pool", False):
@@ -271,12 +273,13 @@ def main(argv):
                                            block_pages=bp)
       checks = [dict(precision=p) for p in (FLAGS.check_precisions if s == 1 else (FLAGS.precision,))]
       if FLAGS.mosaic:
-        checks.append(dict(mosaic=True))
+        checks += [dict(mosaic=True), dict(mosaic=True, overlap=True)]
       for kw in checks:
         try:
           o = kernel_fn(pool, scattered, ctx, q_pos, **kw)(q)
           err = float(jnp.linalg.norm(o - o_ref) / jnp.linalg.norm(o_ref))
-          record(kind="check", context=ctx, rows=s, precision=kw.get("precision", "mosaic_f16"),
+          name = kw.get("precision", "mosaic_f16" + ("_overlap" if kw.get("overlap") else ""))
+          record(kind="check", context=ctx, rows=s, precision=name,
                  rel_err_vs_reference=err, finite=bool(jnp.isfinite(o).all()))
         except Exception as e:  # record and go on
           record(kind="check", context=ctx, rows=s, precision=str(kw), error=str(e)[:300])
@@ -326,6 +329,8 @@ def main(argv):
       if FLAGS.mosaic:
         cases.append(("mosaic_contiguous", kernel_fn(pool, contiguous, ctx, q_pos, mosaic=True),
                       ctx * kv_token))
+        cases.append(("mosaic_overlap", kernel_fn(pool, contiguous, ctx, q_pos, mosaic=True,
+                                                  overlap=True), ctx * kv_token))
       if s == 1:
         cases.append(("cudnn_bf16", lambda q: _cudnn_attention(q, k_bf, v_bf), ctx * bf16_token))
       if s <= FLAGS.reference_max_rows:
@@ -359,7 +364,8 @@ def main(argv):
           f"{100 * gb / copy_gbps['copy']:5.1f} | "
           f"{kr:8.1f} {kr / kc:6.3f} | {xl:8.1f} {xl / kc:5.2f} | "
           f"{r.get('cudnn_bf16_us', float('nan')):8.1f} | {r.get('reference_us', float('nan')):8.1f}"
-          + (f" | mosaic {r.get('mosaic_contiguous_us', float('nan')):8.1f}" if FLAGS.mosaic else ""))
+          + (f" | mosaic {r.get('mosaic_contiguous_us', float('nan')):8.1f}"
+             f" overlap {r.get('mosaic_overlap_us', float('nan')):8.1f}" if FLAGS.mosaic else ""))
 
 
 if __name__ == "__main__":

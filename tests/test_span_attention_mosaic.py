@@ -54,9 +54,9 @@ def _rel(a, b):
 # ----------------------------------------------------------------------------- lowering (CPU)
 
 
-@pytest.mark.parametrize("s_tok", [1, 2, 10])
+@pytest.mark.parametrize("s_tok,overlap", [(1, False), (2, False), (10, False), (1, True)])
 @pytest.mark.parametrize("pair", PAIRS)
-def test_lowers_for_cuda_at_real_shape(pair, s_tok):
+def test_lowers_for_cuda_at_real_shape(pair, s_tok, overlap):
   """The real Pallas -> Mosaic GPU lowering accepts the kernel (layouts, TMA boxes, wgmma shapes, SMEM)."""
   layout = _layout(REAL, pair)
   num_pages = 5
@@ -66,7 +66,8 @@ def test_lowers_for_cuda_at_real_shape(pair, s_tok):
   q_pos = jnp.arange(s_tok, dtype=jnp.int32) + 1000
 
   def f(q, pool, table, kv_len, q_pos):
-    return km.span_attention_mosaic(q, pool, table, kv_len, q_pos, layout=layout, block_pages=2)
+    return km.span_attention_mosaic(q, pool, table, kv_len, q_pos, layout=layout, block_pages=2,
+                                    overlap=overlap)
 
   lowered = jax.jit(f).trace(q, pool, table, jnp.int32(1100), q_pos).lower(
       lowering_platforms=("cuda",))
@@ -202,6 +203,19 @@ def test_interpret_masks_kv_len_and_positions():
   assert _rel(out, oracle) <= 1e-2, _rel(out, oracle)
 
 
+def test_interpret_overlap_is_the_same_computation():
+  """overlap=True only moves the copies earlier: the same bits as overlap=False."""
+  layout = _layout(SMALL)
+  tokens = 5 * 64 - 9
+  hist = History(layout, tokens, seed=23)
+  pool, table = hist.shuffled(seed=6)
+  q, q_pos = _query(23, 1, SMALL["q_heads"], SMALL["head_dim"], tokens)
+  kw = dict(layout=layout, block_pages=3, interpret=True)
+  np.testing.assert_array_equal(
+      np.asarray(km.span_attention_mosaic(q, pool, table, tokens, q_pos, overlap=False, **kw)),
+      np.asarray(km.span_attention_mosaic(q, pool, table, tokens, q_pos, overlap=True, **kw)))
+
+
 def test_interpret_placement_invariance_and_waves_bit_exact():
   layout = _layout(SMALL)
   tokens, bp, h = 5 * 64 - 9, 2, SMALL["q_heads"]
@@ -276,8 +290,8 @@ def test_api_routes_to_the_mosaic_kernel():
 if ON_GPU:
 
   @pytest.mark.parametrize("pair", PAIRS)
-  @pytest.mark.parametrize("s_tok", [1, 2])
-  def test_gpu_compiled_matches_reference(pair, s_tok):
+  @pytest.mark.parametrize("s_tok,overlap", [(1, False), (2, False), (1, True), (2, True)])
+  def test_gpu_compiled_matches_reference(pair, s_tok, overlap):
     """The compiled kernel on the GPU at the real shape against the jnp reference."""
     layout = _layout(REAL, pair)
     tokens = 9 * 256 - 37
@@ -285,7 +299,7 @@ if ON_GPU:
     pool, table = hist.shuffled(seed=4)
     q, q_pos = _query(21, s_tok, REAL["q_heads"], REAL["head_dim"], tokens)
     out = np.asarray(km.span_attention_mosaic(q, pool, table, tokens, q_pos, layout=layout,
-                                              block_pages=4))
+                                              block_pages=4, overlap=overlap))
     want = np.asarray(ref.span_attention_reference(q, pool, table, tokens, q_pos, layout=layout,
                                                    block_pages=4))
     assert np.isfinite(out).all()

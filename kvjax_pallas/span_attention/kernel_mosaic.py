@@ -263,18 +263,22 @@ def _init_state(ops: _Ops, n: int):
           ops.cast(jnp.zeros((HEAD_DIM, n), jnp.float32), plgpu.Layout.WGMMA))
 
 
-def _tile_update(ops: _Ops, k_rows, v_rows, k_f16, v_f16, p_s, qt_s, t0, tok_end, qcol,
-                 state, *, k_type: str, v_type: str, sm_scale: float, n: int):
+def _tile_update(ops: _Ops, get_k, get_v, k_f16, v_f16, p_s, qt_s, t0, tok_end, qcol,
+                 state, *, k_type: str, v_type: str, sm_scale: float, n: int,
+                 after=lambda plane: None):
   """One key tile (tokens t0 .. t0+BT) folded into the online softmax state.
 
-  k_rows: SMEM [BT, >= k_head_bytes] raw K rows of the head; v_rows: a callable returning the
-  V rows (called after K is decoded). Returns (new state, masked scaled scores S^T [BT, N]).
+  get_k / get_v: callables returning SMEM [BT, >= head_bytes] raw K / V rows of the head (they
+  wait for the copy); after(plane) runs once a plane is decoded (its raw buffer is free).
+  Returns (new state, masked scaled scores S^T [BT, N]).
   """
   bt = BLOCK_TOKENS
   m_i, l_i, acc = state
   valid = (t0 + ops.row_iota(bt)) < tok_end                    # [BT] row layout
-  _decode_head(ops, k_rows, k_f16, k_type, valid)
-  _decode_head(ops, v_rows(), v_f16, v_type, valid)
+  _decode_head(ops, get_k(), k_f16, k_type, valid)
+  after("k")
+  _decode_head(ops, get_v(), v_f16, v_type, valid)
+  after("v")
   plgpu.commit_smem()                                           # decoded tiles -> wgmma
   s = _tile_scores(ops, k_f16, qt_s, t0, tok_end, qcol, sm_scale, n)
   m_new = jnp.maximum(m_i, jnp.max(s, axis=0))
@@ -304,7 +308,8 @@ def _span_kernel_mosaic(meta_ref, tab_ref, qpos_ref, qt_ref, kmem, vmem,     # i
                         ml_out, acc_out,                                    # outputs
                         qt_s, raw_bufs, k_f16, v_f16, p_s, ml_s, acc_s, bar, k_bar, v_bar,  # scratch
                         *, layout: PageLayout, block_pages: int, num_phys: int, num_tokens: int,
-                        group: int, n: int, sm_scale: float, interpret: bool):
+                        group: int, n: int, sm_scale: float, interpret: bool,
+                        overlap: bool):
   # meta [8] i32: kv_len, tile_begin, tile_end (clipped), n_table, causal end (max q_pos + 1)
   # tab [T] i32, qpos [S] i32, qt [G, 256, N] f16
   # compiled: kmem = vmem = pool [P, page_bytes // 16, 16] u8; interpret: [P, T, G, head_bytes] u8
@@ -333,44 +338,76 @@ def _span_kernel_mosaic(meta_ref, tab_ref, qpos_ref, qt_ref, kmem, vmem,     # i
   plgpu.copy_gmem_to_smem(qt_ref.at[g], qt_s, bar)
   plgpu.barrier_wait(bar)
 
-  def fetch(plane: str, phys, r0):
-    """Raw rows [r0, r0 + BT) of head g's K or V in page `phys` -> SMEM [BT, >= head_bytes] view.
+  def tile_page(i):
+    """(physical page, first row in the page) of key tile i."""
+    t0 = tok_lo + i * bt
+    lp = jnp.minimum(t0 // pt, n_table - 1)
+    return jnp.clip(tab_ref[lp], 0, num_phys - 1), t0 - (t0 // pt) * pt
+
+  def issue(plane: str, i):
+    """Start the copy of key tile i's raw K or V rows of head g into its SMEM buffer.
 
     Compiled: the contiguous span of BT token rows starting at head g's first byte, in
-    [<=256, 16] uint8 TMA boxes, into the one raw buffer (K and V take turns); head g's row
-    of token t is then columns [0, head_bytes) of row t of the [BT, row_bytes] view.
+    [<=256, 16] uint8 TMA boxes, all arriving on the plane's barrier; head g's row of token t
+    is then columns [0, head_bytes) of row t of the [BT, row_bytes] view (`view`).
     """
+    phys, r0 = tile_page(i)
     if interpret:
       mem, dst, b = (kmem, raw_bufs[0], k_bar) if plane == "k" else (vmem, raw_bufs[1], v_bar)
       plgpu.copy_gmem_to_smem(mem.at[phys, pl.ds(r0, bt), g], dst, b)
-      plgpu.barrier_wait(b)
-      return dst
-    raw = raw_bufs[0]
+      return
     if plane == "k":
-      start_b, row_b, b = r0 * layout.k_row_bytes + g * layout.k_head_bytes, layout.k_row_bytes, k_bar
+      raw, b, row_b = raw_bufs[0], k_bar, layout.k_row_bytes
+      start_b = r0 * row_b + g * layout.k_head_bytes
     else:
-      start_b, row_b, b = (layout.v_offset + r0 * layout.v_row_bytes + g * layout.v_head_bytes,
-                           layout.v_row_bytes, v_bar)
+      raw, b, row_b = raw_bufs[-1], v_bar, layout.v_row_bytes
+      start_b = layout.v_offset + r0 * row_b + g * layout.v_head_bytes
     rows = bt * row_b // _ROW_BYTES
     start = start_b // _ROW_BYTES
     for c0 in range(0, rows, _TMA_ROWS):
       c = min(_TMA_ROWS, rows - c0)
       plgpu.copy_gmem_to_smem(kmem.at[phys, pl.ds(start + c0, c)], raw.at[pl.ds(c0, c)], b)
-    plgpu.barrier_wait(b)                          # every box of the span arrives on it
-    return raw.at[pl.ds(0, rows)].reshape(bt, row_b)
+
+  def wait(plane: str):
+    """Wait for the plane's copy -> SMEM [BT, >= head_bytes] view of head g's raw rows."""
+    b = k_bar if plane == "k" else v_bar
+    plgpu.barrier_wait(b)                          # every box of the span arrived
+    if interpret:
+      return raw_bufs[0] if plane == "k" else raw_bufs[1]
+    raw = raw_bufs[0] if plane == "k" else raw_bufs[-1]
+    row_b = layout.k_row_bytes if plane == "k" else layout.v_row_bytes
+    return raw.at[pl.ds(0, bt * row_b // _ROW_BYTES)].reshape(bt, row_b)
 
   qcol = _column_qpos(ops, qpos_ref, num_tokens, group, (bt, n))
 
+  if overlap:
+    # tile i+1's K copy starts once tile i's K is decoded, its V copy once V is decoded: the
+    # copies run under the other plane's decode and the two wgmma of tile i
+    @pl.when(n_tiles > 0)
+    def _():
+      issue("k", 0)
+      issue("v", 0)
+
   def body(i, carry):
-    m_i, l_i, acc = carry
     t0 = tok_lo + i * bt
-    lp = jnp.minimum(t0 // pt, n_table - 1)
-    phys = jnp.clip(tab_ref[lp], 0, num_phys - 1)
-    r0 = t0 - (t0 // pt) * pt
-    k_rows = fetch("k", phys, r0)
-    v_rows = lambda: fetch("v", phys, r0)     # K is decoded first (compiled: one raw buffer)
-    carry, _ = _tile_update(ops, k_rows, v_rows, k_f16, v_f16, p_s, qt_s, t0, tok_end,
-                            qcol, carry, k_type=kk, v_type=vk, sm_scale=sm_scale, n=n)
+    more = i + 1 < n_tiles
+
+    def get_k():
+      if not overlap:
+        issue("k", i)
+      return wait("k")
+
+    def get_v():
+      if not overlap:
+        issue("v", i)
+      return wait("v")
+
+    def after(plane):
+      if overlap:
+        pl.when(more)(lambda: issue(plane, i + 1))
+
+    carry, _ = _tile_update(ops, get_k, get_v, k_f16, v_f16, p_s, qt_s, t0, tok_end, qcol, carry,
+                            k_type=kk, v_type=vk, sm_scale=sm_scale, n=n, after=after)
     return carry
 
   m_f, l_f, acc_f = lax.fori_loop(0, n_tiles, body, _init_state(ops, n))
@@ -419,7 +456,7 @@ def tile_step_mosaic(k_rows, v_rows, qt, tile_meta, q_pos_s, *, k_type: str, v_t
     plgpu.barrier_wait(bar)
     t0, tok_end = meta_ref[0], meta_ref[1]
     qcol = _column_qpos(ops, qpos_ref, num_tokens, group, (bt, n))
-    (m, l, acc), s = _tile_update(ops, raws[0], lambda: raws[1], k_f16, v_f16, p_s, qt_s, t0,
+    (m, l, acc), s = _tile_update(ops, lambda: raws[0], lambda: raws[1], k_f16, v_f16, p_s, qt_s, t0,
                                   tok_end, qcol, _init_state(ops, n), k_type=k_type,
                                   v_type=v_type, sm_scale=sm_scale, n=n)
     s_s[...] = s
@@ -485,7 +522,8 @@ def _copies_per_fetch(row_bytes: int, interpret: bool) -> int:
 
 
 def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayout,
-               block_pages: int, n_parts: int, sm_scale: float, interpret: bool):
+               block_pages: int, n_parts: int, sm_scale: float, interpret: bool,
+               overlap: bool):
   """The kernel call: -> (ml [G, parts, 2, N], acc^T [G, parts, 256, N]) float32."""
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads
@@ -507,8 +545,12 @@ def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayou
     raw_t = (plgpu.SMEM((bt, kb), jnp.uint8), plgpu.SMEM((bt, vb), jnp.uint8))
   else:
     kmem = vmem = pool_u8.reshape(num_phys, pool_u8.shape[1] // _ROW_BYTES, _ROW_BYTES)
-    raw_rows = bt * max(layout.k_row_bytes, layout.v_row_bytes) // _ROW_BYTES
-    raw_t = (plgpu.SMEM((raw_rows, _ROW_BYTES), jnp.uint8),)
+    if overlap:   # one raw buffer a plane (K span 69,632 B + V span 36,864 B at the 27B shape)
+      raw_t = tuple(plgpu.SMEM((bt * rb // _ROW_BYTES, _ROW_BYTES), jnp.uint8)
+                    for rb in (layout.k_row_bytes, layout.v_row_bytes))
+    else:         # K and V take turns in one buffer
+      raw_rows = bt * max(layout.k_row_bytes, layout.v_row_bytes) // _ROW_BYTES
+      raw_t = (plgpu.SMEM((raw_rows, _ROW_BYTES), jnp.uint8),)
 
   sw_n = _KV_SWIZZLE                # wgmma needs the lhs and rhs swizzles to match
   scratch = [
@@ -525,7 +567,7 @@ def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayou
   ]
   body = functools.partial(_span_kernel_mosaic, layout=layout, block_pages=block_pages,
                            num_phys=num_phys, num_tokens=s_tok, group=r, n=n,
-                           sm_scale=float(sm_scale), interpret=interpret)
+                           sm_scale=float(sm_scale), interpret=interpret, overlap=overlap)
   kern = plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((g, n_parts, 2, n), jnp.float32),
@@ -539,12 +581,16 @@ def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayou
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "layout", "num_q_heads", "block_pages", "sm_scale", "interpret"))
+    "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "overlap"))
 def span_attention_partial_mosaic(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry: _ref.Carry,
                                   tile_begin, tile_end, *, layout: PageLayout, num_q_heads: int,
                                   block_pages: int = 1, sm_scale: Optional[float] = None,
-                                  interpret: bool = False) -> _ref.Carry:
-  """Mosaic GPU version of `reference.span_attention_partial_reference` (same contract)."""
+                                  interpret: bool = False, overlap: bool = False) -> _ref.Carry:
+  """Mosaic GPU version of `reference.span_attention_partial_reference` (same contract).
+
+  overlap=True: one SMEM raw buffer per plane; tile i+1's K (V) copy is issued as soon as tile
+  i's K (V) is decoded, so it runs under the rest of tile i. Same bits as overlap=False.
+  """
   _check_args(q_shd, pool_pn, layout, num_q_heads, block_pages)
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads
@@ -562,7 +608,7 @@ def span_attention_partial_mosaic(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                     causal_end, z, z, z]).astype(jnp.int32)
   ml_p, acct_p = _span_call(q_shd, byte_view(pool_pn), page_table_t, meta, q_pos_s, layout=layout,
                             block_pages=block_pages, n_parts=n_parts, sm_scale=scale,
-                            interpret=interpret)
+                            interpret=interpret, overlap=overlap)
   m_p = ml_p[:, :, 0, :rows]                                     # [G, parts, rows]
   l_p = ml_p[:, :, 1, :rows]
   acc_p = jnp.swapaxes(acct_p, 2, 3)[:, :, :rows, :]             # [G, parts, rows, D]
@@ -571,12 +617,12 @@ def span_attention_partial_mosaic(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
 
 def span_attention_mosaic(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: PageLayout,
                           block_pages: int = 1, sm_scale: Optional[float] = None,
-                          interpret: bool = False):
+                          interpret: bool = False, overlap: bool = False):
   """o_shd [S, H, D] float32 over all active pages (Mosaic GPU version of the reference)."""
   s, h, d = q_shd.shape
   carry = _ref.init_carry(layout.num_kv_heads, s * (h // layout.num_kv_heads), d)
   carry = span_attention_partial_mosaic(
       q_shd, pool_pn, page_table_t, jnp.asarray(kv_len, jnp.int32), q_pos_s, carry, jnp.int32(0),
       jnp.int32(page_table_t.shape[0]), layout=layout, num_q_heads=h, block_pages=block_pages,
-      sm_scale=sm_scale, interpret=interpret)
+      sm_scale=sm_scale, interpret=interpret, overlap=overlap)
   return _ref.finalize(carry, h)
