@@ -79,7 +79,6 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
