@@ -9,9 +9,10 @@ CPU (default):
   views, register PV dot) against `reference.span_attention_reference`, plus
   placement invariance and waves == one call, bit for bit.
 
-GPU: `KVJAX_TEST_GPU=1 JAX_PLATFORMS=cuda pytest tests/test_span_attention_mosaic.py`
-also defines `test_gpu_compiled_matches_reference` (compiled kernel, real
-shapes, rel err <= 2e-3). Without KVJAX_TEST_GPU=1 that test does not exist.
+GPU: `KVJAX_TEST_GPU=1 JAX_PLATFORMS=cuda,cpu pytest tests/test_span_attention_mosaic.py`
+(the interpreter tests need the CPU device) also runs the tile step compiled and
+defines `test_gpu_compiled_matches_reference` (compiled kernel, real shapes,
+overlap off / on, rel err <= 2e-3). Without KVJAX_TEST_GPU=1 those do not exist.
 """
 
 from __future__ import annotations
