@@ -133,7 +133,7 @@ def row_pieces(kind: str, head_dim: int, reads: str = "gather"):
   return [("window", 0, main), ("window", head_hw - tail, tail)]
 
 
-def _piece_positions(kind: str, head_dim: int, piece) -> np.ndarray:
+def _piece_positions(kind: str, piece) -> np.ndarray:
   """[halfwords] int: the row halfword behind each raw halfword of a piece, in load order."""
   per, scaled = _BLOCK_HW[kind]
   if piece[0] == "gather":
@@ -155,7 +155,7 @@ def column_dims(kind: str, head_dim: int, reads: str = "gather") -> np.ndarray:
   cols = []
   covered = 0
   for piece in row_pieces(kind, head_dim, reads):
-    pos = _piece_positions(kind, head_dim, piece)
+    pos = _piece_positions(kind, piece)
     blk, off = pos // per, pos % per
     junk = (pos < covered) | (pos >= head_hw)
     if scaled:
@@ -181,7 +181,7 @@ def _piece_slices(kind: str, head_dim: int, reads: str):
   """[(first column, columns)] of each piece of `row_pieces`, in column order."""
   out, col = [], 0
   for piece in row_pieces(kind, head_dim, reads):
-    n = _piece_positions(kind, head_dim, piece).shape[0] * len(_PLANES[kind])
+    n = _piece_positions(kind, piece).shape[0] * len(_PLANES[kind])
     out.append((col, n))
     col += n
   return out
