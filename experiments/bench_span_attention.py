@@ -48,8 +48,10 @@ flags.DEFINE_string("precision", kt.DEFAULT_PRECISION, f"kernel dot precision {k
 flags.DEFINE_integer("iters", 10, "dependent calls per timed loop")
 flags.DEFINE_integer("rounds", 5, "timed loops (median)")
 flags.DEFINE_float("max_seconds", 300.0, "stop starting new measurements after this")
-flags.DEFINE_bool("sweep", True, "tile sweep for decode at --sweep_context")
-flags.DEFINE_integer("sweep_context", 131072, "context of the tile sweep")
+flags.DEFINE_bool("sweep", True, "tile sweep at --sweep_contexts x --sweep_rows")
+flags.DEFINE_list("sweep_contexts", ["131072"], "contexts of the tile sweep (the first one is also "
+                  "the --profile_config context)")
+flags.DEFINE_list("sweep_rows", ["1"], "query tokens of the tile sweep")
 flags.DEFINE_bool("check", True, "correctness vs the jnp reference at real shapes")
 flags.DEFINE_list("check_precisions", list(kt.PRECISIONS), "precisions checked (1 row)")
 flags.DEFINE_string("compare_module", "", "path of another kernel module (same API) for sweep "
@@ -58,7 +60,7 @@ flags.DEFINE_list("check_rows", ["1", "6", "256"], "query tokens checked")
 flags.DEFINE_list("sweep_configs", [], "kernel configs of the sweep as k=v;k=v (empty: built-in list)")
 flags.DEFINE_integer("num_stages", 0, "kernel num_stages (0: path default)")
 flags.DEFINE_integer("reference_max_rows", 6, "skip the jnp reference above this many rows")
-flags.DEFINE_string("profile_config", "", "only run the kernel (config k=v;k=v) at --sweep_context "
+flags.DEFINE_string("profile_config", "", "only run the kernel (config k=v;k=v) at the first --sweep_contexts "
                     "for --profile_calls calls (a target for ncu) and exit")
 flags.DEFINE_integer("profile_calls", 5, "calls in --profile_config mode")
 flags.DEFINE_bool("mosaic", False, "also time the Mosaic GPU kernel (kernel_mosaic, f16, v1) in "
@@ -233,7 +235,7 @@ def main(argv):
     record(kind="copy_probe", mib=FLAGS.copy_probe_mib, copy_gbps=copy_gbps["copy"],
            read_gbps=copy_gbps["read"])
   if FLAGS.profile_config:
-    ctx = FLAGS.sweep_context
+    ctx = int(FLAGS.sweep_contexts[0])
     n_pages = ctx // layout.page_tokens
     pool, _, _ = _make_pool(layout, n_pages, n_pages + 64)
     contiguous, _ = _tables(n_pages, n_pages + 64)
@@ -284,29 +286,35 @@ def main(argv):
         except Exception as e:  # record and go on
           record(kind="check", context=ctx, rows=s, precision=str(kw), error=str(e)[:300])
 
-  # ---- tile sweep (decode) ----
+  # ---- tile sweep: every config at every (context, rows), each checked against the reference ----
   if FLAGS.sweep:
-    ctx = FLAGS.sweep_context
-    n_pages = ctx // layout.page_tokens
-    pool, _, _ = _make_pool(layout, n_pages, n_pages + 64)
-    contiguous, _ = _tables(n_pages, n_pages + 64)
-    q_pos = jnp.full((1,), ctx - 1, jnp.int32)
-    q = jax.random.normal(jax.random.PRNGKey(0), (1, h, d), jnp.float32)
     configs = [_parse_config(c) for c in FLAGS.sweep_configs] or [
         {}, dict(prefetch=False), dict(block_tokens=32), dict(block_tokens=128),
         dict(num_warps=8), dict(block_pages=2), dict(block_pages=8), dict(block_pages=16),
         dict(precision="f16"), dict(precision="tf32"), dict(reads="windows"),
         dict(reads="windows", block_pages=8)]
-    for kw in configs:
-      if _elapsed() > FLAGS.max_seconds:
-        break
-      try:
-        t = _time_loop(kernel_fn(pool, contiguous, ctx, q_pos, **kw), q, FLAGS.iters, FLAGS.rounds)
-        record(kind="sweep", context=ctx, rows=1, config=str(kw) or "default", us=t * 1e6,
-               gbps=ctx * kv_token / t / 1e9)
-      except Exception as e:  # record and go on
-        record(kind="sweep", context=ctx, rows=1, config=str(kw), error=str(e)[:300])
-    del pool
+    for ctx in [int(c) for c in FLAGS.sweep_contexts]:
+      n_pages = ctx // layout.page_tokens
+      pool, _, _ = _make_pool(layout, n_pages, n_pages + 64)
+      contiguous, _ = _tables(n_pages, n_pages + 64)
+      for s in [int(r) for r in FLAGS.sweep_rows]:
+        q_pos = jnp.arange(ctx - s, ctx, dtype=jnp.int32)
+        q = jax.random.normal(jax.random.PRNGKey(s), (s, h, d), jnp.float32)
+        o_ref = ref.span_attention_reference(q, pool, contiguous, ctx, q_pos, layout=layout,
+                                             block_pages=bp)
+        for kw in configs:
+          if _elapsed() > FLAGS.max_seconds:
+            break
+          try:
+            fn = kernel_fn(pool, contiguous, ctx, q_pos, **dict(kw))
+            err = float(jnp.linalg.norm(fn(q) - o_ref) / jnp.linalg.norm(o_ref))
+            t = _time_loop(fn, q, FLAGS.iters, FLAGS.rounds)
+            record(kind="sweep", context=ctx, rows=s, config=str(kw) or "default", us=t * 1e6,
+                   gbps=ctx * kv_token / t / 1e9, rel_err=err)
+          except Exception as e:  # record and go on
+            record(kind="sweep", context=ctx, rows=s, config=str(kw), error=str(e)[:300])
+        del o_ref
+      del pool
 
   # ---- main table ----
   for ctx in contexts:

@@ -94,23 +94,46 @@ class TestSpanAttention:
     fast = self._run(impl, q, pool, table, hist.tokens, q_pos, layout, precision="f16")
     assert 2 * _rel(out, oracle) < _rel(fast, oracle) <= 3e-3  # the split did something
 
+  @staticmethod
+  def _ring_case(seed: int, rows: int, wrap: int):
+    """Q8_0/Q4_0 history over resident + ring pages -> (history, q, q_pos, positional args,
+    keyword args) of a direct `kernel_triton` call at the class's precision."""
+    layout = _layout()
+    hist = History(layout, SHAPE["tokens"], seed=seed)
+    pool, table = hist.resident_ring(resident=2, ring_base=hist.num_pages + 1, ring_slots=6, wrap=wrap)
+    q, q_pos = _query(seed, rows, hist.tokens)
+    args = (jnp.asarray(q), pool, table, hist.tokens, jnp.asarray(q_pos))
+    kw = dict(layout=layout, block_pages=SHAPE["block_pages"], interpret=INTERPRET,
+              precision=KERNEL_PRECISION)
+    return hist, q, q_pos, args, kw
+
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
   def test_prefetch_and_tiles(self, impl):
     """Software prefetch changes no bit; other key tiles and warps stay on the oracle."""
     from kvjax_pallas.span_attention import kernel_triton
-    layout = _layout()
-    hist = History(layout, SHAPE["tokens"], seed=17)
-    pool, table = hist.resident_ring(resident=2, ring_base=hist.num_pages + 1, ring_slots=6, wrap=1)
-    q, q_pos = _query(17, 2, hist.tokens)
-    args = (jnp.asarray(q), pool, table, hist.tokens, jnp.asarray(q_pos))
-    kw = dict(layout=layout, block_pages=SHAPE["block_pages"], interpret=INTERPRET,
-              precision=KERNEL_PRECISION)
+    hist, q, q_pos, args, kw = self._ring_case(seed=17, rows=2, wrap=1)
     base = np.asarray(kernel_triton.span_attention_triton(*args, prefetch=False, **kw))
     pref = np.asarray(kernel_triton.span_attention_triton(*args, prefetch=True, **kw))
     np.testing.assert_array_equal(base, pref)
     oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, q_pos, hist.tokens)
     other = np.asarray(kernel_triton.span_attention_triton(*args, block_tokens=16, num_warps=8, **kw))
     assert _rel(other, oracle) <= TOL[impl]
+
+  @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
+  def test_row_blocks(self, impl):
+    """block_rows=16 splits 6 tokens' folded rows over several row blocks (each reads the pages
+    again) and stays on the oracle; other sizes are refused by name."""
+    from kvjax_pallas.span_attention import kernel_triton
+    hist, q, q_pos, args, kw = self._ring_case(seed=23, rows=6, wrap=2)
+    layout = kw["layout"]
+    rows = 6 * SHAPE["q_heads"] // SHAPE["kv_heads"]
+    assert kernel_triton.tile_config(6, rows // 6, layout.page_tokens, block_rows=16).block_rows == 16
+    assert rows > 16   # more than one row block
+    oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, q_pos, hist.tokens)
+    split = np.asarray(kernel_triton.span_attention_triton(*args, block_rows=16, **kw))
+    assert _rel(split, oracle) <= TOL[impl], _rel(split, oracle)
+    with pytest.raises(ValueError, match="block_rows must be a power of two >= 16, got 24"):
+      kernel_triton.tile_config(6, 3, layout.page_tokens, block_rows=24)
 
   @pytest.mark.parametrize("pair", PAIRS)
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])

@@ -17,6 +17,7 @@ overlap off / on, rel err <= 2e-3). Without KVJAX_TEST_GPU=1 those do not exist.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -73,6 +74,26 @@ def test_lowers_for_cuda_at_real_shape(pair, s_tok, overlap):
   lowered = jax.jit(f).trace(q, pool, table, jnp.int32(1100), q_pos).lower(
       lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_overlap_refused_where_it_does_not_fit_in_smem():
+  """overlap=True at 64 padded rows (S=6 x 6 query heads) needs 24 B more SMEM than the H200 has
+  (measured): the wrapper refuses it by name before lowering; S=5 (30 rows -> 32) still lowers."""
+  layout = _layout(REAL)
+  pool = jnp.zeros((7, layout.page_bytes), jnp.uint8)
+  table = jnp.arange(5, dtype=jnp.int32)
+
+  def lower(s_tok):
+    q = jnp.zeros((s_tok, REAL["q_heads"], REAL["head_dim"]), jnp.float32)
+    q_pos = jnp.arange(s_tok, dtype=jnp.int32) + 1000
+    f = functools.partial(km.span_attention_mosaic, layout=layout, block_pages=2, overlap=True)
+    return jax.jit(f).trace(q, pool, table, jnp.int32(1100), q_pos).lower(
+        lowering_platforms=("cuda",))
+
+  with pytest.raises(ValueError, match=r"overlap=True .* does not fit at 64 padded query rows "
+                                       r"\(36 folded rows\).*use overlap=False"):
+    lower(6)
+  assert "mosaic_gpu" in lower(5).as_text()
 
 
 def test_partial_lowers_with_uint8_pool():

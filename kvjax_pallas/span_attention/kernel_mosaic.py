@@ -60,8 +60,10 @@ against the float32 reference, like the Triton kernel's "f16"), 1402 us at
 
 Not done in v1 (TODO):
 * little pipelining: by default copy, wait, decode, dots per tile, one
-  warpgroup; `overlap=True` (unmeasured) issues tile i+1's K / V copy once
-  tile i's K / V is decoded; no producer/consumer warpgroups;
+  warpgroup; `overlap=True` issues tile i+1's K / V copy once tile i's K / V
+  is decoded; measured SLOWER on the H200 (S4-1: 1566 against 1478 us at 128K
+  S=1) and refused above 32 folded rows (over the SMEM limit by 24 B at 64),
+  so the copies are not what v1 waits on; no producer/consumer warpgroups;
 * each head's program copies the whole all-heads span of the tile (4x the
   bytes of its head through L2; whether the G programs of a partition run
   together and hit L2 is not checked), in 16-byte-wide TMA boxes (17 for K,
@@ -541,6 +543,12 @@ def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayou
   qt = jnp.swapaxes(qf, 1, 2).astype(jnp.float16)                      # [G, D, N]
 
   kb, vb = layout.k_head_bytes, layout.v_head_bytes
+  if overlap and not interpret and n > 32:
+    raise ValueError(
+        f"overlap=True keeps one raw SMEM buffer per plane and does not fit at {n} padded query "
+        f"rows ({rows} folded rows): on the H200 it needs 232,472 B of shared memory for Q8_0/Q4_0 "
+        f"pages, 24 B more than the 232,448 B there (docs/PERFORMANCE.md, S4-1); use "
+        f"overlap=False or at most 32 folded query rows")
   if interpret:
     pt = layout.page_tokens
     kmem = pool_u8[:, :layout.k_plane_bytes].reshape(num_phys, pt, g, kb)
@@ -593,7 +601,8 @@ def span_attention_partial_mosaic(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
   """Mosaic GPU version of `reference.span_attention_partial_reference` (same contract).
 
   overlap=True: one SMEM raw buffer per plane; tile i+1's K (V) copy is issued as soon as tile
-  i's K (V) is decoded, so it runs under the rest of tile i. Same bits as overlap=False.
+  i's K (V) is decoded, so it runs under the rest of tile i. Same bits as overlap=False; slower
+  on the H200 (S4-1) and refused (compiled) above 32 folded query rows (SMEM).
   """
   _check_args(q_shd, pool_pn, layout, num_q_heads, block_pages)
   s_tok, h, d = q_shd.shape

@@ -214,8 +214,12 @@ def select_path(num_tokens: int) -> str:
 def tile_config(num_tokens: int, group: int, page_tokens: int, path: Optional[str] = None,
                 block_tokens: Optional[int] = None, num_warps: Optional[int] = None,
                 num_stages: Optional[int] = None, prefetch: Optional[bool] = None,
-                reads: Optional[str] = None) -> TileConfig:
-  """Tile sizes of a path. `group` = query heads per KV head (rows per token)."""
+                reads: Optional[str] = None, block_rows: Optional[int] = None) -> TileConfig:
+  """Tile sizes of a path. `group` = query heads per KV head (rows per token).
+
+  block_rows: folded query rows per program (a power of two >= 16); rows past it go to more
+  row blocks, which read the same pages (grid order puts them next to each other).
+  """
   auto = select_path(num_tokens)
   path = path or auto
   if path not in PATHS:
@@ -230,6 +234,10 @@ def tile_config(num_tokens: int, group: int, page_tokens: int, path: Optional[st
     bm, bt, nw, ns, pf = min(64, max(16, _next_pow2(rows))), 32, 4, 1, False
   else:
     bm, bt, nw, ns, pf = min(32, max(16, _next_pow2(rows))), 32, 4, 1, False
+  if block_rows is not None:
+    if block_rows < 16 or block_rows & (block_rows - 1):
+      raise ValueError(f"block_rows must be a power of two >= 16, got {block_rows}")
+    bm = min(block_rows, max(16, _next_pow2(rows)))
   bt = block_tokens or bt
   bt = min(bt, _largest_pow2_divisor(page_tokens))
   if bt < 16:
@@ -443,8 +451,10 @@ def _span_kernel(meta_ref, tab_ref, qpos_ref, q_ref, pool_ref, m_out, l_out, acc
   # meta_ref [4] i32, tab_ref [T] i32, qpos_ref [Mp] i32, q_ref [terms, G, Mp, Kc] plan.dtype
   # (K kernel columns), pool_ref [P, page_hw] u16
   # -> m_out, l_out [G, parts, Mp], acc_out [G, parts, Mp, Vc] f32 (V kernel columns)
-  g = pl.program_id(0)
-  mb = pl.program_id(1)
+  # grid (row block, KV head, partition): the first axis varies fastest in launch order, so the
+  # row blocks and heads of one partition (the same pages) run next to each other
+  mb = pl.program_id(0)
+  g = pl.program_id(1)
   pp = pl.program_id(2)
   bm, bt = cfg.block_rows, cfg.block_tokens
   pt = layout.page_tokens
@@ -614,7 +624,7 @@ def halfword_view(pool_pn):
 
 @functools.partial(jax.jit, static_argnames=(
     "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "precision", "path",
-    "block_tokens", "num_warps", "num_stages", "prefetch", "reads"))
+    "block_tokens", "num_warps", "num_stages", "prefetch", "reads", "block_rows"))
 def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry: _ref.Carry,
                                   tile_begin, tile_end, *, layout: PageLayout, num_q_heads: int,
                                   block_pages: int = 1, sm_scale: Optional[float] = None,
@@ -623,14 +633,15 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                   num_warps: Optional[int] = None,
                                   num_stages: Optional[int] = None,
                                   prefetch: Optional[bool] = None,
-                                  reads: Optional[str] = None) -> _ref.Carry:
+                                  reads: Optional[str] = None,
+                                  block_rows: Optional[int] = None) -> _ref.Carry:
   """Kernel version of `reference.span_attention_partial_reference` (same contract)."""
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads
   check_call(q_shd, pool_pn, layout, num_q_heads, block_pages, check_layout)
   r = h // g
   cfg = tile_config(s_tok, r, layout.page_tokens, path, block_tokens, num_warps, num_stages,
-                    prefetch, reads)
+                    prefetch, reads, block_rows)
   plan = _operand_plan(precision, layout, interpret)
   scale = (1.0 / d ** 0.5) if sm_scale is None else sm_scale
   bm = cfg.block_rows
@@ -662,7 +673,7 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                            num_phys=num_phys, plan=plan, sm_scale=float(scale))
   m_p, l_p, acc_p = pl.pallas_call(
       kern,
-      grid=(g, n_mb, n_parts),
+      grid=(n_mb, g, n_parts),
       out_shape=(jax.ShapeDtypeStruct((g, n_parts, rows_pad), jnp.float32),
                  jax.ShapeDtypeStruct((g, n_parts, rows_pad), jnp.float32),
                  jax.ShapeDtypeStruct((g, n_parts, rows_pad, v_cols.shape[0]), jnp.float32)),

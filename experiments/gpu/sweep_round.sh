@@ -1,0 +1,32 @@
+#!/bin/bash
+# One GPU round of kernel-option sweeps (each config checked against the jnp reference), then
+# registers / occupancy of chosen configs from ncu (LaunchStats + Occupancy, one launch each).
+# Usage (device machine, repo root):
+#   bash experiments/gpu/sweep_round.sh "<ncu configs, space separated>" -- <bench flags> [-- <bench flags> ...]
+# Each "--"-separated group of bench flags is one bench_span_attention.py run (its own log).
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+NCU_CFGS="$1"; shift
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee $OUT/gpu.txt
+i=0; args=()
+run_bench() {
+  i=$((i + 1))
+  python3 experiments/bench_span_attention.py --out_dir=$OUT/run$i "${args[@]}" 2>&1 \
+    | tee $OUT/bench$i.log | grep -E "^kind=(sweep|main|copy)|failed|budget" | sed 's/^kind=//'
+  args=()
+}
+[ "${1:-}" == "--" ] && shift
+for a in "$@"; do
+  if [ "$a" == "--" ]; then run_bench; else args+=("$a"); fi
+done
+[ ${#args[@]} -gt 0 ] && run_bench
+if command -v ncu >/dev/null; then
+  for cfg in $NCU_CFGS; do
+    timeout 90 ncu --clock-control none --kernel-name regex:span_attention --launch-skip 1 --launch-count 1 \
+      --section LaunchStats --section Occupancy \
+      python3 experiments/bench_span_attention.py --profile_config="$cfg" --check=false --sweep=false \
+      --out_dir=/tmp/ncu_unused --rows=1 --profile_calls=2 > $OUT/ncu_$(echo $cfg | tr ';=' '_-').txt 2>&1
+    echo "ncu $cfg: $(grep -E 'Registers Per Thread|Theoretical Occupancy|Duration' $OUT/ncu_$(echo $cfg | tr ';=' '_-').txt | awk '{print $1,$2,$3,$NF}' | tr '\n' ' ')"
+  done
+fi
