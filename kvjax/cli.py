@@ -216,7 +216,8 @@ def make_kv(runner, max_tokens: int, *, arena_mib: Optional[float] = None, pool_
   if phased and policy != "fixed":
     raise UsageError("--kv-stream-phased uses the fixed split per phase; drop --kv-stream-policy=adaptive")
   from kvjax import engine  # pylint: disable=import-outside-toplevel
-  from kvjax.streaming import StreamedKV, stream_config_from_budget  # pylint: disable=import-outside-toplevel
+  from kvjax.streaming import (StreamedKV, staging_reserve_pages,  # pylint: disable=import-outside-toplevel
+                               stream_config_from_budget)
   if arena_mib is not None and pool_pages is not None:
     raise UsageError("give only one of --kv-stream-arena-mib and --kv-stream-pool-pages")
   if copy_pages < 1 or copy_pages & (copy_pages - 1):
@@ -242,6 +243,8 @@ def make_kv(runner, max_tokens: int, *, arena_mib: Optional[float] = None, pool_
   else:
     stream = stream_config_from_budget(cfg, layout, max_tokens, pool_pages=pool_pages, copy_pages=copy_pages)
   info["resident_pages_per_layer"] = list(stream.resident_pages_per_layer)
+  info["staging_reserve_mib"] = (staging_reserve_pages(stream, max_tokens, layout)
+                                 * layout.page_bytes / 2**20)
   info["copy_pages"] = copy_pages
   info["kv_policy"] = policy
   if policy == "adaptive":

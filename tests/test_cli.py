@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvjax import cli, engine, memory_report, tiny
+from kvjax.streaming import fit_split
 from kvjax.tokenizer import tiny_tokenizer
 from kvjax_pallas.page_layout import PageLayout
 
@@ -104,7 +105,7 @@ def test_streamed_pool_pages_matches_plain(capsys, plain_run):
 
 
 def test_streamed_arena_budget(capsys, plain_run):
-  arena = 0.25
+  arena = 0.4
   rc, out, err = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, f"--kv-stream-arena-mib={arena}",
                           "--kv-stream-copy-pages=2")
   assert rc == 0, err
@@ -114,7 +115,12 @@ def test_streamed_arena_budget(capsys, plain_run):
   assert 0 < m["decode_workspace_mib"] < arena
   layout = PageLayout(2, 64, "q8_0", "q4_0", 64)
   ws = m["decode_workspace_mib"] * 2**20
-  assert m["pool_pages"] == int((arena * 2**20 - round(ws)) // layout.page_bytes)
+  available = int((arena * 2**20 - round(ws)) // layout.page_bytes)
+  # the arena holds the workspace, the pool and the staging of the pool's in-flight uploads
+  staging = round(m["staging_reserve_mib"] * 2**20 / layout.page_bytes)
+  assert staging > 0 and m["pool_pages"] + staging <= available
+  assert m["pool_pages"] == fit_split(available, 3, m["ctx_size"], layout, 2, pinned=False).pool_pages
+  assert 0 <= m["staging_peak_bytes"] <= staging * layout.page_bytes
   assert m["copy_pages"] == 2
 
 

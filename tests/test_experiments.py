@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from kvjax import config as config_lib
+from kvjax.streaming import fit_split
 from kvjax_pallas.page_layout import PageLayout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +48,7 @@ def test_run_config_with_overrides(tmp_path):
 def test_sweep_fixed_span(tmp_path):
   out = str(tmp_path / "sweep")
   script = os.path.join(REPO, "experiments", "sweep_fixed_span.py")
-  _run([script, "--contexts=128,256", "--arena_mib=0.3", "--pool_pages=1,6", "--decode_tokens=4",
+  _run([script, "--contexts=128,256", "--arena_mib=0.5", "--pool_pages=1,6", "--decode_tokens=4",
         "--page_tokens=64", "--ubatch=64", "--nowarmup", f"--out={out}"], cwd=str(tmp_path))
   with open(os.path.join(out, "results.csv"), newline="") as f:
     rows = list(csv.DictReader(f))
@@ -59,7 +60,8 @@ def test_sweep_fixed_span(tmp_path):
     assert col in rows[0]
   assert [int(r["context_capacity"]) for r in rows] == [128, 128, 128, 256, 256, 256]
   cfg = config_lib.tiny()
-  page = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", 64).page_bytes
+  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", 64)
+  page = layout.page_bytes
   by = {(r["context_capacity"], r["arena_mib"], r["pool_pages"] if r["arena_mib"] == "" else ""): r
         for r in jsonl}
   for ctx in (128, 256):
@@ -78,9 +80,12 @@ def test_sweep_fixed_span(tmp_path):
     streamed = r["active_pages"] - 1
     assert r["h2d_mib_per_token"] >= 2 * streamed * page / 2**20
     assert r["h2d_calls_per_token"] >= 2
-    a = by[(ctx, 0.3, "")]
-    assert a["error"] == "" and 0 < a["decode_workspace_mib"] < 0.3
-    assert a["pool_pages"] == int((0.3 * 2**20 - round(a["decode_workspace_mib"] * 2**20)) // page)
+    a = by[(ctx, 0.5, "")]
+    assert a["error"] == "" and 0 < a["decode_workspace_mib"] < 0.5
+    available = int((0.5 * 2**20 - round(a["decode_workspace_mib"] * 2**20)) // page)
+    # the pool leaves room in the arena for the staging of its in-flight uploads
+    assert a["pool_pages"] == fit_split(available, 3, ctx, layout, 32, pinned=False).pool_pages
+    assert 0 < a["pool_pages"] < available
     assert a["resident_pages"] + a["ring_slots"] == a["pool_pages"]
     if a["resident_pages"] // 3 >= a["active_pages"]:  # everything resident: nothing streams in decode
       assert a["h2d_mib_per_token"] == 0 and a["h2d_calls_per_token"] == 0
@@ -118,7 +123,7 @@ def test_bench_span_attention_smoke(tmp_path):
   (kernel vs the jnp reference), a sweep row and a main-table row with every baseline column."""
   out = str(tmp_path / "bs")
   p = _run([os.path.join(REPO, "experiments", "bench_span_attention.py"), "--interpret",
-            "--contexts=256", "--rows=1", "--sweep_context=256", "--sweep_configs=block_tokens=16",
+            "--contexts=256", "--rows=1", "--sweep_contexts=256", "--sweep_configs=block_tokens=16",
             "--check_rows=1", "--check_precisions=f16x3", "--head_dim=64", "--page_tokens=64",
             "--q_heads=4", "--kv_heads=2", "--iters=1", "--rounds=1", "--copy_probe_mib=8",
             f"--out_dir={out}"], cwd=str(tmp_path), timeout=600)
@@ -130,6 +135,7 @@ def test_bench_span_attention_smoke(tmp_path):
   assert float(probe["copy_gbps"]) > 0 and float(probe["read_gbps"]) > 0
   assert check["precision"] == "f16x3" and float(check["rel_err_vs_reference"]) < 1e-5
   assert float(sweep["us"]) > 0 and "block_tokens" in sweep["config"]
+  assert float(sweep["rel_err"]) < 2e-3   # f16 operands against the float32 reference
   for col in ("kernel_contiguous_us", "kernel_ring_us", "xla_bf16_us", "reference_us"):
     assert float(main[col]) > 0, col
   assert "%copy" in p.stdout and "device copy" in p.stdout

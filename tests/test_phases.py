@@ -5,7 +5,7 @@ import pytest
 
 from kvjax import arena as arena_lib
 from kvjax import engine, generate
-from kvjax.streaming import StreamedKV, fixed_split
+from kvjax.streaming import StreamedKV, fixed_split, staging_reserve_pages
 from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV
 from tiny_setup import build_tiny_runner
 
@@ -23,15 +23,21 @@ def test_prefill_decode_prefill_across_two_requests(setup):
   ws_decode = engine.group_step_workspace_bytes(runner, 1)
   assert ws_prefill > ws_decode + 2 * layout.page_bytes  # the micro-batch step needs more scratch
   max_tokens = 256
-  arena_bytes = ws_prefill + 28 * layout.page_bytes
+  arena_bytes = ws_prefill + 64 * layout.page_bytes
   n_layers = cfg.num_attention_layers + 1
   kv = StreamedKV(cfg, layout, max_tokens, fixed_split(20, n_layers, max_tokens, layout, 2))
   phased = PhasedKV(kv, arena_bytes, ws_prefill, ws_decode, max_tokens)
   pre, dec = phased.pool_pages["prefill"], phased.pool_pages["decode"]
-  # the decode pool is larger than the prefill pool by the workspace difference (whole pages)
-  assert dec > pre
+  # the decode KV region is larger than the prefill one by the workspace difference (whole pages)
+  regions = phased.region_pages
   diff_pages = (ws_prefill - ws_decode) / layout.page_bytes
-  assert abs((dec - pre) - diff_pages) <= 1.0
+  assert abs((regions["decode"] - regions["prefill"]) - diff_pages) <= 1.0
+  # each region holds its pool plus the staging reserve of that pool's in-flight uploads
+  assert dec > pre
+  for phase, pool in (("prefill", pre), ("decode", dec)):
+    split = phased.split_for(regions[phase])
+    reserve = staging_reserve_pages(split, max_tokens, layout, kv.prefetch_depth, pinned=False)
+    assert split.pool_pages == pool and 0 < reserve and pool + reserve <= regions[phase]
 
   phases_seen, pools_seen = [], []
 
@@ -52,6 +58,10 @@ def test_prefill_decode_prefill_across_two_requests(setup):
   assert phased.arena.generation >= 4
   assert kv.metrics()["rebinds"] == 4
   assert int(kv.pool_pn.shape[0]) == dec
+  # the staging buffers the provider held never exceeded the reserve carved for them
+  peak = kv.metrics()["staging_peak_bytes"]
+  reserve = staging_reserve_pages(kv.stream, max_tokens, layout, kv.prefetch_depth, pinned=False)
+  assert 0 < peak <= reserve * layout.page_bytes, (peak, reserve * layout.page_bytes)
 
 
 def test_phase_arena_refuses_too_small_budget(setup):

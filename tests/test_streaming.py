@@ -1,5 +1,7 @@
 """Streamed KV (host history + resident pages + one shared ring) against the plain cache."""
 
+import re
+
 import numpy as np
 import pytest
 import jax.numpy as jnp
@@ -7,7 +9,8 @@ from hypothesis import given, settings, strategies as st
 
 from kvjax import engine, generate
 from kvjax.streaming import (HostHistory, Span, SpanPlanError, StreamBudgetError, StreamConfig, StreamedKV,
-                             fixed_split, make_plan, page_table)
+                             fit_split, fixed_split, make_plan, page_table, staging_reserve_pages)
+from kvjax.streaming.runtime import staging_pages
 from kvjax.streaming.span_plan import SpanPlan, validate_plan
 from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import reference as ref_attn
@@ -46,6 +49,9 @@ def test_streamed_greedy_equals_plain_long(tiny_runner):
   assert m["d2h_bytes"] == (len(prompt) + n_predict - 1) * layout.token_bytes * cfg.num_attention_layers
   assert m["resident_pages"] == 3 and m["ring_slots"] == 11
   assert active_pages > stream.ring_slots - 2
+  # the staging buffers of uploads in flight stayed within the reserve an arena carves for them
+  reserve = staging_reserve_pages(stream, max_tokens, layout, kv.prefetch_depth, pinned=False)
+  assert 0 < m["staging_peak_bytes"] <= reserve * layout.page_bytes
 
   # the host history is byte-for-byte the plain path's quantized KV for every token
   n_tok = len(prompt) + n_predict - 1
@@ -210,6 +216,60 @@ def test_pinned_chunks_stream_identically():
   assert kv.counters["max_spans"] == 3  # resident, ring before the wrap, ring after it
   chunks = kv.histories["target"]._pinned_chunks
   assert chunks and all(arr.sharding.memory_kind == "pinned_host" for arr, _ in chunks.values())
+  reserve = staging_reserve_pages(stream, max_tokens, layout, kv.prefetch_depth, pinned=True)
+  assert 0 < kv.counters["staging_peak_bytes"] <= reserve * layout.page_bytes
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_staging_reserve_bounds_uploads_in_flight(pinned):
+  """Two layers of copies in flight ahead of the compute, resident pages refilled after a rebind:
+  the staging the provider holds never exceeds `staging_reserve_pages`, and the tokens match."""
+  cfg, runner, layout = build_tiny_runner(1, page_tokens=16)
+  prompt = list(np.random.default_rng(4).integers(0, cfg.vocab_size, 200))
+  max_tokens = 200 + 30
+  plain = generate.generate(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 30, ubatch=64)
+  stream = fixed_split(pool_pages=20, n_layers=3, max_tokens=max_tokens, layout=layout, copy_pages=2)
+  kv = StreamedKV(cfg, layout, max_tokens, stream, pinned=pinned, prefetch_depth=2)
+  wider = fixed_split(pool_pages=26, n_layers=3, max_tokens=max_tokens, layout=layout, copy_pages=2)
+
+  def on_phase(phase):   # a repartition between prefill and decode: resident pages refill from host
+    if phase == "decode":
+      kv.rebind(wider)
+
+  tokens = generate.generate(runner, kv, prompt, 30, ubatch=64, on_phase=on_phase).tokens
+  assert tokens == plain.tokens and kv.counters["rebinds"] == 1
+  for split in (stream, kv.stream):
+    reserve = staging_reserve_pages(split, max_tokens, layout, 2, pinned=pinned)
+    assert kv.counters["staging_peak_bytes"] <= reserve * layout.page_bytes
+  assert kv.counters["staging_peak_bytes"] > 0
+
+
+def test_staging_pages_and_fit_split():
+  """Staging bounds by hand; fit_split takes the largest pool whose staging still fits, and a budget
+  that fits no pool is refused with the pages missing (pool + staging of the cheapest pool)."""
+  assert staging_pages(0, 4, True) == staging_pages(0, 4, False) == 0
+  assert staging_pages(1, 4, True) == 12        # 2 units (unaligned start) + a pageable tail unit
+  assert staging_pages(5, 4, True) == 16
+  assert staging_pages(3, 4, False) == 6        # one piece padded to a power of two
+  assert staging_pages(20, 4, False) == 28      # full units exact; first and last pieces padded
+  layout = PageLayout(2, 64, "q8_0", "q4_0", 16)
+  for available in (52, 57, 90, 200):
+    split = fit_split(available, 3, 256, layout, 2, prefetch_depth=1, pinned=False)
+    reserve = staging_reserve_pages(split, 256, layout, 1, pinned=False)
+    assert split.pool_pages + reserve <= available
+    for bigger in range(split.pool_pages + 1, available + 1):   # no larger pool fits
+      try:
+        s2 = fixed_split(bigger, 3, 256, layout, 2)
+      except StreamBudgetError:
+        continue
+      assert bigger + staging_reserve_pages(s2, 256, layout, 1, pinned=False) > available
+  with pytest.raises(StreamBudgetError) as e:
+    fit_split(30, 3, 256, layout, 2, pinned=False)
+  m = re.search(r"smallest is (\d+) pool pages \+ (\d+) staging pages; (\d+) more pages", str(e.value))
+  assert m, str(e.value)
+  pool, staging, missing = map(int, m.groups())
+  assert missing == pool + staging - 30 > 0
+  assert fit_split(pool + staging, 3, 256, layout, 2, pinned=False).pool_pages >= pool
 
 
 def test_mtp_layer_streams_like_plain():

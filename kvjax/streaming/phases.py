@@ -77,14 +77,17 @@ class PhasedKV:
     self.consumer = _KVConsumer(self)
     self.coordinator.register(self.consumer)
     self.phase: Optional[str] = None
-    self.pool_pages = {"prefill": self.layouts.prefill_kv_pages, "decode": self.layouts.decode_kv_pages}
-    # validate both layouts up front (a refused phase is refused before any work)
-    for pages in self.pool_pages.values():
-      self.split_for(pages)
+    # KV region of each phase: the pool plus the staging of its in-flight uploads; both layouts are
+    # validated up front (a refused phase is refused before any work)
+    self.region_pages = {"prefill": self.layouts.prefill_kv_pages, "decode": self.layouts.decode_kv_pages}
+    self.pool_pages = {p: self.split_for(pages).pool_pages for p, pages in self.region_pages.items()}
 
-  def split_for(self, pool_pages: int) -> StreamConfig:
-    from kvjax.streaming.runtime import fixed_split
-    return fixed_split(pool_pages, self.kv.n_layers, self.max_tokens, self.kv.layout, self.kv.stream.copy_pages)
+  def split_for(self, region_pages: int) -> StreamConfig:
+    """The split of a KV region of `region_pages` pages: the pool plus the staging reserve of its
+    in-flight uploads (`fit_split`)."""
+    from kvjax.streaming.runtime import fit_split
+    return fit_split(region_pages, self.kv.n_layers, self.max_tokens, self.kv.layout,
+                     self.kv.stream.copy_pages, self.kv.prefetch_depth)
 
   def enter(self, phase: str) -> None:
     if phase not in self.pool_pages:

@@ -43,7 +43,7 @@ import numpy as np
 
 from kvjax.config import ModelConfig
 from kvjax.model import KVRows
-from kvjax.streaming.host_history import HostHistory
+from kvjax.streaming.host_history import HostHistory, pinned_available
 from kvjax.streaming.span_plan import SpanPlan, make_plan, page_table, spans_from_pages
 from kvjax_pallas.page_layout import PageLayout
 
@@ -118,6 +118,88 @@ def fixed_split(pool_pages: int, n_layers: int, max_tokens: int, layout: PageLay
   return StreamConfig(pool_pages, (r,) * n_layers, copy_pages)
 
 
+def staging_pages(streamed_pages: int, copy_pages: int, pinned: bool) -> int:
+  """Upper bound of the device pages that the uploads of `streamed_pages` consecutive logical
+  pages occupy while in flight (`StreamedKV._upload`).
+
+  pinned: every copy unit the range touches uploads whole (a range that is not unit-aligned
+  touches one unit more), plus one pageable tail padded to a power of two <= copy_pages.
+  pageable (no pinned host memory, e.g. CPU): one piece per unit, each padded to a power of two;
+  only the first and the last piece can be partial, so at most 2 x min(n, copy_pages) extra.
+  """
+  n, c = int(streamed_pages), int(copy_pages)
+  if n <= 0:
+    return 0
+  if pinned:
+    return c * ((n - 1) // c + 2) + c
+  return min(2 * n, n + 2 * min(n, c))
+
+
+def staging_unit_pages(stream: StreamConfig, max_tokens: int, layout: PageLayout,
+                       pinned: bool) -> int:
+  """Staging of one layer in flight: the most-streamed layer's uploads at `max_tokens`, and at
+  least one unit-aligned refill piece of resident pages (`StreamedKV._fill_resident` refills in
+  aligned pieces that fit this): one copy unit plus a pageable tail when pinned, one padded
+  piece of at most min(copy_pages, history) pages when pageable."""
+  a = layout.pages_for(max_tokens)
+  worst = max(min(a - r, stream.ring_slots) for r in stream.resident_pages_per_layer)
+  c = stream.copy_pages
+  floor = 2 * c if pinned else min(c, 2 * min(c, a))
+  return max(staging_pages(worst, c, pinned), floor)
+
+
+def staging_reserve_pages(stream: StreamConfig, max_tokens: int, layout: PageLayout,
+                          prefetch_depth: int = 1, pinned: Optional[bool] = None) -> int:
+  """Device pages the staging buffers of in-flight uploads can hold at once: the layer being
+  placed plus `prefetch_depth` layers whose copies are in flight (`StreamedKV` keeps its live
+  staging at or under this: counter `staging_peak_bytes`). pinned=None: whether this backend
+  has pinned host memory (`host_history.pinned_available`)."""
+  if pinned is None:
+    pinned = pinned_available()
+  return (prefetch_depth + 1) * staging_unit_pages(stream, max_tokens, layout, pinned)
+
+
+def fit_split(available_pages: int, n_layers: int, max_tokens: int, layout: PageLayout,
+              copy_pages: int = 32, prefetch_depth: int = 1,
+              pinned: Optional[bool] = None) -> StreamConfig:
+  """The largest `fixed_split` pool whose pages plus its staging reserve fit in `available_pages`
+  (the staging buffers of in-flight uploads live in the same arena as the pool)."""
+  if pinned is None:
+    pinned = pinned_available()
+
+  def need(pool):
+    split = fixed_split(pool, n_layers, max_tokens, layout, copy_pages)
+    return split, pool + staging_reserve_pages(split, max_tokens, layout, prefetch_depth, pinned)
+
+  pool = int(available_pages)
+  while pool >= 1:
+    try:
+      split, total = need(pool)
+    except StreamBudgetError:
+      break                                   # smaller pools cannot stream either
+    if total <= available_pages:
+      return split
+    pool = min(pool - 1, available_pages - (total - pool))
+  # report what is missing: the pool size whose pool + staging is smallest (more resident pages
+  # stream fewer pages, so a larger pool can need less in all)
+  everything = layout.pages_for(max_tokens) * n_layers + 1          # all resident: always streams
+  lo, hi = 1, everything
+  while lo < hi:                                                       # smallest pool that streams
+    mid = (lo + hi) // 2
+    try:
+      need(mid)
+      hi = mid
+    except StreamBudgetError:
+      lo = mid + 1
+  total, hi = min((need(q)[1], q) for q in range(lo, everything + 1))
+  missing = total - available_pages
+  raise StreamBudgetError(
+      f"KV budget too small: {available_pages} pages ({available_pages * layout.page_bytes / 2**20:.1f} "
+      f"MiB) cannot hold a pool that streams {n_layers} layers at {max_tokens} tokens plus the staging "
+      f"of its in-flight uploads: the smallest is {hi} pool pages + {total - hi} staging pages; "
+      f"{missing} more pages ({missing * layout.page_bytes / 2**20:.1f} MiB) needed")
+
+
 class StreamedKV:
   """KV provider over host-authoritative histories, resident pages and one shared ring."""
 
@@ -148,9 +230,11 @@ class StreamedKV:
     self._ring_in_use = 0          # ring slots allocated to layers not yet consumed this forward
     self._layer_streamed: Dict[int, int] = {}
     self.timing_interval = 16      # every N-th forward, one upload is timed (synchronised) for copy-busy
+    self._staging_live = 0         # bytes of staging buffers the provider holds (uploads not placed)
     self.counters = dict(h2d_bytes=0, h2d_calls=0, ring_wraps=0, streamed_pages=0, readiness_misses=0,
                          forwards=0, copy_issue_ms=0.0, max_spans=0,
-                         ring_peak_slots=0, timed_copy_ms=0.0, timed_bytes=0, elapsed_ms=0.0)
+                         ring_peak_slots=0, timed_copy_ms=0.0, timed_bytes=0, elapsed_ms=0.0,
+                         staging_peak_bytes=0)
 
   # -- re-layout (phase change, policy repartition, new request) ---------------------
   def rebind(self, stream: StreamConfig) -> None:
@@ -176,6 +260,8 @@ class StreamedKV:
       self.pool_pn = None  # free the old buffer before taking the new one
       self.pool_pn = jnp.zeros((stream.pool_pages, self.layout.page_bytes), jnp.uint8)
     self.stream = stream
+    self.staging_unit = staging_unit_pages(stream, self.max_tokens, self.layout,
+                                           self.histories["target"].pinned)
     caps = stream.resident_pages_per_layer
     self.resident_base = np.concatenate([[0], np.cumsum(caps)[:-1]]).astype(np.int64)
     self.ring_base = stream.resident_total
@@ -299,6 +385,8 @@ class StreamedKV:
         self.counters["h2d_bytes"] += padded * pb
         self.counters["h2d_calls"] += 1
       page = end
+    self._staging_live += sum(int(st.array.nbytes) for st in staged)
+    self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], self._staging_live)
     return staged
 
   def _place(self, pool, staged: List[_Staged], dst: Callable[[int], int]):
@@ -325,6 +413,7 @@ class StreamedKV:
         i += n
     if run_dst is not None:
       pool = _place_run(pool, tuple(run_arrays), jnp.int32(run_dst), pieces=tuple(run_pieces))
+    self._staging_live -= sum(int(st.array.nbytes) for st in staged)   # placed: buffers let go
     return pool
 
   def layer_kv(self, cache_layer: int):
@@ -347,14 +436,19 @@ class StreamedKV:
 
   def _fill_resident(self, a: int, pool):
     """Upload resident pages holding committed tokens that the device does not hold yet
-    (first forwards, and after a rebind: the resident mirror is rebuilt from the host)."""
+    (first forwards, and after a rebind: the resident mirror is rebuilt from the host), in
+    unit-aligned pieces whose staging fits one staging unit (`staging_unit_pages`)."""
     hist, l = self.history_of(a)
     live, _ = self._split(a, self._active)
     need = min(live, self._content)
     first = int(self.resident_valid[a])
-    if first < need:
-      base = int(self.resident_base[a])
-      pool = self._place(pool, self._upload(hist, l, first, need), lambda p: base + p)
+    base = int(self.resident_base[a])
+    c = self.stream.copy_pages
+    piece = max(c, (self.staging_unit - c) // c * c)   # unit-aligned pieces: staging <= one unit
+    while first < need:
+      end = min(need, (first // piece + 1) * piece)
+      pool = self._place(pool, self._upload(hist, l, first, end), lambda p: base + p)
+      first = end
     return pool
 
   def _table(self, a: int) -> np.ndarray:
@@ -405,17 +499,20 @@ class StreamedKV:
 
 def stream_config_from_budget(cfg: ModelConfig, layout: PageLayout, max_tokens: int, *,
                               arena_bytes: Optional[int] = None, pool_pages: Optional[int] = None,
-                              workspace_bytes: int = 0, copy_pages: int = 32) -> StreamConfig:
-  """The fixed split for `--kv-stream-arena-mib` (arena minus the decode workspace, in whole pages)
-  or `--kv-stream-pool-pages` (the pool directly)."""
+                              workspace_bytes: int = 0, copy_pages: int = 32,
+                              prefetch_depth: int = 1) -> StreamConfig:
+  """The fixed split for `--kv-stream-arena-mib` (arena minus the decode workspace, in whole pages,
+  minus the staging reserve of in-flight uploads: `fit_split`) or `--kv-stream-pool-pages` (the
+  pool directly; its staging comes on top, see `staging_reserve_pages`)."""
   if (arena_bytes is None) == (pool_pages is None):
     raise ValueError("give exactly one of arena_bytes or pool_pages")
+  n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
   if pool_pages is None:
     left = arena_bytes - workspace_bytes
-    pool_pages = left // layout.page_bytes
-    if pool_pages < 1:
+    if left < layout.page_bytes:
       raise StreamBudgetError(
           f"arena of {arena_bytes / 2**20:.1f} MiB leaves {left / 2**20:.1f} MiB after the "
           f"{workspace_bytes / 2**20:.1f} MiB workspace: not one {layout.page_bytes} B page")
-  n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
+    return fit_split(left // layout.page_bytes, n_layers, max_tokens, layout, copy_pages,
+                     prefetch_depth)
   return fixed_split(int(pool_pages), n_layers, max_tokens, layout, copy_pages)
