@@ -23,7 +23,7 @@ def get_config():
   c.v_type = "q4_0"
   c.page_tokens = 256
   c.attn_impl = "reference"
-  c.block_pages = 16
+  c.block_pages = "auto"  # or pages per partition (an int)
   c.prompt = ""
   c.prompt_tokens = 8192
   c.n_predict = 128

@@ -36,7 +36,7 @@ flags.DEFINE_integer("decode_steps", 8, "timed decode forwards per configuration
 flags.DEFINE_integer("page_tokens", 256, "tokens per KV page")
 flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages)")
 flags.DEFINE_string("attn_impl", "reference", "span attention implementation")
-flags.DEFINE_integer("block_pages", 16, "pages per online-softmax step")
+flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
 flags.DEFINE_integer("prompt", 256, "real prompt tokens for the end-to-end plain check")
 flags.DEFINE_string("k_type", "q8_0", "K cache type")
 flags.DEFINE_string("v_type", "q4_0", "V cache type")
@@ -63,7 +63,7 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from kvjax import arena, config, engine, generate, weights
+  from kvjax import arena, cli, config, engine, generate, weights
   from kvjax.model import AttentionOptions
   from kvjax.streaming import StreamedKV, fixed_split
   from kvjax.streaming import synthetic
@@ -91,7 +91,7 @@ def main(argv):
   log["decode_weight_gib"] = decode_weight_bytes / 2**30
 
   layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, FLAGS.k_type, FLAGS.v_type, FLAGS.page_tokens)
-  opts = AttentionOptions(FLAGS.attn_impl, FLAGS.block_pages)
+  opts = AttentionOptions(FLAGS.attn_impl, cli.parse_block_pages(FLAGS.block_pages))
   runner = engine.Runner(model, layout, opts)
 
   # --- end-to-end plain check: real prefill + decode --------------------------------------------

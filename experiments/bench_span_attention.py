@@ -32,6 +32,7 @@ from jax import lax  # noqa: E402
 
 from kvjax_pallas import ggml_codec  # noqa: E402
 from kvjax_pallas.page_layout import PageLayout  # noqa: E402
+from kvjax_pallas.span_attention import api as span_api  # noqa: E402
 from kvjax_pallas.span_attention import kernel_mosaic as km  # noqa: E402
 from kvjax_pallas.span_attention import kernel_triton as kt  # noqa: E402
 from kvjax_pallas.span_attention import reference as ref  # noqa: E402
@@ -43,7 +44,8 @@ flags.DEFINE_integer("kv_heads", 4, "KV heads")
 flags.DEFINE_integer("q_heads", 24, "query heads")
 flags.DEFINE_integer("head_dim", 256, "head dim")
 flags.DEFINE_integer("page_tokens", 256, "tokens per page")
-flags.DEFINE_integer("block_pages", 4, "logical partition (pages) of the kernel split-K")
+flags.DEFINE_string("block_pages", "auto", "logical partition (pages) of the kernel split-K: an "
+                    "int, or auto (kernel_triton.choose_block_pages of the shapes)")
 flags.DEFINE_string("precision", kt.DEFAULT_PRECISION, f"kernel dot precision {kt.PRECISIONS}")
 flags.DEFINE_integer("iters", 10, "dependent calls per timed loop")
 flags.DEFINE_integer("rounds", 5, "timed loops (median)")
@@ -163,8 +165,11 @@ def _parse_config(text):
   kw = {}
   for item in filter(None, text.split(";")):
     k, v = item.split("=")
-    flags_ = ("prefetch", "old", "u16pool", "mosaic", "overlap")
-    kw[k] = v if k in ("precision", "reads") else (bool(int(v)) if k in flags_ else int(v))
+    flags_ = ("prefetch", "old", "u16pool", "mosaic", "overlap", "fused_prep")
+    if k in ("precision", "reads", "decode") or (k == "block_pages" and v == "auto"):
+      kw[k] = v
+    else:
+      kw[k] = bool(int(v)) if k in flags_ else int(v)
   return kw
 
 
@@ -195,7 +200,12 @@ def main(argv):
   print(f"jax {jax.__version__} device {dev.device_kind} platform {dev.platform}", flush=True)
   layout = PageLayout(FLAGS.kv_heads, FLAGS.head_dim, "q8_0", "q4_0", FLAGS.page_tokens)
   print(layout.describe(), flush=True)
-  h, d, bp = FLAGS.q_heads, FLAGS.head_dim, FLAGS.block_pages
+  h, d = FLAGS.q_heads, FLAGS.head_dim
+  bp_flag = FLAGS.block_pages if FLAGS.block_pages == "auto" else int(FLAGS.block_pages)
+
+  def block_pages_of(value, table, rows):
+    """The partition size a call uses ("auto" resolved for its table and query rows)."""
+    return span_api.resolve_block_pages(value, table.shape[0], rows, h, layout)
   kv_token = layout.token_bytes
   bf16_token = 2 * 2 * FLAGS.kv_heads * d
   rows_list = [int(r) for r in FLAGS.rows]
@@ -212,8 +222,9 @@ def main(argv):
     return us
 
   def kernel_fn(pool, table, kv_len, q_pos, **kw):
+    bp = block_pages_of(kw.pop("block_pages", bp_flag), table, q_pos.shape[0])
     if kw.pop("mosaic", False):  # Mosaic GPU v1: f16 operands, no tile options
-      mkw = dict(block_pages=kw.get("block_pages", bp), interpret=kw.get("interpret", FLAGS.interpret),
+      mkw = dict(block_pages=bp, interpret=kw.get("interpret", FLAGS.interpret),
                  overlap=kw.get("overlap", False))
       return lambda q: km.span_attention_mosaic(q, pool, table, kv_len, q_pos, layout=layout, **mkw)
     mod = kt
@@ -223,7 +234,7 @@ def main(argv):
       mod = _compare_module()
       kw.setdefault("precision", "f16")
     kw.setdefault("precision", FLAGS.precision)
-    kw.setdefault("block_pages", bp)
+    kw["block_pages"] = bp
     kw.setdefault("interpret", FLAGS.interpret)
     if FLAGS.num_stages:
       kw.setdefault("num_stages", FLAGS.num_stages)
@@ -272,7 +283,7 @@ def main(argv):
       q = jax.random.normal(jax.random.PRNGKey(s), (s, h, d), jnp.float32)
       q_pos = jnp.arange(ctx - s, ctx, dtype=jnp.int32)
       o_ref = ref.span_attention_reference(q, pool, scattered, ctx, q_pos, layout=layout,
-                                           block_pages=bp)
+                                           block_pages=block_pages_of(bp_flag, scattered, s))
       checks = [dict(precision=p) for p in (FLAGS.check_precisions if s == 1 else (FLAGS.precision,))]
       if FLAGS.mosaic:
         checks += [dict(mosaic=True), dict(mosaic=True, overlap=True)]
@@ -301,7 +312,7 @@ def main(argv):
         q_pos = jnp.arange(ctx - s, ctx, dtype=jnp.int32)
         q = jax.random.normal(jax.random.PRNGKey(s), (s, h, d), jnp.float32)
         o_ref = ref.span_attention_reference(q, pool, contiguous, ctx, q_pos, layout=layout,
-                                             block_pages=bp)
+                                             block_pages=block_pages_of(bp_flag, contiguous, s))
         for kw in configs:
           if _elapsed() > FLAGS.max_seconds:
             break
@@ -309,7 +320,8 @@ def main(argv):
             fn = kernel_fn(pool, contiguous, ctx, q_pos, **dict(kw))
             err = float(jnp.linalg.norm(fn(q) - o_ref) / jnp.linalg.norm(o_ref))
             t = _time_loop(fn, q, FLAGS.iters, FLAGS.rounds)
-            record(kind="sweep", context=ctx, rows=s, config=str(kw) or "default", us=t * 1e6,
+            record(kind="sweep", context=ctx, rows=s, config=str(kw) or "default",
+                   bp=block_pages_of(kw.get("block_pages", bp_flag), contiguous, s), us=t * 1e6,
                    gbps=ctx * kv_token / t / 1e9, rel_err=err)
           except Exception as e:  # record and go on
             record(kind="sweep", context=ctx, rows=s, config=str(kw), error=str(e)[:300])
@@ -330,7 +342,7 @@ def main(argv):
         break
       q = jax.random.normal(jax.random.PRNGKey(s), (s, h, d), jnp.float32)
       q_pos = jnp.arange(ctx - s, ctx, dtype=jnp.int32)
-      row = dict(context=ctx, rows=s)
+      row = dict(context=ctx, rows=s, bp=block_pages_of(bp_flag, contiguous, s))
       cases = [("kernel_contiguous", kernel_fn(pool, contiguous, ctx, q_pos), ctx * kv_token),
                ("kernel_ring", kernel_fn(pool, scattered, ctx, q_pos), ctx * kv_token),
                ("xla_bf16", lambda q: _xla_attention(q, k_bf, v_bf, q_pos), ctx * bf16_token)]
@@ -343,7 +355,8 @@ def main(argv):
         cases.append(("cudnn_bf16", lambda q: _cudnn_attention(q, k_bf, v_bf), ctx * bf16_token))
       if s <= FLAGS.reference_max_rows:
         cases.append(("reference", lambda q: ref.span_attention_reference(
-            q, pool, scattered, ctx, q_pos, layout=layout, block_pages=bp), ctx * kv_token))
+            q, pool, scattered, ctx, q_pos, layout=layout,
+            block_pages=block_pages_of(bp_flag, scattered, s)), ctx * kv_token))
       for name, fn, nbytes in cases:
         try:
           t = _time_loop(fn, q, FLAGS.iters if s < 256 else 3, FLAGS.rounds)

@@ -66,8 +66,8 @@ def _model_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("attn-impl", "auto", "span attention implementation: auto (triton on an NVIDIA GPU, "
                       "reference elsewhere) | reference | triton",
                       flag_values=fv)
-  flags.DEFINE_integer("attn-block-pages", 1, "pages per online-softmax step of the attention core",
-                       flag_values=fv)
+  flags.DEFINE_string("attn-block-pages", "auto", "pages per logical partition of the attention "
+                      "core (an int >= 1), or auto (sized to the table and the GPU)", flag_values=fv)
 
 
 def _generate_flags(fv: flags.FlagValues) -> None:
@@ -155,9 +155,22 @@ class Loaded:
   load_s: float
 
 
+def parse_block_pages(value):
+  """--attn-block-pages: "auto" or an int >= 1 (ints may come as text)."""
+  if isinstance(value, str) and value.strip() == "auto":
+    return "auto"
+  try:
+    n = int(value)
+  except (TypeError, ValueError):
+    raise UsageError(f"--attn-block-pages must be auto or an int >= 1, got {value!r}") from None
+  if n < 1 or str(n) != str(value).strip():
+    raise UsageError(f"--attn-block-pages must be auto or an int >= 1, got {value!r}")
+  return n
+
+
 def load_runner(model: str = "tiny", *, preset: Optional[str] = None, dtype: str = "float32",
                 k_type: str = "q8_0", v_type: str = "q4_0", page_tokens: int = 256,
-                attn_impl: str = "reference", block_pages: int = 1, weight_seed: int = 0) -> Loaded:
+                attn_impl: str = "reference", block_pages="auto", weight_seed: int = 0) -> Loaded:
   """Build `engine.Runner` for `model` ('tiny', 'tiny:SEED' or a GGUF path), or, when `preset` is
   given, for that `kvjax.config` preset with deterministic random weights drawn on the device."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -176,8 +189,7 @@ def load_runner(model: str = "tiny", *, preset: Optional[str] = None, dtype: str
   attn_impl = resolve_implementation(attn_impl)
   if page_tokens < 1:
     raise UsageError(f"--kv-page-tokens must be >= 1, got {page_tokens}")
-  if block_pages < 1:
-    raise UsageError(f"--attn-block-pages must be >= 1, got {block_pages}")
+  block_pages = parse_block_pages(block_pages)
   jdtype = jnp.dtype(dtype)
   t0 = time.perf_counter()
   if preset is not None:
@@ -248,9 +260,17 @@ def make_kv(runner, max_tokens: int, *, arena_mib: Optional[float] = None, pool_
   info["copy_pages"] = copy_pages
   info["kv_policy"] = policy
   if policy == "adaptive":
+    from kvjax.streaming import (adaptive_staging_reserve_pages,  # pylint: disable=import-outside-toplevel
+                                 fit_adaptive_pool)
     from kvjax.streaming.phases import AdaptiveStreamedKV  # pylint: disable=import-outside-toplevel
-    kv = AdaptiveStreamedKV(cfg, layout, max_tokens, stream.pool_pages, copy_pages)
+    pool = stream.pool_pages
+    if arena_mib is not None:   # the staging of ANY split the policy may pick fits beside the pool
+      pool = fit_adaptive_pool((int(arena_mib * 2**20) - ws) // layout.page_bytes, max_tokens, layout,
+                               copy_pages)
+    kv = AdaptiveStreamedKV(cfg, layout, max_tokens, pool, copy_pages)
     info["resident_pages_per_layer"] = list(kv.stream.resident_pages_per_layer)
+    info["staging_reserve_mib"] = (adaptive_staging_reserve_pages(pool, max_tokens, layout, copy_pages)
+                                   * layout.page_bytes / 2**20)
     return kv, info
   kv = StreamedKV(cfg, layout, max_tokens, stream)
   if phased:

@@ -20,7 +20,7 @@ is the same pool with an identity page table.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +41,7 @@ _HI = lax.Precision.HIGHEST
 class AttentionOptions:
   """Static choices for the attention core (hashable: part of compiled-step keys)."""
   implementation: str = "reference"
-  block_pages: int = 1
+  block_pages: Union[int, str] = "auto"   # pages per logical partition, or "auto" (span_api)
   interpret: bool = False
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvjax import cli, engine, memory_report, tiny
-from kvjax.streaming import fit_split
+from kvjax.streaming import fit_adaptive_pool, fit_split
 from kvjax.tokenizer import tiny_tokenizer
 from kvjax_pallas.page_layout import PageLayout
 
@@ -102,6 +102,24 @@ def test_streamed_pool_pages_matches_plain(capsys, plain_run):
   assert m["d2h_bytes"] > 0 and m["readiness_misses"] >= 0
   for k in ("h2d_bytes", "d2h_bytes", "ring_wraps", "resident_pages", "ring_slots", "readiness_misses"):
     assert k in m
+
+
+def test_adaptive_arena_budget(capsys, plain_run):
+  """--kv-stream-policy=adaptive under an arena: the pool leaves room for the staging of every split
+  the policy may pick (`fit_adaptive_pool`), the tokens match plain, the staging stays inside."""
+  arena = 0.4
+  rc, out, err = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, f"--kv-stream-arena-mib={arena}",
+                          "--kv-stream-copy-pages=2", "--kv-stream-policy=adaptive")
+  assert rc == 0, err
+  r = json_line(out)
+  m = r["metrics"]
+  assert r["tokens"] == plain_run["tokens"] and m["kv_policy"] == "adaptive"
+  layout = PageLayout(2, 64, "q8_0", "q4_0", 64)
+  available = int((arena * 2**20 - round(m["decode_workspace_mib"] * 2**20)) // layout.page_bytes)
+  staging = round(m["staging_reserve_mib"] * 2**20 / layout.page_bytes)
+  assert m["pool_pages"] == fit_adaptive_pool(available, m["ctx_size"], layout, 2, pinned=False)
+  assert staging > 0 and m["pool_pages"] + staging <= available
+  assert 0 < m["staging_peak_bytes"] <= staging * layout.page_bytes
 
 
 def test_streamed_arena_budget(capsys, plain_run):
@@ -238,6 +256,8 @@ def test_error_pool_too_small(capsys):
     (["generate", "--prompt=hi", "--kv-stream-pool-pages=4", "--kv-stream-arena-mib=1"], "only one"),
     (["generate", "--prompt=hi", "--kv-stream-pool-pages=0"], "pool-pages"),
     (["generate", "--prompt=hi", "--kv-stream-arena-mib=-1"], "arena-mib"),
+    (["generate", "--prompt=hi", "--attn-block-pages=0"], "attn-block-pages must be auto or an int >= 1, got '0'"),
+    (["generate", "--prompt=hi", "--attn-block-pages=big"], "got 'big'"),
     (["logits", "--tokens=1,2,3"], "--out"),
     (["memory"], "--config"),
     (["memory", "--config=configs/does_not_exist.py"], "does_not_exist.py"),
@@ -246,6 +266,11 @@ def test_error_bad_flags(capsys, argv, needle):
   rc, _, err = run_main(capsys, *argv)
   assert_one_line_error(rc, err, needle)
   assert rc == 2
+
+
+def test_block_pages_flag_values():
+  assert cli.parse_block_pages("auto") == "auto"
+  assert cli.parse_block_pages("4") == 4 and cli.parse_block_pages(2) == 2
 
 
 def test_unknown_subcommand_prints_usage(capsys):

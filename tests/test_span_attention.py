@@ -95,10 +95,12 @@ class TestSpanAttention:
     assert 2 * _rel(out, oracle) < _rel(fast, oracle) <= 3e-3  # the split did something
 
   @staticmethod
-  def _ring_case(seed: int, rows: int, wrap: int):
-    """Q8_0/Q4_0 history over resident + ring pages -> (history, q, q_pos, positional args,
-    keyword args) of a direct `kernel_triton` call at the class's precision."""
-    layout = _layout()
+  def _ring_case(seed: int, rows, wrap: int, pair=PAIRS[0]):
+    """A history (Q8_0/Q4_0 unless `pair`) over resident + ring pages -> (history, q, q_pos,
+    positional args, keyword args) of a direct `kernel_triton` call at the class's precision.
+    rows="prefill": the class's prefill chunk."""
+    rows = SHAPE["prefill_rows"] if rows == "prefill" else rows
+    layout = _layout(pair)
     hist = History(layout, SHAPE["tokens"], seed=seed)
     pool, table = hist.resident_ring(resident=2, ring_base=hist.num_pages + 1, ring_slots=6, wrap=wrap)
     q, q_pos = _query(seed, rows, hist.tokens)
@@ -118,6 +120,47 @@ class TestSpanAttention:
     oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, q_pos, hist.tokens)
     other = np.asarray(kernel_triton.span_attention_triton(*args, block_tokens=16, num_warps=8, **kw))
     assert _rel(other, oracle) <= TOL[impl]
+
+  @pytest.mark.parametrize("rows", [1, 6])
+  @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
+  def test_combine_tiles_same_bits(self, impl, rows):
+    """Other combine tiles (columns, warps) and load groups change no bit: the combine is
+    elementwise per row and folds in logical order whatever it loads at once."""
+    from kvjax_pallas.span_attention import kernel_triton
+    hist, q, q_pos, args, kw = self._ring_case(seed=37, rows=rows, wrap=2)
+    base = np.asarray(kernel_triton.span_attention_triton(*args, **kw))
+    for extra in (dict(combine_cols=16, combine_warps=1), dict(combine_cols=64),
+                  dict(combine_unroll=16), dict(combine_unroll=32)):
+      np.testing.assert_array_equal(base, np.asarray(kernel_triton.span_attention_triton(
+          *args, **extra, **kw)), err_msg=str(extra))
+    with pytest.raises(ValueError, match="combine_cols must be a power of two dividing"):
+      kernel_triton.span_attention_triton(*args, combine_cols=24, **kw)
+    with pytest.raises(ValueError, match="combine_unroll must be a multiple of 8, got 12"):
+      kernel_triton.span_attention_triton(*args, combine_unroll=12, **kw)
+
+  @pytest.mark.parametrize("pair,rows", [(PAIRS[0], 1), (PAIRS[0], 6), (PAIRS[0], "prefill"),
+                                         (PAIRS[2], 2), (PAIRS[3], 5)])
+  @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
+  def test_fused_prep_same_bits(self, impl, pair, rows):
+    """fused_prep=True (query fold / pad / split and page-range clipping inside the span kernel,
+    an empty carry built by the combine) gives the bits of the wrapper prep, in one call and in
+    waves; windows reads are refused by name."""
+    from kvjax_pallas.span_attention import kernel_triton
+    hist, q, _, args, kw = self._ring_case(seed=41, rows=rows, wrap=4, pair=pair)
+    pool, table, layout, bp, rows = args[1], args[2], kw["layout"], kw["block_pages"], q.shape[0]
+    base = np.asarray(kernel_triton.span_attention_triton(*args, **kw))
+    fused = np.asarray(kernel_triton.span_attention_triton(*args, fused_prep=True, **kw))
+    np.testing.assert_array_equal(base, fused)
+    h, d = SHAPE["q_heads"], SHAPE["head_dim"]
+    carry = api.init_carry(layout.num_kv_heads, rows * (h // layout.num_kv_heads), d)
+    for a, b in ((0, bp), (bp, table.shape[0])):
+      carry = kernel_triton.span_attention_partial_triton(
+          args[0], pool, table, jnp.int32(hist.tokens), args[4], carry, jnp.int32(a), jnp.int32(b),
+          num_q_heads=h, fused_prep=True, **kw)
+    np.testing.assert_array_equal(base, np.asarray(api.finalize(carry, h)))
+    if pair[0] == "q8_0":   # windows reads of Q8_0 rows put junk columns among the head dims
+      with pytest.raises(ValueError, match="fused_prep needs K columns in head-dim order"):
+        kernel_triton.span_attention_triton(*args, fused_prep=True, reads="windows", **kw)
 
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
   def test_row_blocks(self, impl):
@@ -152,6 +195,38 @@ class TestSpanAttention:
     np.testing.assert_array_equal(outs[0], outs[1])
     oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, q_pos, hist.tokens)
     assert _rel(outs[0], oracle) <= TOL[impl], _rel(outs[0], oracle)
+
+  @pytest.mark.parametrize("pair,rows", [(PAIRS[0], 1), (PAIRS[0], 6), (PAIRS[1], 2),
+                                         (PAIRS[0], "prefill")])
+  @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
+  def test_asm_decode_same_bits(self, impl, pair, rows):
+    """decode="asm" (packed PTX, compiled kernels only) gives the bits of decode="jnp" at the fast
+    "f16" precision. On the CPU the interpreter runs jnp for both: tests/test_span_decode_asm.py
+    checks the PTX there instead."""
+    if INTERPRET:
+      pytest.skip("inline PTX runs only in compiled kernels (GPU); see test_span_decode_asm.py")
+    from kvjax_pallas.span_attention import kernel_triton
+    hist, q, q_pos, args, kw = self._ring_case(seed=29, rows=rows, wrap=3, pair=pair)
+    kw.update(interpret=False, precision="f16")
+    outs = [np.asarray(kernel_triton.span_attention_triton(*args, decode=dec, **kw))
+            for dec in ("asm", "jnp")]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, q_pos, hist.tokens)
+    assert _rel(outs[0], oracle) <= 3e-3
+
+  def test_auto_block_pages_same_answer(self, impl):
+    """block_pages="auto" resolves to an int for the call's shapes and computes what that int does."""
+    layout = _layout()
+    hist = History(layout, SHAPE["tokens"], seed=31)
+    pool, table = hist.resident_ring(resident=1, ring_base=hist.num_pages + 2, ring_slots=5, wrap=1)
+    q, q_pos = _query(31, 5, hist.tokens)
+    bp = api.resolve_block_pages("auto", table.shape[0], 5, SHAPE["q_heads"], layout)
+    assert 1 <= bp <= table.shape[0]
+    run = lambda b: np.asarray(api.span_attention(
+        jnp.asarray(q), pool, table, hist.tokens, jnp.asarray(q_pos), layout=layout,
+        block_pages=b, implementation=impl, interpret=INTERPRET,
+        **({} if impl == "reference" else {"precision": KERNEL_PRECISION})))
+    np.testing.assert_array_equal(run("auto"), run(bp))
 
   def test_kv_len_and_positions_are_respected(self, impl):
     """A shorter kv_len and earlier query positions change the answer exactly as the oracle says."""
@@ -246,3 +321,32 @@ def test_unknown_implementation():
     api.span_attention(jnp.zeros((1, SHAPE["q_heads"], SHAPE["head_dim"])),
                        jnp.zeros((2, layout.page_bytes), jnp.uint8), jnp.zeros(2, jnp.int32), 1,
                        jnp.zeros(1, jnp.int32), layout=layout, implementation="nope")
+
+
+def test_block_pages_values_checked():
+  layout = _layout()
+  for bad in (0, -2, "8", "fast", 2.5):
+    with pytest.raises(ValueError, match="block_pages must be an int >= 1 or 'auto'"):
+      api.resolve_block_pages(bad, 16, 1, SHAPE["q_heads"], layout)
+  assert api.resolve_block_pages(3, 16, 1, SHAPE["q_heads"], layout) == 3
+
+
+def test_choose_block_pages_fits_the_h200_measurements():
+  """The "auto" partition sizes at the 27B geometry (4 KV heads, 6 query heads each, 256-token
+  pages, 132 SMs) are the best sizes measured on the H200 (docs/PERFORMANCE.md, S5-1: 160K S=1
+  bp5 323.7 us of bp5/7/8/10; S=4 bp7 386.1; S=6 bp10 423.8; S4-3: 128K bp4; S5-1: 256K bp8)."""
+  from kvjax_pallas.span_attention import kernel_triton as kt
+  pages = {131072: 512, 163840: 640, 262144: 1024}
+  choose = lambda ctx, s: kt.choose_block_pages(pages[ctx], 4, s, 6, num_sms=132)
+  assert [choose(c, 1) for c in (131072, 163840, 262144)] == [4, 5, 8]
+  assert choose(163840, 4) == 7
+  assert choose(163840, 6) == 10
+  # matrix rows: one round of 2 CTAs an SM (64-row tile) -> 64 partitions x 4 heads = 256 <= 264
+  assert kt.ctas_per_sm(kt.tile_config(6, 6, 256).block_rows) == 2
+  assert kt.ctas_per_sm(kt.tile_config(1, 6, 256).block_rows) == 4   # 128 registers (S5-2)
+  for n_pages in (1, 3, 40, 700, 4096):        # always a size in [1, pages]
+    for s in (1, 2, 3, 6, 8, 64, 256):
+      bp = kt.choose_block_pages(n_pages, 4, s, 6)
+      assert 1 <= bp <= n_pages, (n_pages, s, bp)
+  # more SMs -> smaller partitions (more of them) for decode
+  assert kt.choose_block_pages(1024, 4, 1, 6, num_sms=264) < kt.choose_block_pages(1024, 4, 1, 6)

@@ -9,7 +9,8 @@ from hypothesis import given, settings, strategies as st
 
 from kvjax import engine, generate
 from kvjax.streaming import (HostHistory, Span, SpanPlanError, StreamBudgetError, StreamConfig, StreamedKV,
-                             fit_split, fixed_split, make_plan, page_table, staging_reserve_pages)
+                             fit_split, fixed_split, make_plan, page_table, staging_reserve_pages,
+                             adaptive_staging_reserve_pages, fit_adaptive_pool)
 from kvjax.streaming.runtime import staging_pages
 from kvjax.streaming.span_plan import SpanPlan, validate_plan
 from kvjax_pallas.page_layout import PageLayout
@@ -270,6 +271,25 @@ def test_staging_pages_and_fit_split():
   pool, staging, missing = map(int, m.groups())
   assert missing == pool + staging - 30 > 0
   assert fit_split(pool + staging, 3, 256, layout, 2, pinned=False).pool_pages >= pool
+
+
+def test_adaptive_staging_reserve_covers_every_split():
+  """The adaptive reserve bounds the staging reserve of every uniform split of the pool, and
+  fit_adaptive_pool is the largest pool that fits with it (or a refusal naming the pages missing)."""
+  layout = PageLayout(2, 64, "q8_0", "q4_0", 16)
+  for pinned in (False, True):
+    for pool in (3, 9, 17, 40):
+      worst = adaptive_staging_reserve_pages(pool, 256, layout, 2, 1, pinned)
+      for r in range(0, pool // 3 + 1):          # 3 layers, r resident pages each, the rest ring
+        split = StreamConfig(pool, (r,) * 3, 2)
+        if split.ring_slots >= 1:
+          assert staging_reserve_pages(split, 256, layout, 1, pinned) <= worst, (pinned, pool, r)
+    for available in (30, 64, 200):
+      pool = fit_adaptive_pool(available, 256, layout, 2, 1, pinned)
+      assert pool + adaptive_staging_reserve_pages(pool, 256, layout, 2, 1, pinned) <= available
+      assert pool + 1 + adaptive_staging_reserve_pages(pool + 1, 256, layout, 2, 1, pinned) > available
+  with pytest.raises(StreamBudgetError, match=r"1 pool page \+ \d+ staging pages; \d+ more pages"):
+    fit_adaptive_pool(5, 256, layout, 2, 1, pinned=True)
 
 
 def test_mtp_layer_streams_like_plain():

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One GPU round of kernel-option sweeps (each config checked against the jnp reference), then
-# registers / occupancy of chosen configs from ncu (LaunchStats + Occupancy, one launch each).
+# registers / occupancy / duration / executed instructions of chosen configs from ncu (one launch each).
 # Usage (device machine, repo root):
 #   bash experiments/gpu/sweep_round.sh "<ncu configs, space separated>" -- <bench flags> [-- <bench flags> ...]
 # Each "--"-separated group of bench flags is one bench_span_attention.py run (its own log).
@@ -24,9 +24,9 @@ done
 if command -v ncu >/dev/null; then
   for cfg in $NCU_CFGS; do
     timeout 90 ncu --clock-control none --kernel-name regex:span_attention --launch-skip 1 --launch-count 1 \
-      --section LaunchStats --section Occupancy \
+      --section LaunchStats --section Occupancy --section SpeedOfLight --section InstructionStats \
       python3 experiments/bench_span_attention.py --profile_config="$cfg" --check=false --sweep=false \
       --out_dir=/tmp/ncu_unused --rows=1 --profile_calls=2 > $OUT/ncu_$(echo $cfg | tr ';=' '_-').txt 2>&1
-    echo "ncu $cfg: $(grep -E 'Registers Per Thread|Theoretical Occupancy|Duration' $OUT/ncu_$(echo $cfg | tr ';=' '_-').txt | awk '{print $1,$2,$3,$NF}' | tr '\n' ' ')"
+    echo "ncu $cfg: $(grep -E 'Registers Per Thread|Theoretical Occupancy|Duration|Executed Instructions  ' $OUT/ncu_$(echo $cfg | tr ';=' '_-').txt | awk '{print $1,$2,$3,$NF}' | tr '\n' ' ')"
   done
 fi

@@ -1,9 +1,11 @@
 """Streamed KV: host-authoritative paged history, resident pages + one shared ring, span plans."""
 from kvjax.streaming.host_history import HostHistory
-from kvjax.streaming.runtime import (StreamBudgetError, StreamConfig, StreamedKV, fit_split, fixed_split,
-                                     staging_reserve_pages, stream_config_from_budget)
+from kvjax.streaming.runtime import (StreamBudgetError, StreamConfig, StreamedKV,
+                                     adaptive_staging_reserve_pages, fit_adaptive_pool, fit_split,
+                                     fixed_split, staging_reserve_pages, stream_config_from_budget)
 from kvjax.streaming.span_plan import Span, SpanPlan, SpanPlanError, make_plan, page_table, validate_plan
 
-__all__ = ["HostHistory", "StreamBudgetError", "StreamConfig", "StreamedKV", "fit_split", "fixed_split",
+__all__ = ["HostHistory", "StreamBudgetError", "StreamConfig", "StreamedKV",
+           "adaptive_staging_reserve_pages", "fit_adaptive_pool", "fit_split", "fixed_split",
            "staging_reserve_pages", "stream_config_from_budget", "Span", "SpanPlan", "SpanPlanError", "make_plan", "page_table",
            "validate_plan"]

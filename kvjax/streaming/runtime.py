@@ -159,6 +159,39 @@ def staging_reserve_pages(stream: StreamConfig, max_tokens: int, layout: PageLay
   return (prefetch_depth + 1) * staging_unit_pages(stream, max_tokens, layout, pinned)
 
 
+def adaptive_staging_reserve_pages(pool_pages: int, max_tokens: int, layout: PageLayout,
+                                   copy_pages: int = 32, prefetch_depth: int = 1,
+                                   pinned: Optional[bool] = None) -> int:
+  """A staging reserve that holds for EVERY split of a `pool_pages` pool (the adaptive policy
+  changes the split at run time): the all-streamed split (no resident pages, the ring is the whole
+  pool) streams the most pages a layer, and `staging_pages` only grows with them."""
+  all_streamed = StreamConfig(int(pool_pages), (0,), copy_pages)
+  return staging_reserve_pages(all_streamed, max_tokens, layout, prefetch_depth, pinned)
+
+
+def fit_adaptive_pool(available_pages: int, max_tokens: int, layout: PageLayout,
+                      copy_pages: int = 32, prefetch_depth: int = 1,
+                      pinned: Optional[bool] = None) -> int:
+  """The largest pool whose pages plus `adaptive_staging_reserve_pages` fit in `available_pages`
+  (pool + reserve grows with the pool, so a bisection finds it)."""
+  if pinned is None:
+    pinned = pinned_available()
+  need = lambda pool: pool + adaptive_staging_reserve_pages(pool, max_tokens, layout, copy_pages,
+                                                            prefetch_depth, pinned)
+  if need(1) > available_pages:
+    raise StreamBudgetError(
+        f"{available_pages} pages hold no adaptive pool: the smallest is 1 pool page + "
+        f"{need(1) - 1} staging pages; {need(1) - available_pages} more pages needed")
+  lo, hi = 1, int(available_pages)
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    if need(mid) <= available_pages:
+      lo = mid
+    else:
+      hi = mid - 1
+  return lo
+
+
 def fit_split(available_pages: int, n_layers: int, max_tokens: int, layout: PageLayout,
               copy_pages: int = 32, prefetch_depth: int = 1,
               pinned: Optional[bool] = None) -> StreamConfig:

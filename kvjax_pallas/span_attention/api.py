@@ -21,13 +21,18 @@ Kernel-only keyword arguments (ignored by "reference"):
   path       None (pick by query tokens: 1-2 "vector", 3-8 "matrix",
              9-256 "prefill") or one of those names.
 
+block_pages: an int (pages per logical partition: waves whose boundaries are multiples of it
+give the same bits as one call) or "auto": `kernel_triton.choose_block_pages` of the static
+shapes (the page table's length, query rows, heads) and the GPU's SM count (132, the H200's,
+where no GPU is present), so the same call resolves to the same size for every implementation.
+
 Eager checks (when the arguments are concrete, i.e. outside jit): every page
 table entry that will be read names a page of the pool.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import jax
@@ -60,6 +65,27 @@ def _check_mosaic_options(precision: str):
   if precision != "f16":
     raise ValueError(f"the Mosaic GPU kernel computes with f16 operands only (precision='f16'), "
                      f"got precision={precision!r}; use implementation='triton' for it")
+
+
+def num_sms() -> int:
+  """Streaming multiprocessors of the default GPU (the H200's 132 where there is none)."""
+  dev = jax.devices()[0]
+  if dev.platform == "gpu":
+    return int(getattr(dev, "core_count", 0) or _triton.DEFAULT_NUM_SMS)
+  return _triton.DEFAULT_NUM_SMS
+
+
+def resolve_block_pages(block_pages: Union[int, str], num_table_pages: int, num_tokens: int,
+                        num_q_heads: int, layout: PageLayout, path: Optional[str] = None) -> int:
+  """block_pages as given (an int >= 1), or the "auto" choice for these static shapes."""
+  if isinstance(block_pages, str):
+    if block_pages != "auto":
+      raise ValueError(f"block_pages must be an int >= 1 or 'auto', got {block_pages!r}")
+    return _triton.choose_block_pages(num_table_pages, layout.num_kv_heads, num_tokens,
+                                      max(1, num_q_heads // layout.num_kv_heads), num_sms(), path)
+  if int(block_pages) != block_pages or block_pages < 1:
+    raise ValueError(f"block_pages must be an int >= 1 or 'auto', got {block_pages!r}")
+  return int(block_pages)
 
 
 def _concrete(x) -> Optional[np.ndarray]:
@@ -103,11 +129,13 @@ def check_page_table(page_table_t, num_pages: int, layout: PageLayout, kv_len=No
 
 
 def span_attention(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: PageLayout,
-                   block_pages: int = 1, sm_scale: Optional[float] = None,
+                   block_pages: Union[int, str] = 1, sm_scale: Optional[float] = None,
                    implementation: str = "reference", interpret: bool = False,
                    precision: str = _triton.DEFAULT_PRECISION, path: Optional[str] = None):
   """o_shd [S, H, D] float32: attention of query rows over the active logical pages."""
   implementation = resolve_implementation(implementation)
+  block_pages = resolve_block_pages(block_pages, page_table_t.shape[0], q_shd.shape[0],
+                                    q_shd.shape[1], layout, path)
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len)
   if implementation == "mosaic":
     _check_mosaic_options(precision)
@@ -124,16 +152,19 @@ def span_attention(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: Pag
 
 
 def span_attention_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end,
-                           *, layout: PageLayout, num_q_heads: int, block_pages: int = 1,
-                           sm_scale: Optional[float] = None, implementation: str = "reference",
-                           interpret: bool = False, precision: str = _triton.DEFAULT_PRECISION,
-                           path: Optional[str] = None):
+                           *, layout: PageLayout, num_q_heads: int,
+                           block_pages: Union[int, str] = 1, sm_scale: Optional[float] = None,
+                           implementation: str = "reference", interpret: bool = False,
+                           precision: str = _triton.DEFAULT_PRECISION, path: Optional[str] = None):
   """Fold logical pages [tile_begin, tile_end) into `carry` (see reference.py).
 
   For every implementation, waves whose boundaries are multiples of
-  `block_pages` pages give the same bits as one call.
+  `block_pages` pages give the same bits as one call ("auto" resolves from the table's length,
+  so waves over one table share the size).
   """
   implementation = resolve_implementation(implementation)
+  block_pages = resolve_block_pages(block_pages, page_table_t.shape[0], q_shd.shape[0],
+                                    num_q_heads, layout, path)
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len, tile_begin, tile_end)
   if implementation == "mosaic":
     _check_mosaic_options(precision)

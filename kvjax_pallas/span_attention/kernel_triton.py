@@ -40,7 +40,10 @@ is the f16 number 1024 + b, so `(0x6400 | byte) - 1152` is the signed int8 and
 `(0x6400 | nibble) - 1032` the Q4_0 value, exactly. The block scale
 multiplies the values, and one dot per piece takes the piece's columns:
 scores `[rows, columns] . [tokens, columns]^T`, output `[rows, tokens] .
-[tokens, columns]`. `precision` says how the float32 side meets the tensor cores:
+[tokens, columns]`. On the GPU the "f16" decode of quant pages runs as packed PTX
+(`decode="asm"`, `_asm_plane`: two halfwords a 32-bit register, f16x2 sub / mul), with the same
+bits as this jnp form; the interpreter runs the jnp form. `precision` says how the float32 side
+meets the tensor cores:
 
   "f16"    16-bit operands (bf16 for BF16 pages): ~3e-4 relative error, fastest
   "f16x3"  each float32 operand split into a 16-bit head and tail (the exact
@@ -55,6 +58,8 @@ Paths (all one kernel body, different tiles; see `select_path`):
   "vector"  1-2 query tokens  (decode)             row block 16, key tile 32
   "matrix"  3-8 query tokens  (speculative verify) one row block of <= 64 rows, key tile 32
   "prefill" 9-256 query tokens (chunk vs history)  64-row blocks, causal skip
+
+Partition size: `choose_block_pages` (the api's block_pages="auto"), a rounds model of CTAs per SM.
 """
 
 from __future__ import annotations
@@ -94,6 +99,38 @@ _PLANES = {"q8_0": (("byte", 0), ("byte", 8)),
            "q4_0": (("nibble", 0), ("nibble", 4), ("nibble", 8), ("nibble", 12)),
            "f16": (("raw", 0),), "bf16": (("raw", 0),)}
 _GROUP = 8                 # halfwords a thread loads at once (16 bytes) and that share <= 2 scales
+DECODES = ("asm", "jnp")   # how quant halfwords become f16 values, see `_decode_asm`
+DEFAULT_DECODE = "asm"
+
+# Packed decode (PTX, one instance per 32-bit register = 2 raw halfwords, "f16" operands only).
+# Same bits as the jnp decode: each value is an exact f16 integer (0x6400 | quant is 1024 +
+# quant, minus 1152 (Q8_0, 0x6480) or 1032 (Q4_0, 0x6408)), then ONE rounded f16 product with the
+# block scale. One asm per plane (Pallas lowers only single-result inline asm): $0 the plane's
+# f16x2 values, $1 the raw halfwords, $2 the scales (f16x2). The output is written last, from
+# temporaries (it may share a register with an input). tests/test_span_decode_asm.py runs these
+# strings in a numpy model of their opcodes.
+def _asm_plane(kind: str, plane: int) -> str:
+  op, shift = _PLANES[kind][plane]
+  if op == "byte":     # Q8_0: (byte ^ 0x80) of each halfword's low / high byte, in an f16 1024 + b
+    sel = (0x5240, 0x5341)[shift // 8]
+    body = ["xor.b32 kvt, $1, 0x80808080",
+            "mov.b32 kvk, 0x64646464",
+            f"prmt.b32 kvt, kvt, kvk, 0x{sel:04x}",
+            "mov.b32 kvc, 0x64806480"]                    # 1152, 1152
+  else:                # Q4_0: the nibble at bits shift..shift+3 of each halfword, in 1024 + n
+    body = [f"shr.u32 kvt, $1, {shift}" if shift else "mov.b32 kvt, $1",
+            "mov.b32 kvk, 0x000F000F",
+            "and.b32 kvt, kvt, kvk",
+            "mov.b32 kvk, 0x64006400",
+            "or.b32 kvt, kvt, kvk",
+            "mov.b32 kvc, 0x64086408"]                    # 1032, 1032
+  body += ["sub.rn.f16x2 kvt, kvt, kvc",                 # exact: the quant as an f16 integer
+           "mul.rn.f16x2 kvt, kvt, $2",                  # one rounding: value x scale
+           "mov.b32 $0, kvt"]
+  return "{\n.reg .b32 kvt, kvk, kvc;\n" + "".join(line + ";\n" for line in body) + "}"
+
+
+_ASM_CONSTRAINTS = "=r,r,r"
 
 
 def _next_pow2(n: int) -> int:
@@ -196,6 +233,7 @@ class TileConfig:
   num_stages: int
   prefetch: bool      # load tile i+1 while computing tile i
   reads: str = DEFAULT_READS  # `row_pieces`
+  decode: str = DEFAULT_DECODE  # `DECODES`: "asm" (packed PTX) or "jnp"; interpret runs "jnp"
 
 
 def select_path(num_tokens: int) -> str:
@@ -214,7 +252,8 @@ def select_path(num_tokens: int) -> str:
 def tile_config(num_tokens: int, group: int, page_tokens: int, path: Optional[str] = None,
                 block_tokens: Optional[int] = None, num_warps: Optional[int] = None,
                 num_stages: Optional[int] = None, prefetch: Optional[bool] = None,
-                reads: Optional[str] = None, block_rows: Optional[int] = None) -> TileConfig:
+                reads: Optional[str] = None, block_rows: Optional[int] = None,
+                decode: Optional[str] = None) -> TileConfig:
   """Tile sizes of a path. `group` = query heads per KV head (rows per token).
 
   block_rows: folded query rows per program (a power of two >= 16); rows past it go to more
@@ -245,8 +284,48 @@ def tile_config(num_tokens: int, group: int, page_tokens: int, path: Optional[st
   reads = reads or DEFAULT_READS
   if reads not in READS:
     raise ValueError(f"unknown reads {reads!r}; choose one of {READS}")
+  decode = decode or DEFAULT_DECODE
+  if decode not in DECODES:
+    raise ValueError(f"unknown decode {decode!r}; choose one of {DECODES}")
   return TileConfig(path, bm, bt, num_warps or nw, num_stages or ns,
-                    pf if prefetch is None else bool(prefetch), reads)
+                    pf if prefetch is None else bool(prefetch), reads, decode)
+
+
+# Partition size ("auto" block_pages). CTAs an SM holds, by ncu on the H200 (132 SMs): the
+# 16-row tile uses 128 registers, so 4 CTAs (S5-2, jax 0.11.2); the 64-row tile 226, so 2 (S4-4);
+# the 32-row tile is taken as 3 (its measured best size, 160K S=4 bp7, fits that; not profiled).
+DEFAULT_NUM_SMS = 132
+CTA_OVERHEAD_PAGES = 1     # per-CTA fixed cost (query load, partial write), in page-reads
+
+
+def ctas_per_sm(block_rows: int) -> int:
+  """CTAs one SM holds at the row tile's register count (see above)."""
+  return {16: 4, 32: 3}.get(block_rows, 2)
+
+
+def choose_block_pages(num_pages: int, num_kv_heads: int, num_tokens: int, group: int,
+                       num_sms: int = DEFAULT_NUM_SMS, path: Optional[str] = None,
+                       block_rows: Optional[int] = None) -> int:
+  """Logical partition size (pages) for a call over `num_pages` pages: a pure function.
+
+  CTAs run in rounds of `ctas_per_sm x num_sms`; the choice has the fewest page-reads per CTA
+  slot, rounds x (pages a CTA + CTA_OVERHEAD_PAGES), and on a tie the larger size (fewer
+  partitions to combine). Measured best on the H200 at 4 KV heads x 6 rows (docs/PERFORMANCE.md,
+  S5-1 / S5-2): decode 128K bp4, 160K bp5, 256K bp8 (512 CTAs: one round of 4 an SM); 160K
+  verify S=4 bp7, S=6 bp10 (256 CTAs: one round of 2 an SM).
+  """
+  num_pages = max(1, int(num_pages))
+  cfg = tile_config(num_tokens, group, 16, path, block_rows=block_rows)
+  n_mb = -(-num_tokens * group // cfg.block_rows)
+  ctas_per_part = n_mb * num_kv_heads
+  slots = ctas_per_sm(cfg.block_rows) * num_sms
+  best, best_cost = 1, None
+  for bp in range(1, num_pages + 1):
+    rounds = -(-ctas_per_part * -(-num_pages // bp) // slots)
+    cost = rounds * (bp + CTA_OVERHEAD_PAGES)
+    if best_cost is None or cost <= best_cost:
+      best, best_cost = bp, cost
+  return best
 
 
 def _largest_pow2_divisor(n: int) -> int:
@@ -407,11 +486,23 @@ def _magic(bits_i32, offset: float):
   return h - jnp.float16(offset)
 
 
-def _decode_piece(data, scale, kind: str, f32: bool):
+def _decode_asm(data, scale_f16, kind: str):
+  """Raw halfwords [BT, n, w] u16 + scales (f16, broadcastable) -> the planes' f16 values
+  (`_PLANES` order), each [BT, n, w], by the packed PTX of `_asm_plane` (GPU only)."""
+  sc = jnp.broadcast_to(scale_f16, data.shape)
+  out = jax.ShapeDtypeStruct(data.shape, jnp.float16)
+  return [_pltriton.elementwise_inline_asm(_asm_plane(kind, p), args=[data, sc],
+                                           constraints=_ASM_CONSTRAINTS, pack=2,
+                                           result_shape_dtypes=[out])[0]
+          for p in range(len(_PLANES[kind]))]
+
+
+def _decode_piece(data, scale, kind: str, f32: bool, asm: bool = False):
   """Raw halfwords [BT, n, w] (+ scales) -> values [BT, n * w * planes] (kernel columns).
 
   f32=False: f16 (bf16 for BF16 pages), each value rounded once (the "f16" operand);
   f32=True: float32, exact (the source of "f16x3" heads / tails and "tf32" / "ieee").
+  asm=True (f16 values of quant pages only): the same bits from the packed PTX of `_asm_plane`.
   Junk columns hold finite values (a scale's bytes as a quant, times a real scale).
   """
   bt, n, w = data.shape
@@ -421,35 +512,40 @@ def _decode_piece(data, scale, kind: str, f32: bool):
     src = jnp.float16 if kind == "f16" else jnp.bfloat16
     v = lax.bitcast_convert_type(data, src).reshape(bt, width)
     return v.astype(jnp.float32) if f32 else v
-  x = data.astype(jnp.int32)
   sc = lax.bitcast_convert_type(scale, jnp.float16)
-  if f32:
-    sc = sc.astype(jnp.float32)
-  vals = []
-  for op, shift in planes:
-    if op == "byte":
-      v = _magic(((x >> shift) & 0xFF) ^ 0x80, 1152.0)           # int8 = (byte ^ 0x80) - 128
-    else:
-      v = _magic((x >> shift) & 0xF, 1032.0)                      # Q4_0: nibble - 8
-    vals.append(v.astype(jnp.float32) * sc if f32 else v * sc)   # f16: rounded once
+  if asm and not f32:
+    vals = _decode_asm(data, sc, kind)
+  else:
+    x = data.astype(jnp.int32)
+    if f32:
+      sc = sc.astype(jnp.float32)
+    vals = []
+    for op, shift in planes:
+      if op == "byte":
+        v = _magic(((x >> shift) & 0xFF) ^ 0x80, 1152.0)           # int8 = (byte ^ 0x80) - 128
+      else:
+        v = _magic((x >> shift) & 0xF, 1032.0)                      # Q4_0: nibble - 8
+      vals.append(v.astype(jnp.float32) * sc if f32 else v * sc)   # f16: rounded once
   if len(vals) == 4:   # Triton stacks two at a time: [.., (v0, v2)] and [.., (v1, v3)] -> v0..v3
     vals = [jnp.stack([vals[0], vals[2]], axis=-1), jnp.stack([vals[1], vals[3]], axis=-1)]
   return jnp.stack(vals, axis=-1).reshape(bt, width * len(planes))
 
 
-def _value_terms(data, scale, kind: str, plan: OperandPlan):
+def _value_terms(data, scale, kind: str, plan: OperandPlan, asm: bool = False):
   if plan.dtype == jnp.float32:
     return [_decode_piece(data, scale, kind, True)]
   if plan.kv_terms == 1:
-    return [_decode_piece(data, scale, kind, False)]
+    return [_decode_piece(data, scale, kind, False, asm)]
   return _split(_decode_piece(data, scale, kind, True), plan.kv_terms, plan.dtype)
 
 
-def _span_kernel(meta_ref, tab_ref, qpos_ref, q_ref, pool_ref, m_out, l_out, acc_out, *,
-                 layout: PageLayout, cfg: TileConfig, block_pages: int, num_phys: int,
-                 plan: OperandPlan, sm_scale: float):
-  # meta_ref [4] i32, tab_ref [T] i32, qpos_ref [Mp] i32, q_ref [terms, G, Mp, Kc] plan.dtype
-  # (K kernel columns), pool_ref [P, page_hw] u16
+def _span_kernel(*refs, layout: PageLayout, cfg: TileConfig, block_pages: int, num_phys: int,
+                 plan: OperandPlan, sm_scale: float, interpret: bool = False,
+                 fused_prep: bool = False, group: int = 1, num_rows: int = 0, num_table: int = 0):
+  # wrapper prep: meta_ref [4] i32, tab_ref [T] i32, qpos_ref [Mp] i32,
+  #   q_ref [terms, G, Mp, Kc] plan.dtype (K kernel columns), pool_ref [P, page_hw] u16
+  # fused_prep: kv_ref [1], begin_ref [1], end_ref [1] i32, tab_ref [T] i32, qpos_ref [S] i32,
+  #   q_ref [S, H, D] f32 (the caller's query: folded, padded and split here), pool_ref
   # -> m_out, l_out [G, parts, Mp], acc_out [G, parts, Mp, Vc] f32 (V kernel columns)
   # grid (row block, KV head, partition): the first axis varies fastest in launch order, so the
   # row blocks and heads of one partition (the same pages) run next to each other
@@ -461,18 +557,36 @@ def _span_kernel(meta_ref, tab_ref, qpos_ref, q_ref, pool_ref, m_out, l_out, acc
   d = layout.head_dim
   kk, vk = layout.k_type, layout.v_type
   prec = plan.precision
-  kv_len = meta_ref[0]
-  tile_begin = meta_ref[1]
-  tile_end = meta_ref[2]       # already clipped to the active pages
-  n_table = meta_ref[3]
   k_pieces, v_pieces = row_pieces(kk, d, cfg.reads), row_pieces(vk, d, cfg.reads)
+  asm = cfg.decode == "asm" and not interpret    # the interpreter cannot run PTX
   k_slices, v_slices = _piece_slices(kk, d, cfg.reads), _piece_slices(vk, d, cfg.reads)
-
   rows = pl.ds(mb * bm, bm)
-  qpos = qpos_ref[rows]                                   # [BM] int32 (-1: padding row)
-  # per K piece: the query terms of its columns, [BM, columns] each (unscaled)
-  q_pieces = [[q_ref[i, g, rows, pl.ds(c0, n)] for i in range(plan.q_terms)]
-               for c0, n in k_slices]
+  if fused_prep:
+    kv_ref, begin_ref, end_ref, tab_ref, qpos_ref, q_ref, pool_ref, m_out, l_out, acc_out = refs
+    kv_len = kv_ref[0]
+    tile_begin = begin_ref[0]
+    n_active = (kv_len + pt - 1) // pt
+    tile_end = jnp.minimum(jnp.minimum(end_ref[0], n_active), num_table)
+    n_table = num_table
+    m_idx = mb * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)      # folded row
+    real = m_idx < num_rows
+    tok = jnp.where(real, m_idx // group, 0)                          # its query token
+    head = g * group + m_idx % group                                  # its query head
+    qpos = jnp.where(real, _masked_load(qpos_ref, (tok,), real, 0), -1)   # [BM] (-1: padding)
+    dims = lax.broadcasted_iota(jnp.int32, (1, d), 1)
+    q_bd = _masked_load(q_ref, (tok[:, None], head[:, None], dims),
+                        jnp.broadcast_to(real[:, None], (bm, d)), 0.0)     # [BM, D] f32
+    q_pieces = [_split(q_bd, plan.q_terms, plan.dtype)]   # gather reads: K columns = head dims
+  else:
+    meta_ref, tab_ref, qpos_ref, q_ref, pool_ref, m_out, l_out, acc_out = refs
+    kv_len = meta_ref[0]
+    tile_begin = meta_ref[1]
+    tile_end = meta_ref[2]       # already clipped to the active pages
+    n_table = meta_ref[3]
+    qpos = qpos_ref[rows]                                   # [BM] int32 (-1: padding row)
+    # per K piece: the query terms of its columns, [BM, columns] each (unscaled)
+    q_pieces = [[q_ref[i, g, rows, pl.ds(c0, n)] for i in range(plan.q_terms)]
+                for c0, n in k_slices]
 
   page_lo = jnp.maximum(pp * block_pages, tile_begin)
   page_hi = jnp.minimum(pp * block_pages + block_pages, tile_end)
@@ -507,7 +621,7 @@ def _span_kernel(meta_ref, tab_ref, qpos_ref, q_ref, pool_ref, m_out, l_out, acc
     t0 = tok_lo + i * bt
     s = None
     for w, q_terms in enumerate(q_pieces):
-      k_terms = _value_terms(*k_raw[w], kk, plan)         # [BT, columns] each
+      k_terms = _value_terms(*k_raw[w], kk, plan, asm)    # [BT, columns] each
       for a, b in plan.pairs():
         part = _dot_nt(q_terms[a], k_terms[b], prec)      # [BM, BT]
         s = part if s is None else s + part
@@ -521,15 +635,16 @@ def _span_kernel(meta_ref, tab_ref, qpos_ref, q_ref, pool_ref, m_out, l_out, acc
     alpha = jnp.exp(m_i - m_use)
     l_new = l_i * alpha + jnp.sum(p_bt, axis=1)
     p_terms = _split(p_bt, plan.q_terms, plan.dtype)
-    new_accs = []
-    for w, acc in enumerate(accs):
-      v_terms = _value_terms(*v_raw[w], vk, plan)
+    upds = []
+    for w in range(len(accs)):
+      v_terms = _value_terms(*v_raw[w], vk, plan, asm)
       upd = None
       for a, b in plan.pairs():
         part = _dot_nn(p_terms[a], v_terms[b], prec)      # [BM, columns]
         upd = part if upd is None else upd + part
-      new_accs.append(acc * alpha[:, None] + upd)
-    return m_new, l_new, tuple(new_accs)
+      upds.append(upd)
+    # (skipping acc * alpha when no row max moved was measured slower: docs/PERFORMANCE.md S5-3)
+    return m_new, l_new, tuple(acc * alpha[:, None] + upd for acc, upd in zip(accs, upds))
 
   init = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
           tuple(jnp.zeros((bm, n), jnp.float32) for _, n in v_slices))
@@ -550,19 +665,23 @@ def _span_kernel(meta_ref, tab_ref, qpos_ref, q_ref, pool_ref, m_out, l_out, acc
     acc_out[g, pp, rows, pl.ds(c0, n)] = acc
 
 
-def _combine_kernel(m_parts, l_parts, acc_parts, m_in, l_in, acc_in, m_out, l_out, acc_out, *,
-                    block_rows: int, num_parts: int, unroll: int):
+def _combine_kernel(*refs, block_rows: int, block_cols: int, num_parts: int, unroll: int,
+                    has_carry: bool = True):
   """Left fold of the partitions (logical order) into the carry; grid (g, row block, column block).
 
   Software-pipelined: the loads of group j+1 are issued before group j is
   folded (a plain loop let the compiler sink each load next to its fold: one
   memory round trip per partition, 65 us for 64 partitions at 128K).
   """
+  if has_carry:
+    m_parts, l_parts, acc_parts, m_in, l_in, acc_in, m_out, l_out, acc_out = refs
+  else:   # a fresh call: the carry starts empty (-inf, 0, 0), the same bits as one passed in
+    m_parts, l_parts, acc_parts, m_out, l_out, acc_out = refs
   g = pl.program_id(0)
   mb = pl.program_id(1)
   c = pl.program_id(2)
   rows = pl.ds(mb * block_rows, block_rows)
-  cols = pl.ds(c * BLOCK, BLOCK)
+  cols = pl.ds(c * block_cols, block_cols)
 
   def load_group(j):
     j = jnp.minimum(j, num_parts // unroll - 1)   # the prefetch past the end re-reads the last
@@ -579,7 +698,11 @@ def _combine_kernel(m_parts, l_parts, acc_parts, m_in, l_in, acc_in, m_out, l_ou
       state = _ref.merge_partials(state, part)
     return state, nxt
 
-  state = (m_in[g, rows], l_in[g, rows], acc_in[g, rows, cols])
+  if has_carry:
+    state = (m_in[g, rows], l_in[g, rows], acc_in[g, rows, cols])
+  else:
+    state = (jnp.full((block_rows,), -jnp.inf, jnp.float32), jnp.zeros((block_rows,), jnp.float32),
+             jnp.zeros((block_rows, block_cols), jnp.float32))
   (m_c, l_c, a_c), _ = lax.fori_loop(0, num_parts // unroll, body, (state, load_group(0)))
   m_out[g, rows, c] = m_c
   l_out[g, rows, c] = l_c
@@ -624,7 +747,8 @@ def halfword_view(pool_pn):
 
 @functools.partial(jax.jit, static_argnames=(
     "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "precision", "path",
-    "block_tokens", "num_warps", "num_stages", "prefetch", "reads", "block_rows"))
+    "block_tokens", "num_warps", "num_stages", "prefetch", "reads", "block_rows", "decode",
+    "combine_cols", "combine_warps", "combine_unroll", "fused_prep"))
 def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry: _ref.Carry,
                                   tile_begin, tile_end, *, layout: PageLayout, num_q_heads: int,
                                   block_pages: int = 1, sm_scale: Optional[float] = None,
@@ -634,14 +758,29 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                   num_stages: Optional[int] = None,
                                   prefetch: Optional[bool] = None,
                                   reads: Optional[str] = None,
-                                  block_rows: Optional[int] = None) -> _ref.Carry:
-  """Kernel version of `reference.span_attention_partial_reference` (same contract)."""
+                                  block_rows: Optional[int] = None,
+                                  decode: Optional[str] = None,
+                                  combine_cols: int = BLOCK,
+                                  combine_warps: int = 4,
+                                  combine_unroll: int = _COMBINE_UNROLL,
+                                  fused_prep: bool = False) -> _ref.Carry:
+  """Kernel version of `reference.span_attention_partial_reference` (same contract).
+
+  carry=None: a fresh call (the empty carry, not read from memory: the same bits).
+  combine_unroll: partitions the combine loads at once, one group ahead of the fold: a multiple of
+  8 (larger groups hide more of the load latency of its serial chain, 20 us at 128 partitions in
+  S5-3; unmeasured). The fold order is the same; the interpreter gives the same bits for 8, 16 and
+  32 but not for 1 (its compiler contracts the merge's multiply-adds differently in that loop body).
+  fused_prep=True (EXPERIMENTAL, unmeasured on the GPU): the span kernel folds, pads and splits the
+  query and repeats its positions itself, and clips the page range, instead of 6 small XLA
+  fusions before it (docs/PERFORMANCE.md S5-3: 10.5 us a call at 128K). Same bits. Gather reads only.
+  """
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads
   check_call(q_shd, pool_pn, layout, num_q_heads, block_pages, check_layout)
   r = h // g
   cfg = tile_config(s_tok, r, layout.page_tokens, path, block_tokens, num_warps, num_stages,
-                    prefetch, reads, block_rows)
+                    prefetch, reads, block_rows, decode)
   plan = _operand_plan(precision, layout, interpret)
   scale = (1.0 / d ** 0.5) if sm_scale is None else sm_scale
   bm = cfg.block_rows
@@ -649,28 +788,41 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
   rows_pad = -(-rows // bm) * bm
   n_mb = rows_pad // bm
   n_table = page_table_t.shape[0]
-  unroll = _COMBINE_UNROLL
+  unroll = int(combine_unroll)
+  if unroll < 8 or unroll % 8:
+    raise ValueError(f"combine_unroll must be a multiple of 8, got {combine_unroll}")
   n_parts = -(-max(n_table, 1) // block_pages)
   n_parts = -(-n_parts // unroll) * unroll
   num_phys = pool_pn.shape[0]
 
-  qf_gmd = _ref.fold_query(q_shd.astype(jnp.float32), g)
-  qf_gmd = jnp.pad(qf_gmd, ((0, 0), (0, rows_pad - rows), (0, 0)))
   k_cols = column_dims(layout.k_type, d, cfg.reads)
   v_cols = column_dims(layout.v_type, d, cfg.reads)
-  q_gmk = _to_columns(qf_gmd, k_cols)                              # [G, Mp, Kc] K kernel columns
-  q_terms = jnp.stack(_split(q_gmk, plan.q_terms, plan.dtype))     # [terms, G, Mp, Kc]
-  qpos_m = jnp.repeat(q_pos_s.astype(jnp.int32), r)
-  qpos_m = jnp.pad(qpos_m, (0, rows_pad - rows), constant_values=-1)
-  kv_len = jnp.asarray(kv_len, jnp.int32)
-  n_active = (kv_len + layout.page_tokens - 1) // layout.page_tokens
-  tile_end_c = jnp.minimum(jnp.minimum(jnp.asarray(tile_end, jnp.int32), n_active), n_table)
-  meta = jnp.stack([kv_len, jnp.asarray(tile_begin, jnp.int32), tile_end_c,
-                    jnp.int32(n_table)]).astype(jnp.int32)
   pool_u16 = pool_pn if pool_pn.dtype == jnp.uint16 else halfword_view(pool_pn)
+  kv_len = jnp.asarray(kv_len, jnp.int32)
+  if fused_prep:
+    if not np.array_equal(k_cols, np.arange(d)):
+      raise ValueError(f"fused_prep needs K columns in head-dim order (reads='gather'), "
+                       f"got reads={cfg.reads!r}")
+    scalars = [jnp.reshape(jnp.asarray(x, jnp.int32), (1,)) for x in (kv_len, tile_begin, tile_end)]
+    span_inputs = (*scalars, page_table_t.astype(jnp.int32), q_pos_s.astype(jnp.int32),
+                   q_shd.astype(jnp.float32), pool_u16)
+  else:
+    qf_gmd = _ref.fold_query(q_shd.astype(jnp.float32), g)
+    qf_gmd = jnp.pad(qf_gmd, ((0, 0), (0, rows_pad - rows), (0, 0)))
+    q_gmk = _to_columns(qf_gmd, k_cols)                              # [G, Mp, Kc] K kernel columns
+    q_terms = jnp.stack(_split(q_gmk, plan.q_terms, plan.dtype))     # [terms, G, Mp, Kc]
+    qpos_m = jnp.repeat(q_pos_s.astype(jnp.int32), r)
+    qpos_m = jnp.pad(qpos_m, (0, rows_pad - rows), constant_values=-1)
+    n_active = (kv_len + layout.page_tokens - 1) // layout.page_tokens
+    tile_end_c = jnp.minimum(jnp.minimum(jnp.asarray(tile_end, jnp.int32), n_active), n_table)
+    meta = jnp.stack([kv_len, jnp.asarray(tile_begin, jnp.int32), tile_end_c,
+                      jnp.int32(n_table)]).astype(jnp.int32)
+    span_inputs = (meta, page_table_t.astype(jnp.int32), qpos_m, q_terms, pool_u16)
 
   kern = functools.partial(_span_kernel, layout=layout, cfg=cfg, block_pages=block_pages,
-                           num_phys=num_phys, plan=plan, sm_scale=float(scale))
+                           num_phys=num_phys, plan=plan, sm_scale=float(scale),
+                           interpret=interpret, fused_prep=fused_prep, group=r, num_rows=rows,
+                           num_table=n_table)
   m_p, l_p, acc_p = pl.pallas_call(
       kern,
       grid=(n_mb, g, n_parts),
@@ -680,25 +832,34 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
       compiler_params=_compiler_params(cfg.num_warps, cfg.num_stages, interpret),
       interpret=interpret,
       name="kvjax_span_attention",
-  )(meta, page_table_t.astype(jnp.int32), qpos_m, q_terms, pool_u16)
+  )(*span_inputs)
 
-  pad_m = ((0, 0), (0, rows_pad - rows))
-  m_in = jnp.pad(carry.m_gm, pad_m, constant_values=-jnp.inf)
-  l_in = jnp.pad(carry.l_gm, pad_m)
-  acc_in = _to_columns(jnp.pad(carry.acc_gmd, pad_m + ((0, 0),)), v_cols)  # [G, Mp, Vc]
-  # the combine grid also runs over column blocks; m/l come back once per block
+  carry_inputs = ()
+  if carry is not None:
+    pad_m = ((0, 0), (0, rows_pad - rows))
+    m_in = jnp.pad(carry.m_gm, pad_m, constant_values=-jnp.inf)
+    l_in = jnp.pad(carry.l_gm, pad_m)
+    acc_in = _to_columns(jnp.pad(carry.acc_gmd, pad_m + ((0, 0),)), v_cols)  # [G, Mp, Vc]
+    carry_inputs = (m_in, l_in, acc_in)
+  # the combine grid runs over row blocks of the real rows (not the span tile's padding) and
+  # column blocks; m/l come back once per column block. Its tiling changes no bit (elementwise).
   vc = v_cols.shape[0]
-  n_cb = vc // BLOCK
+  if combine_cols < 1 or combine_cols & (combine_cols - 1) or vc % combine_cols:
+    raise ValueError(f"combine_cols must be a power of two dividing {vc}, got {combine_cols}")
+  n_cb = vc // combine_cols
+  c_rows = min(bm, _next_pow2(rows))
+  n_cm = -(-rows // c_rows)
   m_c, l_c, acc_c = pl.pallas_call(
-      functools.partial(_combine_kernel, block_rows=bm, num_parts=n_parts, unroll=unroll),
-      grid=(g, n_mb, n_cb),
+      functools.partial(_combine_kernel, block_rows=c_rows, block_cols=combine_cols,
+                        num_parts=n_parts, unroll=unroll, has_carry=carry is not None),
+      grid=(g, n_cm, n_cb),
       out_shape=(jax.ShapeDtypeStruct((g, rows_pad, n_cb), jnp.float32),
                  jax.ShapeDtypeStruct((g, rows_pad, n_cb), jnp.float32),
                  jax.ShapeDtypeStruct((g, rows_pad, vc), jnp.float32)),
-      compiler_params=_compiler_params(4, 1, interpret),
+      compiler_params=_compiler_params(combine_warps, 1, interpret),
       interpret=interpret,
       name="kvjax_span_combine",
-  )(m_p, l_p, acc_p, m_in, l_in, acc_in)
+  )(m_p, l_p, acc_p, *carry_inputs)
   acc = _from_columns(acc_c[:, :rows], v_cols, d)          # kernel columns -> dims
   return _ref.Carry(m_c[:, :rows, 0], l_c[:, :rows, 0], acc)
 
@@ -708,7 +869,9 @@ def span_attention_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layo
                           interpret: bool = False, **kw):
   """o_shd [S, H, D] float32 over all active pages (kernel version of the reference)."""
   s, h, d = q_shd.shape
-  carry = _ref.init_carry(layout.num_kv_heads, s * (h // layout.num_kv_heads), d)
+  carry = None                   # fused_prep: the combine starts from the empty carry itself
+  if not kw.get("fused_prep"):
+    carry = _ref.init_carry(layout.num_kv_heads, s * (h // layout.num_kv_heads), d)
   carry = span_attention_partial_triton(
       q_shd, pool_pn, page_table_t, jnp.asarray(kv_len, jnp.int32), q_pos_s, carry, jnp.int32(0),
       jnp.int32(page_table_t.shape[0]), layout=layout, num_q_heads=h, block_pages=block_pages,
