@@ -315,6 +315,7 @@ def choose_block_pages(num_pages: int, num_kv_heads: int, num_tokens: int, group
   verify S=4 bp7, S=6 bp10 (256 CTAs: one round of 2 an SM).
   """
   num_pages = max(1, int(num_pages))
+  # only the row tile matters here; any page size with a power-of-two divisor >= 16 will do
   cfg = tile_config(num_tokens, group, 16, path, block_rows=block_rows)
   n_mb = -(-num_tokens * group // cfg.block_rows)
   ctas_per_part = n_mb * num_kv_heads
