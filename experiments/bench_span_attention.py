@@ -7,7 +7,9 @@ contiguous placement and over a resident + ring (scattered) placement, the jnp
 reference, XLA einsum attention on contiguous bf16 K/V, and cuDNN
 `jax.nn.dot_product_attention` on the same bf16 K/V. Each timing is the
 median over rounds of a jitted loop of `--iters` dependent calls (the next
-query depends on the last output), divided by `--iters`.
+query depends on the last output), divided by `--iters`; `--timing=dispatch`
+queues `--dispatch_iters` dependent calls of a jitted step from Python instead
+(no while loop between calls).
 
 Effective GB/s counts the KV bytes a call must read once: quantized pages for
 the kernel and the reference (1664 B/token/layer at 4x256 Q8_0/Q4_0), bf16 K+V
@@ -49,6 +51,11 @@ flags.DEFINE_string("block_pages", "auto", "logical partition (pages) of the ker
 flags.DEFINE_string("precision", kt.DEFAULT_PRECISION, f"kernel dot precision {kt.PRECISIONS}")
 flags.DEFINE_integer("iters", 10, "dependent calls per timed loop")
 flags.DEFINE_integer("rounds", 5, "timed loops (median)")
+flags.DEFINE_enum("timing", "loop", ["loop", "dispatch"], "loop: --iters dependent calls inside "
+                  "one jitted fori_loop (XLA's while loop adds a host round trip an iteration); "
+                  "dispatch: --dispatch_iters dependent calls of a jitted step dispatched from "
+                  "Python (the GPU runs them back to back while the host queues ahead)")
+flags.DEFINE_integer("dispatch_iters", 50, "dependent calls per round with --timing=dispatch")
 flags.DEFINE_float("max_seconds", 300.0, "stop starting new measurements after this")
 flags.DEFINE_bool("sweep", True, "tile sweep at --sweep_contexts x --sweep_rows")
 flags.DEFINE_list("sweep_contexts", ["131072"], "contexts of the tile sweep (the first one is also "
@@ -80,7 +87,10 @@ def _elapsed():
 
 
 def _time_loop(fn, q, iters, rounds):
-  """Median seconds per call of `fn(q) -> o` (same shape) in a dependent jitted loop."""
+  """Median seconds per call of `fn(q) -> o` (same shape), dependent calls (--timing)."""
+  if FLAGS.timing == "dispatch":
+    return _time_dispatch(fn, q, FLAGS.dispatch_iters, rounds)
+
   @jax.jit
   def loop(q0):
     def body(_, q):
@@ -91,6 +101,21 @@ def _time_loop(fn, q, iters, rounds):
   for _ in range(rounds):
     t = time.perf_counter()
     loop(q).block_until_ready()
+    ts.append((time.perf_counter() - t) / iters)
+  return float(np.median(ts))
+
+
+def _time_dispatch(fn, q, iters, rounds):
+  """Median seconds per call of `iters` dependent calls of a jitted step queued from Python."""
+  step = jax.jit(lambda x: x + jnp.asarray(1e-30, x.dtype) * fn(x).astype(x.dtype))
+  step(q).block_until_ready()
+  ts = []
+  for _ in range(rounds):
+    x = q
+    t = time.perf_counter()
+    for _ in range(iters):
+      x = step(x)
+    x.block_until_ready()
     ts.append((time.perf_counter() - t) / iters)
   return float(np.median(ts))
 
@@ -166,7 +191,8 @@ def _parse_config(text):
   for item in filter(None, text.split(";")):
     k, v = item.split("=")
     flags_ = ("prefetch", "old", "u16pool", "mosaic", "overlap", "fused_prep")
-    if k in ("precision", "reads", "decode") or (k == "block_pages" and v == "auto"):
+    if k in ("precision", "reads", "decode") or (v == "auto" and k in ("block_pages",
+                                                                       "combine_unroll")):
       kw[k] = v
     else:
       kw[k] = bool(int(v)) if k in flags_ else int(v)

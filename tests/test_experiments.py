@@ -123,9 +123,10 @@ def test_bench_span_attention_smoke(tmp_path):
   (kernel vs the jnp reference), a sweep row and a main-table row with every baseline column."""
   out = str(tmp_path / "bs")
   p = _run([os.path.join(REPO, "experiments", "bench_span_attention.py"), "--interpret",
-            "--contexts=256", "--rows=1", "--sweep_contexts=256", "--sweep_configs=block_tokens=16;decode=jnp;block_pages=auto",
+            "--contexts=256", "--rows=1", "--sweep_contexts=256", "--sweep_configs=block_tokens=16;decode=jnp;block_pages=auto;reads=words",
             "--check_rows=1", "--check_precisions=f16x3", "--head_dim=64", "--page_tokens=64",
             "--q_heads=4", "--kv_heads=2", "--iters=1", "--rounds=1", "--copy_probe_mib=8",
+            "--timing=dispatch", "--dispatch_iters=2",
             f"--out_dir={out}"], cwd=str(tmp_path), timeout=600)
   with open(os.path.join(out, "bench_span_attention.csv"), newline="") as f:
     rows = list(csv.DictReader(f))
@@ -135,6 +136,7 @@ def test_bench_span_attention_smoke(tmp_path):
   assert float(probe["copy_gbps"]) > 0 and float(probe["read_gbps"]) > 0
   assert check["precision"] == "f16x3" and float(check["rel_err_vs_reference"]) < 1e-5
   assert float(sweep["us"]) > 0 and "block_tokens" in sweep["config"] and int(sweep["bp"]) >= 1
+  assert "'reads': 'words'" in sweep["config"]
   assert int(main["bp"]) >= 1   # the "auto" partition size each row ran with
   assert float(sweep["rel_err"]) < 2e-3   # f16 operands against the float32 reference
   for col in ("kernel_contiguous_us", "kernel_ring_us", "xla_bf16_us", "reference_us"):

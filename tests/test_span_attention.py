@@ -130,12 +130,12 @@ class TestSpanAttention:
     hist, q, q_pos, args, kw = self._ring_case(seed=37, rows=rows, wrap=2)
     base = np.asarray(kernel_triton.span_attention_triton(*args, **kw))
     for extra in (dict(combine_cols=16, combine_warps=1), dict(combine_cols=64),
-                  dict(combine_unroll=16), dict(combine_unroll=32)):
+                  dict(combine_unroll=8), dict(combine_unroll=16), dict(combine_unroll=32)):
       np.testing.assert_array_equal(base, np.asarray(kernel_triton.span_attention_triton(
           *args, **extra, **kw)), err_msg=str(extra))
     with pytest.raises(ValueError, match="combine_cols must be a power of two dividing"):
       kernel_triton.span_attention_triton(*args, combine_cols=24, **kw)
-    with pytest.raises(ValueError, match="combine_unroll must be a multiple of 8, got 12"):
+    with pytest.raises(ValueError, match="combine_unroll must be a multiple of 8 or 'auto', got 12"):
       kernel_triton.span_attention_triton(*args, combine_unroll=12, **kw)
 
   @pytest.mark.parametrize("pair,rows", [(PAIRS[0], 1), (PAIRS[0], 6), (PAIRS[0], "prefill"),
@@ -148,9 +148,11 @@ class TestSpanAttention:
     from kvjax_pallas.span_attention import kernel_triton
     hist, q, _, args, kw = self._ring_case(seed=41, rows=rows, wrap=4, pair=pair)
     pool, table, layout, bp, rows = args[1], args[2], kw["layout"], kw["block_pages"], q.shape[0]
-    base = np.asarray(kernel_triton.span_attention_triton(*args, **kw))
+    base = np.asarray(kernel_triton.span_attention_triton(*args, fused_prep=False, **kw))
     fused = np.asarray(kernel_triton.span_attention_triton(*args, fused_prep=True, **kw))
     np.testing.assert_array_equal(base, fused)
+    auto = np.asarray(kernel_triton.span_attention_triton(*args, **kw))   # fused_prep=None
+    np.testing.assert_array_equal(base, auto)
     h, d = SHAPE["q_heads"], SHAPE["head_dim"]
     carry = api.init_carry(layout.num_kv_heads, rows * (h // layout.num_kv_heads), d)
     for a, b in ((0, bp), (bp, table.shape[0])):
@@ -178,17 +180,19 @@ class TestSpanAttention:
     with pytest.raises(ValueError, match="block_rows must be a power of two >= 16, got 24"):
       kernel_triton.tile_config(6, 3, layout.page_tokens, block_rows=24)
 
+  @pytest.mark.parametrize("reads", ["windows", "words"])
   @pytest.mark.parametrize("pair", PAIRS)
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
-  def test_window_reads(self, impl, pair):
-    """reads="windows" (contiguous power-of-two windows + junk columns) stays on the oracle at
-    f16x3 and keeps placement invariance bit for bit."""
+  def test_window_reads(self, impl, pair, reads):
+    """reads="windows" (contiguous power-of-two windows + junk columns) and reads="words" (32-bit
+    words a block pair, junk columns for the scale bytes; F16 / BF16 rows keep their gathers)
+    stay on the oracle at f16x3 and keep placement invariance bit for bit."""
     from kvjax_pallas.span_attention import kernel_triton
     layout = _layout(pair)
     hist = History(layout, SHAPE["tokens"], seed=19)
     q, q_pos = _query(19, 2, hist.tokens)
     kw = dict(layout=layout, block_pages=SHAPE["block_pages"], interpret=INTERPRET,
-              precision=KERNEL_PRECISION, reads="windows")
+              precision=KERNEL_PRECISION, reads=reads)
     outs = [np.asarray(kernel_triton.span_attention_triton(
         jnp.asarray(q), pool, table, hist.tokens, jnp.asarray(q_pos), **kw))
         for pool, table in (hist.contiguous(), hist.shuffled(seed=3))]
@@ -199,7 +203,8 @@ class TestSpanAttention:
   @pytest.mark.parametrize("pair,rows", [(PAIRS[0], 1), (PAIRS[0], 6), (PAIRS[1], 2),
                                          (PAIRS[0], "prefill")])
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
-  def test_asm_decode_same_bits(self, impl, pair, rows):
+  @pytest.mark.parametrize("reads", ["gather", "words"])
+  def test_asm_decode_same_bits(self, impl, pair, rows, reads):
     """decode="asm" (packed PTX, compiled kernels only) gives the bits of decode="jnp" at the fast
     "f16" precision. On the CPU the interpreter runs jnp for both: tests/test_span_decode_asm.py
     checks the PTX there instead."""
@@ -207,7 +212,7 @@ class TestSpanAttention:
       pytest.skip("inline PTX runs only in compiled kernels (GPU); see test_span_decode_asm.py")
     from kvjax_pallas.span_attention import kernel_triton
     hist, q, q_pos, args, kw = self._ring_case(seed=29, rows=rows, wrap=3, pair=pair)
-    kw.update(interpret=False, precision="f16")
+    kw.update(interpret=False, precision="f16", reads=reads)
     outs = [np.asarray(kernel_triton.span_attention_triton(*args, decode=dec, **kw))
             for dec in ("asm", "jnp")]
     np.testing.assert_array_equal(outs[0], outs[1])
@@ -350,3 +355,33 @@ def test_choose_block_pages_fits_the_h200_measurements():
       assert 1 <= bp <= n_pages, (n_pages, s, bp)
   # more SMs -> smaller partitions (more of them) for decode
   assert kt.choose_block_pages(1024, 4, 1, 6, num_sms=264) < kt.choose_block_pages(1024, 4, 1, 6)
+
+
+def test_combine_unroll_auto():
+  """combine_unroll="auto": 32 partitions a group for the decode row block, fewer where the row
+  block is larger (32 x 64 rows spilled on the H200), never more than the partitions need."""
+  from kvjax_pallas.span_attention import kernel_triton as kt
+  assert kt.combine_unroll_for(8, 32, 128) == 32       # S=1: 6 rows -> block 8
+  assert kt.combine_unroll_for(16, 32, 128) == 32
+  assert kt.combine_unroll_for(32, 32, 128) == 16      # S=4: 24 rows -> block 32
+  assert kt.combine_unroll_for(64, 32, 128) == 8       # S=6 / prefill
+  assert kt.combine_unroll_for(8, 32, 4) == 8
+  assert kt.combine_unroll_for(8, 32, 20) == 24
+
+
+def test_word_reads_refusals():
+  """reads="words": compiled dots need >= 16 columns a piece (named with the head_dim needed);
+  a head_dim that is not whole block pairs is refused by name."""
+  from kvjax_pallas.span_attention import kernel_triton as kt
+  layout = PageLayout(2, 64, "q8_0", "q4_0", 16)
+  q = jnp.zeros((1, 6, 64), jnp.float32)
+  pool = jnp.zeros((4, layout.page_bytes), jnp.uint8)
+  args = (q, pool, jnp.arange(4, dtype=jnp.int32), 60, jnp.array([59], jnp.int32))
+  with pytest.raises(ValueError, match="compiled dots need >= 16"):
+    kt.span_attention_triton(*args, layout=layout, interpret=False, reads="words")
+  with pytest.raises(ValueError, match="head_dim 96 is not a multiple of 64"):
+    kt.row_pieces("q8_0", 96, "words")
+  for kind in ("q8_0", "q4_0"):
+    for d in (64, 256):
+      cols = kt.column_dims(kind, d, "words")
+      assert sorted(cols[cols >= 0].tolist()) == list(range(d))   # every dim exactly once

@@ -68,6 +68,13 @@ def run_ptx(asm: str, operands: dict):
       r = val(src[0]) | val(src[1])
     elif op == "shr.u32":
       r = val(src[0]) >> np.uint32(int(src[1], 0))
+    elif op == "lop3.b32":           # bit i of the result: LUT bit (a_i << 2 | b_i << 1 | c_i)
+      a, b, c = (val(x) for x in src[:3])
+      lut = int(src[3], 0)
+      r = np.zeros_like(a)
+      for i in range(32):
+        idx = (((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1)
+        r |= ((np.uint32(lut) >> idx.astype(np.uint32)) & 1) << np.uint32(i)
     elif op == "prmt.b32":
       r = _prmt(val(src[0]), val(src[1]), int(src[2], 0))
     elif op in ("sub.rn.f16x2", "mul.rn.f16x2"):
@@ -116,17 +123,42 @@ def test_ptx_decode_equals_jnp_decode(kind):
 
 def test_ptx_output_written_last():
   """The output may share a register with an input: it is written once, by the last line."""
-  for kind in kt._PLANES:
-    if kind not in ("q8_0", "q4_0"):
-      continue
-    for p in range(len(kt._PLANES[kind])):
-      lines = [l.strip() for l in kt._asm_plane(kind, p).strip()[1:-1].split(";") if l.strip()]
-      writes = [i for i, l in enumerate(lines) if not l.startswith(".reg")
-                and l.split(None, 1)[1].split(",")[0].strip() == "$0"]
-      assert writes == [len(lines) - 1], (kind, p)
+  strings = [kt._asm_plane(kind, p) for kind in ("q8_0", "q4_0") for p in range(len(kt._PLANES[kind]))]
+  strings += [kt._asm_word_plane(kind, p) for kind in ("q8_0", "q4_0")
+              for p in range(len(kt._WORD_PLANES[kind]))]
+  for asm in strings:
+    lines = [l.strip() for l in asm.strip()[1:-1].split(";") if l.strip()]
+    writes = [i for i, l in enumerate(lines) if not l.startswith(".reg")
+              and l.split(None, 1)[1].split(",")[0].strip() == "$0"]
+    assert writes == [len(lines) - 1], asm
 
 
 def test_decode_option_checked():
   with pytest.raises(ValueError, match="unknown decode 'fast'"):
     kt.tile_config(1, 6, 256, decode="fast")
   assert kt.tile_config(1, 6, 256).decode == kt.DEFAULT_DECODE
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_ptx_word_decode_equals_jnp_decode(kind):
+  """reads="words": `_asm_word_plane` (two 32-bit words and their two scales an instance) gives
+  the bits of the jnp word decode for every byte value in every byte position, every scale."""
+  assert kt._ASM_WORD_CONSTRAINTS == "=r,r,r,r"    # $0 out; $1, $2 words; $3 scales (f16x2)
+  n_planes = len(kt._WORD_PLANES[kind])
+  rng = np.random.default_rng(1)
+  # word A: every byte value in each byte position (byte i of word n = (n + 67 i) mod 256);
+  # word B: random words
+  n = np.arange(4096, dtype=np.uint32)
+  a = sum(((n + 67 * i) % 256) << np.uint32(8 * i) for i in range(4)).astype(np.uint32)
+  b = rng.integers(0, 2 ** 32, n.shape, dtype=np.uint64).astype(np.uint32)
+  data = jnp.asarray(np.stack([a, b], -1)[:, None, :])                              # [N, 1, 2]
+  for sc in _scales():
+    sc2 = np.full(n.shape, np.uint32(sc) | (np.uint32(sc) << np.uint32(16)), np.uint32)
+    scale = jnp.full((n.shape[0], 1, 2), sc, jnp.uint16)
+    ref = np.asarray(kt._decode_words(data, scale, kind, f32=False)).view(np.uint16)
+    ref = ref.reshape(n.shape[0], 2, n_planes)                                      # [N, word, plane]
+    for p in range(n_planes):
+      out = run_ptx(kt._asm_word_plane(kind, p), {"$1": a, "$2": b, "$3": sc2})
+      assert sorted(out) == ["$0"]
+      np.testing.assert_array_equal(out["$0"] & 0xFFFF, ref[:, 0, p], err_msg=f"{kind} plane {p} A")
+      np.testing.assert_array_equal(out["$0"] >> 16, ref[:, 1, p], err_msg=f"{kind} plane {p} B")

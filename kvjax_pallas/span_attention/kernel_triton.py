@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import jax
@@ -87,10 +87,14 @@ MAX_QUERY_ROWS = 256  # query tokens per call (prefill chunk)
 PATHS = ("vector", "matrix", "prefill")
 PRECISIONS = ("f16", "f16x3", "tf32", "ieee")  # see the module docstring
 DEFAULT_PRECISION = "f16"
-READS = ("gather", "windows")  # how head rows are read, see `row_pieces`
+READS = ("gather", "windows", "words")  # how head rows are read, see `row_pieces`
 DEFAULT_READS = "gather"       # measured faster (docs/PERFORMANCE.md, S3-6)
 BLOCK = 32                 # head-dim values per decoded block (the ggml quant block)
-_COMBINE_UNROLL = 8        # partitions loaded at once by the combine kernel
+# combine_unroll="auto": the most partitions (32, 16 or 8) the combine loads at once whose tiles
+# hold at most this many floats (unroll x row block x column block). Measured on the H200 (session
+# 6, S6-1): 32 x 8 x 32 = 8,192 at S=1 took the combine from 19.9 to 15.7 us; 32 x 64 x 32 at S=6
+# spilled (871 vs 393 us a call); 8 x 64 x 32 = 16,384 was the old default everywhere.
+COMBINE_TILE_FLOATS = 16384
 
 # kind -> (halfwords per 32-value block, has an f16 scale in front)
 _BLOCK_HW = {"q8_0": (17, True), "q4_0": (9, True), "f16": (32, False), "bf16": (32, False)}
@@ -99,6 +103,13 @@ _PLANES = {"q8_0": (("byte", 0), ("byte", 8)),
            "q4_0": (("nibble", 0), ("nibble", 4), ("nibble", 8), ("nibble", 12)),
            "f16": (("raw", 0),), "bf16": (("raw", 0),)}
 _GROUP = 8                 # halfwords a thread loads at once (16 bytes) and that share <= 2 scales
+# reads="words" (quant kinds): a head row is read as 32-bit words, block pair by block pair. kind ->
+# (words a pair of blocks spans, data words read as the pair's main piece from word 1 on)
+_WORD_PAIR = {"q8_0": (17, 16), "q4_0": (9, 8)}
+# kind -> the planes decoded from one word: (operation, bit shift): every byte of a Q8_0 word;
+# both nibbles of every byte of a Q4_0 word (low first)
+_WORD_PLANES = {"q8_0": tuple(("byte", 8 * k) for k in range(4)),
+                "q4_0": tuple(("nibble", 8 * k + 4 * hi) for k in range(4) for hi in (0, 1))}
 DECODES = ("asm", "jnp")   # how quant halfwords become f16 values, see `_decode_asm`
 DEFAULT_DECODE = "asm"
 
@@ -133,6 +144,37 @@ def _asm_plane(kind: str, plane: int) -> str:
 _ASM_CONSTRAINTS = "=r,r,r"
 
 
+# Packed decode of 32-bit words (reads="words"): pack=2 over 32-bit data gives one asm instance two
+# words ($1, $2) and their two scales as one f16x2 register ($3); $0 is the plane's byte / nibble of
+# each word as f16x2 (the first word's value in the low half). Same arithmetic as `_asm_plane`:
+# `prmt` brings the plane's byte of each word to bytes 0 and 2, `lop3` masks it and sets the 0x64
+# exponent bytes (Q8_0: (t & 0x00FF00FF) ^ 0x64806480 also flips the sign bit, LUT 0x6A;
+# Q4_0: (t & 0x000F000F) | 0x64006400, LUT 0xEA).
+def _asm_word_plane(kind: str, plane: int) -> str:
+  op, shift = _WORD_PLANES[kind][plane]
+  k = shift // 8
+  sel = k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12)
+  body = [f"prmt.b32 kvt, $1, $2, 0x{sel:04x}"]
+  if op == "byte":
+    body += ["mov.b32 kvk, 0x00FF00FF", "mov.b32 kvc, 0x64806480",
+             "lop3.b32 kvt, kvt, kvk, kvc, 0x6a"]
+    off = 0x64806480                                       # 1152, 1152
+  else:
+    if shift % 8:
+      body.append("shr.u32 kvt, kvt, 4")
+    body += ["mov.b32 kvk, 0x000F000F", "mov.b32 kvc, 0x64006400",
+             "lop3.b32 kvt, kvt, kvk, kvc, 0xea"]
+    off = 0x64086408                                       # 1032, 1032
+  body += [f"mov.b32 kvc, 0x{off:08X}",
+           "sub.rn.f16x2 kvt, kvt, kvc",
+           "mul.rn.f16x2 kvt, kvt, $3",
+           "mov.b32 $0, kvt"]
+  return "{\n.reg .b32 kvt, kvk, kvc;\n" + "".join(line + ";\n" for line in body) + "}"
+
+
+_ASM_WORD_CONSTRAINTS = "=r,r,r,r"
+
+
 def _next_pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 
@@ -155,7 +197,12 @@ def row_pieces(kind: str, head_dim: int, reads: str = "gather"):
   """
   per, _ = _BLOCK_HW[kind]
   nb = head_dim // BLOCK
-  if reads == "gather":
+  if reads == "words" and kind in _WORD_PAIR:
+    if head_dim % (2 * BLOCK):
+      raise ValueError(f"reads='words' reads pairs of blocks: head_dim {head_dim} is not a "
+                       f"multiple of {2 * BLOCK}")
+    return [("words", 1, _WORD_PAIR[kind][1]), ("words", 0, 1)]
+  if reads in ("gather", "words"):    # F16 / BF16 rows: their gathers are whole aligned blocks
     return [("gather", nb)]
   if reads != "windows":
     raise ValueError(f"unknown reads {reads!r}; choose one of {READS}")
@@ -192,6 +239,9 @@ def column_dims(kind: str, head_dim: int, reads: str = "gather") -> np.ndarray:
   cols = []
   covered = 0
   for piece in row_pieces(kind, head_dim, reads):
+    if piece[0] == "words":
+      cols.append(_word_piece_dims(kind, head_dim, piece))
+      continue
     pos = _piece_positions(kind, piece)
     blk, off = pos // per, pos % per
     junk = (pos < covered) | (pos >= head_hw)
@@ -214,10 +264,34 @@ def column_dims(kind: str, head_dim: int, reads: str = "gather") -> np.ndarray:
   return np.concatenate(cols).astype(np.int64)
 
 
+def _word_piece_dims(kind: str, head_dim: int, piece) -> np.ndarray:
+  """[columns] head dim of each column of a "words" piece (-1: junk, a scale's byte / nibble).
+
+  The piece is [tokens, pairs, width] words, word `first + j` of each block pair; columns run
+  pair, word, plane (`_WORD_PLANES`)."""
+  _, first, width = piece
+  pair_words, _ = _WORD_PAIR[kind]
+  block_bytes = 2 * _BLOCK_HW[kind][0]
+  pairs = np.arange(head_dim // (2 * BLOCK))[:, None, None]
+  word = pairs * pair_words + first + np.arange(width)[None, :, None]          # [P, W, 1]
+  shift = np.array([sh for _, sh in _WORD_PLANES[kind]])[None, None, :]        # [1, 1, planes]
+  byte = 4 * word + shift // 8
+  blk, r = byte // block_bytes, byte % block_bytes
+  dim = blk * BLOCK + (r - 2)
+  if kind == "q4_0":                     # qs[i] & 15 -> dim i, qs[i] >> 4 -> dim i + 16
+    dim = blk * BLOCK + (r - 2) + 16 * ((shift % 8) // 4)
+  return np.where(r < 2, -1, dim).reshape(-1)
+
+
 def _piece_slices(kind: str, head_dim: int, reads: str):
   """[(first column, columns)] of each piece of `row_pieces`, in column order."""
   out, col = [], 0
   for piece in row_pieces(kind, head_dim, reads):
+    if piece[0] == "words":
+      n = (head_dim // (2 * BLOCK)) * piece[2] * len(_WORD_PLANES[kind])
+      out.append((col, n))
+      col += n
+      continue
     n = _piece_positions(kind, piece).shape[0] * len(_PLANES[kind])
     out.append((col, n))
     col += n
@@ -481,6 +555,70 @@ def _load_piece(pool_ref, phys, row_hw, valid, kind: str, head_dim: int, piece):
   return data, jnp.where(c8 < split, s_lo, s_hi)
 
 
+def _load_words(pool_ref, phys, row_w, valid, kind: str, head_dim: int):
+  """The two "words" pieces of a tile of head rows (`row_pieces`), read from the uint32 pool.
+
+  row_w [BT, 1] int32 word offset of each token's head row; valid [BT, 1]
+  -> [(main [BT, P, W] u32, scale [BT, P, W] u16), (head [BT, P, 1] u32, scale [BT, P, 1] u16)]
+  P = block pairs, W = `_WORD_PAIR` data words. A pair's word 0 holds block 2p's scale (low half)
+  and its first two quant bytes; block 2p+1's scale is the high half of word (pair_words - 1) / 2,
+  the word where block 2p ends; main words before (pair_words + 1) / 2 take block 2p's scale.
+  """
+  pair_words, width = _WORD_PAIR[kind]
+  n_pairs = head_dim // (2 * BLOCK)
+  bt = row_w.shape[0]
+  base = row_w[:, :, None] + lax.broadcasted_iota(jnp.int32, (1, n_pairs, 1), 1) * pair_words
+  ok = valid[:, :, None]
+  ok1 = jnp.broadcast_to(ok, (bt, n_pairs, 1))
+  j = lax.broadcasted_iota(jnp.int32, (1, 1, width), 2)
+  main = _masked_load(pool_ref, (phys, base + 1 + j), jnp.broadcast_to(ok, (bt, n_pairs, width)),
+                      0)
+  head = _masked_load(pool_ref, (phys, base), ok1, 0)
+  hi_word = _masked_load(pool_ref, (phys, base + (pair_words - 1) // 2), ok1, 0)
+  s_lo = (head & 0xFFFF).astype(jnp.uint16)
+  s_hi = (hi_word >> 16).astype(jnp.uint16)
+  s_main = jnp.where(1 + j < (pair_words + 1) // 2, s_lo, s_hi)
+  return [(main, s_main), (head, s_lo)]
+
+
+def _decode_words(data, scale, kind: str, f32: bool, asm: bool = False):
+  """Words [BT, P, W] u32 + scales (f16 bits, [BT, P, W]) -> values [BT, P * W * planes].
+
+  Columns run word by word, plane by plane within a word (`_WORD_PLANES`); f32 / asm as in
+  `_decode_piece` (the same value arithmetic, so the same bits)."""
+  bt, n, w = data.shape
+  planes = _WORD_PLANES[kind]
+  sc = lax.bitcast_convert_type(scale, jnp.float16)
+  if asm and not f32:
+    sc = jnp.broadcast_to(sc, data.shape)
+    out = jax.ShapeDtypeStruct(data.shape, jnp.float16)
+    vals = [_pltriton.elementwise_inline_asm(_asm_word_plane(kind, p), args=[data, sc],
+                                             constraints=_ASM_WORD_CONSTRAINTS, pack=2,
+                                             result_shape_dtypes=[out])[0]
+            for p in range(len(planes))]
+  else:
+    if f32:
+      sc = sc.astype(jnp.float32)
+    vals = []
+    for op, shift in planes:
+      if op == "byte":
+        v = _magic((((data >> shift) & 0xFF) ^ 0x80).astype(jnp.int32), 1152.0)
+      else:
+        v = _magic(((data >> shift) & 0xF).astype(jnp.int32), 1032.0)
+      vals.append(v.astype(jnp.float32) * sc if f32 else v * sc)
+  return _interleave(vals).reshape(bt, n * w * len(planes))
+
+
+def _interleave(vals):
+  """[x_0 .. x_{n-1}] (n a power of two, same shapes) -> [..., 2, .., 2] whose flattened last
+  axes run x_0 .. x_{n-1} element by element: built from pairwise stacks only (Triton joins)."""
+  if len(vals) == 1:
+    return vals[0][..., None]
+  if len(vals) == 2:
+    return jnp.stack(vals, axis=-1)
+  return jnp.stack([_interleave(vals[0::2]), _interleave(vals[1::2])], axis=-1)
+
+
 def _magic(bits_i32, offset: float):
   """Small non-negative ints -> f16 `value - offset` exactly (0x6400 | v is 1024 + v)."""
   h = lax.bitcast_convert_type((bits_i32 | 0x6400).astype(jnp.int16), jnp.float16)
@@ -533,18 +671,20 @@ def _decode_piece(data, scale, kind: str, f32: bool, asm: bool = False):
 
 
 def _value_terms(data, scale, kind: str, plan: OperandPlan, asm: bool = False):
+  decode = _decode_words if data.dtype == jnp.uint32 else _decode_piece
   if plan.dtype == jnp.float32:
-    return [_decode_piece(data, scale, kind, True)]
+    return [decode(data, scale, kind, True)]
   if plan.kv_terms == 1:
-    return [_decode_piece(data, scale, kind, False, asm)]
-  return _split(_decode_piece(data, scale, kind, True), plan.kv_terms, plan.dtype)
+    return [decode(data, scale, kind, False, asm)]
+  return _split(decode(data, scale, kind, True), plan.kv_terms, plan.dtype)
 
 
 def _span_kernel(*refs, layout: PageLayout, cfg: TileConfig, block_pages: int, num_phys: int,
                  plan: OperandPlan, sm_scale: float, interpret: bool = False,
                  fused_prep: bool = False, group: int = 1, num_rows: int = 0, num_table: int = 0):
   # wrapper prep: meta_ref [4] i32, tab_ref [T] i32, qpos_ref [Mp] i32,
-  #   q_ref [terms, G, Mp, Kc] plan.dtype (K kernel columns), pool_ref [P, page_hw] u16
+  #   q_ref [terms, G, Mp, Kc] plan.dtype (K kernel columns), pool_ref [P, page_hw] u16 (reads
+  #   "words": [P, page_hw / 2] u32)
   # fused_prep: kv_ref [1], begin_ref [1], end_ref [1] i32, tab_ref [T] i32, qpos_ref [S] i32,
   #   q_ref [S, H, D] f32 (the caller's query: folded, padded and split here), pool_ref
   # -> m_out, l_out [G, parts, Mp], acc_out [G, parts, Mp, Vc] f32 (V kernel columns)
@@ -559,6 +699,7 @@ def _span_kernel(*refs, layout: PageLayout, cfg: TileConfig, block_pages: int, n
   kk, vk = layout.k_type, layout.v_type
   prec = plan.precision
   k_pieces, v_pieces = row_pieces(kk, d, cfg.reads), row_pieces(vk, d, cfg.reads)
+  words = k_pieces[0][0] == "words"          # then V's are too (check_words_layout)
   asm = cfg.decode == "asm" and not interpret    # the interpreter cannot run PTX
   k_slices, v_slices = _piece_slices(kk, d, cfg.reads), _piece_slices(vk, d, cfg.reads)
   rows = pl.ds(mb * bm, bm)
@@ -613,6 +754,9 @@ def _span_kernel(*refs, layout: PageLayout, cfg: TileConfig, block_pages: int, n
     valid = (t0 + t_iota) < tok_hi
     k_row = in_page * k_row_hw + g * k_head_hw
     v_row = v_base_hw + in_page * v_row_hw + g * v_head_hw
+    if words:    # the pool is uint32 words: offsets in words (check_words_layout: all even)
+      return (tuple(_load_words(pool_ref, phys, k_row // 2, valid, kk, d)),
+              tuple(_load_words(pool_ref, phys, v_row // 2, valid, vk, d)))
     k = tuple(_load_piece(pool_ref, phys, k_row, valid, kk, d, pc) for pc in k_pieces)
     v = tuple(_load_piece(pool_ref, phys, v_row, valid, vk, d, pc) for pc in v_pieces)
     return k, v
@@ -710,6 +854,17 @@ def _combine_kernel(*refs, block_rows: int, block_cols: int, num_parts: int, unr
   acc_out[g, rows, cols] = a_c
 
 
+def combine_unroll_for(block_rows: int, block_cols: int, num_parts: int) -> int:
+  """combine_unroll="auto": the largest of 32, 16, 8 whose group of partition tiles holds at most
+  COMBINE_TILE_FLOATS floats (8 at least), and no larger than `num_parts` rounded up to a multiple
+  of 8 (the partitions are padded to a whole number of groups with empty ones)."""
+  need = max(8, -(-int(num_parts) // 8) * 8)
+  for unroll in (32, 16):
+    if unroll * block_rows * block_cols <= COMBINE_TILE_FLOATS:
+      return min(unroll, need)
+  return 8
+
+
 def _compiler_params(cfg_warps: int, cfg_stages: int, interpret: bool):
   if interpret or _pltriton is None:
     return None
@@ -734,6 +889,27 @@ def _from_columns(x_gmc, col_dims: np.ndarray, head_dim: int):
       first[col_dims[c]] = c
   assert (first >= 0).all()
   return x_gmc[..., first]
+
+
+def check_words_layout(layout: PageLayout):
+  """reads="words": both planes' row and head offsets must be whole 32-bit words."""
+  kinds = {layout.k_type, layout.v_type}
+  if not kinds <= set(_WORD_PAIR):
+    raise ValueError(f"reads='words' reads quant rows (Q8_0 / Q4_0) only; K/V pair "
+                     f"{layout.k_type.upper()}/{layout.v_type.upper()} has other kinds: use "
+                     f"reads='gather'")
+  offsets = dict(page_bytes=layout.page_bytes, v_offset=layout.v_offset,
+                 k_row_bytes=layout.k_row_bytes, v_row_bytes=layout.v_row_bytes,
+                 k_head_bytes=layout.k_head_bytes, v_head_bytes=layout.v_head_bytes)
+  bad = {k: v for k, v in offsets.items() if v % 4}
+  if bad:
+    raise ValueError(f"reads='words' needs 4-byte aligned page offsets; not multiples of 4: {bad}")
+
+
+def word_view(pool_u16):
+  """uint16 [P, page_hw] -> uint32 [P, page_hw // 2] (little-endian words)."""
+  p, hw = pool_u16.shape
+  return lax.bitcast_convert_type(pool_u16.reshape(p, hw // 2, 2), jnp.uint32)
 
 
 def halfword_view(pool_pn):
@@ -761,20 +937,22 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                   reads: Optional[str] = None,
                                   block_rows: Optional[int] = None,
                                   decode: Optional[str] = None,
-                                  combine_cols: int = BLOCK,
+                                  combine_cols: Optional[int] = None,
                                   combine_warps: int = 4,
-                                  combine_unroll: int = _COMBINE_UNROLL,
-                                  fused_prep: bool = False) -> _ref.Carry:
+                                  combine_unroll: Union[int, str] = "auto",
+                                  fused_prep: Optional[bool] = None) -> _ref.Carry:
   """Kernel version of `reference.span_attention_partial_reference` (same contract).
 
   carry=None: a fresh call (the empty carry, not read from memory: the same bits).
   combine_unroll: partitions the combine loads at once, one group ahead of the fold: a multiple of
-  8 (larger groups hide more of the load latency of its serial chain, 20 us at 128 partitions in
-  S5-3; unmeasured). The fold order is the same; the interpreter gives the same bits for 8, 16 and
-  32 but not for 1 (its compiler contracts the merge's multiply-adds differently in that loop body).
-  fused_prep=True (EXPERIMENTAL, unmeasured on the GPU): the span kernel folds, pads and splits the
-  query and repeats its positions itself, and clips the page range, instead of 6 small XLA
-  fusions before it (docs/PERFORMANCE.md S5-3: 10.5 us a call at 128K). Same bits. Gather reads only.
+  8, or "auto" (`combine_unroll_for`: 32 for decode, fewer where the row block is larger). Larger
+  groups hide more of the load latency of its serial chain (S6-1: 19.9 -> 15.7 us at 128
+  partitions). The fold order is the same; the interpreter gives the same bits for 8, 16 and 32
+  but not for 1 (its compiler contracts the merge's multiply-adds differently in that loop body).
+  fused_prep: the span kernel folds, pads and splits the query and repeats its positions itself,
+  and clips the page range, instead of 6 small XLA fusions before it (S6-1: together with the
+  combine above, 233.3 -> 216.7 us of kernels a 128K call). Same bits. None (default): on where
+  the K columns are the head dims in order (gather reads, F16 / BF16 K); True there only.
   """
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads
@@ -789,17 +967,35 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
   rows_pad = -(-rows // bm) * bm
   n_mb = rows_pad // bm
   n_table = page_table_t.shape[0]
-  unroll = int(combine_unroll)
-  if unroll < 8 or unroll % 8:
-    raise ValueError(f"combine_unroll must be a multiple of 8, got {combine_unroll}")
-  n_parts = -(-max(n_table, 1) // block_pages)
-  n_parts = -(-n_parts // unroll) * unroll
-  num_phys = pool_pn.shape[0]
-
   k_cols = column_dims(layout.k_type, d, cfg.reads)
   v_cols = column_dims(layout.v_type, d, cfg.reads)
+  vc = v_cols.shape[0]
+  if combine_cols is None:       # 32, or the largest power of two dividing the V columns
+    combine_cols = min(BLOCK, _largest_pow2_divisor(vc))
+  if combine_cols < 1 or combine_cols & (combine_cols - 1) or vc % combine_cols:
+    raise ValueError(f"combine_cols must be a power of two dividing {vc}, got {combine_cols}")
+  c_rows = min(bm, _next_pow2(rows))             # the combine's row block (real rows only)
+  n_parts = -(-max(n_table, 1) // block_pages)
+  if combine_unroll == "auto":
+    unroll = combine_unroll_for(c_rows, combine_cols, n_parts)
+  elif isinstance(combine_unroll, str) or int(combine_unroll) < 8 or int(combine_unroll) % 8:
+    raise ValueError(f"combine_unroll must be a multiple of 8 or 'auto', got {combine_unroll!r}")
+  else:
+    unroll = int(combine_unroll)
+  n_parts = -(-n_parts // unroll) * unroll      # empty partitions pad the last group
+  num_phys = pool_pn.shape[0]
   pool_u16 = pool_pn if pool_pn.dtype == jnp.uint16 else halfword_view(pool_pn)
+  if row_pieces(layout.k_type, d, cfg.reads)[0][0] == "words":
+    check_words_layout(layout)
+    pool_u16 = word_view(pool_u16)                                   # the kernel reads words
+    narrow = [n for kind in (layout.k_type, layout.v_type)
+              for _, n in _piece_slices(kind, d, cfg.reads) if n < 16]
+    if narrow and not interpret:
+      raise ValueError(f"reads='words' at head_dim {d} gives a piece of {min(narrow)} columns; "
+                       f"compiled dots need >= 16 (head_dim >= 256 for Q8_0 K, 128 for Q4_0 V)")
   kv_len = jnp.asarray(kv_len, jnp.int32)
+  if fused_prep is None:
+    fused_prep = bool(np.array_equal(k_cols, np.arange(d)))
   if fused_prep:
     if not np.array_equal(k_cols, np.arange(d)):
       raise ValueError(f"fused_prep needs K columns in head-dim order (reads='gather'), "
@@ -844,11 +1040,7 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
     carry_inputs = (m_in, l_in, acc_in)
   # the combine grid runs over row blocks of the real rows (not the span tile's padding) and
   # column blocks; m/l come back once per column block. Its tiling changes no bit (elementwise).
-  vc = v_cols.shape[0]
-  if combine_cols < 1 or combine_cols & (combine_cols - 1) or vc % combine_cols:
-    raise ValueError(f"combine_cols must be a power of two dividing {vc}, got {combine_cols}")
   n_cb = vc // combine_cols
-  c_rows = min(bm, _next_pow2(rows))
   n_cm = -(-rows // c_rows)
   m_c, l_c, acc_c = pl.pallas_call(
       functools.partial(_combine_kernel, block_rows=c_rows, block_cols=combine_cols,
@@ -869,10 +1061,8 @@ def span_attention_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layo
                           block_pages: int = 1, sm_scale: Optional[float] = None,
                           interpret: bool = False, **kw):
   """o_shd [S, H, D] float32 over all active pages (kernel version of the reference)."""
-  s, h, d = q_shd.shape
-  carry = None                   # fused_prep: the combine starts from the empty carry itself
-  if not kw.get("fused_prep"):
-    carry = _ref.init_carry(layout.num_kv_heads, s * (h // layout.num_kv_heads), d)
+  h = q_shd.shape[1]
+  carry = None                   # a fresh call: the combine starts from the empty carry itself
   carry = span_attention_partial_triton(
       q_shd, pool_pn, page_table_t, jnp.asarray(kv_len, jnp.int32), q_pos_s, carry, jnp.int32(0),
       jnp.int32(page_table_t.shape[0]), layout=layout, num_q_heads=h, block_pages=block_pages,
