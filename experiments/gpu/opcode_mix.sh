@@ -10,7 +10,7 @@ cfg="$1"; ctx="$2"; rows="$3"
 [ -n "$cfg" ] || { echo "opcode_mix.sh: give a config, e.g. decode=asm" >&2; exit 2; }
 name=opcodes_$(echo "$cfg" | tr ';=' '_-')_${ctx}_$rows
 timeout 200 ncu --clock-control none --csv --kernel-name regex:span_attention --launch-skip 1 \
-  --launch-count 1 --print-metric-instances values \
+  --launch-count 1 --print-metric-instances details \
   --metrics sass__inst_executed_per_opcode,smsp__inst_executed.sum,gpu__time_duration.sum \
   python3 experiments/bench_span_attention.py --profile_config="$cfg" --check=false --sweep=false \
   --sweep_contexts=$ctx --rows=$rows --out_dir=/tmp/ncu_unused --profile_calls=2 > $OUT/$name.csv 2>&1
@@ -25,11 +25,11 @@ for r in rows[1:]:
   if r[m] != "sass__inst_executed_per_opcode":
     print(f"  {sys.argv[2]}: {r[m]} = {r[v]}")
     continue
-  pairs = re.findall(r"([A-Z][A-Z0-9_.]*)\W+([\d,.]+)", r[v])
+  # "details": opcode names with their counts (the "values" form has the counts only)
+  pairs = re.findall(r"([A-Z][A-Z0-9_.]+)\s*[:=]?\s*\(?([\d][\d,]*)", r[v])
   counts = sorted(((float(n.replace(",", "")), op) for op, n in pairs), reverse=True)
   total = sum(c for c, _ in counts)
   print(f"  {sys.argv[2]}: {total / 1e6:.2f} M warp instructions by opcode")
   print("   " + ", ".join(f"{op} {c / 1e6:.2f}M" for c, op in counts[:18]))
-  if not counts:
-    print("   raw:", r[v][:1500])
+  print("   raw:", r[v][:1200])
 PY
