@@ -6,10 +6,11 @@ For each context and query-token count: the Pallas kernel over an all-resident
 contiguous placement and over a resident + ring (scattered) placement, the jnp
 reference, XLA einsum attention on contiguous bf16 K/V, and cuDNN
 `jax.nn.dot_product_attention` on the same bf16 K/V. Each timing is the
-median over rounds of a jitted loop of `--iters` dependent calls (the next
-query depends on the last output), divided by `--iters`; `--timing=dispatch`
-queues `--dispatch_iters` dependent calls of a jitted step from Python instead
-(no while loop between calls).
+median over rounds of dependent calls (the next query depends on the last
+output), per call: `--timing=dispatch` (default) queues `--dispatch_iters`
+calls of a jitted step from Python; `--timing=loop` (sessions 1-5) runs
+`--iters` calls in a jitted fori_loop, whose while loop adds a host round trip
+a call (~25-40 us on the H200, docs/PERFORMANCE.md S6-3).
 
 Effective GB/s counts the KV bytes a call must read once: quantized pages for
 the kernel and the reference (1664 B/token/layer at 4x256 Q8_0/Q4_0), bf16 K+V
@@ -51,7 +52,7 @@ flags.DEFINE_string("block_pages", "auto", "logical partition (pages) of the ker
 flags.DEFINE_string("precision", kt.DEFAULT_PRECISION, f"kernel dot precision {kt.PRECISIONS}")
 flags.DEFINE_integer("iters", 10, "dependent calls per timed loop")
 flags.DEFINE_integer("rounds", 5, "timed loops (median)")
-flags.DEFINE_enum("timing", "loop", ["loop", "dispatch"], "loop: --iters dependent calls inside "
+flags.DEFINE_enum("timing", "dispatch", ["loop", "dispatch"], "loop: --iters dependent calls inside "
                   "one jitted fori_loop (XLA's while loop adds a host round trip an iteration); "
                   "dispatch: --dispatch_iters dependent calls of a jitted step dispatched from "
                   "Python (the GPU runs them back to back while the host queues ahead)")
@@ -190,7 +191,7 @@ def _parse_config(text):
   kw = {}
   for item in filter(None, text.split(";")):
     k, v = item.split("=")
-    flags_ = ("prefetch", "old", "u16pool", "mosaic", "overlap", "fused_prep")
+    flags_ = ("prefetch", "old", "u16pool", "mosaic", "overlap", "fused_prep", "clamp_rows")
     if k in ("precision", "reads", "decode") or (v == "auto" and k in ("block_pages",
                                                                        "combine_unroll")):
       kw[k] = v

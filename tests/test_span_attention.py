@@ -164,6 +164,35 @@ class TestSpanAttention:
       with pytest.raises(ValueError, match="fused_prep needs K columns in head-dim order"):
         kernel_triton.span_attention_triton(*args, fused_prep=True, reads="windows", **kw)
 
+  @pytest.mark.parametrize("pair,rows,extra", [(PAIRS[0], 1, {}), (PAIRS[0], 6, {}),
+                                               (PAIRS[0], "prefill", {}),
+                                               (PAIRS[0], 2, dict(prefetch=True)),
+                                               (PAIRS[0], 1, dict(reads="words")),
+                                               (PAIRS[2], 5, {})])
+  @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
+  def test_clamp_rows_same_bits(self, impl, pair, rows, extra):
+    """clamp_rows=True (partial key tiles re-read their last visible row instead of masked loads)
+    gives the bits of the masked loads. The rows past the history in its last page are poisoned
+    with 0xFF bytes (NaN scales and values), so a load that reached them would show as NaN."""
+    from kvjax_pallas.span_attention import kernel_triton
+    hist, q, _, args, kw = self._ring_case(seed=43, rows=rows, wrap=3, pair=pair)
+    layout = kw["layout"]
+    pool = np.array(args[1])
+    table = np.asarray(args[2])
+    pt = layout.page_tokens
+    last_page, used = (hist.tokens - 1) // pt, (hist.tokens - 1) % pt + 1
+    assert used < pt, "the case needs a partial last page"
+    page = pool[table[last_page]]
+    for r in range(used, pt):
+      page[r * layout.k_row_bytes:(r + 1) * layout.k_row_bytes] = 0xFF
+      v0 = layout.v_offset + r * layout.v_row_bytes
+      page[v0:v0 + layout.v_row_bytes] = 0xFF
+    args = (args[0], jnp.asarray(pool), args[2], args[3], args[4])
+    masked = np.asarray(kernel_triton.span_attention_triton(*args, **extra, **kw))
+    clamped = np.asarray(kernel_triton.span_attention_triton(*args, clamp_rows=True, **extra, **kw))
+    assert np.isfinite(masked).all()
+    np.testing.assert_array_equal(masked, clamped)
+
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
   def test_row_blocks(self, impl):
     """block_rows=16 splits 6 tokens' folded rows over several row blocks (each reads the pages

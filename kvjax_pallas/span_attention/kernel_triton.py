@@ -28,6 +28,9 @@ block, row and plane offset is even), in pieces (`row_pieces`, `reads=`):
   each group of 8 halfwords is a select between two gathered scales; scale
   halfwords and overlaps decode to junk columns that meet zero query columns
   and are dropped. One dot per piece (two per tile).
+* "words" (quant rows): 32-bit words a pair of blocks (`_load_words`): the main piece is words
+  1.. of each pair, the head piece word 0 (block 2p's scale and first two quants); the scale
+  bytes are junk columns. Measured slower than "gather" (docs/PERFORMANCE.md S6-2).
 
 Each halfword decodes to its planes, kept next to each other: Q8_0 its low
 and high byte (dims 2i, 2i+1 of the block's data halfword i), Q4_0 the
@@ -308,6 +311,9 @@ class TileConfig:
   prefetch: bool      # load tile i+1 while computing tile i
   reads: str = DEFAULT_READS  # `row_pieces`
   decode: str = DEFAULT_DECODE  # `DECODES`: "asm" (packed PTX) or "jnp"; interpret runs "jnp"
+  # clamp_rows: load the rows of a partial key tile from the last key it may read instead of
+  # masking every load (no per-element predicate; masked keys still get -inf scores)
+  clamp_rows: bool = False
 
 
 def select_path(num_tokens: int) -> str:
@@ -327,7 +333,7 @@ def tile_config(num_tokens: int, group: int, page_tokens: int, path: Optional[st
                 block_tokens: Optional[int] = None, num_warps: Optional[int] = None,
                 num_stages: Optional[int] = None, prefetch: Optional[bool] = None,
                 reads: Optional[str] = None, block_rows: Optional[int] = None,
-                decode: Optional[str] = None) -> TileConfig:
+                decode: Optional[str] = None, clamp_rows: bool = False) -> TileConfig:
   """Tile sizes of a path. `group` = query heads per KV head (rows per token).
 
   block_rows: folded query rows per program (a power of two >= 16); rows past it go to more
@@ -362,7 +368,7 @@ def tile_config(num_tokens: int, group: int, page_tokens: int, path: Optional[st
   if decode not in DECODES:
     raise ValueError(f"unknown decode {decode!r}; choose one of {DECODES}")
   return TileConfig(path, bm, bt, num_warps or nw, num_stages or ns,
-                    pf if prefetch is None else bool(prefetch), reads, decode)
+                    pf if prefetch is None else bool(prefetch), reads, decode, bool(clamp_rows))
 
 
 # Partition size ("auto" block_pages). CTAs an SM holds, by ncu on the H200 (132 SMs): the
@@ -505,16 +511,25 @@ def _dot_nn(a, b, precision):  # a [M, K] . b [K, N] -> [M, N] f32
 
 
 def _masked_load(ref, idx, mask, other):
-  """Masked gather `ref[idx]` (Triton load; the CPU interpreter runs it too)."""
+  """Masked gather `ref[idx]` (Triton load; the CPU interpreter runs it too); mask None: plain."""
+  if mask is None:
+    if _pltriton is not None and hasattr(_pltriton, "load"):
+      return _pltriton.load(ref.at[idx])
+    return pl.load(ref, idx)  # pragma: no cover (older jax)
   if _pltriton is not None and hasattr(_pltriton, "load"):
     return _pltriton.load(ref.at[idx], mask=mask, other=other)
   return pl.load(ref, idx, mask=mask, other=other)  # pragma: no cover (older jax)
 
 
+def _mask(ok, shape):
+  """A load mask broadcast to `shape`, or None (clamp_rows: every row in range, no mask)."""
+  return None if ok is None else jnp.broadcast_to(ok, shape)
+
+
 def _load_piece(pool_ref, phys, row_hw, valid, kind: str, head_dim: int, piece):
   """Raw halfwords of one piece (`row_pieces`) of a tile of head rows, and their scales.
 
-  row_hw [BT, 1] int32 halfword offset of each token's head row; valid [BT, 1]
+  row_hw [BT, 1] int32 halfword offset of each token's head row; valid [BT, 1] (None: no mask)
   -> (data [BT, n, w] uint16, scale [BT, n, w or 1] uint16 (f16 bits) or None)
   gather: n = blocks, w = data halfwords a block, one scale a block.
   window: n = width / 8, w = 8: each group of 8 halfwords (one 16-byte load) holds at most two
@@ -524,15 +539,15 @@ def _load_piece(pool_ref, phys, row_hw, valid, kind: str, head_dim: int, piece):
   nb = head_dim // BLOCK
   bt = row_hw.shape[0]
   rows3 = row_hw[:, :, None]                       # [BT, 1, 1]
-  ok = valid[:, :, None]
+  ok = None if valid is None else valid[:, :, None]
   if piece[0] == "gather":
     w = per - int(scaled)                          # 16 (q8_0), 8 (q4_0), 32 (f16/bf16)
     blk = lax.broadcasted_iota(jnp.int32, (1, nb, 1), 1) * per
     col = lax.broadcasted_iota(jnp.int32, (1, 1, w), 2) + int(scaled)
-    data = _masked_load(pool_ref, (phys, rows3 + blk + col), jnp.broadcast_to(ok, (bt, nb, w)), 0)
+    data = _masked_load(pool_ref, (phys, rows3 + blk + col), _mask(ok, (bt, nb, w)), 0)
     scale = None
     if scaled:
-      scale = _masked_load(pool_ref, (phys, rows3 + blk), jnp.broadcast_to(ok, (bt, nb, 1)), 0)
+      scale = _masked_load(pool_ref, (phys, rows3 + blk), _mask(ok, (bt, nb, 1)), 0)
     return data, scale
   _, start, width = piece
   head_hw = per * nb
@@ -541,15 +556,15 @@ def _load_piece(pool_ref, phys, row_hw, valid, kind: str, head_dim: int, piece):
   c8 = lax.broadcasted_iota(jnp.int32, (1, 1, _GROUP), 2)
   pos = start + grp * _GROUP + c8                  # [1, n8, 8] halfword within the row
   if start + width > head_hw:                      # rows shorter than 16 halfwords
-    ok = ok & (pos < head_hw)
-  data = _masked_load(pool_ref, (phys, rows3 + pos), jnp.broadcast_to(ok, (bt, n8, _GROUP)), 0)
+    ok = (pos < head_hw) if ok is None else ok & (pos < head_hw)
+  data = _masked_load(pool_ref, (phys, rows3 + pos), _mask(ok, (bt, n8, _GROUP)), 0)
   if not scaled:
     return data, None
   pos0 = start + grp * _GROUP                      # [1, n8, 1]
   lo_blk = pos0 // per
   hi_blk = jnp.minimum((pos0 + _GROUP - 1) // per, nb - 1)
   split = (lo_blk + 1) * per - pos0                # halfwords of the group in lo_blk
-  ok1 = jnp.broadcast_to(valid[:, :, None], (bt, n8, 1))
+  ok1 = None if valid is None else _mask(valid[:, :, None], (bt, n8, 1))
   s_lo = _masked_load(pool_ref, (phys, rows3 + lo_blk * per), ok1, 0)
   s_hi = _masked_load(pool_ref, (phys, rows3 + hi_blk * per), ok1, 0)
   return data, jnp.where(c8 < split, s_lo, s_hi)
@@ -558,7 +573,7 @@ def _load_piece(pool_ref, phys, row_hw, valid, kind: str, head_dim: int, piece):
 def _load_words(pool_ref, phys, row_w, valid, kind: str, head_dim: int):
   """The two "words" pieces of a tile of head rows (`row_pieces`), read from the uint32 pool.
 
-  row_w [BT, 1] int32 word offset of each token's head row; valid [BT, 1]
+  row_w [BT, 1] int32 word offset of each token's head row; valid [BT, 1] (None: no mask)
   -> [(main [BT, P, W] u32, scale [BT, P, W] u16), (head [BT, P, 1] u32, scale [BT, P, 1] u16)]
   P = block pairs, W = `_WORD_PAIR` data words. A pair's word 0 holds block 2p's scale (low half)
   and its first two quant bytes; block 2p+1's scale is the high half of word (pair_words - 1) / 2,
@@ -568,11 +583,10 @@ def _load_words(pool_ref, phys, row_w, valid, kind: str, head_dim: int):
   n_pairs = head_dim // (2 * BLOCK)
   bt = row_w.shape[0]
   base = row_w[:, :, None] + lax.broadcasted_iota(jnp.int32, (1, n_pairs, 1), 1) * pair_words
-  ok = valid[:, :, None]
-  ok1 = jnp.broadcast_to(ok, (bt, n_pairs, 1))
+  ok = None if valid is None else valid[:, :, None]
+  ok1 = _mask(ok, (bt, n_pairs, 1))
   j = lax.broadcasted_iota(jnp.int32, (1, 1, width), 2)
-  main = _masked_load(pool_ref, (phys, base + 1 + j), jnp.broadcast_to(ok, (bt, n_pairs, width)),
-                      0)
+  main = _masked_load(pool_ref, (phys, base + 1 + j), _mask(ok, (bt, n_pairs, width)), 0)
   head = _masked_load(pool_ref, (phys, base), ok1, 0)
   hi_word = _masked_load(pool_ref, (phys, base + (pair_words - 1) // 2), ok1, 0)
   s_lo = (head & 0xFFFF).astype(jnp.uint16)
@@ -752,6 +766,10 @@ def _span_kernel(*refs, layout: PageLayout, cfg: TileConfig, block_pages: int, n
     phys = jnp.clip(tab_ref[lp], 0, num_phys - 1)
     in_page = t0 - (t0 // pt) * pt + t_iota               # [BT, 1] token row within the page
     valid = (t0 + t_iota) < tok_hi
+    if cfg.clamp_rows:   # rows past tok_hi re-read the last row it may read (in-page, finite)
+      last = jnp.clip(tok_hi - 1 - (t0 // pt) * pt, 0, pt - 1)
+      in_page = jnp.minimum(in_page, last)
+      valid = None
     k_row = in_page * k_row_hw + g * k_head_hw
     v_row = v_base_hw + in_page * v_row_hw + g * v_head_hw
     if words:    # the pool is uint32 words: offsets in words (check_words_layout: all even)
@@ -925,6 +943,7 @@ def halfword_view(pool_pn):
 @functools.partial(jax.jit, static_argnames=(
     "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "precision", "path",
     "block_tokens", "num_warps", "num_stages", "prefetch", "reads", "block_rows", "decode",
+    "clamp_rows",
     "combine_cols", "combine_warps", "combine_unroll", "fused_prep"))
 def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry: _ref.Carry,
                                   tile_begin, tile_end, *, layout: PageLayout, num_q_heads: int,
@@ -940,7 +959,8 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                   combine_cols: Optional[int] = None,
                                   combine_warps: int = 4,
                                   combine_unroll: Union[int, str] = "auto",
-                                  fused_prep: Optional[bool] = None) -> _ref.Carry:
+                                  fused_prep: Optional[bool] = None,
+                                  clamp_rows: bool = False) -> _ref.Carry:
   """Kernel version of `reference.span_attention_partial_reference` (same contract).
 
   carry=None: a fresh call (the empty carry, not read from memory: the same bits).
@@ -953,13 +973,17 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
   and clips the page range, instead of 6 small XLA fusions before it (S6-1: together with the
   combine above, 233.3 -> 216.7 us of kernels a 128K call). Same bits. None (default): on where
   the K columns are the head dims in order (gather reads, F16 / BF16 K); True there only.
+  clamp_rows=True (EXPERIMENTAL, unmeasured on the GPU): the key rows of a partial tile are read
+  from the last key the row block may see (`min(token, tok_hi - 1)`, real finite data) instead of
+  masked loads, so no load carries a per-element predicate (S6-3: ISETP was 3.75 M of the 66.5 M
+  instructions at 128K S=1). Masked keys still get -inf scores and zero weights: the same values.
   """
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads
   check_call(q_shd, pool_pn, layout, num_q_heads, block_pages, check_layout)
   r = h // g
   cfg = tile_config(s_tok, r, layout.page_tokens, path, block_tokens, num_warps, num_stages,
-                    prefetch, reads, block_rows, decode)
+                    prefetch, reads, block_rows, decode, clamp_rows)
   plan = _operand_plan(precision, layout, interpret)
   scale = (1.0 / d ** 0.5) if sm_scale is None else sm_scale
   bm = cfg.block_rows
