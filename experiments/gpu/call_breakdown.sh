@@ -6,12 +6,7 @@
 # Prints the kernels launched from the last span kernel launch to the end (one call + the
 # bench's q update), in launch order.
 set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-cfg="$1"; ctx="$2"; rows="$3"
-# an empty config would run the whole benchmark under ncu: name at least one option
-[ -n "$cfg" ] || { echo "call_breakdown.sh: give a config, e.g. decode=asm" >&2; exit 2; }
-name=breakdown_$(echo "$cfg" | tr ';=' '_-')_${ctx}_$rows
+source "$(dirname "$0")/profile_args.sh" breakdown "$@"
 timeout 240 ncu --clock-control none --csv --metrics gpu__time_duration.sum \
   python3 experiments/bench_span_attention.py --profile_config="$cfg" --check=false --sweep=false \
   --sweep_contexts=$ctx --rows=$rows --out_dir=/tmp/ncu_unused --profile_calls=2 > $OUT/$name.csv 2>&1

@@ -4,11 +4,7 @@
 #   bash experiments/gpu/opcode_mix.sh "<config k=v;k=v>" <context> <rows>
 # Prints the executed warp-level instructions by opcode, largest first, and their total.
 set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-cfg="$1"; ctx="$2"; rows="$3"
-[ -n "$cfg" ] || { echo "opcode_mix.sh: give a config, e.g. decode=asm" >&2; exit 2; }
-name=opcodes_$(echo "$cfg" | tr ';=' '_-')_${ctx}_$rows
+source "$(dirname "$0")/profile_args.sh" opcodes "$@"
 timeout 200 ncu --clock-control none --csv --kernel-name regex:span_attention --launch-skip 1 \
   --launch-count 1 --print-metric-instances details \
   --metrics sass__inst_executed_per_opcode,smsp__inst_executed.sum,gpu__time_duration.sum \
