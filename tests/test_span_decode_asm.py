@@ -155,7 +155,7 @@ def test_ptx_word_decode_equals_jnp_decode(kind):
   for sc in _scales():
     sc2 = np.full(n.shape, np.uint32(sc) | (np.uint32(sc) << np.uint32(16)), np.uint32)
     scale = jnp.full((n.shape[0], 1, 2), sc, jnp.uint16)
-    ref = np.asarray(kt._decode_words(data, scale, kind, f32=False)).view(np.uint16)
+    ref = np.asarray(kt._decode_piece(data, scale, kind, f32=False)).view(np.uint16)
     ref = ref.reshape(n.shape[0], 2, n_planes)                                      # [N, word, plane]
     for p in range(n_planes):
       out = run_ptx(kt._asm_word_plane(kind, p), {"$1": a, "$2": b, "$3": sc2})

@@ -113,7 +113,7 @@ _WORD_PAIR = {"q8_0": (17, 16), "q4_0": (9, 8)}
 # both nibbles of every byte of a Q4_0 word (low first)
 _WORD_PLANES = {"q8_0": tuple(("byte", 8 * k) for k in range(4)),
                 "q4_0": tuple(("nibble", 8 * k + 4 * hi) for k in range(4) for hi in (0, 1))}
-DECODES = ("asm", "jnp")   # how quant halfwords become f16 values, see `_decode_asm`
+DECODES = ("asm", "jnp")   # how quant halfwords become f16 values, see `_decode_piece`
 DEFAULT_DECODE = "asm"
 
 # Packed decode (PTX, one instance per 32-bit register = 2 raw halfwords, "f16" operands only).
@@ -595,34 +595,6 @@ def _load_words(pool_ref, phys, row_w, valid, kind: str, head_dim: int):
   return [(main, s_main), (head, s_lo)]
 
 
-def _decode_words(data, scale, kind: str, f32: bool, asm: bool = False):
-  """Words [BT, P, W] u32 + scales (f16 bits, [BT, P, W]) -> values [BT, P * W * planes].
-
-  Columns run word by word, plane by plane within a word (`_WORD_PLANES`); f32 / asm as in
-  `_decode_piece` (the same value arithmetic, so the same bits)."""
-  bt, n, w = data.shape
-  planes = _WORD_PLANES[kind]
-  sc = lax.bitcast_convert_type(scale, jnp.float16)
-  if asm and not f32:
-    sc = jnp.broadcast_to(sc, data.shape)
-    out = jax.ShapeDtypeStruct(data.shape, jnp.float16)
-    vals = [_pltriton.elementwise_inline_asm(_asm_word_plane(kind, p), args=[data, sc],
-                                             constraints=_ASM_WORD_CONSTRAINTS, pack=2,
-                                             result_shape_dtypes=[out])[0]
-            for p in range(len(planes))]
-  else:
-    if f32:
-      sc = sc.astype(jnp.float32)
-    vals = []
-    for op, shift in planes:
-      if op == "byte":
-        v = _magic((((data >> shift) & 0xFF) ^ 0x80).astype(jnp.int32), 1152.0)
-      else:
-        v = _magic(((data >> shift) & 0xF).astype(jnp.int32), 1032.0)
-      vals.append(v.astype(jnp.float32) * sc if f32 else v * sc)
-  return _interleave(vals).reshape(bt, n * w * len(planes))
-
-
 def _interleave(vals):
   """[x_0 .. x_{n-1}] (n a power of two, same shapes) -> [..., 2, .., 2] whose flattened last
   axes run x_0 .. x_{n-1} element by element: built from pairwise stacks only (Triton joins)."""
@@ -639,58 +611,54 @@ def _magic(bits_i32, offset: float):
   return h - jnp.float16(offset)
 
 
-def _decode_asm(data, scale_f16, kind: str):
-  """Raw halfwords [BT, n, w] u16 + scales (f16, broadcastable) -> the planes' f16 values
-  (`_PLANES` order), each [BT, n, w], by the packed PTX of `_asm_plane` (GPU only)."""
-  sc = jnp.broadcast_to(scale_f16, data.shape)
-  out = jax.ShapeDtypeStruct(data.shape, jnp.float16)
-  return [_pltriton.elementwise_inline_asm(_asm_plane(kind, p), args=[data, sc],
-                                           constraints=_ASM_CONSTRAINTS, pack=2,
-                                           result_shape_dtypes=[out])[0]
-          for p in range(len(_PLANES[kind]))]
-
-
 def _decode_piece(data, scale, kind: str, f32: bool, asm: bool = False):
-  """Raw halfwords [BT, n, w] (+ scales) -> values [BT, n * w * planes] (kernel columns).
+  """Raw halfwords [BT, n, w] u16 (or words, u32: reads="words") + scales -> values
+  [BT, n * w * planes] (kernel columns: element by element, plane by plane within an element,
+  `_PLANES` / `_WORD_PLANES`).
 
   f32=False: f16 (bf16 for BF16 pages), each value rounded once (the "f16" operand);
   f32=True: float32, exact (the source of "f16x3" heads / tails and "tf32" / "ieee").
-  asm=True (f16 values of quant pages only): the same bits from the packed PTX of `_asm_plane`.
-  Junk columns hold finite values (a scale's bytes as a quant, times a real scale).
+  asm=True (f16 values of quant pages only): the same bits from the packed PTX of `_asm_plane`
+  (`_asm_word_plane` for words). Junk columns hold finite values (a scale's bytes as a quant,
+  times a real scale).
   """
   bt, n, w = data.shape
-  width = n * w
-  planes = _PLANES[kind]
+  words = data.dtype == jnp.uint32
+  planes = (_WORD_PLANES if words else _PLANES)[kind]
   if planes[0][0] == "raw":
     src = jnp.float16 if kind == "f16" else jnp.bfloat16
-    v = lax.bitcast_convert_type(data, src).reshape(bt, width)
+    v = lax.bitcast_convert_type(data, src).reshape(bt, n * w)
     return v.astype(jnp.float32) if f32 else v
   sc = lax.bitcast_convert_type(scale, jnp.float16)
-  if asm and not f32:
-    vals = _decode_asm(data, sc, kind)
+  if asm and not f32:   # GPU only: one single-result asm a plane (see `_asm_plane`)
+    asm_plane, constraints = ((_asm_word_plane, _ASM_WORD_CONSTRAINTS) if words
+                              else (_asm_plane, _ASM_CONSTRAINTS))
+    sc = jnp.broadcast_to(sc, data.shape)
+    out = jax.ShapeDtypeStruct(data.shape, jnp.float16)
+    vals = [_pltriton.elementwise_inline_asm(asm_plane(kind, p), args=[data, sc],
+                                             constraints=constraints, pack=2,
+                                             result_shape_dtypes=[out])[0]
+            for p in range(len(planes))]
   else:
-    x = data.astype(jnp.int32)
+    x = data if words else data.astype(jnp.int32)
     if f32:
       sc = sc.astype(jnp.float32)
     vals = []
     for op, shift in planes:
-      if op == "byte":
-        v = _magic(((x >> shift) & 0xFF) ^ 0x80, 1152.0)           # int8 = (byte ^ 0x80) - 128
-      else:
-        v = _magic((x >> shift) & 0xF, 1032.0)                      # Q4_0: nibble - 8
+      if op == "byte":                                              # int8 = (byte ^ 0x80) - 128
+        v = _magic((((x >> shift) & 0xFF) ^ 0x80).astype(jnp.int32), 1152.0)
+      else:                                                         # Q4_0: nibble - 8
+        v = _magic(((x >> shift) & 0xF).astype(jnp.int32), 1032.0)
       vals.append(v.astype(jnp.float32) * sc if f32 else v * sc)   # f16: rounded once
-  if len(vals) == 4:   # Triton stacks two at a time: [.., (v0, v2)] and [.., (v1, v3)] -> v0..v3
-    vals = [jnp.stack([vals[0], vals[2]], axis=-1), jnp.stack([vals[1], vals[3]], axis=-1)]
-  return jnp.stack(vals, axis=-1).reshape(bt, width * len(planes))
+  return _interleave(vals).reshape(bt, n * w * len(planes))
 
 
 def _value_terms(data, scale, kind: str, plan: OperandPlan, asm: bool = False):
-  decode = _decode_words if data.dtype == jnp.uint32 else _decode_piece
   if plan.dtype == jnp.float32:
-    return [decode(data, scale, kind, True)]
+    return [_decode_piece(data, scale, kind, True)]
   if plan.kv_terms == 1:
-    return [decode(data, scale, kind, False, asm)]
-  return _split(decode(data, scale, kind, True), plan.kv_terms, plan.dtype)
+    return [_decode_piece(data, scale, kind, False, asm)]
+  return _split(_decode_piece(data, scale, kind, True), plan.kv_terms, plan.dtype)
 
 
 def _span_kernel(*refs, layout: PageLayout, cfg: TileConfig, block_pages: int, num_phys: int,
