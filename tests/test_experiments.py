@@ -142,3 +142,16 @@ def test_bench_span_attention_smoke(tmp_path):
   for col in ("kernel_contiguous_us", "kernel_ring_us", "xla_bf16_us", "reference_us"):
     assert float(main[col]) > 0, col
   assert "%copy" in p.stdout and "device copy" in p.stdout
+  # S/1 (the verify ratio column): the one-row row over itself
+  assert p.stdout.rstrip().splitlines()[-1].split("|")[-1].strip() == "1.00"
+
+
+def test_probe_page_reads_smoke(tmp_path):
+  """The read-ceiling probe (the span kernel's page reads alone, then with its decode) runs in
+  interpret mode, and its raw-halfword sums equal numpy's over the same page bytes."""
+  p = _run([os.path.join(REPO, "experiments", "probe_page_reads.py"), "--interpret",
+            "--contexts=192", "--block_pages=2", "--block_tokens=16", "--page_tokens=64",
+            "--head_dim=64", "--kv_heads=2", "--reads=gather"], cwd=str(tmp_path), timeout=300)
+  assert "check context=192 reads=gather: sums equal numpy's" in p.stdout
+  probes = [l for l in p.stdout.splitlines() if l.startswith("probe ")]
+  assert [l.split()[3] for l in probes] == ["mode=load", "mode=decode"], probes

@@ -171,8 +171,8 @@ class TestSpanAttention:
                                                (PAIRS[2], 5, {})])
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
   def test_clamp_rows_same_bits(self, impl, pair, rows, extra):
-    """clamp_rows=True (partial key tiles re-read their last visible row instead of masked loads)
-    gives the bits of the masked loads. The rows past the history in its last page are poisoned
+    """clamp_rows=True (the default: partial key tiles re-read their last visible row instead of
+    masked loads) gives the bits of the masked loads (clamp_rows=False). The rows past the history in its last page are poisoned
     with 0xFF bytes (NaN scales and values), so a load that reached them would show as NaN."""
     from kvjax_pallas.span_attention import kernel_triton
     hist, q, _, args, kw = self._ring_case(seed=43, rows=rows, wrap=3, pair=pair)
@@ -188,7 +188,7 @@ class TestSpanAttention:
       v0 = layout.v_offset + r * layout.v_row_bytes
       page[v0:v0 + layout.v_row_bytes] = 0xFF
     args = (args[0], jnp.asarray(pool), args[2], args[3], args[4])
-    masked = np.asarray(kernel_triton.span_attention_triton(*args, **extra, **kw))
+    masked = np.asarray(kernel_triton.span_attention_triton(*args, clamp_rows=False, **extra, **kw))
     clamped = np.asarray(kernel_triton.span_attention_triton(*args, clamp_rows=True, **extra, **kw))
     assert np.isfinite(masked).all()
     np.testing.assert_array_equal(masked, clamped)

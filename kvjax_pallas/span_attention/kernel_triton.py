@@ -312,8 +312,9 @@ class TileConfig:
   reads: str = DEFAULT_READS  # `row_pieces`
   decode: str = DEFAULT_DECODE  # `DECODES`: "asm" (packed PTX) or "jnp"; interpret runs "jnp"
   # clamp_rows: load the rows of a partial key tile from the last key it may read instead of
-  # masking every load (no per-element predicate; masked keys still get -inf scores)
-  clamp_rows: bool = False
+  # masking every load (no per-element predicate; masked keys still get -inf scores). Default:
+  # measured faster on the H200 (session 7, S7-1: span kernel 171.1 -> 165.4 us at 128K S=1)
+  clamp_rows: bool = True
 
 
 def select_path(num_tokens: int) -> str:
@@ -333,7 +334,7 @@ def tile_config(num_tokens: int, group: int, page_tokens: int, path: Optional[st
                 block_tokens: Optional[int] = None, num_warps: Optional[int] = None,
                 num_stages: Optional[int] = None, prefetch: Optional[bool] = None,
                 reads: Optional[str] = None, block_rows: Optional[int] = None,
-                decode: Optional[str] = None, clamp_rows: bool = False) -> TileConfig:
+                decode: Optional[str] = None, clamp_rows: Optional[bool] = None) -> TileConfig:
   """Tile sizes of a path. `group` = query heads per KV head (rows per token).
 
   block_rows: folded query rows per program (a power of two >= 16); rows past it go to more
@@ -368,7 +369,8 @@ def tile_config(num_tokens: int, group: int, page_tokens: int, path: Optional[st
   if decode not in DECODES:
     raise ValueError(f"unknown decode {decode!r}; choose one of {DECODES}")
   return TileConfig(path, bm, bt, num_warps or nw, num_stages or ns,
-                    pf if prefetch is None else bool(prefetch), reads, decode, bool(clamp_rows))
+                    pf if prefetch is None else bool(prefetch), reads, decode,
+                    True if clamp_rows is None else bool(clamp_rows))
 
 
 # Partition size ("auto" block_pages). CTAs an SM holds, by ncu on the H200 (132 SMs): the
@@ -928,7 +930,7 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                   combine_warps: int = 4,
                                   combine_unroll: Union[int, str] = "auto",
                                   fused_prep: Optional[bool] = None,
-                                  clamp_rows: bool = False) -> _ref.Carry:
+                                  clamp_rows: Optional[bool] = None) -> _ref.Carry:
   """Kernel version of `reference.span_attention_partial_reference` (same contract).
 
   carry=None: a fresh call (the empty carry, not read from memory: the same bits).
@@ -941,10 +943,11 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
   and clips the page range, instead of 6 small XLA fusions before it (S6-1: together with the
   combine above, 233.3 -> 216.7 us of kernels a 128K call). Same bits. None (default): on where
   the K columns are the head dims in order (gather reads, F16 / BF16 K); True there only.
-  clamp_rows=True (EXPERIMENTAL, unmeasured on the GPU): the key rows of a partial tile are read
-  from the last key the row block may see (`min(token, tok_hi - 1)`, real finite data) instead of
-  masked loads, so no load carries a per-element predicate (S6-3: ISETP was 3.75 M of the 66.5 M
-  instructions at 128K S=1). Masked keys still get -inf scores and zero weights: the same values.
+  clamp_rows (None: on, the default since session 7; False: masked loads): the key rows of a
+  partial tile are read from the last key the row block may see (`min(token, tok_hi - 1)`, real
+  finite data) instead of masked loads, so no load carries a per-element predicate. Masked keys
+  still get -inf scores and zero weights: the same bits (test_clamp_rows_same_bits). Measured
+  (S7-1, 128K S=1): span kernel 171.1 -> 165.4 us; the 3.75 M ISETP became 3.56 M VIMNMX.
   """
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads

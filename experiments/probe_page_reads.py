@@ -1,0 +1,182 @@
+"""How fast can the span kernel's page reads go by themselves? A ceiling probe for issue 4.
+
+A Pallas (Triton lowering) kernel with the span kernel's grid (KV head, logical partition) and
+its page-table walk that only READS each key tile's K and V head rows through the span kernel's
+own `_load_piece` (`reads="gather"` or "windows"), then either
+
+  mode "load":   adds the raw halfwords into int32 tile accumulators (wrapping) so no load is
+                 dead code, or
+  mode "decode": also runs the span kernel's quant decode (`_decode_piece`, the packed PTX on
+                 the GPU) and adds the f16 values into f16 tile accumulators,
+
+and writes one number a program. No dots, no softmax, no combine. Its time against the span
+kernel's time at the same context splits the kernel into "reading", "decoding" and "the rest"
+(docs/PERFORMANCE.md, session 7). GB/s counts the page bytes read once (K + V rows of the
+context, as the span benchmark does).
+
+  python experiments/probe_page_reads.py --contexts=131072,163840 --reads=gather,windows
+  python experiments/probe_page_reads.py --interpret --contexts=2048   # CPU: checks the sums
+
+With --interpret (CPU) the "load" sums of gather reads (every halfword of a head row once) are
+checked against numpy over the same bytes (windows reads overlap and select scales, so their sums
+count some halfwords twice).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+
+from kvjax_pallas.page_layout import PageLayout  # noqa: E402
+from kvjax_pallas.span_attention import kernel_triton as kt  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("contexts", ["131072", "163840"], "history tokens")
+flags.DEFINE_list("reads", ["gather"], "how head rows are read: gather, windows")
+flags.DEFINE_list("modes", ["load", "decode"], "load: sum raw halfwords; decode: + quant decode")
+flags.DEFINE_integer("block_pages", 4, "pages a program (logical partition)")
+flags.DEFINE_integer("block_tokens", 32, "keys a tile")
+flags.DEFINE_integer("num_warps", 4, "warps a program")
+flags.DEFINE_integer("dispatch_iters", 50, "dependent calls a round")
+flags.DEFINE_integer("rounds", 5, "rounds (median)")
+flags.DEFINE_bool("interpret", False, "interpret mode (CPU): small contexts, sums checked")
+flags.DEFINE_integer("kv_heads", 4, "KV heads")
+flags.DEFINE_integer("head_dim", 256, "head dim")
+flags.DEFINE_integer("page_tokens", 256, "tokens per page")
+
+
+def _probe_kernel(tab_ref, pool_ref, out_ref, *, layout: PageLayout, block_pages: int, bt: int,
+                  reads: str, mode: str, asm: bool, n_table: int):
+  # tab_ref [T] i32 page table; pool_ref [P, page_hw] u16; out_ref [G, parts] (i32 or f32)
+  g = pl.program_id(0)
+  pp = pl.program_id(1)
+  pt, d = layout.page_tokens, layout.head_dim
+  kk, vk = layout.k_type, layout.v_type
+  pieces = [(kk, 0, layout.k_row_bytes // 2, layout.k_head_bytes // 2, pc)
+            for pc in kt.row_pieces(kk, d, reads)]
+  pieces += [(vk, layout.v_offset // 2, layout.v_row_bytes // 2, layout.v_head_bytes // 2, pc)
+             for pc in kt.row_pieces(vk, d, reads)]
+  t_iota = lax.broadcasted_iota(jnp.int32, (bt, 1), 0)
+  page_lo = pp * block_pages
+  n_tiles = (jnp.minimum(page_lo + block_pages, n_table) - page_lo) * (pt // bt)
+
+  def tile(i):
+    t0 = page_lo * pt + i * bt
+    phys = tab_ref[t0 // pt]
+    in_page = t0 % pt + t_iota
+    out = []
+    for kind, base, row_hw, head_hw, pc in pieces:
+      data, scale = kt._load_piece(pool_ref, phys, base + in_page * row_hw + g * head_hw, None,
+                                   kind, d, pc)
+      if mode == "load":
+        out.append(data.astype(jnp.int32))
+        if scale is not None:
+          out.append(scale.astype(jnp.int32))
+      else:
+        out.append(kt._decode_piece(data, scale, kind, False, asm))
+    return out
+
+  # tile-shaped accumulators, reduced once at the end: per element one add (int32 for the raw
+  # halfwords, f16 for the decoded values), no per-tile cross-thread reduction
+  shapes = jax.eval_shape(lambda: tile(0))
+  init = tuple(jnp.zeros(a.shape, a.dtype) for a in shapes)
+
+  def body(i, accs):
+    return tuple(a + x for a, x in zip(accs, tile(i)))
+
+  accs = lax.fori_loop(0, n_tiles, body, init)
+  if mode == "load":
+    out_ref[g, pp] = sum(jnp.sum(a) for a in accs)
+  else:
+    out_ref[g, pp] = sum(jnp.sum(a.astype(jnp.float32)) for a in accs)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "block_pages", "bt", "reads", "mode",
+                                             "num_warps", "interpret"))
+def probe(pool_u16, table, *, layout, block_pages, bt, reads, mode, num_warps, interpret):
+  n_table = table.shape[0]
+  parts = -(-n_table // block_pages)
+  g = layout.num_kv_heads
+  kern = functools.partial(_probe_kernel, layout=layout, block_pages=block_pages, bt=bt,
+                           reads=reads, mode=mode, asm=not interpret, n_table=n_table)
+  dtype = jnp.int32 if mode == "load" else jnp.float32
+  return pl.pallas_call(
+      kern, grid=(g, parts), out_shape=jax.ShapeDtypeStruct((g, parts), dtype),
+      compiler_params=kt._compiler_params(num_warps, 1, interpret), interpret=interpret,
+      name="kvjax_probe_page_reads")(table, pool_u16)
+
+
+def expected_load_sums(pool_u16: np.ndarray, table: np.ndarray, layout: PageLayout,
+                       block_pages: int) -> np.ndarray:
+  """numpy: per (KV head, partition) the int32 sum of every halfword of its K and V head rows."""
+  pt, g = layout.page_tokens, layout.num_kv_heads
+  k_hw, v_hw = layout.k_head_bytes // 2, layout.v_head_bytes // 2
+  parts = -(-len(table) // block_pages)
+  out = np.zeros((g, parts), np.int64)
+  for lp, phys in enumerate(table):
+    page = pool_u16[phys].astype(np.int64)
+    k = page[:pt * layout.k_row_bytes // 2].reshape(pt, g, k_hw)
+    v0 = layout.v_offset // 2
+    v = page[v0:v0 + pt * layout.v_row_bytes // 2].reshape(pt, g, v_hw)
+    out[:, lp // block_pages] += k.sum(axis=(0, 2)) + v.sum(axis=(0, 2))
+  return ((out + 2 ** 31) % 2 ** 32 - 2 ** 31).astype(np.int32)
+
+
+def _time(fn, iters, rounds):
+  fn().block_until_ready()
+  ts = []
+  for _ in range(rounds):
+    t = time.perf_counter()
+    outs = [fn() for _ in range(iters)]
+    outs[-1].block_until_ready()
+    ts.append((time.perf_counter() - t) / iters)
+  return float(np.median(ts))
+
+
+def main(argv):
+  del argv
+  layout = PageLayout(FLAGS.kv_heads, FLAGS.head_dim, "q8_0", "q4_0", FLAGS.page_tokens)
+  print(f"jax {jax.__version__} {jax.devices()[0].device_kind}; {layout.describe()}", flush=True)
+  rows = []
+  for ctx in (int(c) for c in FLAGS.contexts):
+    n_pages = ctx // layout.page_tokens
+    num_phys = n_pages + 8
+    key = jax.random.PRNGKey(ctx)
+    pool = jax.random.bits(key, (num_phys, layout.page_bytes // 2), jnp.uint16)
+    table = jnp.asarray(np.random.default_rng(ctx).permutation(num_phys)[:n_pages], jnp.int32)
+    nbytes = ctx * layout.token_bytes
+    for reads in FLAGS.reads:
+      for mode in FLAGS.modes:
+        fn = functools.partial(probe, pool, table, layout=layout, block_pages=FLAGS.block_pages,
+                               bt=FLAGS.block_tokens, reads=reads, mode=mode,
+                               num_warps=FLAGS.num_warps, interpret=FLAGS.interpret)
+        if FLAGS.interpret and mode == "load" and reads == "gather":   # windows overlap
+          want = expected_load_sums(np.asarray(pool), np.asarray(table), layout, FLAGS.block_pages)
+          got = np.asarray(fn())
+          if not np.array_equal(got, want):
+            raise SystemExit(f"probe sums differ from numpy at {ctx} tokens, reads={reads}")
+          print(f"check context={ctx} reads={reads}: sums equal numpy's", flush=True)
+        iters = 2 if FLAGS.interpret else FLAGS.dispatch_iters
+        t = _time(fn, iters, 1 if FLAGS.interpret else FLAGS.rounds)
+        rows.append((ctx, reads, mode, t * 1e6, nbytes / t / 1e9))
+        print(f"probe context={ctx} reads={reads} mode={mode} us={t * 1e6:.1f} "
+              f"gbps={nbytes / t / 1e9:.0f}", flush=True)
+  print(f"\n{'ctx':>7} {'reads':>8} {'mode':>7} | {'us':>8} {'GB/s':>6}")
+  for ctx, reads, mode, us, gbps in rows:
+    print(f"{ctx:>7} {reads:>8} {mode:>7} | {us:8.1f} {gbps:6.0f}")
+
+
+if __name__ == "__main__":
+  app.run(main)
