@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import time
 
 import numpy as np
 from absl import app, flags
@@ -42,19 +41,18 @@ from jax.experimental import pallas as pl  # noqa: E402
 from kvjax_pallas.page_layout import PageLayout  # noqa: E402
 from kvjax_pallas.span_attention import kernel_triton as kt  # noqa: E402
 
+import probe_common  # noqa: E402  (experiments/, the script's folder)
+from probe_common import time_calls  # noqa: E402
+
 FLAGS = flags.FLAGS
+probe_common.define_flags()
 flags.DEFINE_list("contexts", ["131072", "163840"], "history tokens")
 flags.DEFINE_list("reads", ["gather"], "how head rows are read: gather, windows")
 flags.DEFINE_list("modes", ["load", "decode"], "load: sum raw halfwords; decode: + quant decode")
 flags.DEFINE_integer("block_pages", 4, "pages a program (logical partition)")
 flags.DEFINE_integer("block_tokens", 32, "keys a tile")
 flags.DEFINE_integer("num_warps", 4, "warps a program")
-flags.DEFINE_integer("dispatch_iters", 50, "dependent calls a round")
-flags.DEFINE_integer("rounds", 5, "rounds (median)")
 flags.DEFINE_bool("interpret", False, "interpret mode (CPU): small contexts, sums checked")
-flags.DEFINE_integer("kv_heads", 4, "KV heads")
-flags.DEFINE_integer("head_dim", 256, "head dim")
-flags.DEFINE_integer("page_tokens", 256, "tokens per page")
 
 
 def _probe_kernel(tab_ref, pool_ref, out_ref, *, layout: PageLayout, block_pages: int, bt: int,
@@ -134,20 +132,9 @@ def expected_load_sums(pool_u16: np.ndarray, table: np.ndarray, layout: PageLayo
   return ((out + 2 ** 31) % 2 ** 32 - 2 ** 31).astype(np.int32)
 
 
-def _time(fn, iters, rounds):
-  fn().block_until_ready()
-  ts = []
-  for _ in range(rounds):
-    t = time.perf_counter()
-    outs = [fn() for _ in range(iters)]
-    outs[-1].block_until_ready()
-    ts.append((time.perf_counter() - t) / iters)
-  return float(np.median(ts))
-
-
 def main(argv):
   del argv
-  layout = PageLayout(FLAGS.kv_heads, FLAGS.head_dim, "q8_0", "q4_0", FLAGS.page_tokens)
+  layout = probe_common.layout_from_flags()
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind}; {layout.describe()}", flush=True)
   rows = []
   for ctx in (int(c) for c in FLAGS.contexts):
@@ -169,7 +156,7 @@ def main(argv):
             raise SystemExit(f"probe sums differ from numpy at {ctx} tokens, reads={reads}")
           print(f"check context={ctx} reads={reads}: sums equal numpy's", flush=True)
         iters = 2 if FLAGS.interpret else FLAGS.dispatch_iters
-        t = _time(fn, iters, 1 if FLAGS.interpret else FLAGS.rounds)
+        t = time_calls(fn, iters, 1 if FLAGS.interpret else FLAGS.rounds)
         rows.append((ctx, reads, mode, t * 1e6, nbytes / t / 1e9))
         print(f"probe context={ctx} reads={reads} mode={mode} us={t * 1e6:.1f} "
               f"gbps={nbytes / t / 1e9:.0f}", flush=True)

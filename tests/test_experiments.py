@@ -155,3 +155,15 @@ def test_probe_page_reads_smoke(tmp_path):
   assert "check context=192 reads=gather: sums equal numpy's" in p.stdout
   probes = [l for l in p.stdout.splitlines() if l.startswith("probe ")]
   assert [l.split()[3] for l in probes] == ["mode=load", "mode=decode"], probes
+
+
+def test_probe_tma_reads_smoke(tmp_path):
+  """The TMA read-ceiling probe (Mosaic GPU) runs in the Mosaic GPU interpreter: every CTA's last
+  tile lands in SMEM from the right page and offset (its first 128 bytes, copied back, equal the
+  page bytes), for two tile sizes and pipeline depths, with a partial last partition."""
+  p = _run([os.path.join(REPO, "experiments", "probe_tma_reads.py"), "--interpret",
+            "--contexts=512", "--page_tokens=64", "--head_dim=64", "--kv_heads=4",
+            "--block_pages=3", "--block_tokens=16,32", "--stages=2,3"], cwd=str(tmp_path),
+           timeout=300)
+  checked = [l for l in p.stdout.splitlines() if l.startswith("tma ") and " checked " in l]
+  assert len(checked) == 4, p.stdout
