@@ -109,6 +109,22 @@ class TestSpanAttention:
               precision=KERNEL_PRECISION)
     return hist, q, q_pos, args, kw
 
+  @staticmethod
+  def _poison_past_history(hist, args, layout):
+    """The case's args with the rows past the history in its (partial) last page set to 0xFF
+    bytes (NaN scales and values): a load that reached them would show as NaN."""
+    pool = np.array(args[1])
+    table = np.asarray(args[2])
+    pt = layout.page_tokens
+    last_page, used = (hist.tokens - 1) // pt, (hist.tokens - 1) % pt + 1
+    assert used < pt, "the case needs a partial last page"
+    page = pool[table[last_page]]
+    for r in range(used, pt):
+      page[r * layout.k_row_bytes:(r + 1) * layout.k_row_bytes] = 0xFF
+      v0 = layout.v_offset + r * layout.v_row_bytes
+      page[v0:v0 + layout.v_row_bytes] = 0xFF
+    return (args[0], jnp.asarray(pool), *args[2:])
+
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
   def test_prefetch_and_tiles(self, impl):
     """Software prefetch changes no bit; other key tiles and warps stay on the oracle."""
@@ -172,26 +188,39 @@ class TestSpanAttention:
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
   def test_clamp_rows_same_bits(self, impl, pair, rows, extra):
     """clamp_rows=True (the default: partial key tiles re-read their last visible row instead of
-    masked loads) gives the bits of the masked loads (clamp_rows=False). The rows past the history in its last page are poisoned
-    with 0xFF bytes (NaN scales and values), so a load that reached them would show as NaN."""
+    masked loads) gives the bits of the masked loads (clamp_rows=False). The rows past the
+    history in its last page are poisoned (`_poison_past_history`)."""
     from kvjax_pallas.span_attention import kernel_triton
     hist, q, _, args, kw = self._ring_case(seed=43, rows=rows, wrap=3, pair=pair)
-    layout = kw["layout"]
-    pool = np.array(args[1])
-    table = np.asarray(args[2])
-    pt = layout.page_tokens
-    last_page, used = (hist.tokens - 1) // pt, (hist.tokens - 1) % pt + 1
-    assert used < pt, "the case needs a partial last page"
-    page = pool[table[last_page]]
-    for r in range(used, pt):
-      page[r * layout.k_row_bytes:(r + 1) * layout.k_row_bytes] = 0xFF
-      v0 = layout.v_offset + r * layout.v_row_bytes
-      page[v0:v0 + layout.v_row_bytes] = 0xFF
-    args = (args[0], jnp.asarray(pool), args[2], args[3], args[4])
+    args = self._poison_past_history(hist, args, kw["layout"])
     masked = np.asarray(kernel_triton.span_attention_triton(*args, clamp_rows=False, **extra, **kw))
     clamped = np.asarray(kernel_triton.span_attention_triton(*args, clamp_rows=True, **extra, **kw))
     assert np.isfinite(masked).all()
     np.testing.assert_array_equal(masked, clamped)
+
+  @pytest.mark.parametrize("pair,rows,extra", [(PAIRS[0], 1, {}), (PAIRS[0], 6, {}),
+                                               (PAIRS[0], "prefill", {}),
+                                               (PAIRS[0], 1, dict(clamp_rows=False)),
+                                               (PAIRS[2], 5, {})])
+  @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
+  def test_peel_tail_same_bits(self, impl, pair, rows, extra):
+    """peel_tail=True (full key tiles with plain loads, only the partial last tile masked or
+    clamped) gives the default's bits, on a history with a partial last page (rows past it
+    poisoned with 0xFF, so a plain load that reached them would show as NaN) and on one cut to
+    whole pages (no partial tile at all). With prefetch it is refused by name."""
+    from kvjax_pallas.span_attention import kernel_triton
+    hist, q, _, args, kw = self._ring_case(seed=47, rows=rows, wrap=2, pair=pair)
+    args = self._poison_past_history(hist, args, kw["layout"])
+    pt = kw["layout"].page_tokens
+    whole = (hist.tokens - 1) // pt * pt       # the history cut to whole pages
+    q_whole = jnp.asarray(np.asarray(args[4]) - (hist.tokens - whole))
+    for case in (args, (args[0], args[1], args[2], whole, q_whole)):
+      base = np.asarray(kernel_triton.span_attention_triton(*case, **extra, **kw))
+      peeled = np.asarray(kernel_triton.span_attention_triton(*case, peel_tail=True, **extra, **kw))
+      assert np.isfinite(base).all()
+      np.testing.assert_array_equal(base, peeled)
+    with pytest.raises(ValueError, match="peel_tail=True does not combine with prefetch=True"):
+      kernel_triton.span_attention_triton(*args, peel_tail=True, prefetch=True, **kw)
 
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
   def test_row_blocks(self, impl):
