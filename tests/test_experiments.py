@@ -167,3 +167,46 @@ def test_probe_tma_reads_smoke(tmp_path):
            timeout=300)
   checked = [l for l in p.stdout.splitlines() if l.startswith("tma ") and " checked " in l]
   assert len(checked) == 4, p.stdout
+
+
+def test_ncu_report_summaries(tmp_path):
+  """experiments/gpu/ncu_report.py (used by opcode_mix.sh / stall_profile.sh on the GPU machine)
+  reads ncu's CSV: opcode counts by name, largest first; stall reasons by size with their total;
+  the kept section metrics; the longest kernel's name (regex-escaped), the program's own output
+  lines skipped."""
+  head = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream",
+          "Block Size", "Grid Size", "Device", "CC", "Section Name", "Metric Name", "Metric Unit",
+          "Metric Value"]
+
+  def row(kernel, metric, unit, value):
+    return ["0", "1", "python3", "host", kernel, "1", "7", "(128, 1, 1)", "(4, 1, 1)", "0", "9.0",
+            "sec", metric, unit, value]
+
+  path = tmp_path / "ncu.csv"
+  with open(path, "w", newline="") as f:
+    f.write("==PROF== Connected to process 1\n")
+    w = csv.writer(f)
+    w.writerow(head)
+    w.writerow(row("k", "sass__inst_executed_per_opcode", "",
+                   "4,500 (LDG: 1,000; IMAD: 3,000; HMMA: 500)"))
+    w.writerow(row("k", "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio", "", "1.5"))
+    w.writerow(row("k", "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+                   "", "2.25"))
+    w.writerow(row("k", "Registers Per Thread", "register/thread", "128"))
+    w.writerow(row("k", "Not Kept", "", "7"))
+  script = os.path.join(REPO, "experiments", "gpu", "ncu_report.py")
+  p = _run([script, "stalls", str(path), "cfg=1", "k"], cwd=str(tmp_path))
+  assert "opcodes (0.00 M): IMAD 0.00M, LDG 0.00M, HMMA 0.00M" in p.stdout
+  assert "stalls (warps a issued instruction, total 3.75): long_scoreboard 2.25, wait 1.50" in p.stdout
+  assert "Registers Per Thread = 128 register/thread" in p.stdout and "Not Kept" not in p.stdout
+  p = _run([script, "opcodes", str(path), "cfg=1"], cwd=str(tmp_path))
+  assert "cfg=1: 0.00 M warp instructions by opcode" in p.stdout
+  assert "IMAD 0.00M, LDG 0.00M, HMMA 0.00M" in p.stdout
+  times = tmp_path / "times.csv"
+  with open(times, "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(head)
+    w.writerow(row("short_kernel", "gpu__time_duration.sum", "ns", "1,000"))
+    w.writerow(row("long.kernel(int)", "gpu__time_duration.sum", "ns", "2,000,000"))
+  p = _run([script, "longest", str(times)], cwd=str(tmp_path))
+  assert p.stdout.strip() == r"long\.kernel"

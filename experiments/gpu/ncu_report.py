@@ -1,0 +1,100 @@
+"""Reads the ncu CSV files of the GPU scripts (opcode_mix.sh, stall_profile.sh) and prints summaries.
+
+  python3 experiments/gpu/ncu_report.py opcodes <csv> <config>           # opcode mix, one launch
+  python3 experiments/gpu/ncu_report.py longest <csv>                    # name of the longest kernel
+  python3 experiments/gpu/ncu_report.py stalls <csv> <config> <kernel>   # stalls, issue, occupancy
+"""
+
+import csv
+import re
+import sys
+
+STALL_PREFIX = "smsp__average_warps_issue_stalled_"
+KEEP = ("Duration", "Registers Per Thread", "Theoretical Occupancy", "Achieved Occupancy",
+        "Block Size", "Grid Size", "Shared Memory Configuration Size",
+        "Dynamic Shared Memory Per Block", "Issued Warp Per Scheduler", "No Eligible",
+        "Active Warps Per Scheduler", "Eligible Warps Per Scheduler",
+        "Warp Cycles Per Issued Instruction", "DRAM Throughput", "Memory Throughput",
+        "Compute (SM) Throughput", "smsp__inst_executed.sum")
+
+
+def read_rows(path):
+  """ncu --csv rows (the header first), without the program's own output lines."""
+  return [r for r in csv.reader(open(path)) if len(r) > 10]
+
+
+def _number(text):
+  return float(text.replace(",", ""))
+
+
+def opcode_counts(value):
+  """sass__inst_executed_per_opcode printed with --print-metric-instances details -> [(count,
+  opcode)], largest first (the "values" form has counts without names)."""
+  pairs = re.findall(r"([A-Z][A-Z0-9_.]+)\s*[:=]?\s*\(?([\d][\d,]*)", value)
+  return sorted(((_number(n), op) for op, n in pairs), reverse=True)
+
+
+def opcodes(path, cfg):
+  rows = read_rows(path)
+  if not rows:
+    print("opcode_mix: no ncu rows; see", path)
+    return
+  head = rows[0]
+  m, v = head.index("Metric Name"), head.index("Metric Value")
+  for r in rows[1:]:
+    if r[m] != "sass__inst_executed_per_opcode":
+      print(f"  {cfg}: {r[m]} = {r[v]}")
+      continue
+    counts = opcode_counts(r[v])
+    total = sum(c for c, _ in counts)
+    print(f"  {cfg}: {total / 1e6:.2f} M warp instructions by opcode")
+    print("   " + ", ".join(f"{op} {c / 1e6:.2f}M" for c, op in counts[:18]))
+    print("   raw:", r[v][:1200])
+
+
+def longest(path):
+  rows = read_rows(path)
+  if len(rows) < 2:
+    return
+  head = rows[0]
+  k, v, u = head.index("Kernel Name"), head.index("Metric Value"), head.index("Metric Unit")
+  ranked = sorted(rows[1:], key=lambda r: _number(r[v]), reverse=True)
+  for r in ranked[:4]:
+    print(f"  longest: {_number(r[v]):,.0f} {r[u]} {r[k][:70]}", file=sys.stderr)
+  print(re.escape(ranked[0][k].split("(")[0][:60]))
+
+
+def stalls(path, cfg, kernel):
+  rows = read_rows(path)
+  if len(rows) < 2:
+    print("stall_profile: no ncu rows; see", path)
+    return
+  head = rows[0]
+  m, v, u = head.index("Metric Name"), head.index("Metric Value"), head.index("Metric Unit")
+  found = []
+  print(f"  {cfg} ({kernel[:40]}):")
+  for r in rows[1:]:
+    name = r[m]
+    if name.startswith(STALL_PREFIX):
+      reason = name[len(STALL_PREFIX):].replace("_per_issue_active.ratio", "")
+      try:
+        found.append((_number(r[v]), reason))
+      except ValueError:
+        pass
+    elif name == "sass__inst_executed_per_opcode":
+      counts = opcode_counts(r[v])
+      print(f"    opcodes ({sum(c for c, _ in counts) / 1e6:.2f} M): "
+            + ", ".join(f"{op} {c / 1e6:.2f}M" for c, op in counts[:14]))
+    elif name in KEEP:
+      print(f"    {name} = {r[v]} {r[u]}")
+  found.sort(reverse=True)
+  total = sum(s for s, _ in found)
+  print(f"    stalls (warps a issued instruction, total {total:.2f}): "
+        + ", ".join(f"{reason} {s:.2f}" for s, reason in found[:10]))
+
+
+if __name__ == "__main__":
+  commands = {"opcodes": opcodes, "longest": longest, "stalls": stalls}
+  if len(sys.argv) < 3 or sys.argv[1] not in commands:
+    sys.exit(__doc__)
+  commands[sys.argv[1]](*sys.argv[2:])
