@@ -191,8 +191,7 @@ def _parse_config(text):
   kw = {}
   for item in filter(None, text.split(";")):
     k, v = item.split("=")
-    flags_ = ("prefetch", "old", "u16pool", "mosaic", "overlap", "fused_prep", "clamp_rows",
-              "peel_tail")
+    flags_ = ("prefetch", "old", "u16pool", "mosaic", "overlap", "fused_prep", "clamp_rows")
     if k in ("precision", "reads", "decode") or (v == "auto" and k in ("block_pages",
                                                                        "combine_unroll")):
       kw[k] = v

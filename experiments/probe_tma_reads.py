@@ -11,14 +11,17 @@ tile `stages` ahead.
 Pallas lowers no reshape of a GMEM ref for a TMA copy ("Non-indexing transforms on GMEM refs are
 not implemented"), so a single head's [tokens, 272 B] rows (token stride 1088 B) cannot be one
 box. The copies therefore move the CONTIGUOUS all-heads span of a tile (the pool viewed as
-[P, page_bytes / 16, 16] lines, boxes of <= 256 lines), as Mosaic v1 does; a v2 kernel would use
-all heads of the span in one CTA.
+[P, page_bytes / L, L] lines of `--line_bytes` L, boxes of <= 256 lines), as Mosaic v1 does with
+L = 16; a v2 kernel would use all heads of the span in one CTA. The line width is the box's inner
+dimension: session 8's first run (S8-1) read only 2.0-2.15 TB/s with 16-byte lines (14 boxes a
+32-token tile), hence the flag.
 
-At the end each CTA copies the first 128 bytes of its last tile's K span back to GMEM; the script
-checks them against the page bytes (compiled and interpreted), so a copy of the wrong page or
-offset fails the run.
+At the end each CTA copies the first max(128, L) bytes of its last tile's K span back to GMEM; the
+script checks them against the page bytes (compiled and interpreted), so a copy of the wrong page
+or offset fails the run.
 
-  python experiments/probe_tma_reads.py --contexts=131072,262144 --stages=2,3,4 --block_tokens=32,64
+  python experiments/probe_tma_reads.py --contexts=131072,262144 --stages=2,3,4 --block_tokens=32,64 \
+      --line_bytes=16,128,256
   python experiments/probe_tma_reads.py --interpret --contexts=512 --page_tokens=64 --head_dim=64
 """
 
@@ -40,6 +43,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from kvjax_pallas.page_layout import PageLayout  # noqa: E402
+from kvjax_pallas.span_attention import kernel_mosaic as _mosaic  # noqa: E402
 
 import probe_common  # noqa: E402  (experiments/, the script's folder)
 from probe_common import time_calls  # noqa: E402
@@ -51,29 +55,48 @@ flags.DEFINE_list("stages", ["2", "4"], "tiles in flight a CTA")
 flags.DEFINE_list("block_tokens", ["32", "64"], "keys a tile (all KV heads)")
 flags.DEFINE_integer("block_pages", 4, "pages a CTA (logical partition)")
 flags.DEFINE_integer("smem_limit", 227 * 1024, "SMEM a CTA may use (bytes); larger configs skipped")
+flags.DEFINE_list("line_bytes", ["16", "128", "256"],
+                  "bytes a line of the pool view: the TMA box's inner dimension")
+flags.DEFINE_list("work", ["copy"], "copy: TMA only; decode: TMA + the Mosaic kernel's window "
+                  "decode of every head (64-token tiles, compiled only)")
+flags.DEFINE_list("consumers", ["1"], "decode mode: warpgroups a CTA decoding (heads round robin)")
+flags.DEFINE_list("unroll", ["0"], "decode mode: 0 = straight-line decode of every block; u = a "
+                  "rolled loop, u blocks a step")
+flags.DEFINE_string("out_dir", "", "where a failed decode check saves its sums (npz)")
 flags.DEFINE_bool("interpret", False, "Mosaic GPU interpreter (CPU): small contexts")
 
-LINE = 16         # bytes a line of the pool view (the TMA granule)
 BOX = 256         # TMA box limit a dimension
-CHECK_LINES = 8   # 128 bytes copied back a CTA
+DECODE_TOKENS = 64  # the decode mode's tile: the WGMMA layout's 64 rows
+_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+CHECK_BYTES = 128  # at least this many bytes copied back a CTA
+
+
+def _check_lines(line: int) -> int:
+  return max(1, CHECK_BYTES // line)
+
+
+def _copy_tile(lines_ref, phys, r, dst, bar, k_lines: int, v_lines: int, v_first: int):
+  """Start the TMA copies of key tile r of page `phys` (its K span, then its V span, in boxes of
+  <= BOX lines) into dst [k_lines + v_lines, L], all arriving on `bar`."""
+  for first, n, dst0 in ((r * k_lines, k_lines, 0), (v_first + r * v_lines, v_lines, k_lines)):
+    for c0 in range(0, n, BOX):
+      c = min(BOX, n - c0)
+      plgpu.copy_gmem_to_smem(lines_ref.at[phys, pl.ds(first + c0, c)],
+                              dst.at[pl.ds(dst0 + c0, c)], bar)
 
 
 def _probe_kernel(tab_ref, lines_ref, out_ref, buf, bars, *, block_pages: int, n_table: int,
-                  tiles_per_page: int, k_lines: int, v_lines: int, v_first: int, stages: int):
-  # tab_ref [T] i32; lines_ref [P, page_lines, 16] u8; out_ref [parts, 8, 16] u8
-  # buf [stages, k_lines + v_lines, 16] u8 SMEM; bars: `stages` barriers
+                  tiles_per_page: int, k_lines: int, v_lines: int, v_first: int, stages: int,
+                  check_lines: int):
+  # tab_ref [T] i32; lines_ref [P, page_lines, L] u8; out_ref [parts, check_lines, L] u8
+  # buf [stages, k_lines + v_lines, L] u8 SMEM; bars: `stages` barriers
   pp = lax.axis_index("p")
   page_lo = pp * block_pages
   n_tiles = (jnp.minimum(page_lo + block_pages, n_table) - page_lo) * tiles_per_page
 
   def issue(i, slot):
-    phys = tab_ref[page_lo + i // tiles_per_page]
-    r = i % tiles_per_page
-    for first, n, dst0 in ((r * k_lines, k_lines, 0), (v_first + r * v_lines, v_lines, k_lines)):
-      for c0 in range(0, n, BOX):
-        c = min(BOX, n - c0)
-        plgpu.copy_gmem_to_smem(lines_ref.at[phys, pl.ds(first + c0, c)],
-                                buf.at[slot, pl.ds(dst0 + c0, c)], bars.at[slot])
+    _copy_tile(lines_ref, tab_ref[page_lo + i // tiles_per_page], i % tiles_per_page,
+               buf.at[slot], bars.at[slot], k_lines, v_lines, v_first)
 
   for s in range(stages):
     pl.when(s < n_tiles)(functools.partial(issue, s, s))
@@ -87,35 +110,248 @@ def _probe_kernel(tab_ref, lines_ref, out_ref, buf, bars, *, block_pages: int, n
   lax.fori_loop(0, n_tiles, body, jnp.int32(0))
   last = (n_tiles - 1) % stages
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(buf.at[last, pl.ds(0, CHECK_LINES)], out_ref.at[pp])
+  plgpu.copy_smem_to_gmem(buf.at[last, pl.ds(0, check_lines)], out_ref.at[pp])
   plgpu.wait_smem_to_gmem(0)
+
+
+def _decode_probe_kernel(tab_ref, lines_ref, out_ref, *scratch, layout: PageLayout,
+                         block_pages: int, tiles_per_page: int, k_lines: int, v_lines: int,
+                         v_first: int, stages: int, consumers: int, unroll: int):
+  # tab_ref [T] i32; lines_ref [P, page_lines, L] u8; out_ref [parts, consumers, 64, 16] f16
+  # scratch: `stages` buffers [k_lines + v_lines, L] u8, `stages` TMA barriers, `stages` "slot
+  # consumed" barriers (one arrival a warpgroup), `consumers` acc buffers SMEM [64, 16] f16.
+  # Every partition has block_pages full pages and a multiple of `stages` tiles (checked by the
+  # caller), so the slots are static: round j consumes tiles j * stages + s in slot s. Warpgroup
+  # w decodes heads w, w + consumers, ... of every tile; warpgroup 0 also issues the copies, a
+  # slot's refill once every warpgroup has arrived on its "consumed" barrier.
+  bufs, bars = scratch[:stages], scratch[stages:2 * stages]
+  frees, accs = scratch[2 * stages:3 * stages], scratch[3 * stages:]
+  ops = _mosaic.ops_for(False)
+  wg = lax.axis_index("wg") if consumers > 1 else 0
+  pp = lax.axis_index("p")
+  page_lo = pp * block_pages
+  n_tiles = block_pages * tiles_per_page
+  bt = layout.page_tokens // tiles_per_page
+
+  def issue(i, slot):
+    _copy_tile(lines_ref, tab_ref[page_lo + i // tiles_per_page], i % tiles_per_page,
+               bufs[slot], bars[slot], k_lines, v_lines, v_first)
+
+  def by_issuer(fn):
+    if consumers == 1:
+      fn()
+    else:
+      pl.when(wg == 0)(fn)
+
+  @by_issuer
+  def _():
+    for s in range(stages):
+      issue(s, s)
+
+  def decode_heads(heads, slot, acc):
+    kview = bufs[slot].at[pl.ds(0, k_lines)].reshape(bt, layout.k_row_bytes)
+    vview = bufs[slot].at[pl.ds(k_lines, v_lines)].reshape(bt, layout.v_row_bytes)
+    for view, kind, head_bytes in ((kview, layout.k_type, layout.k_head_bytes),
+                                   (vview, layout.v_type, layout.v_head_bytes)):
+      if not unroll:                               # every block of every head in line
+        for h in heads:
+          for _, vals in _mosaic.decode_windows(ops, view, kind, None, h * head_bytes):
+            acc = acc + vals
+        continue
+      per = _BLOCK_BYTES[kind]
+      steps = head_bytes // per // unroll          # steps a head
+      stride = consumers * head_bytes              # the warpgroup's next head
+
+      def step(j, acc, view=view, kind=kind, head_bytes=head_bytes, per=per, steps=steps,
+               stride=stride, first=heads[0]):
+        col = first * head_bytes + (j // steps) * stride + (j % steps) * (unroll * per)
+        for _, vals in _mosaic.decode_windows(ops, view, kind, None, col, num_blocks=unroll):
+          acc = acc + vals
+        return acc
+
+      acc = lax.fori_loop(0, len(heads) * steps, step, acc)       # a rolled loop
+    return acc
+
+  groups = [tuple(range(w, layout.num_kv_heads, consumers)) for w in range(consumers)]
+
+  def body(j, acc):
+    for s in range(stages):
+      i = j * stages + s
+      plgpu.barrier_wait(bars[s])
+      if consumers == 1:
+        acc = decode_heads(groups[0], s, acc)
+      else:
+        acc = lax.switch(wg, [functools.partial(decode_heads, g, s) for g in groups], acc)
+        plgpu.barrier_arrive(frees[s])
+
+      def refill(i=i, s=s):
+        if consumers > 1:
+          plgpu.barrier_wait(frees[s])
+        issue(i + stages, s)
+
+      by_issuer(lambda refill=refill, i=i: pl.when(i + stages < n_tiles)(refill))
+    return acc
+
+  acc0 = plgpu.layout_cast(jnp.zeros((bt, 16), jnp.float16), plgpu.Layout.WGMMA)
+  acc = lax.fori_loop(0, n_tiles // stages, body, acc0)
+  for w in range(consumers):
+    @pl.when(wg == w)
+    def _(w=w):
+      accs[w][...] = acc
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(accs[w], out_ref.at[pp, w])
+      plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "block_pages", "stages", "consumers",
+                                             "unroll"))
+def decode_probe(lines, table, *, layout: PageLayout, block_pages: int, stages: int,
+                 consumers: int = 1, unroll: int = 0):
+  """TMA reads + the Mosaic kernel's own window decode (`kernel_mosaic.decode_windows`) of every
+  KV head's K and V rows of each 64-token tile, summed in f16 by `consumers` warpgroups (heads
+  dealt round robin; compiled only: the interpreter runs no layout loads). unroll=0: every block
+  of every head decoded in line (straight-line code, as the Mosaic kernel does); unroll=u > 0: a
+  rolled loop over a warpgroup's heads x blocks, u blocks a step at a dynamic column (less code:
+  S8-6 found 2.88 of 10.65 cycles an issue waiting for instructions).
+  lines [P, page_bytes / L, L] u8, table [T] i32 -> [parts, consumers, 64, 16] f16."""
+  line = lines.shape[-1]
+  bt = DECODE_TOKENS
+  if not line_fits(layout, bt, line):
+    raise ValueError(f"{line}-byte lines do not tile a {bt}-token tile of {layout.describe()}")
+  if layout.num_kv_heads % consumers:
+    raise ValueError(f"{consumers} consumer warpgroups do not divide {layout.num_kv_heads} heads")
+  if unroll < 0 or (unroll and (layout.head_dim // 32) % unroll):
+    raise ValueError(f"unroll={unroll} does not divide the {layout.head_dim // 32} blocks a head")
+  n_table = table.shape[0]
+  tiles_per_page = layout.page_tokens // bt
+  if n_table % block_pages or (block_pages * tiles_per_page) % stages:
+    raise ValueError(f"the decode probe needs whole partitions of whole stages: {n_table} pages "
+                     f"in partitions of {block_pages}, {block_pages * tiles_per_page} tiles a "
+                     f"partition for {stages} stages")
+  parts = n_table // block_pages
+  k_lines = bt * layout.k_row_bytes // line
+  v_lines = bt * layout.v_row_bytes // line
+  kern = functools.partial(
+      _decode_probe_kernel, layout=layout, block_pages=block_pages, tiles_per_page=tiles_per_page,
+      k_lines=k_lines, v_lines=v_lines, v_first=layout.v_offset // line, stages=stages,
+      consumers=consumers, unroll=unroll)
+  kw = dict(num_threads=consumers, thread_name="wg") if consumers > 1 else {}
+  call = plgpu.kernel(
+      kern,
+      out_type=jax.ShapeDtypeStruct((parts, consumers, bt, 16), jnp.float16),
+      scratch_types=([plgpu.SMEM((k_lines + v_lines, line), jnp.uint8)] * stages
+                     + [plgpu.Barrier(num_arrivals=_copies(k_lines) + _copies(v_lines))] * stages
+                     + [plgpu.Barrier(num_arrivals=consumers)] * stages
+                     + [plgpu.SMEM((bt, 16), jnp.float16)] * consumers),
+      grid=(parts,), grid_names=("p",),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      **kw)
+  return call(table, lines)
+
+
+def _window_values(rows: np.ndarray, kind: str, heads: int, head_bytes: int) -> np.ndarray:
+  """numpy: the [windows, ..., tokens, 16] f16 values `decode_windows` yields for every head of
+  [..., tokens, row_bytes] uint8 tiles, in the kernel's order (heads, then blocks, then halves)."""
+  per = _BLOCK_BYTES[kind]
+  out = []
+  for h in range(heads):
+    for b in range(head_bytes // per):
+      base = h * head_bytes + b * per
+      sc = np.ascontiguousarray(rows[..., base:base + 2]).view(np.float16)   # [..., tokens, 1]
+      qs = rows[..., base + 2:base + per]
+      if kind == "q8_0":
+        vals = [qs[..., :16].view(np.int8), qs[..., 16:].view(np.int8)]
+      else:
+        vals = [(qs & 15).astype(np.int16) - 8, (qs >> 4).astype(np.int16) - 8]
+      out += [v.astype(np.float16) * sc for v in vals]
+  return np.stack(out)
+
+
+def expected_decode_sums(pool: np.ndarray, table: np.ndarray, layout: PageLayout,
+                         block_pages: int, consumers: int = 1) -> np.ndarray:
+  """numpy: [parts, consumers, 64, 16] f16 sums of `decode_probe` (warpgroup w's windows: heads
+  w, w + consumers, ... of every tile, partition tiles in logical order, K heads then V heads),
+  f16 adds like the kernel's."""
+  bt = DECODE_TOKENS
+  tpp = layout.page_tokens // bt
+  parts = len(table) // block_pages
+  acc = np.zeros((consumers, parts, bt, 16), np.float16)
+  ko, vo, vf = layout.k_row_bytes, layout.v_row_bytes, layout.v_offset
+  for i in range(block_pages * tpp):
+    pages = pool[table[np.arange(parts) * block_pages + i // tpp]]       # [parts, page_bytes]
+    t0 = (i % tpp) * bt
+    k_rows = pages[:, t0 * ko:(t0 + bt) * ko].reshape(parts, bt, ko)
+    v_rows = pages[:, vf + t0 * vo:vf + (t0 + bt) * vo].reshape(parts, bt, vo)
+    for w in range(consumers):
+      heads = list(range(w, layout.num_kv_heads, consumers))
+      for rows, kind, hb in ((k_rows, layout.k_type, layout.k_head_bytes),
+                             (v_rows, layout.v_type, layout.v_head_bytes)):
+        for h in heads:
+          for win in _window_values(rows[..., h * hb:(h + 1) * hb], kind, 1, hb):
+            acc[w] = (acc[w] + win).astype(np.float16)
+  return acc.transpose(1, 0, 2, 3)
+
+
+def exact_pages(pool: np.ndarray, layout: PageLayout, rng) -> np.ndarray:
+  """Page bytes whose decode sums are exact in f16: every block's scale is 2^-6 and every value
+  is in [-2, 2] (Q8_0 int8s; Q4_0 nibbles 6..10). A partition's f16 sum of 2048 windows then
+  stays a multiple of 2^-6 below 32 in magnitude (far beyond any realistic random walk), so the
+  GPU's sums equal numpy's bit for bit whatever the order of the adds or FMA contraction. The
+  pool is changed in place and returned."""
+  n = layout.page_tokens * layout.num_kv_heads
+  scale = np.frombuffer(np.float16(2.0 ** -6).tobytes(), np.uint8)
+  for off, kind, row in ((0, layout.k_type, layout.k_row_bytes),
+                         (layout.v_offset, layout.v_type, layout.v_row_bytes)):
+    per = _BLOCK_BYTES[kind]
+    span = slice(off, off + layout.page_tokens * row)
+    plane = pool[:, span].reshape(len(pool), n, -1, per)
+    plane[..., :2] = scale
+    if kind == "q8_0":
+      plane[..., 2:] = rng.integers(-2, 3, plane[..., 2:].shape).astype(np.int8).view(np.uint8)
+    else:
+      lo, hi = (rng.integers(6, 11, plane[..., 2:].shape, np.uint8) for _ in range(2))
+      plane[..., 2:] = lo | (hi << 4)
+    pool[:, span] = plane.reshape(len(pool), -1)
+  return pool
 
 
 def _copies(n_lines: int) -> int:
   return -(-n_lines // BOX)
 
 
+def line_fits(layout: PageLayout, block_tokens: int, line: int) -> bool:
+  """Whether a tile's K and V spans and the V plane's offset are whole lines of `line` bytes."""
+  return not (block_tokens * layout.k_row_bytes % line or block_tokens * layout.v_row_bytes % line
+              or layout.v_offset % line or line > BOX)
+
+
 @functools.partial(jax.jit, static_argnames=("layout", "block_pages", "block_tokens", "stages",
                                              "interpret"))
 def probe(lines, table, *, layout: PageLayout, block_pages: int, block_tokens: int, stages: int,
           interpret: bool):
-  """lines [P, page_bytes / 16, 16] u8, table [T] i32 -> [parts, 8, 16] u8 (each CTA's check)."""
+  """lines [P, page_bytes / L, L] u8, table [T] i32 -> [parts, check_lines, L] u8 (each CTA's
+  check)."""
+  line = lines.shape[-1]
+  if not line_fits(layout, block_tokens, line):
+    raise ValueError(f"{line}-byte lines do not tile a {block_tokens}-token tile of "
+                     f"{layout.describe()}")
   n_table = table.shape[0]
   parts = -(-n_table // block_pages)
-  k_lines = block_tokens * layout.k_row_bytes // LINE
-  v_lines = block_tokens * layout.v_row_bytes // LINE
+  k_lines = block_tokens * layout.k_row_bytes // line
+  v_lines = block_tokens * layout.v_row_bytes // line
+  check_lines = _check_lines(line)
   kern = functools.partial(
       _probe_kernel, block_pages=block_pages, n_table=n_table,
       tiles_per_page=layout.page_tokens // block_tokens, k_lines=k_lines, v_lines=v_lines,
-      v_first=layout.v_offset // LINE, stages=stages)
+      v_first=layout.v_offset // line, stages=stages, check_lines=check_lines)
   kw = {}
   if interpret:
     from jax._src.pallas.mosaic_gpu.interpret import params as _ip  # pylint: disable=g-import-not-at-top
     kw["interpret"] = _ip.InterpretGPUParams()
   call = plgpu.kernel(
       kern,
-      out_type=jax.ShapeDtypeStruct((parts, CHECK_LINES, LINE), jnp.uint8),
-      scratch_types=[plgpu.SMEM((stages, k_lines + v_lines, LINE), jnp.uint8),
+      out_type=jax.ShapeDtypeStruct((parts, check_lines, line), jnp.uint8),
+      scratch_types=[plgpu.SMEM((stages, k_lines + v_lines, line), jnp.uint8),
                      plgpu.Barrier(num_arrivals=_copies(k_lines) + _copies(v_lines),
                                    num_barriers=stages)],
       grid=(parts,), grid_names=("p",),
@@ -125,58 +361,86 @@ def probe(lines, table, *, layout: PageLayout, block_pages: int, block_tokens: i
 
 
 def expected(pool: np.ndarray, table: np.ndarray, layout: PageLayout, block_pages: int,
-             block_tokens: int) -> np.ndarray:
-  """numpy: the first 128 bytes of each partition's last tile's K span."""
+             block_tokens: int, line: int) -> np.ndarray:
+  """numpy: the first check_lines lines of each partition's last tile's K span."""
+  check = _check_lines(line) * line
   parts = -(-len(table) // block_pages)
   tiles_per_page = layout.page_tokens // block_tokens
-  out = np.zeros((parts, CHECK_LINES * LINE), np.uint8)
+  out = np.zeros((parts, check), np.uint8)
   for p in range(parts):
     last_page = min((p + 1) * block_pages, len(table)) - 1
     start = (tiles_per_page - 1) * block_tokens * layout.k_row_bytes
-    out[p] = pool[table[last_page], start:start + CHECK_LINES * LINE]
-  return out.reshape(parts, CHECK_LINES, LINE)
+    out[p] = pool[table[last_page], start:start + check]
+  return out.reshape(parts, -1, line)
 
 
 def main(argv):
   del argv
   layout = probe_common.layout_from_flags()
-  if layout.k_row_bytes % LINE or layout.v_row_bytes % LINE or layout.v_offset % LINE:
-    raise SystemExit(f"rows and the V offset must be multiples of {LINE} bytes: {layout.describe()}")
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind}; {layout.describe()}", flush=True)
   rows = []
   for ctx in (int(c) for c in FLAGS.contexts):
     n_pages = ctx // layout.page_tokens
     num_phys = n_pages + 8
-    pool = jax.random.bits(jax.random.PRNGKey(ctx), (num_phys, layout.page_bytes), jnp.uint8)
-    lines = pool.reshape(num_phys, layout.page_bytes // LINE, LINE)
-    table_np = np.random.default_rng(ctx).permutation(num_phys)[:n_pages].astype(np.int32)
+    rng = np.random.default_rng(ctx)
+    pool_np = exact_pages(rng.integers(0, 256, (num_phys, layout.page_bytes), np.uint8), layout,
+                          rng)
+    pool = jnp.asarray(pool_np)
+    table_np = rng.permutation(num_phys)[:n_pages].astype(np.int32)
     table = jnp.asarray(table_np)
     nbytes = ctx * layout.token_bytes
-    pool_np = None
-    for bt in (int(b) for b in FLAGS.block_tokens):
-      for stages in (int(s) for s in FLAGS.stages):
-        smem = stages * bt * layout.token_bytes
-        if layout.page_tokens % bt or smem > FLAGS.smem_limit:
-          print(f"skip block_tokens={bt} stages={stages}: SMEM {smem} B > {FLAGS.smem_limit} "
-                f"or {bt} does not divide {layout.page_tokens}", flush=True)
-          continue
-        fn = functools.partial(probe, lines, table, layout=layout, block_pages=FLAGS.block_pages,
-                               block_tokens=bt, stages=stages, interpret=FLAGS.interpret)
-        if pool_np is None:
-          pool_np = np.asarray(pool)
-        got = np.asarray(fn())
-        if not np.array_equal(got, expected(pool_np, table_np, layout, FLAGS.block_pages, bt)):
-          raise SystemExit(f"TMA probe copied the wrong bytes at {ctx} tokens, block_tokens={bt}, "
-                           f"stages={stages}")
-        iters = 2 if FLAGS.interpret else FLAGS.dispatch_iters
-        t = time_calls(fn, iters, 1 if FLAGS.interpret else FLAGS.rounds)
-        rows.append((ctx, bt, stages, smem, t * 1e6, nbytes / t / 1e9))
-        print(f"tma context={ctx} block_tokens={bt} stages={stages} smem={smem} checked "
-              f"us={t * 1e6:.1f} gbps={nbytes / t / 1e9:.0f}", flush=True)
-  print(f"\n{'ctx':>7} {'BT':>4} {'stages':>6} {'SMEM B':>8} | {'us':>8} {'GB/s':>6}")
-  for ctx, bt, stages, smem, us, gbps in rows:
-    print(f"{ctx:>7} {bt:>4} {stages:>6} {smem:>8} | {us:8.1f} {gbps:6.0f}")
-
+    for line in (int(b) for b in FLAGS.line_bytes):
+      lines = pool.reshape(num_phys, layout.page_bytes // line, line)
+      for work in FLAGS.work:
+        if work == "copy":
+          variants = [(int(b), int(st), 1, 0) for b in FLAGS.block_tokens
+                      for st in FLAGS.stages]
+        else:
+          variants = [(DECODE_TOKENS, int(st), int(c), int(u)) for st in FLAGS.stages
+                      for c in FLAGS.consumers for u in FLAGS.unroll]
+        for bt, stages, consumers, unroll in variants:
+          smem = stages * bt * layout.token_bytes + (
+              consumers * bt * 16 * 2 if work == "decode" else 0)
+          name = (f"{work} line={line} block_tokens={bt} stages={stages} "
+                  f"consumers={consumers} unroll={unroll}")
+          if layout.page_tokens % bt or smem > FLAGS.smem_limit or not line_fits(layout, bt, line):
+            print(f"skip {name}: SMEM {smem} B > {FLAGS.smem_limit}, {bt} does not divide "
+                  f"{layout.page_tokens}, or {line}-byte lines do not tile the tile", flush=True)
+            continue
+          if work == "copy":
+            fn = functools.partial(probe, lines, table, layout=layout,
+                                   block_pages=FLAGS.block_pages, block_tokens=bt,
+                                   stages=stages, interpret=FLAGS.interpret)
+            if not np.array_equal(np.asarray(fn()), expected(pool_np, table_np, layout,
+                                                             FLAGS.block_pages, bt, line)):
+              raise SystemExit(f"TMA probe copied the wrong bytes at {ctx} tokens, {name}")
+          else:
+            fn = functools.partial(decode_probe, lines, table, layout=layout,
+                                   block_pages=FLAGS.block_pages, stages=stages,
+                                   consumers=consumers, unroll=unroll)
+            got = np.asarray(fn())
+            want = expected_decode_sums(pool_np, table_np, layout, FLAGS.block_pages, consumers)
+            if not np.array_equal(got.view(np.uint16), want.view(np.uint16)):
+              same = float(np.mean(got.view(np.uint16) == want.view(np.uint16)))
+              if FLAGS.out_dir:
+                os.makedirs(FLAGS.out_dir, exist_ok=True)
+                np.savez(os.path.join(FLAGS.out_dir,
+                                      f"decode_{ctx}_{line}_{stages}_{consumers}_{unroll}.npz"),
+                         got=got, want=want, table=table_np)
+              print(f"FAILED decode check at {ctx} tokens, {name}: {same:.1%} of the sums "
+                    f"bit-equal (got and want saved under --out_dir)", flush=True)
+              continue
+          iters = 2 if FLAGS.interpret else FLAGS.dispatch_iters
+          t = time_calls(fn, iters, 1 if FLAGS.interpret else FLAGS.rounds)
+          rows.append((ctx, work, line, bt, stages, consumers, unroll, smem, t * 1e6,
+                       nbytes / t / 1e9))
+          print(f"tma context={ctx} {name} smem={smem} checked us={t * 1e6:.1f} "
+                f"gbps={nbytes / t / 1e9:.0f}", flush=True)
+  print(f"\n{'ctx':>7} {'work':>6} {'line':>5} {'BT':>4} {'stages':>6} {'WGs':>3} {'unroll':>6} "
+        f"{'SMEM B':>8} | {'us':>8} {'GB/s':>6}")
+  for ctx, work, line, bt, stages, consumers, unroll, smem, us, gbps in rows:
+    print(f"{ctx:>7} {work:>6} {line:>5} {bt:>4} {stages:>6} {consumers:>3} {unroll:>6} "
+          f"{smem:>8} | {us:8.1f} {gbps:6.0f}")
 
 if __name__ == "__main__":
   app.run(main)

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kvjax import config as config_lib
 from kvjax.streaming import fit_split
 from kvjax_pallas.page_layout import PageLayout
@@ -159,14 +161,74 @@ def test_probe_page_reads_smoke(tmp_path):
 
 def test_probe_tma_reads_smoke(tmp_path):
   """The TMA read-ceiling probe (Mosaic GPU) runs in the Mosaic GPU interpreter: every CTA's last
-  tile lands in SMEM from the right page and offset (its first 128 bytes, copied back, equal the
-  page bytes), for two tile sizes and pipeline depths, with a partial last partition."""
+  tile lands in SMEM from the right page and offset (its first bytes, copied back, equal the page
+  bytes), for two line widths (the TMA box's inner dimension), tile sizes and pipeline depths,
+  with a partial last partition."""
   p = _run([os.path.join(REPO, "experiments", "probe_tma_reads.py"), "--interpret",
             "--contexts=512", "--page_tokens=64", "--head_dim=64", "--kv_heads=4",
-            "--block_pages=3", "--block_tokens=16,32", "--stages=2,3"], cwd=str(tmp_path),
+            "--block_pages=3", "--block_tokens=16,32", "--stages=2,3", "--line_bytes=16,256"],
+           cwd=str(tmp_path),
            timeout=300)
   checked = [l for l in p.stdout.splitlines() if l.startswith("tma ") and " checked " in l]
-  assert len(checked) == 4, p.stdout
+  assert len(checked) == 8, p.stdout
+  assert sorted({l.split()[3] for l in checked}) == ["line=16", "line=256"], checked
+
+
+def _import_experiment(name):
+  import importlib  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, os.path.join(REPO, "experiments"))
+  try:
+    return importlib.import_module(name)
+  finally:
+    sys.path.pop(0)
+
+
+def test_probe_tma_decode_sums():
+  """The TMA probe's decode mode (compiled only) is checked on the GPU against
+  `expected_decode_sums`, bit for bit: on `exact_pages` every f16 sum is exact. Here those numpy
+  sums equal ggml_codec's dequant summed in float64 over the same windows (every head, K and V, 16
+  dims a window), also split by warpgroup (heads round robin); the same pages read with the wrong
+  row geometry give other sums. The decode kernel lowers for "cuda" at the 27B page geometry with
+  256-byte lines, with 1, 2 and 4 consumer warpgroups, straight-line and rolled; a roll that does
+  not divide a head's blocks is refused by name."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from kvjax_pallas import ggml_codec  # pylint: disable=import-outside-toplevel
+  probe = _import_experiment("probe_tma_reads")
+  layout = PageLayout(2, 64, "q8_0", "q4_0", 128)
+  rng = np.random.default_rng(5)
+  pool = probe.exact_pages(rng.integers(0, 256, (6, layout.page_bytes), np.uint8), layout, rng)
+  table = np.array([4, 1, 5, 0], np.int32)
+  got = probe.expected_decode_sums(pool, table, layout, block_pages=2)[:, 0]
+  by_wg = probe.expected_decode_sums(pool, table, layout, block_pages=2, consumers=2)
+  want = np.zeros((2, 64, 16))
+  want_wg = np.zeros((2, 2, 64, 16))
+  for p in range(2):
+    for page in table[2 * p:2 * p + 2]:
+      k = np.asarray(ggml_codec.decode_rows(
+          jnp.asarray(pool[page, :layout.k_plane_bytes].reshape(128, -1)), "q8_0", 2))
+      v = np.asarray(ggml_codec.decode_rows(jnp.asarray(
+          pool[page, layout.v_offset:layout.v_offset + layout.v_plane_bytes].reshape(128, -1)),
+          "q4_0", 2))
+      for x in (k, v):                                   # [tokens, heads, 64]
+        w = x.astype(np.float64).reshape(2, 64, 2, 4, 16)  # [tile, token, head, window, 16]
+        want[p] += w.sum(axis=(0, 2, 3))
+        want_wg[p] += w.sum(axis=(0, 3)).transpose(1, 0, 2)  # warpgroup w: head w
+  assert np.abs(want).max() > 0.1
+  np.testing.assert_array_equal(got.astype(np.float64), want)
+  np.testing.assert_array_equal(by_wg.astype(np.float64), want_wg)
+  other = probe.expected_decode_sums(pool, table, PageLayout(1, 64, "q8_0", "q4_0", 128), 2)
+  assert not np.array_equal(other[:, 0], got)
+  big = PageLayout(4, 256, "q8_0", "q4_0", 256)
+  lines = jax.ShapeDtypeStruct((520, big.page_bytes // 256, 256), jnp.uint8)
+  for consumers, unroll in ((1, 0), (4, 0), (1, 2), (2, 1)):
+    jax.jit(lambda a, b, c=consumers, u=unroll: probe.decode_probe(
+        a, b, layout=big, block_pages=4, stages=2, consumers=c, unroll=u)).trace(
+            lines, jax.ShapeDtypeStruct((512,), jnp.int32)).lower(lowering_platforms=("cuda",))
+  with pytest.raises(ValueError, match="unroll=3 does not divide the 8 blocks a head"):
+    probe.decode_probe(jnp.zeros((8, big.page_bytes // 256, 256), jnp.uint8),
+                       jnp.zeros((4,), jnp.int32), layout=big, block_pages=4, stages=2, unroll=3)
 
 
 def test_ncu_report_summaries(tmp_path):

@@ -140,17 +140,20 @@ class TestSpanAttention:
   @pytest.mark.parametrize("rows", [1, 6])
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
   def test_combine_tiles_same_bits(self, impl, rows):
-    """Other combine tiles (columns, warps) and load groups change no bit: the combine is
+    """Other combine tiles (rows, columns, warps) and load groups change no bit: the combine is
     elementwise per row and folds in logical order whatever it loads at once."""
     from kvjax_pallas.span_attention import kernel_triton
     hist, q, q_pos, args, kw = self._ring_case(seed=37, rows=rows, wrap=2)
     base = np.asarray(kernel_triton.span_attention_triton(*args, **kw))
     for extra in (dict(combine_cols=16, combine_warps=1), dict(combine_cols=64),
+                  dict(combine_rows=1), dict(combine_rows=1, combine_cols=64, combine_warps=2),
                   dict(combine_unroll=8), dict(combine_unroll=16), dict(combine_unroll=32)):
       np.testing.assert_array_equal(base, np.asarray(kernel_triton.span_attention_triton(
           *args, **extra, **kw)), err_msg=str(extra))
     with pytest.raises(ValueError, match="combine_cols must be a power of two dividing"):
       kernel_triton.span_attention_triton(*args, combine_cols=24, **kw)
+    with pytest.raises(ValueError, match="combine_rows must be a power of two <= .*got 3"):
+      kernel_triton.span_attention_triton(*args, combine_rows=3, **kw)
     with pytest.raises(ValueError, match="combine_unroll must be a multiple of 8 or 'auto', got 12"):
       kernel_triton.span_attention_triton(*args, combine_unroll=12, **kw)
 
@@ -197,30 +200,6 @@ class TestSpanAttention:
     clamped = np.asarray(kernel_triton.span_attention_triton(*args, clamp_rows=True, **extra, **kw))
     assert np.isfinite(masked).all()
     np.testing.assert_array_equal(masked, clamped)
-
-  @pytest.mark.parametrize("pair,rows,extra", [(PAIRS[0], 1, {}), (PAIRS[0], 6, {}),
-                                               (PAIRS[0], "prefill", {}),
-                                               (PAIRS[0], 1, dict(clamp_rows=False)),
-                                               (PAIRS[2], 5, {})])
-  @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
-  def test_peel_tail_same_bits(self, impl, pair, rows, extra):
-    """peel_tail=True (full key tiles with plain loads, only the partial last tile masked or
-    clamped) gives the default's bits, on a history with a partial last page (rows past it
-    poisoned with 0xFF, so a plain load that reached them would show as NaN) and on one cut to
-    whole pages (no partial tile at all). With prefetch it is refused by name."""
-    from kvjax_pallas.span_attention import kernel_triton
-    hist, q, _, args, kw = self._ring_case(seed=47, rows=rows, wrap=2, pair=pair)
-    args = self._poison_past_history(hist, args, kw["layout"])
-    pt = kw["layout"].page_tokens
-    whole = (hist.tokens - 1) // pt * pt       # the history cut to whole pages
-    q_whole = jnp.asarray(np.asarray(args[4]) - (hist.tokens - whole))
-    for case in (args, (args[0], args[1], args[2], whole, q_whole)):
-      base = np.asarray(kernel_triton.span_attention_triton(*case, **extra, **kw))
-      peeled = np.asarray(kernel_triton.span_attention_triton(*case, peel_tail=True, **extra, **kw))
-      assert np.isfinite(base).all()
-      np.testing.assert_array_equal(base, peeled)
-    with pytest.raises(ValueError, match="peel_tail=True does not combine with prefetch=True"):
-      kernel_triton.span_attention_triton(*args, peel_tail=True, prefetch=True, **kw)
 
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
   def test_row_blocks(self, impl):

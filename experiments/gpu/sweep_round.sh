@@ -13,7 +13,7 @@ i=0; args=()
 run_bench() {
   i=$((i + 1))
   python3 experiments/bench_span_attention.py --out_dir=$OUT/run$i "${args[@]}" 2>&1 \
-    | tee $OUT/bench$i.log | grep -E "^kind=(sweep|main|copy)|failed|budget" | sed 's/^kind=//'
+    | tee $OUT/bench$i.log | grep --line-buffered -E "^kind=(sweep|main|copy)|failed|budget" | sed -u "s/^kind=//"
   args=()
 }
 [ "${1:-}" == "--" ] && shift

@@ -69,7 +69,10 @@ Not done in v1 (TODO):
   together and hit L2 is not checked), in 16-byte-wide TMA boxes (17 for K,
   9 for V a tile). Alternatives: one program per partition serving all heads
   (contiguous 128-byte-wide boxes), or a strided TMA descriptor through
-  `plgpu.inline_mgpu`;
+  `plgpu.inline_mgpu`. Measured with `experiments/probe_tma_reads.py` (session 8,
+  docs/PERFORMANCE.md S8-1/2): 16-byte boxes read at most 2.0-2.15 TB/s, 128- or
+  256-byte boxes 4.0-4.3 TB/s; and this window decode (`decode_windows`) alone
+  stops at 2.1-2.2 TB/s with 4 warpgroups (S8-5);
 * every SMEM store gets Pallas's automatic warpgroup barriers (before and
   after); P^T goes through SMEM for the PV wgmma;
 * K/V decoded through SMEM, not straight into wgmma register operands;
@@ -199,40 +202,59 @@ class _Ops:
     return plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=_ROW_LAYOUT)
 
 
+def ops_for(interpret: bool) -> _Ops:
+  """The kernel pieces' operations (`decode_windows`) for the compiled lowering or the
+  interpreter."""
+  return _Ops(interpret)
+
+
 def _magic(bits, offset: float):
   """Small non-negative ints (uint16) -> f16 `value - offset` exactly (0x6400 | v is 1024 + v)."""
   return lax.bitcast_convert_type(bits | jnp.uint16(0x6400), jnp.float16) - jnp.float16(offset)
 
 
-def _decode_head(ops: _Ops, raw, dst, kind: str, valid_rows):
-  """raw SMEM [BT, >= head_bytes] uint8 (one head's rows at column 0) -> dst SMEM [BT, 256] f16.
+def decode_windows(ops: _Ops, raw, kind: str, valid_rows=None, head_col=0,
+                   num_blocks: int = HEAD_DIM // BLOCK):
+  """Yield (first head dim, f16 [BT, 16] values) of one head's rows, 16 dims at a time.
 
-  valid_rows: [BT] bool (row layout); invalid rows get a zero scale (exact zeros). Columns come
-  out in head-dim order. The quants are read as [BT, 16]-byte windows in the WGMMA layout (two
-  consecutive bytes a thread: 2-byte loads, and every ggml block starts at an even byte). A
-  16-bit WGMMA-layout load would go through ldmatrix, which needs 16-byte-aligned rows: the
-  blocks of a head row (34 / 18 bytes) do not start there (CUDA_ERROR_MISALIGNED_ADDRESS on the
-  H200 with the first, uint16 version).
+  raw SMEM [BT, >= head_col + head_bytes] uint8: the head's row of token t is bytes
+  [head_col, head_col + head_bytes) of row t; head_col may be traced (a dynamic column).
+  num_blocks: the ggml blocks to decode from head_col on (all of a head by default; a rolled loop
+  decodes a few a step). valid_rows: [BT] bool (row layout) or None (all valid); invalid rows get
+  a zero scale (exact zeros). The windows come in head-dim order.
+  The quants are read as [BT, 16]-byte windows in the WGMMA layout (two consecutive bytes a
+  thread: 2-byte loads, and every ggml block starts at an even byte). A 16-bit WGMMA-layout load
+  would go through ldmatrix, which needs 16-byte-aligned rows: the blocks of a head row (34 / 18
+  bytes) do not start there (CUDA_ERROR_MISALIGNED_ADDRESS on the H200 with the first, uint16
+  version).
   """
   bt = raw.shape[0]
   per = _BLOCK_BYTES[kind]
   wgmma = plgpu.Layout.WGMMA
-  for b in range(HEAD_DIM // BLOCK):
-    base = b * per
+  for b in range(num_blocks):
+    base = head_col + b * per
     lo = ops.load(raw, (slice(None), base), _ROW_LAYOUT).astype(jnp.uint16)
     hi = ops.load(raw, (slice(None), base + 1), _ROW_LAYOUT).astype(jnp.uint16)
     sc = lax.bitcast_convert_type(lo | (hi << jnp.uint16(8)), jnp.float16)
-    sc = jnp.where(valid_rows, sc, jnp.float16(0))
+    if valid_rows is not None:
+      sc = jnp.where(valid_rows, sc, jnp.float16(0))
     scb = lax.broadcast_in_dim(sc, (bt, 16), (0,))
     if kind == "q8_0":        # values 0-15 and 16-31: int8 = (byte ^ 0x80) - 128
       for half in range(2):
         x = ops.load(raw, (slice(None), pl.ds(base + 2 + 16 * half, 16)), wgmma)
         x = (x ^ jnp.uint8(0x80)).astype(jnp.uint16)
-        dst[:, pl.ds(b * BLOCK + 16 * half, 16)] = _magic(x, 1152.0) * scb
+        yield b * BLOCK + 16 * half, _magic(x, 1152.0) * scb
     else:                     # q4_0: value j = (qs[j] & 15) - 8, value 16 + j = (qs[j] >> 4) - 8
       x = ops.load(raw, (slice(None), pl.ds(base + 2, 16)), wgmma).astype(jnp.uint16)
-      dst[:, pl.ds(b * BLOCK, 16)] = _magic(x & jnp.uint16(0xF), 1032.0) * scb
-      dst[:, pl.ds(b * BLOCK + 16, 16)] = _magic(x >> jnp.uint16(4), 1032.0) * scb
+      yield b * BLOCK, _magic(x & jnp.uint16(0xF), 1032.0) * scb
+      yield b * BLOCK + 16, _magic(x >> jnp.uint16(4), 1032.0) * scb
+
+
+def _decode_head(ops: _Ops, raw, dst, kind: str, valid_rows):
+  """raw SMEM [BT, >= head_bytes] uint8 (one head's rows at column 0) -> dst SMEM [BT, 256] f16,
+  columns in head-dim order (`decode_windows`)."""
+  for c0, vals in decode_windows(ops, raw, kind, valid_rows):
+    dst[:, pl.ds(c0, 16)] = vals
 
 
 def _tile_scores(ops: _Ops, k_f16, qt_s, t0, tok_end, qcol, sm_scale: float, n: int):

@@ -315,10 +315,6 @@ class TileConfig:
   # masking every load (no per-element predicate; masked keys still get -inf scores). Default:
   # measured faster on the H200 (session 7, S7-1: span kernel 171.1 -> 165.4 us at 128K S=1)
   clamp_rows: bool = True
-  # peel_tail: the loop over a partition's key tiles runs its FULL tiles with plain loads (no
-  # mask, no clamp: every row is in range) and only the last, partial tile (if any) through the
-  # masked / clamped loads; the same values, a second copy of the tile code in the kernel
-  peel_tail: bool = False
 
 
 def select_path(num_tokens: int) -> str:
@@ -338,8 +334,7 @@ def tile_config(num_tokens: int, group: int, page_tokens: int, path: Optional[st
                 block_tokens: Optional[int] = None, num_warps: Optional[int] = None,
                 num_stages: Optional[int] = None, prefetch: Optional[bool] = None,
                 reads: Optional[str] = None, block_rows: Optional[int] = None,
-                decode: Optional[str] = None, clamp_rows: Optional[bool] = None,
-                peel_tail: Optional[bool] = None) -> TileConfig:
+                decode: Optional[str] = None, clamp_rows: Optional[bool] = None) -> TileConfig:
   """Tile sizes of a path. `group` = query heads per KV head (rows per token).
 
   block_rows: folded query rows per program (a power of two >= 16); rows past it go to more
@@ -373,12 +368,9 @@ def tile_config(num_tokens: int, group: int, page_tokens: int, path: Optional[st
   decode = decode or DEFAULT_DECODE
   if decode not in DECODES:
     raise ValueError(f"unknown decode {decode!r}; choose one of {DECODES}")
-  pf = pf if prefetch is None else bool(prefetch)
-  if peel_tail and pf:
-    raise ValueError("peel_tail=True does not combine with prefetch=True (the prefetching loop "
-                     "loads tile i+1 before it knows whether it is the tail); use one of them")
-  return TileConfig(path, bm, bt, num_warps or nw, num_stages or ns, pf, reads, decode,
-                    True if clamp_rows is None else bool(clamp_rows), bool(peel_tail))
+  return TileConfig(path, bm, bt, num_warps or nw, num_stages or ns,
+                    pf if prefetch is None else bool(prefetch), reads, decode,
+                    True if clamp_rows is None else bool(clamp_rows))
 
 
 # Partition size ("auto" block_pages). CTAs an SM holds, by ncu on the H200 (132 SMs): the
@@ -737,17 +729,14 @@ def _span_kernel(*refs, layout: PageLayout, cfg: TileConfig, block_pages: int, n
   t_iota = lax.broadcasted_iota(jnp.int32, (bt, 1), 0)
   tk_iota = lax.broadcasted_iota(jnp.int32, (1, bt), 1)
 
-  def load_tile(i, full: bool = False):
-    """Raw pieces of key tile i (masked off past the causal end; full=True: a tile known to end
-    at or before tok_hi, read with plain loads)."""
+  def load_tile(i):
+    """Raw pieces of key tile i (masked off past the causal end)."""
     t0 = tok_lo + i * bt
     lp = jnp.minimum(t0 // pt, n_table - 1)
     phys = jnp.clip(tab_ref[lp], 0, num_phys - 1)
     in_page = t0 - (t0 // pt) * pt + t_iota               # [BT, 1] token row within the page
     valid = (t0 + t_iota) < tok_hi
-    if full:
-      valid = None
-    elif cfg.clamp_rows:   # rows past tok_hi re-read the last row it may read (in-page, finite)
+    if cfg.clamp_rows:   # rows past tok_hi re-read the last row it may read (in-page, finite)
       last = jnp.clip(tok_hi - 1 - (t0 // pt) * pt, 0, pt - 1)
       in_page = jnp.minimum(in_page, last)
       valid = None
@@ -799,11 +788,6 @@ def _span_kernel(*refs, layout: PageLayout, cfg: TileConfig, block_pages: int, n
       m_i, l_i, accs = compute(i, raw, m_i, l_i, accs)
       return m_i, l_i, accs, nxt
     m_f, l_f, accs, _ = lax.fori_loop(0, n_tiles, body, init + (load_tile(0),))
-  elif cfg.peel_tail:
-    n_full = jnp.maximum(tok_hi - tok_lo, 0) // bt        # tiles whose rows all precede tok_hi
-    state = lax.fori_loop(0, n_full, lambda i, c: compute(i, load_tile(i, full=True), *c), init)
-    m_f, l_f, accs = lax.fori_loop(n_full, n_tiles, lambda i, c: compute(i, load_tile(i), *c),
-                                   state)                 # the partial tail: 0 or 1 tile
   else:
     def body(i, carry):
       return compute(i, load_tile(i), *carry)
@@ -929,8 +913,8 @@ def halfword_view(pool_pn):
 @functools.partial(jax.jit, static_argnames=(
     "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "precision", "path",
     "block_tokens", "num_warps", "num_stages", "prefetch", "reads", "block_rows", "decode",
-    "clamp_rows", "peel_tail",
-    "combine_cols", "combine_warps", "combine_unroll", "fused_prep"))
+    "clamp_rows",
+    "combine_cols", "combine_rows", "combine_warps", "combine_unroll", "fused_prep"))
 def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry: _ref.Carry,
                                   tile_begin, tile_end, *, layout: PageLayout, num_q_heads: int,
                                   block_pages: int = 1, sm_scale: Optional[float] = None,
@@ -943,14 +927,18 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                   block_rows: Optional[int] = None,
                                   decode: Optional[str] = None,
                                   combine_cols: Optional[int] = None,
-                                  combine_warps: int = 4,
+                                  combine_rows: Optional[int] = None,
+                                  combine_warps: Optional[int] = None,
                                   combine_unroll: Union[int, str] = "auto",
                                   fused_prep: Optional[bool] = None,
-                                  clamp_rows: Optional[bool] = None,
-                                  peel_tail: Optional[bool] = None) -> _ref.Carry:
+                                  clamp_rows: Optional[bool] = None) -> _ref.Carry:
   """Kernel version of `reference.span_attention_partial_reference` (same contract).
 
   carry=None: a fresh call (the empty carry, not read from memory: the same bits).
+  combine_rows / combine_cols / combine_warps: the combine's tile (rows x V columns a program) and
+  warps. combine_rows None: the real rows rounded up to a power of two, at most the span tile's
+  row block; combine_warps None: one warp a 64 elements of the tile, 1 to 4. The tiling changes no
+  bit (the fold is elementwise per row, in logical order).
   combine_unroll: partitions the combine loads at once, one group ahead of the fold: a multiple of
   8, or "auto" (`combine_unroll_for`: 32 for decode, fewer where the row block is larger). Larger
   groups hide more of the load latency of its serial chain (S6-1: 19.9 -> 15.7 us at 128
@@ -965,16 +953,15 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
   finite data) instead of masked loads, so no load carries a per-element predicate. Masked keys
   still get -inf scores and zero weights: the same bits (test_clamp_rows_same_bits). Measured
   (S7-1, 128K S=1): span kernel 171.1 -> 165.4 us; the 3.75 M ISETP became 3.56 M VIMNMX.
-  peel_tail=True (opt-in, CPU-verified, NOT yet run on a GPU; not with prefetch): full key tiles
-  load with neither masks nor the clamp, only a partition's partial last tile takes them. At 128K
-  every tile of the bench is full, so the clamp's 3.56 M VIMNMX (one a load) would go. Same bits.
+  (A `peel_tail` option, full tiles with plain loads and only the partial tail clamped, was
+  measured 1.5x slower in session 8 and removed: docs/DESIGN.md, "peel_tail".)
   """
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads
   check_call(q_shd, pool_pn, layout, num_q_heads, block_pages, check_layout)
   r = h // g
   cfg = tile_config(s_tok, r, layout.page_tokens, path, block_tokens, num_warps, num_stages,
-                    prefetch, reads, block_rows, decode, clamp_rows, peel_tail)
+                    prefetch, reads, block_rows, decode, clamp_rows)
   plan = _operand_plan(precision, layout, interpret)
   scale = (1.0 / d ** 0.5) if sm_scale is None else sm_scale
   bm = cfg.block_rows
@@ -990,6 +977,13 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
   if combine_cols < 1 or combine_cols & (combine_cols - 1) or vc % combine_cols:
     raise ValueError(f"combine_cols must be a power of two dividing {vc}, got {combine_cols}")
   c_rows = min(bm, _next_pow2(rows))             # the combine's row block (real rows only)
+  if combine_rows is not None:
+    if combine_rows < 1 or combine_rows & (combine_rows - 1) or combine_rows > c_rows:
+      raise ValueError(f"combine_rows must be a power of two <= {c_rows} (the rows rounded up to "
+                       f"a power of two, at most the row block {bm}), got {combine_rows}")
+    c_rows = combine_rows
+  if combine_warps is None:
+    combine_warps = int(min(4, max(1, c_rows * combine_cols // 64)))
   n_parts = -(-max(n_table, 1) // block_pages)
   if combine_unroll == "auto":
     unroll = combine_unroll_for(c_rows, combine_cols, n_parts)
