@@ -23,6 +23,17 @@ def layout_from_flags() -> PageLayout:
   return PageLayout(f.kv_heads, f.head_dim, "q8_0", "q4_0", f.page_tokens)
 
 
+def contexts(layout: PageLayout):
+  """Print the run's header; yield (context tokens, pages, physical pages, bytes a call reads)
+  of each `--contexts` entry. The pool has 8 pages more than the history, so a random page
+  table is a permutation that skips some."""
+  import jax  # pylint: disable=import-outside-toplevel
+  print(f"jax {jax.__version__} {jax.devices()[0].device_kind}; {layout.describe()}", flush=True)
+  for ctx in (int(c) for c in flags.FLAGS.contexts):
+    n_pages = ctx // layout.page_tokens
+    yield ctx, n_pages, n_pages + 8, ctx * layout.token_bytes
+
+
 def time_calls(fn, iters: int, rounds: int) -> float:
   """Median seconds a call of `fn()` (no arguments), `iters` calls queued a round, after one
   warm-up call (compile)."""

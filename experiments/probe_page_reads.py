@@ -135,15 +135,11 @@ def expected_load_sums(pool_u16: np.ndarray, table: np.ndarray, layout: PageLayo
 def main(argv):
   del argv
   layout = probe_common.layout_from_flags()
-  print(f"jax {jax.__version__} {jax.devices()[0].device_kind}; {layout.describe()}", flush=True)
   rows = []
-  for ctx in (int(c) for c in FLAGS.contexts):
-    n_pages = ctx // layout.page_tokens
-    num_phys = n_pages + 8
+  for ctx, n_pages, num_phys, nbytes in probe_common.contexts(layout):
     key = jax.random.PRNGKey(ctx)
     pool = jax.random.bits(key, (num_phys, layout.page_bytes // 2), jnp.uint16)
     table = jnp.asarray(np.random.default_rng(ctx).permutation(num_phys)[:n_pages], jnp.int32)
-    nbytes = ctx * layout.token_bytes
     for reads in FLAGS.reads:
       for mode in FLAGS.modes:
         fn = functools.partial(probe, pool, table, layout=layout, block_pages=FLAGS.block_pages,

@@ -377,18 +377,14 @@ def expected(pool: np.ndarray, table: np.ndarray, layout: PageLayout, block_page
 def main(argv):
   del argv
   layout = probe_common.layout_from_flags()
-  print(f"jax {jax.__version__} {jax.devices()[0].device_kind}; {layout.describe()}", flush=True)
   rows = []
-  for ctx in (int(c) for c in FLAGS.contexts):
-    n_pages = ctx // layout.page_tokens
-    num_phys = n_pages + 8
+  for ctx, n_pages, num_phys, nbytes in probe_common.contexts(layout):
     rng = np.random.default_rng(ctx)
     pool_np = exact_pages(rng.integers(0, 256, (num_phys, layout.page_bytes), np.uint8), layout,
                           rng)
     pool = jnp.asarray(pool_np)
     table_np = rng.permutation(num_phys)[:n_pages].astype(np.int32)
     table = jnp.asarray(table_np)
-    nbytes = ctx * layout.token_bytes
     for line in (int(b) for b in FLAGS.line_bytes):
       lines = pool.reshape(num_phys, layout.page_bytes // line, line)
       for work in FLAGS.work:
