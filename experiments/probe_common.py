@@ -9,13 +9,27 @@ from absl import flags
 from kvjax_pallas.page_layout import PageLayout
 
 
-def define_flags():
-  """Page geometry (Q8_0 K / Q4_0 V pages) and timing flags of a probe."""
-  flags.DEFINE_integer("kv_heads", 4, "KV heads")
-  flags.DEFINE_integer("head_dim", 256, "head dim")
-  flags.DEFINE_integer("page_tokens", 256, "tokens per page")
-  flags.DEFINE_integer("dispatch_iters", 50, "dependent calls a round")
-  flags.DEFINE_integer("rounds", 5, "rounds (median)")
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}   # bytes a ggml block of 32 values (f16 scale first)
+
+
+def define_flags(contexts=("131072", "262144"), stages=None):
+  """The probes' shared flags: page geometry (Q8_0 K / Q4_0 V pages), contexts, partition size,
+  interpreter and timing; `stages` (tiles in flight) where the probe pipelines. A flag another
+  probe already defined in this process (a test importing two probes) is kept as it is."""
+  def once(define, name, *args):
+    if name not in flags.FLAGS:
+      define(name, *args)
+
+  once(flags.DEFINE_integer, "kv_heads", 4, "KV heads")
+  once(flags.DEFINE_integer, "head_dim", 256, "head dim")
+  once(flags.DEFINE_integer, "page_tokens", 256, "tokens per page")
+  once(flags.DEFINE_list, "contexts", list(contexts), "history tokens")
+  once(flags.DEFINE_integer, "block_pages", 4, "pages a program / CTA (logical partition)")
+  once(flags.DEFINE_bool, "interpret", False, "interpreter (CPU): small contexts, results checked")
+  once(flags.DEFINE_integer, "dispatch_iters", 50, "dependent calls a round")
+  once(flags.DEFINE_integer, "rounds", 5, "rounds (median)")
+  if stages is not None:
+    once(flags.DEFINE_list, "stages", list(stages), "tiles in flight a CTA")
 
 
 def layout_from_flags() -> PageLayout:
@@ -45,3 +59,50 @@ def time_calls(fn, iters: int, rounds: int) -> float:
     outs[-1].block_until_ready()
     ts.append((time.perf_counter() - t) / iters)
   return float(np.median(ts))
+
+
+def exact_pool(ctx: int, layout: PageLayout, num_phys: int, n_pages: int):
+  """(pool [num_phys, page_bytes] uint8 of `exact_pages`, page table [n_pages] int32: a random
+  permutation), numpy, seeded by the context."""
+  rng = np.random.default_rng(ctx)
+  pool = exact_pages(rng.integers(0, 256, (num_phys, layout.page_bytes), np.uint8), layout, rng)
+  return pool, rng.permutation(num_phys)[:n_pages].astype(np.int32)
+
+
+def timed(fn, nbytes: int, label: str, fields: tuple, rows: list) -> None:
+  """Time `fn()` (`time_calls`: 2 calls in the interpreter), append fields + (us, GB/s) to rows
+  and print `label us=... gbps=...`."""
+  f = flags.FLAGS
+  t = time_calls(fn, 2 if f.interpret else f.dispatch_iters, 1 if f.interpret else f.rounds)
+  rows.append(tuple(fields) + (t * 1e6, nbytes / t / 1e9))
+  print(f"{label} us={t * 1e6:.1f} gbps={nbytes / t / 1e9:.0f}", flush=True)
+
+
+def print_table(names, rows) -> None:
+  """The closing table: the given columns, then us and GB/s."""
+  print("\n" + " ".join(f"{n:>7}" for n in names) + f" | {'us':>8} {'GB/s':>6}")
+  for r in rows:
+    print(" ".join(f"{x:>7}" for x in r[:-2]) + f" | {r[-2]:8.1f} {r[-1]:6.0f}")
+
+
+def exact_pages(pool: np.ndarray, layout: PageLayout, rng) -> np.ndarray:
+  """Page bytes whose decode sums are exact in f16: every block's scale is 2^-6 and every value
+  is in [-2, 2] (Q8_0 int8s; Q4_0 nibbles 6..10). A partition's f16 sum of 2048 windows then
+  stays a multiple of 2^-6 below 32 in magnitude (far beyond any realistic random walk), so the
+  GPU's sums equal numpy's bit for bit whatever the order of the adds or FMA contraction. The
+  pool is changed in place and returned."""
+  n = layout.page_tokens * layout.num_kv_heads
+  scale = np.frombuffer(np.float16(2.0 ** -6).tobytes(), np.uint8)
+  for off, kind, row in ((0, layout.k_type, layout.k_row_bytes),
+                         (layout.v_offset, layout.v_type, layout.v_row_bytes)):
+    per = BLOCK_BYTES[kind]
+    span = slice(off, off + layout.page_tokens * row)
+    plane = pool[:, span].reshape(len(pool), n, -1, per)
+    plane[..., :2] = scale
+    if kind == "q8_0":
+      plane[..., 2:] = rng.integers(-2, 3, plane[..., 2:].shape).astype(np.int8).view(np.uint8)
+    else:
+      lo, hi = (rng.integers(6, 11, plane[..., 2:].shape, np.uint8) for _ in range(2))
+      plane[..., 2:] = lo | (hi << 4)
+    pool[:, span] = plane.reshape(len(pool), -1)
+  return pool

@@ -42,17 +42,13 @@ from kvjax_pallas.page_layout import PageLayout  # noqa: E402
 from kvjax_pallas.span_attention import kernel_triton as kt  # noqa: E402
 
 import probe_common  # noqa: E402  (experiments/, the script's folder)
-from probe_common import time_calls  # noqa: E402
 
 FLAGS = flags.FLAGS
-probe_common.define_flags()
-flags.DEFINE_list("contexts", ["131072", "163840"], "history tokens")
+probe_common.define_flags(contexts=("131072", "163840"))
 flags.DEFINE_list("reads", ["gather"], "how head rows are read: gather, windows")
 flags.DEFINE_list("modes", ["load", "decode"], "load: sum raw halfwords; decode: + quant decode")
-flags.DEFINE_integer("block_pages", 4, "pages a program (logical partition)")
 flags.DEFINE_integer("block_tokens", 32, "keys a tile")
 flags.DEFINE_integer("num_warps", 4, "warps a program")
-flags.DEFINE_bool("interpret", False, "interpret mode (CPU): small contexts, sums checked")
 
 
 def _probe_kernel(tab_ref, pool_ref, out_ref, *, layout: PageLayout, block_pages: int, bt: int,
@@ -151,14 +147,9 @@ def main(argv):
           if not np.array_equal(got, want):
             raise SystemExit(f"probe sums differ from numpy at {ctx} tokens, reads={reads}")
           print(f"check context={ctx} reads={reads}: sums equal numpy's", flush=True)
-        iters = 2 if FLAGS.interpret else FLAGS.dispatch_iters
-        t = time_calls(fn, iters, 1 if FLAGS.interpret else FLAGS.rounds)
-        rows.append((ctx, reads, mode, t * 1e6, nbytes / t / 1e9))
-        print(f"probe context={ctx} reads={reads} mode={mode} us={t * 1e6:.1f} "
-              f"gbps={nbytes / t / 1e9:.0f}", flush=True)
-  print(f"\n{'ctx':>7} {'reads':>8} {'mode':>7} | {'us':>8} {'GB/s':>6}")
-  for ctx, reads, mode, us, gbps in rows:
-    print(f"{ctx:>7} {reads:>8} {mode:>7} | {us:8.1f} {gbps:6.0f}")
+        probe_common.timed(fn, nbytes, f"probe context={ctx} reads={reads} mode={mode}",
+                           (ctx, reads, mode), rows)
+  probe_common.print_table(("ctx", "reads", "mode"), rows)
 
 
 if __name__ == "__main__":

@@ -46,14 +46,10 @@ from kvjax_pallas.page_layout import PageLayout  # noqa: E402
 from kvjax_pallas.span_attention import kernel_mosaic as _mosaic  # noqa: E402
 
 import probe_common  # noqa: E402  (experiments/, the script's folder)
-from probe_common import time_calls  # noqa: E402
 
 FLAGS = flags.FLAGS
-probe_common.define_flags()
-flags.DEFINE_list("contexts", ["131072", "262144"], "history tokens")
-flags.DEFINE_list("stages", ["2", "4"], "tiles in flight a CTA")
+probe_common.define_flags(stages=("2", "4"))
 flags.DEFINE_list("block_tokens", ["32", "64"], "keys a tile (all KV heads)")
-flags.DEFINE_integer("block_pages", 4, "pages a CTA (logical partition)")
 flags.DEFINE_integer("smem_limit", 227 * 1024, "SMEM a CTA may use (bytes); larger configs skipped")
 flags.DEFINE_list("line_bytes", ["16", "128", "256"],
                   "bytes a line of the pool view: the TMA box's inner dimension")
@@ -63,11 +59,10 @@ flags.DEFINE_list("consumers", ["1"], "decode mode: warpgroups a CTA decoding (h
 flags.DEFINE_list("unroll", ["0"], "decode mode: 0 = straight-line decode of every block; u = a "
                   "rolled loop, u blocks a step")
 flags.DEFINE_string("out_dir", "", "where a failed decode check saves its sums (npz)")
-flags.DEFINE_bool("interpret", False, "Mosaic GPU interpreter (CPU): small contexts")
 
 BOX = 256         # TMA box limit a dimension
 DECODE_TOKENS = 64  # the decode mode's tile: the WGMMA layout's 64 rows
-_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+_BLOCK_BYTES = probe_common.BLOCK_BYTES
 CHECK_BYTES = 128  # at least this many bytes copied back a CTA
 
 
@@ -292,29 +287,6 @@ def expected_decode_sums(pool: np.ndarray, table: np.ndarray, layout: PageLayout
   return acc.transpose(1, 0, 2, 3)
 
 
-def exact_pages(pool: np.ndarray, layout: PageLayout, rng) -> np.ndarray:
-  """Page bytes whose decode sums are exact in f16: every block's scale is 2^-6 and every value
-  is in [-2, 2] (Q8_0 int8s; Q4_0 nibbles 6..10). A partition's f16 sum of 2048 windows then
-  stays a multiple of 2^-6 below 32 in magnitude (far beyond any realistic random walk), so the
-  GPU's sums equal numpy's bit for bit whatever the order of the adds or FMA contraction. The
-  pool is changed in place and returned."""
-  n = layout.page_tokens * layout.num_kv_heads
-  scale = np.frombuffer(np.float16(2.0 ** -6).tobytes(), np.uint8)
-  for off, kind, row in ((0, layout.k_type, layout.k_row_bytes),
-                         (layout.v_offset, layout.v_type, layout.v_row_bytes)):
-    per = _BLOCK_BYTES[kind]
-    span = slice(off, off + layout.page_tokens * row)
-    plane = pool[:, span].reshape(len(pool), n, -1, per)
-    plane[..., :2] = scale
-    if kind == "q8_0":
-      plane[..., 2:] = rng.integers(-2, 3, plane[..., 2:].shape).astype(np.int8).view(np.uint8)
-    else:
-      lo, hi = (rng.integers(6, 11, plane[..., 2:].shape, np.uint8) for _ in range(2))
-      plane[..., 2:] = lo | (hi << 4)
-    pool[:, span] = plane.reshape(len(pool), -1)
-  return pool
-
-
 def _copies(n_lines: int) -> int:
   return -(-n_lines // BOX)
 
@@ -379,11 +351,8 @@ def main(argv):
   layout = probe_common.layout_from_flags()
   rows = []
   for ctx, n_pages, num_phys, nbytes in probe_common.contexts(layout):
-    rng = np.random.default_rng(ctx)
-    pool_np = exact_pages(rng.integers(0, 256, (num_phys, layout.page_bytes), np.uint8), layout,
-                          rng)
+    pool_np, table_np = probe_common.exact_pool(ctx, layout, num_phys, n_pages)
     pool = jnp.asarray(pool_np)
-    table_np = rng.permutation(num_phys)[:n_pages].astype(np.int32)
     table = jnp.asarray(table_np)
     for line in (int(b) for b in FLAGS.line_bytes):
       lines = pool.reshape(num_phys, layout.page_bytes // line, line)
@@ -426,17 +395,10 @@ def main(argv):
               print(f"FAILED decode check at {ctx} tokens, {name}: {same:.1%} of the sums "
                     f"bit-equal (got and want saved under --out_dir)", flush=True)
               continue
-          iters = 2 if FLAGS.interpret else FLAGS.dispatch_iters
-          t = time_calls(fn, iters, 1 if FLAGS.interpret else FLAGS.rounds)
-          rows.append((ctx, work, line, bt, stages, consumers, unroll, smem, t * 1e6,
-                       nbytes / t / 1e9))
-          print(f"tma context={ctx} {name} smem={smem} checked us={t * 1e6:.1f} "
-                f"gbps={nbytes / t / 1e9:.0f}", flush=True)
-  print(f"\n{'ctx':>7} {'work':>6} {'line':>5} {'BT':>4} {'stages':>6} {'WGs':>3} {'unroll':>6} "
-        f"{'SMEM B':>8} | {'us':>8} {'GB/s':>6}")
-  for ctx, work, line, bt, stages, consumers, unroll, smem, us, gbps in rows:
-    print(f"{ctx:>7} {work:>6} {line:>5} {bt:>4} {stages:>6} {consumers:>3} {unroll:>6} "
-          f"{smem:>8} | {us:8.1f} {gbps:6.0f}")
+          probe_common.timed(fn, nbytes, f"tma context={ctx} {name} smem={smem} checked",
+                             (ctx, work, line, bt, stages, consumers, unroll, smem), rows)
+  probe_common.print_table(("ctx", "work", "line", "BT", "stages", "WGs", "unroll", "SMEM B"),
+                           rows)
 
 if __name__ == "__main__":
   app.run(main)

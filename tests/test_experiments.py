@@ -198,7 +198,8 @@ def test_probe_tma_decode_sums():
   probe = _import_experiment("probe_tma_reads")
   layout = PageLayout(2, 64, "q8_0", "q4_0", 128)
   rng = np.random.default_rng(5)
-  pool = probe.exact_pages(rng.integers(0, 256, (6, layout.page_bytes), np.uint8), layout, rng)
+  pool = _import_experiment("probe_common").exact_pages(
+      rng.integers(0, 256, (6, layout.page_bytes), np.uint8), layout, rng)
   table = np.array([4, 1, 5, 0], np.int32)
   got = probe.expected_decode_sums(pool, table, layout, block_pages=2)[:, 0]
   by_wg = probe.expected_decode_sums(pool, table, layout, block_pages=2, consumers=2)
@@ -229,6 +230,50 @@ def test_probe_tma_decode_sums():
   with pytest.raises(ValueError, match="unroll=3 does not divide the 8 blocks a head"):
     probe.decode_probe(jnp.zeros((8, big.page_bytes // 256, 256), jnp.uint8),
                        jnp.zeros((4,), jnp.int32), layout=big, block_pages=4, stages=2, unroll=3)
+
+
+def test_probe_packed_decode(tmp_path):
+  """The packed-format decode probe: `repack` keeps every value (the packed planes, dequantized,
+  equal ggml_codec's decode of real Q8_0 / Q4_0 pages, scales included); the probe runs in the
+  Mosaic GPU interpreter with its sums equal to numpy's for 1 and 2 stages; it lowers for "cuda"
+  at the 27B page geometry (Warpgroup semantics, swizzled int8 tiles)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from kvjax_pallas import ggml_codec  # pylint: disable=import-outside-toplevel
+  probe = _import_experiment("probe_packed_decode")
+  layout = PageLayout(2, 64, "q8_0", "q4_0", 128)
+  x = np.random.default_rng(3).normal(size=(3, 2, 128, 2, 64)).astype(np.float32)
+  k_rows = np.asarray(ggml_codec.encode_rows(jnp.asarray(x[:, 0]), "q8_0"))   # [P, T, G*68]
+  v_rows = np.asarray(ggml_codec.encode_rows(jnp.asarray(x[:, 1]), "q4_0"))
+  pool = np.zeros((3, layout.page_bytes), np.uint8)
+  pool[:, :layout.k_plane_bytes] = k_rows.reshape(3, -1)
+  pool[:, layout.v_offset:layout.v_offset + layout.v_plane_bytes] = v_rows.reshape(3, -1)
+  kq, vq, ks, vs = probe.repack(pool, layout)
+  assert kq.shape == (3, 2, 128, 64) and vq.shape == (3, 2, 128, 32) and ks.shape == (3, 2, 128, 2)
+  k_want = np.asarray(ggml_codec.decode_rows(jnp.asarray(k_rows), "q8_0", 2)).transpose(0, 2, 1, 3)
+  v_want = np.asarray(ggml_codec.decode_rows(jnp.asarray(v_rows), "q4_0", 2)).transpose(0, 2, 1, 3)
+  k_got = (kq.astype(np.float32).reshape(3, 2, 128, 2, 32)
+           * ks.astype(np.float32)[..., None]).reshape(3, 2, 128, 64)
+  lo, hi = (vq & 15).astype(np.float32) - 8, (vq >> 4).astype(np.float32) - 8
+  v_vals = np.concatenate([lo.reshape(3, 2, 128, 2, 16), hi.reshape(3, 2, 128, 2, 16)], -1)
+  v_got = (v_vals * vs.astype(np.float32)[..., None]).reshape(3, 2, 128, 64)
+  np.testing.assert_array_equal(k_got, k_want)
+  np.testing.assert_array_equal(v_got, v_want)
+  p = _run([os.path.join(REPO, "experiments", "probe_packed_decode.py"), "--interpret",
+            "--contexts=512", "--page_tokens=128", "--head_dim=64", "--kv_heads=2",
+            "--block_pages=2", "--stages=1,2"], cwd=str(tmp_path), timeout=300)
+  checked = [l for l in p.stdout.splitlines() if l.startswith("packed ") and " checked " in l]
+  assert [l.split()[2] for l in checked] == ["stages=1", "stages=2"], p.stdout
+  big = PageLayout(4, 256, "q8_0", "q4_0", 256)
+  assert probe.smem_bytes(4, 256, 2) <= 227 * 1024
+  sds = jax.ShapeDtypeStruct
+  args = (sds((520, 4, 256, 256), jnp.int8), sds((520, 4, 256, 128), jnp.uint8),
+          sds((520, 4, 256, 8), jnp.float16), sds((520, 4, 256, 8), jnp.float16),
+          sds((512,), jnp.int32))
+  del big
+  jax.jit(lambda *a: probe.packed_probe(*a, block_pages=4, stages=2, interpret=False)).trace(
+      *args).lower(lowering_platforms=("cuda",))
 
 
 def test_ncu_report_summaries(tmp_path):
