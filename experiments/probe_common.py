@@ -6,10 +6,7 @@ import time
 import numpy as np
 from absl import flags
 
-from kvjax_pallas.page_layout import PageLayout
-
-
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}   # bytes a ggml block of 32 values (f16 scale first)
+from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout
 
 
 def define_flags(contexts=("131072", "262144"), stages=None):
@@ -95,7 +92,7 @@ def exact_pages(pool: np.ndarray, layout: PageLayout, rng) -> np.ndarray:
   scale = np.frombuffer(np.float16(2.0 ** -6).tobytes(), np.uint8)
   for off, kind, row in ((0, layout.k_type, layout.k_row_bytes),
                          (layout.v_offset, layout.v_type, layout.v_row_bytes)):
-    per = BLOCK_BYTES[kind]
+    per = BLOCK_FORMATS[kind][1]      # bytes a ggml block (f16 scale first)
     span = slice(off, off + layout.page_tokens * row)
     plane = pool[:, span].reshape(len(pool), n, -1, per)
     plane[..., :2] = scale

@@ -42,7 +42,8 @@ from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
-from kvjax_pallas.page_layout import PageLayout  # noqa: E402
+from kvjax_pallas import ggml_codec  # noqa: E402
+from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout  # noqa: E402
 from kvjax_pallas.span_attention import kernel_mosaic as _mosaic  # noqa: E402
 
 import probe_common  # noqa: E402  (experiments/, the script's folder)
@@ -62,7 +63,6 @@ flags.DEFINE_string("out_dir", "", "where a failed decode check saves its sums (
 
 BOX = 256         # TMA box limit a dimension
 DECODE_TOKENS = 64  # the decode mode's tile: the WGMMA layout's 64 rows
-_BLOCK_BYTES = probe_common.BLOCK_BYTES
 CHECK_BYTES = 128  # at least this many bytes copied back a CTA
 
 
@@ -153,7 +153,7 @@ def _decode_probe_kernel(tab_ref, lines_ref, out_ref, *scratch, layout: PageLayo
           for _, vals in _mosaic.decode_windows(ops, view, kind, None, h * head_bytes):
             acc = acc + vals
         continue
-      per = _BLOCK_BYTES[kind]
+      per = BLOCK_FORMATS[kind][1]                 # bytes a ggml block
       steps = head_bytes // per // unroll          # steps a head
       stride = consumers * head_bytes              # the warpgroup's next head
 
@@ -244,47 +244,28 @@ def decode_probe(lines, table, *, layout: PageLayout, block_pages: int, stages: 
   return call(table, lines)
 
 
-def _window_values(rows: np.ndarray, kind: str, heads: int, head_bytes: int) -> np.ndarray:
-  """numpy: the [windows, ..., tokens, 16] f16 values `decode_windows` yields for every head of
-  [..., tokens, row_bytes] uint8 tiles, in the kernel's order (heads, then blocks, then halves)."""
-  per = _BLOCK_BYTES[kind]
-  out = []
-  for h in range(heads):
-    for b in range(head_bytes // per):
-      base = h * head_bytes + b * per
-      sc = np.ascontiguousarray(rows[..., base:base + 2]).view(np.float16)   # [..., tokens, 1]
-      qs = rows[..., base + 2:base + per]
-      if kind == "q8_0":
-        vals = [qs[..., :16].view(np.int8), qs[..., 16:].view(np.int8)]
-      else:
-        vals = [(qs & 15).astype(np.int16) - 8, (qs >> 4).astype(np.int16) - 8]
-      out += [v.astype(np.float16) * sc for v in vals]
-  return np.stack(out)
-
-
 def expected_decode_sums(pool: np.ndarray, table: np.ndarray, layout: PageLayout,
                          block_pages: int, consumers: int = 1) -> np.ndarray:
-  """numpy: [parts, consumers, 64, 16] f16 sums of `decode_probe` (warpgroup w's windows: heads
-  w, w + consumers, ... of every tile, partition tiles in logical order, K heads then V heads),
-  f16 adds like the kernel's."""
+  """numpy: [parts, consumers, 64, 16] f16 sums of `decode_probe`: warpgroup w adds the 16-dim
+  windows of heads w, w + consumers, ... (K and V) of every tile of its partition. The values are
+  `ggml_codec`'s decode; on `probe_common.exact_pages` pages every sum is exact, so the order of
+  the adds does not matter and float64 sums are the f16 sums."""
   bt = DECODE_TOKENS
   tpp = layout.page_tokens // bt
+  g = layout.num_kv_heads
   parts = len(table) // block_pages
-  acc = np.zeros((consumers, parts, bt, 16), np.float16)
+  acc = np.zeros((parts, consumers, bt, 16))
   ko, vo, vf = layout.k_row_bytes, layout.v_row_bytes, layout.v_offset
   for i in range(block_pages * tpp):
     pages = pool[table[np.arange(parts) * block_pages + i // tpp]]       # [parts, page_bytes]
     t0 = (i % tpp) * bt
-    k_rows = pages[:, t0 * ko:(t0 + bt) * ko].reshape(parts, bt, ko)
-    v_rows = pages[:, vf + t0 * vo:vf + (t0 + bt) * vo].reshape(parts, bt, vo)
-    for w in range(consumers):
-      heads = list(range(w, layout.num_kv_heads, consumers))
-      for rows, kind, hb in ((k_rows, layout.k_type, layout.k_head_bytes),
-                             (v_rows, layout.v_type, layout.v_head_bytes)):
-        for h in heads:
-          for win in _window_values(rows[..., h * hb:(h + 1) * hb], kind, 1, hb):
-            acc[w] = (acc[w] + win).astype(np.float16)
-  return acc.transpose(1, 0, 2, 3)
+    for rows, kind in ((pages[:, t0 * ko:(t0 + bt) * ko].reshape(parts, bt, ko), layout.k_type),
+                       (pages[:, vf + t0 * vo:vf + (t0 + bt) * vo].reshape(parts, bt, vo),
+                        layout.v_type)):
+      x = np.asarray(ggml_codec.decode_rows(jnp.asarray(rows), kind, g), np.float64)
+      x = x.reshape(parts, bt, g // consumers, consumers, -1, 16)   # head h = k * consumers + w
+      acc += x.sum(axis=(2, 4)).transpose(0, 2, 1, 3)
+  return acc.astype(np.float16)
 
 
 def _copies(n_lines: int) -> int:
