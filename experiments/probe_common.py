@@ -9,7 +9,7 @@ from absl import flags
 from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout
 
 
-def define_flags(contexts=("131072", "262144"), stages=None):
+def define_flags(contexts=("131072", "262144"), stages=None, consumers=None):
   """The probes' shared flags: page geometry (Q8_0 K / Q4_0 V pages), contexts, partition size,
   interpreter and timing; `stages` (tiles in flight) where the probe pipelines. A flag another
   probe already defined in this process (a test importing two probes) is kept as it is."""
@@ -27,6 +27,8 @@ def define_flags(contexts=("131072", "262144"), stages=None):
   once(flags.DEFINE_integer, "rounds", 5, "rounds (median)")
   if stages is not None:
     once(flags.DEFINE_list, "stages", list(stages), "tiles in flight a CTA")
+  if consumers is not None:
+    once(flags.DEFINE_list, "consumers", list(consumers), "consumer warpgroups a CTA")
 
 
 def layout_from_flags() -> PageLayout:

@@ -1,23 +1,29 @@
 """Decode ceiling of a REPACKED device page format (Pallas Mosaic GPU): a measurement for the
-user's decision in docs/DESIGN.md ("Proposal for the decode gap"), not a kernel of the package.
+decision in docs/DESIGN.md ("The decode gap, measured"), not a kernel of the package.
 
-Session 8 measured that the ggml block layout, decoded from SMEM as both lowerings can express it,
-stops at 2.1-2.2 TB/s (`probe_tma_reads.py --work=decode`, S8-5), while TMA reads the pages at
-4.0-4.3 TB/s (S8-2). This probe asks what the same bytes cost in a kernel-friendly format: each
-page's K quants as an int8 [heads, tokens, dims] plane, its V nibbles as a uint8 [heads, tokens,
-dims / 2] plane (byte j of block b: value j low, value 16 + j high, as in ggml), and the f16
-scales as [heads, tokens, blocks] planes; 1664 bytes a token, as the ggml page. TMA copies a
-[64 tokens, dims] int8 tile straight into a swizzled SMEM tile, and the warpgroup loads it and
-converts it to f16 the way Pallas's `hopper_mixed_type_matmul_mgpu` example does (Warpgroup
-semantics: `ref[...]`, `.astype`), with no 2-byte windows. The consumer adds every tile's values
-into f16 sums (64-column folds) and adds the scales into a third sum; the scale multiplies
-themselves are not done (K's can move onto 8 row-scaled accumulators of the QK^T dot; V's would
-cost one f16x2 multiply a pair). On `probe_common.exact_pages` pages every sum is exact, so the
-GPU's sums are checked against numpy bit for bit.
+Each page's K quants as an int8 [heads, tokens, dims] plane, its V nibbles as a byte [heads,
+tokens, dims / 2] plane (byte j of block b: value j low, value 16 + j high, as in ggml), and the
+f16 scales as [heads, tokens, blocks] planes; 1664 bytes a token, as the ggml page. TMA copies
+[64 tokens, dims] tiles straight into swizzled SMEM tiles. Variants (`--variant`):
 
-  python experiments/probe_packed_decode.py --contexts=131072,262144 --stages=1,2
-  python experiments/probe_packed_decode.py --interpret --contexts=512 --page_tokens=128 \
-      --head_dim=64 --kv_heads=2 --block_pages=2
+  sum    one warpgroup loads a tile and converts it to f16 (`astype`, Warpgroup semantics) and
+         adds it into f16 sums (session 8's probe; S9-1: Mosaic converts int8 -> f16 with one
+         I2F a value).
+  wgmma  `--consumers` warpgroups, each its own heads and pipeline, convert int8 -> bf16 with
+         Mosaic's PRMT upcast and feed the tiles to wgmma as the lhs (ones as the rhs, float32
+         sums); V's nibbles as two lhs tiles (16 (m - 8) and n).
+  magic  the same with the PTX magic-number conversion (`magic_ptx`, through inline_mgpu; GPU
+         only) against a permuted weight rhs (`magic_ptx.packed_dims`).
+
+The scale multiplies are not done here (the scale planes are read and summed). Every check is
+exact: f16 sums on `probe_common.exact_pages` pages (sum), integer sums in float32 on full-range
+quants (wgmma, magic), so the GPU's sums are compared with numpy bit for bit. Session 9 measured
+the same magic conversion on the ggml pages as they are (`probe_tma_reads.py --work=magic`)
+within 5 % of this format, so no format change is proposed any more.
+
+  python experiments/probe_packed_decode.py --contexts=131072,262144 --stages=1,2 --consumers=2,4
+  python experiments/probe_packed_decode.py --interpret --variant=sum,wgmma --contexts=512 \
+      --page_tokens=128 --head_dim=64 --kv_heads=2 --block_pages=2 --consumers=1,2
 """
 
 from __future__ import annotations
@@ -39,10 +45,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from kvjax_pallas.page_layout import PageLayout  # noqa: E402
 
-import probe_common  # noqa: E402  (experiments/, the script's folder)
+import magic_ptx  # noqa: E402  (experiments/, the script's folder)
+import probe_common  # noqa: E402
 
 FLAGS = flags.FLAGS
-probe_common.define_flags(stages=("1", "2"))
+probe_common.define_flags(stages=("1", "2"), consumers=("1", "2", "4"))
+flags.DEFINE_list("variant", ["sum", "wgmma", "magic"], "sum: one warpgroup converts int8 -> f16 "
+                  "and adds into f16 sums (session 8's probe); wgmma: `--consumers` warpgroups "
+                  "convert int8 -> bf16 (Mosaic's upcast) and feed wgmma (ones as the rhs, "
+                  "float32 sums); magic: the same with the PTX magic-number conversion "
+                  "(`_magic_lhs`, GPU only) against a permuted weight rhs")
+flags.DEFINE_integer("wgmma_n", 16, "wgmma / magic variants: N of the rhs (the folded query rows)")
 
 TILE = 64        # tokens a tile: the WGMMA layout's 64 rows
 FOLD = 64        # columns of the f16 sums (a tile's columns are added 64 at a time)
@@ -119,6 +132,88 @@ def _packed_kernel(tab_ref, kq_ref, vq_ref, ks_ref, vs_ref, ok_ref, ov_ref, os_r
   plgpu.wait_smem_to_gmem(0)
 
 
+def _wgmma_kernel(tab_ref, kq_ref, vq_ref, ks_ref, vs_ref, rhs_ref, okv_ref, os_ref,
+                  kb, vb, ksb, vsb, rhs_s, bars, rhs_bar, *lhs_s,
+                  heads: int, consumers: int, block_pages: int, tiles_per_page: int,
+                  stages: int, convert: str):
+  # tab [T] i32; kq [P, G, pt, D] i8; vq [P, G, pt, D/2] i8 (the nibble bytes); ks, vs
+  # [P, G, pt, D/32] f16; rhs [2, D, N] (K's, V's) -> okv [parts, G, 64, N] f32 (the wgmma
+  # sums of the K values and the V nibbles, one accumulator a head), os [parts, G, 64, D/32] f16
+  # (the scale sums).
+  # Scratch, per consumer warpgroup w (heads w, w + consumers, ...: hpw of them): kb [stages, C,
+  # hpw, 64, D] i8, vb [stages, C, hpw, 64, D/2] i8, ksb / vsb [stages, C, hpw, 64, D/32] f16,
+  # bars [stages x C] (its own copies), rhs_s [2, D, N] + rhs_bar.
+  # convert "mosaic": Mosaic's int8 -> bf16 upcast (`astype`), V's low and high nibbles as two
+  # [64, D/2] lhs tiles against rhs rows [0, D/2) and [D/2, D); "magic": `_magic_lhs` (f16, the
+  # head dims permuted as `magic_ptx.packed_dims`, which the rhs rows must follow).
+  # [C, hpw, 64, D/32] f16. Every warpgroup runs its own pipeline over its own heads.
+  # lhs_s (interpreter only: its wgmma takes no register lhs) [C, 64, D] bf16 stages the lhs.
+  hpw = heads // consumers
+  wg = lax.axis_index("wg") if consumers > 1 else 0
+  pp = lax.axis_index("p")
+  n_tiles = block_pages * tiles_per_page
+  d = kq_ref.shape[-1]
+
+  def lhs(x):
+    if not lhs_s:
+      return x
+    dst = lhs_s[0].at[wg, :, pl.ds(0, x.shape[1])]
+    dst[...] = x
+    return dst
+
+  pl.when(wg == 0)(lambda: plgpu.copy_gmem_to_smem(rhs_ref, rhs_s, rhs_bar))
+
+  def issue(i, s):
+    phys = tab_ref[pp * block_pages + i // tiles_per_page]
+    rows = pl.ds((i % tiles_per_page) * TILE, TILE)
+    for j in range(hpw):
+      h = wg + j * consumers
+      for src, dst in ((kq_ref, kb), (vq_ref, vb), (ks_ref, ksb), (vs_ref, vsb)):
+        plgpu.copy_gmem_to_smem(src.at[phys, h, rows], dst.at[s, wg, j],
+                                bars.at[s * consumers + wg])
+
+  for s in range(stages):
+    issue(s, s)
+  plgpu.barrier_wait(rhs_bar)
+  if convert == "magic":
+    tf = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+    conv_k, conv_v = _magic_lhs("q8_0", d, tf), _magic_lhs("q4_0", d // 2, tf)
+
+  def run(*accs):
+
+    def body(jj, ss):
+      for s in range(stages):
+        i = jj * stages + s
+        plgpu.barrier_wait(bars.at[s * consumers + wg])
+        for j in range(hpw):
+          if convert == "magic":
+            plgpu.wgmma(accs[j], conv_k(kb.at[s, wg, j]), rhs_s.at[0])
+            plgpu.wgmma(accs[j], conv_v(vb.at[s, wg, j]), rhs_s.at[1])
+          else:
+            k = kb[s, wg, j].astype(jnp.bfloat16)               # signed int8 -> bf16, exact
+            plgpu.wgmma(accs[j], lhs(k), rhs_s.at[0])
+            v = vb[s, wg, j]                                    # low nibble n, high nibble m
+            lo = (v & jnp.int8(0x0F)).astype(jnp.bfloat16)       # n
+            hi = ((v & jnp.int8(-16)) ^ jnp.int8(-128)).astype(jnp.bfloat16)   # 16 (m - 8)
+            plgpu.wgmma(accs[j], lhs(lo), rhs_s.at[1, pl.ds(0, d // 2)])
+            plgpu.wgmma(accs[j], lhs(hi), rhs_s.at[1, pl.ds(d // 2, d // 2)])
+          ss = ss[:j] + (ss[j] + ksb[s, wg, j] + vsb[s, wg, j],) + ss[j + 1:]
+        plgpu.wgmma_wait(0)        # the slot's int8 tiles are read: refill it
+        pl.when(i + stages < n_tiles)(functools.partial(issue, i + stages, s))
+      return ss
+
+    nb = d // BLOCK
+    init = tuple(jnp.zeros((TILE, nb), jnp.float16) for _ in range(hpw))
+    ss = lax.fori_loop(0, n_tiles // stages, body, init)
+    for j in range(hpw):        # straight from registers to GMEM (no SMEM left at 2 stages)
+      h = wg + j * consumers
+      okv_ref[pp, h] = accs[j][...]
+      os_ref[pp, h] = ss[j]
+
+  n = rhs_ref.shape[2]
+  pl.run_scoped(run, *[plgpu.ACC((TILE, n), jnp.float32)] * hpw)
+
+
 def smem_bytes(heads: int, head_dim: int, stages: int) -> int:
   """SMEM a CTA: `stages` tiles of every head's planes plus the three sums."""
   tile = heads * TILE * (head_dim + head_dim // 2 + 2 * 2 * (head_dim // BLOCK))
@@ -163,6 +258,136 @@ def packed_probe(kq, vq, ks, vs, table, *, block_pages: int, stages: int, interp
   return call(table, kq, vq, ks, vs)
 
 
+def _magic_lhs(kind: str, cols: int, transforms):
+  """SMEM int8 tile [64, cols] (swizzled) -> f16 [64, 256] in the WGMMA layout, the head dims in
+  `magic_ptx.packed_dims` order: a 32-bit load of Mosaic's WGMMA_LAYOUT_8BIT gives a lane 4
+  consecutive bytes of a row, and each such register becomes 2 (Q8_0) or 4 (Q4_0) f16x2
+  registers of the lane, with no data moved between lanes."""
+  import jax.experimental.mosaic.gpu as mgpu                 # pylint: disable=C0415
+  from jax.experimental.mosaic.gpu import fragmented_array as fa  # pylint: disable=C0415
+  per = magic_ptx.REGS_PER_WORD[kind]
+  width = cols * per // 2                     # values: Q8_0 cols, Q4_0 2 cols
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),),
+                     return_type=plgpu.ShapeDtypeStruct((TILE, width), jnp.float16,
+                                                        plgpu.Layout.WGMMA))
+  def conv(ctx, ref):
+    del ctx
+    x = mgpu.FragmentedArray.load_tiled(ref, swizzle=128, is_signed=True,
+                                        layout=fa.WGMMA_LAYOUT_8BIT)
+    regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((TILE, width)), dtype=object)
+    for idx, reg in np.ndenumerate(x.registers):   # idx: (0, 16-byte group, 0, 0, row half, ...)
+      for r, out in enumerate(magic_ptx.convert_word(kind, reg)):
+        regs[(0, idx[1] * per + r) + idx[2:]] = out
+    return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return conv
+
+
+def wgmma_smem_bytes(heads: int, head_dim: int, stages: int, n: int) -> int:
+  """SMEM a CTA of the wgmma / magic variants: `stages` tiles of every head's planes and the two
+  rhs operands (the sums go from registers straight to GMEM)."""
+  tile = heads * TILE * (head_dim + head_dim // 2 + 2 * 2 * (head_dim // BLOCK))
+  return stages * tile + 2 * head_dim * n * 2
+
+
+@functools.partial(jax.jit, static_argnames=("block_pages", "stages", "consumers", "interpret",
+                                             "convert"))
+def packed_wgmma_probe(kq, vq, ks, vs, table, rhs, *, block_pages: int, stages: int,
+                       consumers: int, interpret: bool, convert: str = "mosaic"):
+  """The conversion as a kernel would use it: each consumer warpgroup converts its heads' int8
+  tiles to bf16 in registers (Mosaic's PRMT upcast for signed int8) and feeds them to wgmma as
+  the lhs against rhs [2, D, N] (K's, V's; bf16) in SMEM, accumulating in float32 (exact for
+  small integers). convert="magic": the PTX conversion of `_magic_lhs` instead (f16 rhs whose
+  rows follow `magic_ptx.packed_dims`; GPU only: the interpreter runs no inline Mosaic GPU code).
+  kq [P, G, pt, D] i8, vq [P, G, pt, D/2] i8, ks / vs [P, G, pt, D/32] f16, table [T] i32 ->
+  (K + V sums [parts, G, 64, N] f32, scale sums [parts, G, 64, D/32] f16)."""
+  _, g, pt, d = kq.shape
+  n = rhs.shape[2]
+  if convert not in ("mosaic", "magic") or (convert == "magic" and interpret):
+    raise ValueError(f"convert={convert!r}: 'mosaic', or 'magic' on the GPU")
+  n_table = table.shape[0]
+  tiles_per_page = pt // TILE
+  if pt % TILE or n_table % block_pages or (block_pages * tiles_per_page) % stages or g % consumers:
+    raise ValueError(f"the packed wgmma probe needs {TILE}-token tiles in whole partitions of "
+                     f"whole stages and heads shared evenly: {pt}-token pages, {n_table} pages in "
+                     f"partitions of {block_pages}, {stages} stages, {g} heads, {consumers} "
+                     f"warpgroups")
+  parts = n_table // block_pages
+  hpw, nb = g // consumers, d // BLOCK
+  kw = {}
+  if interpret:
+    from jax._src.pallas.mosaic_gpu.interpret import params as _ip  # pylint: disable=C0415
+    kw["interpret"] = _ip.InterpretGPUParams()
+  tf = lambda sw: (plgpu.TilingTransform((8, sw)), plgpu.SwizzleTransform(sw))  # int8: sw cols
+  rhs_sw = min(128, 2 * n)
+  kern = functools.partial(_wgmma_kernel, heads=g, consumers=consumers, block_pages=block_pages,
+                           tiles_per_page=tiles_per_page, stages=stages, convert=convert)
+  if consumers > 1:
+    kw.update(num_threads=consumers, thread_name="wg")
+  call = plgpu.kernel(
+      kern,
+      out_type=(jax.ShapeDtypeStruct((parts, g, TILE, n), jnp.float32),
+                jax.ShapeDtypeStruct((parts, g, TILE, nb), jnp.float16)),
+      scratch_types=[
+          plgpu.SMEM((stages, consumers, hpw, TILE, d), jnp.int8,
+                     transforms=() if interpret else tf(128)),
+          plgpu.SMEM((stages, consumers, hpw, TILE, d // 2), jnp.int8,
+                     transforms=() if interpret else tf(128)),
+          plgpu.SMEM((stages, consumers, hpw, TILE, nb), jnp.float16),
+          plgpu.SMEM((stages, consumers, hpw, TILE, nb), jnp.float16),
+          plgpu.SMEM((2, d, n), rhs.dtype, transforms=() if interpret else (
+              plgpu.TilingTransform((8, rhs_sw // 2)), plgpu.SwizzleTransform(rhs_sw))),
+          plgpu.Barrier(num_arrivals=4 * hpw, num_barriers=stages * consumers),
+          plgpu.Barrier(num_arrivals=1)]
+      + ([plgpu.SMEM((consumers, TILE, d), jnp.bfloat16)] if interpret else []),
+      grid=(parts,), grid_names=("p",),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      **kw)
+  return call(table, kq, vq, ks, vs, rhs)
+
+
+def expected_wgmma_sums(kq, vq, ks, vs, table, block_pages: int, n: int):
+  """numpy: the two sums of `packed_wgmma_probe` (exact: integers in float32, exact f16 scale
+  sums on `exact_pages` pages)."""
+  _, g, pt, d = kq.shape
+  parts = len(table) // block_pages
+  pages = table.reshape(parts, block_pages)
+  v = vq[pages].astype(np.int64) & 0xFF
+  vals = (v & 15) + 16 * ((v >> 4) - 8)
+  x = sum(x.reshape(parts, block_pages, g, pt // TILE, TILE, -1).sum(axis=(1, 3, 5))
+          for x in (kq[pages].astype(np.int64), vals))                           # [parts, G, 64]
+  out = [np.repeat(x[..., None], n, axis=-1).astype(np.float64)]
+  s = ks[pages].astype(np.float64) + vs[pages].astype(np.float64)
+  out.append(s.reshape(parts, block_pages, g, pt // TILE, TILE, -1).sum(axis=(1, 3)))
+  return out
+
+
+def magic_rhs(head_dim: int, n: int):
+  """(W [2, D, N] int64 (`magic_ptx.check_weights`), the rhs [2, D, N] f16 in
+  `magic_ptx.packed_dims` row order) for the magic variant's check."""
+  w = magic_ptx.check_weights(head_dim, n)
+  rhs = np.stack([w[0][magic_ptx.packed_dims("q8_0", head_dim)],
+                  w[1][magic_ptx.packed_dims("q4_0", head_dim)]])
+  return w, rhs.astype(np.float16)
+
+
+def expected_magic_sums(kq, vq, ks, vs, table, block_pages: int, w):
+  """numpy: the sums of `packed_wgmma_probe(convert="magic")` with rhs from `magic_rhs`: K . W_K +
+  (V - 8) . W_V by head dim (exact integers), and the scale sums."""
+  _, g, pt, d = kq.shape
+  parts = len(table) // block_pages
+  pages = table.reshape(parts, block_pages)
+  vb = vq[pages].astype(np.int64) & 0xFF                      # [parts, bp, G, pt, D/2]
+  blocks = vb.reshape(*vb.shape[:-1], d // BLOCK, BLOCK // 2)
+  vvals = np.concatenate([blocks & 15, blocks >> 4], axis=-1).reshape(*vb.shape[:-1], d) - 8
+  x = kq[pages].astype(np.int64) @ w[0] + vvals @ w[1]      # [parts, bp, G, pt, N]
+  x = x.reshape(parts, block_pages, g, pt // TILE, TILE, -1).sum(axis=(1, 3))
+  s = ks[pages].astype(np.float64) + vs[pages].astype(np.float64)
+  return [x.astype(np.float64),
+          s.reshape(parts, block_pages, g, pt // TILE, TILE, -1).sum(axis=(1, 3))]
+
+
 def expected_sums(kq, vq, ks, vs, table, block_pages: int):
   """numpy: the three sums of `packed_probe` (exact on `exact_pages` pages, so in float64)."""
   _, g, pt, d = kq.shape
@@ -189,27 +414,56 @@ def main(argv):
     pool, table_np = probe_common.exact_pool(ctx, layout, num_phys, ctx // layout.page_tokens)
     planes = repack(pool, layout)
     del pool
-    want = expected_sums(*planes, table_np, FLAGS.block_pages)
     dev = [jnp.asarray(x) for x in planes] + [jnp.asarray(table_np)]
-    for stages in (int(s) for s in FLAGS.stages):
-      smem = smem_bytes(layout.num_kv_heads, layout.head_dim, stages)
-      fn = functools.partial(packed_probe, *dev, block_pages=FLAGS.block_pages, stages=stages,
-                             interpret=FLAGS.interpret)
-      try:
-        got = [np.asarray(x).astype(np.float64) for x in fn()]
-      except Exception as e:  # pylint: disable=broad-except  (report it, go on to the next one)
-        print(f"FAILED to build or run the packed probe at {ctx} tokens, stages={stages} "
-              f"(SMEM {smem} B): {type(e).__name__}: {str(e)[:400]}", flush=True)
+    # full-range quants for the wgmma variants (their float32 sums stay exact integers)
+    rng = np.random.default_rng(ctx)
+    kq_full = rng.integers(-128, 128, planes[0].shape, dtype=np.int8)
+    vq_full = rng.integers(-128, 128, planes[1].shape, dtype=np.int8)
+    full = (kq_full, vq_full, planes[2], planes[3])
+    for variant in FLAGS.variant:
+      if variant == "magic" and FLAGS.interpret:
+        print("skip magic: GPU only (the interpreter runs no inline Mosaic GPU code)", flush=True)
         continue
-      if not all(np.array_equal(a, b) for a, b in zip(got, want)):
-        print(f"FAILED packed decode check at {ctx} tokens, stages={stages}: "
-              f"{[float(np.mean(a == b)) for a, b in zip(got, want)]} of the sums equal",
-              flush=True)
-        continue
-      probe_common.timed(lambda fn=fn: fn()[0], nbytes,
-                         f"packed context={ctx} stages={stages} smem={smem} checked",
-                         (ctx, stages, smem), rows)
-  probe_common.print_table(("ctx", "stages", "SMEM B"), rows)
+      if variant in ("wgmma", "magic"):
+        if variant == "wgmma":
+          want = expected_wgmma_sums(*full, table_np, FLAGS.block_pages, FLAGS.wgmma_n)
+          rhs = jnp.ones((2, layout.head_dim, FLAGS.wgmma_n), jnp.bfloat16)
+        else:
+          w, rhs_np = magic_rhs(layout.head_dim, FLAGS.wgmma_n)
+          want = expected_magic_sums(*full, table_np, FLAGS.block_pages, w)
+          rhs = jnp.asarray(rhs_np)
+        wdev = [jnp.asarray(kq_full), jnp.asarray(vq_full), dev[2], dev[3], dev[4], rhs]
+        configs = [(st, int(c)) for st in (int(s) for s in FLAGS.stages) for c in FLAGS.consumers]
+      elif variant == "sum":
+        want = expected_sums(*planes, table_np, FLAGS.block_pages)
+        configs = [(st, 1) for st in (int(s) for s in FLAGS.stages)]
+      else:
+        raise ValueError(f"unknown --variant {variant!r}: sum, wgmma or magic")
+      for stages, consumers in configs:
+        if variant in ("wgmma", "magic"):
+          smem = wgmma_smem_bytes(layout.num_kv_heads, layout.head_dim, stages, FLAGS.wgmma_n)
+          fn = functools.partial(packed_wgmma_probe, *wdev, block_pages=FLAGS.block_pages,
+                                 stages=stages, consumers=consumers, interpret=FLAGS.interpret,
+                                 convert="magic" if variant == "magic" else "mosaic")
+        else:
+          smem = smem_bytes(layout.num_kv_heads, layout.head_dim, stages)
+          fn = functools.partial(packed_probe, *dev, block_pages=FLAGS.block_pages, stages=stages,
+                                 interpret=FLAGS.interpret)
+        name = f"{variant} context={ctx} stages={stages} WGs={consumers}"
+        try:
+          got = [np.asarray(x).astype(np.float64) for x in fn()]
+        except Exception as e:  # pylint: disable=broad-except  (report it, go on to the next one)
+          print(f"FAILED to build or run the packed probe {name} (SMEM {smem} B): "
+                f"{type(e).__name__}: {str(e)[:400]}", flush=True)
+          continue
+        if not all(np.array_equal(a, b) for a, b in zip(got, want)):
+          print(f"FAILED packed decode check {name}: "
+                f"{[float(np.mean(a == b)) for a, b in zip(got, want)]} of the sums equal",
+                flush=True)
+          continue
+        probe_common.timed(lambda fn=fn: fn()[0], nbytes, f"packed {name} smem={smem} checked",
+                           (variant, ctx, stages, consumers, smem), rows)
+  probe_common.print_table(("variant", "ctx", "stages", "WGs", "SMEM B"), rows)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,21 @@ At the end each CTA copies the first max(128, L) bytes of its last tile's K span
 script checks them against the page bytes (compiled and interpreted), so a copy of the wrong page
 or offset fails the run.
 
+`--work` adds consumers of the tiles, `--consumers` warpgroups a CTA (heads round robin), each
+checked on the GPU against numpy, bit for bit:
+  decode  Mosaic v1's own window decode (`kernel_mosaic.decode_windows`) summed in f16 (S8, S9).
+  magic   the magic-number PTX conversion of the ggml quants as they lie (`_ggml_magic_lhs`,
+          `magic_ptx`): a lane loads 4-byte-aligned words of two ggml blocks, realigns the
+          2-byte-offset one with prmt, converts to f16 WGMMA-layout registers (head dims
+          permuted) and feeds wgmma; unscaled (S9-5).
+  step    a decode step without the softmax: the scaled K conversion as the lhs of S^T = K Q^T
+          and the scaled, transposed V conversion (`_ggml_vt_lhs`) as the lhs of O^T = V^T P^T,
+          both wgmmas (S9-6).
+
   python experiments/probe_tma_reads.py --contexts=131072,262144 --stages=2,3,4 --block_tokens=32,64 \
       --line_bytes=16,128,256
+  python experiments/probe_tma_reads.py --work=magic,step,decode --line_bytes=256 --stages=1,2 \
+      --consumers=4,2 --contexts=131072,262144
   python experiments/probe_tma_reads.py --interpret --contexts=512 --page_tokens=64 --head_dim=64
 """
 
@@ -46,17 +59,23 @@ from kvjax_pallas import ggml_codec  # noqa: E402
 from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout  # noqa: E402
 from kvjax_pallas.span_attention import kernel_mosaic as _mosaic  # noqa: E402
 
-import probe_common  # noqa: E402  (experiments/, the script's folder)
+import magic_ptx  # noqa: E402  (experiments/, the script's folder)
+import probe_common  # noqa: E402
 
 FLAGS = flags.FLAGS
-probe_common.define_flags(stages=("2", "4"))
+# consumers: the decode modes' warpgroups a CTA, heads round robin
+probe_common.define_flags(stages=("2", "4"), consumers=("1",))
 flags.DEFINE_list("block_tokens", ["32", "64"], "keys a tile (all KV heads)")
 flags.DEFINE_integer("smem_limit", 227 * 1024, "SMEM a CTA may use (bytes); larger configs skipped")
 flags.DEFINE_list("line_bytes", ["16", "128", "256"],
                   "bytes a line of the pool view: the TMA box's inner dimension")
 flags.DEFINE_list("work", ["copy"], "copy: TMA only; decode: TMA + the Mosaic kernel's window "
-                  "decode of every head (64-token tiles, compiled only)")
-flags.DEFINE_list("consumers", ["1"], "decode mode: warpgroups a CTA decoding (heads round robin)")
+                  "decode of every head (64-token tiles, compiled only); magic: TMA + the "
+                  "magic-number PTX conversion of the ggml quants feeding wgmma (GPU only); "
+                  "step: the scaled K and transposed V conversions feeding S^T = K Q^T and "
+                  "O^T = V^T P^T (a decode step without the softmax, GPU only)")
+flags.DEFINE_integer("magic_n", 16,
+                     "magic / step modes: N of the wgmma rhs (the folded query rows)")
 flags.DEFINE_list("unroll", ["0"], "decode mode: 0 = straight-line decode of every block; u = a "
                   "rolled loop, u blocks a step")
 flags.DEFINE_string("out_dir", "", "where a failed decode check saves its sums (npz)")
@@ -109,24 +128,17 @@ def _probe_kernel(tab_ref, lines_ref, out_ref, buf, bars, *, block_pages: int, n
   plgpu.wait_smem_to_gmem(0)
 
 
-def _decode_probe_kernel(tab_ref, lines_ref, out_ref, *scratch, layout: PageLayout,
-                         block_pages: int, tiles_per_page: int, k_lines: int, v_lines: int,
-                         v_first: int, stages: int, consumers: int, unroll: int):
-  # tab_ref [T] i32; lines_ref [P, page_lines, L] u8; out_ref [parts, consumers, 64, 16] f16
-  # scratch: `stages` buffers [k_lines + v_lines, L] u8, `stages` TMA barriers, `stages` "slot
-  # consumed" barriers (one arrival a warpgroup), `consumers` acc buffers SMEM [64, 16] f16.
-  # Every partition has block_pages full pages and a multiple of `stages` tiles (checked by the
-  # caller), so the slots are static: round j consumes tiles j * stages + s in slot s. Warpgroup
-  # w decodes heads w, w + consumers, ... of every tile; warpgroup 0 also issues the copies, a
-  # slot's refill once every warpgroup has arrived on its "consumed" barrier.
-  bufs, bars = scratch[:stages], scratch[stages:2 * stages]
-  frees, accs = scratch[2 * stages:3 * stages], scratch[3 * stages:]
-  ops = _mosaic.ops_for(False)
+def _consume_tiles(tab_ref, lines_ref, bufs, bars, frees, consume, carry, *, block_pages: int,
+                   tiles_per_page: int, k_lines: int, v_lines: int, v_first: int, stages: int,
+                   consumers: int):
+  """The decode modes' pipeline: TMA copies of a partition's tiles into `stages` slots, each tile
+  consumed by every warpgroup (`consume(slot, carry) -> carry`). Every partition has
+  block_pages full pages and a multiple of `stages` tiles (checked by the callers), so the slots
+  are static: round j consumes tiles j * stages + s in slot s. Warpgroup 0 also issues the
+  copies, a slot's refill once every warpgroup has arrived on its "consumed" barrier."""
   wg = lax.axis_index("wg") if consumers > 1 else 0
-  pp = lax.axis_index("p")
-  page_lo = pp * block_pages
+  page_lo = lax.axis_index("p") * block_pages
   n_tiles = block_pages * tiles_per_page
-  bt = layout.page_tokens // tiles_per_page
 
   def issue(i, slot):
     _copy_tile(lines_ref, tab_ref[page_lo + i // tiles_per_page], i % tiles_per_page,
@@ -142,6 +154,39 @@ def _decode_probe_kernel(tab_ref, lines_ref, out_ref, *scratch, layout: PageLayo
   def _():
     for s in range(stages):
       issue(s, s)
+
+  def body(j, carry):
+    for s in range(stages):
+      i = j * stages + s
+      plgpu.barrier_wait(bars[s])
+      carry = consume(s, carry)
+      if consumers > 1:
+        plgpu.barrier_arrive(frees[s])
+
+      def refill(i=i, s=s):
+        if consumers > 1:
+          plgpu.barrier_wait(frees[s])
+        issue(i + stages, s)
+
+      by_issuer(lambda refill=refill, i=i: pl.when(i + stages < n_tiles)(refill))
+    return carry
+
+  return lax.fori_loop(0, n_tiles // stages, body, carry)
+
+
+def _decode_probe_kernel(tab_ref, lines_ref, out_ref, *scratch, layout: PageLayout,
+                         block_pages: int, tiles_per_page: int, k_lines: int, v_lines: int,
+                         v_first: int, stages: int, consumers: int, unroll: int):
+  # tab_ref [T] i32; lines_ref [P, page_lines, L] u8; out_ref [parts, consumers, 64, 16] f16
+  # scratch: `stages` buffers [k_lines + v_lines, L] u8, `stages` TMA barriers, `stages` "slot
+  # consumed" barriers (one arrival a warpgroup), `consumers` acc buffers SMEM [64, 16] f16.
+  # Warpgroup w decodes heads w, w + consumers, ... of every tile (`_consume_tiles`).
+  bufs, bars = scratch[:stages], scratch[stages:2 * stages]
+  frees, accs = scratch[2 * stages:3 * stages], scratch[3 * stages:]
+  ops = _mosaic.ops_for(False)
+  wg = lax.axis_index("wg") if consumers > 1 else 0
+  pp = lax.axis_index("p")
+  bt = layout.page_tokens // tiles_per_page
 
   def decode_heads(heads, slot, acc):
     kview = bufs[slot].at[pl.ds(0, k_lines)].reshape(bt, layout.k_row_bytes)
@@ -169,26 +214,15 @@ def _decode_probe_kernel(tab_ref, lines_ref, out_ref, *scratch, layout: PageLayo
 
   groups = [tuple(range(w, layout.num_kv_heads, consumers)) for w in range(consumers)]
 
-  def body(j, acc):
-    for s in range(stages):
-      i = j * stages + s
-      plgpu.barrier_wait(bars[s])
-      if consumers == 1:
-        acc = decode_heads(groups[0], s, acc)
-      else:
-        acc = lax.switch(wg, [functools.partial(decode_heads, g, s) for g in groups], acc)
-        plgpu.barrier_arrive(frees[s])
-
-      def refill(i=i, s=s):
-        if consumers > 1:
-          plgpu.barrier_wait(frees[s])
-        issue(i + stages, s)
-
-      by_issuer(lambda refill=refill, i=i: pl.when(i + stages < n_tiles)(refill))
-    return acc
+  def consume(s, acc):
+    if consumers == 1:
+      return decode_heads(groups[0], s, acc)
+    return lax.switch(wg, [functools.partial(decode_heads, g, s) for g in groups], acc)
 
   acc0 = plgpu.layout_cast(jnp.zeros((bt, 16), jnp.float16), plgpu.Layout.WGMMA)
-  acc = lax.fori_loop(0, n_tiles // stages, body, acc0)
+  acc = _consume_tiles(tab_ref, lines_ref, bufs, bars, frees, consume, acc0,
+                       block_pages=block_pages, tiles_per_page=tiles_per_page, k_lines=k_lines,
+                       v_lines=v_lines, v_first=v_first, stages=stages, consumers=consumers)
   for w in range(consumers):
     @pl.when(wg == w)
     def _(w=w):
@@ -196,6 +230,274 @@ def _decode_probe_kernel(tab_ref, lines_ref, out_ref, *scratch, layout: PageLayo
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(accs[w], out_ref.at[pp, w])
       plgpu.wait_smem_to_gmem(0)
+
+
+def _ggml_magic_lhs(kind: str, layout: PageLayout, base: int, consumers: int, j: int,
+                    scaled: bool = False):
+  """The ggml-layout magic conversion: SMEM tile buffer [lines, L] u8 (a 64-token tile's
+  all-heads rows of this plane, row t at byte base + t * row bytes) -> f16 [64, head_dim] in the
+  WGMMA layout: the quants of head wg + j * consumers (wg from the thread index), unscaled, in
+  `magic_ptx.ggml_dims` column order. Lane c of a row loads the 68 (Q8_0) / 36 (Q4_0) bytes of
+  ggml blocks 2c and 2c + 1 as 4-byte-aligned words, realigns block 2c's quants (they start 2
+  bytes into the span) with one prmt a word, and converts them with `magic_ptx`. scaled: each
+  value times its block scale (f16, rounded once: the "f16" decode); the two scales sit in the
+  span's first word (low half) and its middle word (high half)."""
+  per = BLOCK_FORMATS[kind][1]                         # bytes a block: 34 / 18
+  row_bytes, head_bytes = ((layout.k_row_bytes, layout.k_head_bytes) if kind == layout.k_type
+                           else (layout.v_row_bytes, layout.v_head_bytes))
+  span_words = 2 * per // 4                            # 17 / 9
+  q_words = (per - 2) // 4                             # a block's quant words: 8 / 4
+  bt = DECODE_TOKENS
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                     return_type=plgpu.ShapeDtypeStruct((bt, layout.head_dim), jnp.float16,
+                                                        plgpu.Layout.WGMMA))
+  def conv(ctx, ref):
+    del ctx
+    # pylint: disable=import-outside-toplevel
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
+    import jax.experimental.mosaic.gpu as mgpu
+    i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+    c = lambda v: mu.c(v, i32)
+    t = mu.thread_idx()
+    lane, warp = arith.andi(t, c(31)), arith.andi(arith.shrui(t, c(5)), c(3))
+    head = arith.addi(arith.shrui(t, c(7)), c(j * consumers)) if consumers > 1 else c(j)
+    quad = arith.andi(lane, c(3))
+    col = arith.addi(arith.muli(head, c(head_bytes)), arith.muli(quad, c(2 * per)))
+    row0 = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
+    ptr = mu.memref_ptr(ref)
+    regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((bt, layout.head_dim)), dtype=object)
+    for half in range(2):                              # rows r and r + 8 of the warp's 16
+      row = arith.addi(row0, c(8 * half))
+      off = arith.addi(c(base), arith.addi(arith.muli(row, c(row_bytes)), col))
+      words = [llvm.load(i32, mu.getelementptr(ptr, [arith.addi(off, c(4 * w))], i8), alignment=4)
+               for w in range(span_words)]
+      realigned = [magic_ptx.prmt(words[w], words[w + 1], 0x5432) for w in range(q_words)]
+      quants = realigned + words[q_words + 1:]         # block 2c, then block 2c + 1
+      scales = [None, None]
+      if scaled:                                       # (d, d) f16x2 of each block
+        scales = [magic_ptx.prmt(words[0], words[0], 0x1010),
+                  magic_ptx.prmt(words[q_words], words[q_words], 0x3232)]
+      m = 0
+      for i, word in enumerate(quants):
+        for out in magic_ptx.convert_word(kind, word, scales[i // q_words]):
+          regs[0, m, 0, 0, half, 0, 0, 0, 0] = out
+          m += 1
+    return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return conv
+
+
+def _ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int):
+  """Q4_0 V of a 64-token tile as the lhs of O^T = V^T P^T: SMEM tile buffer [lines, L] u8 (V row
+  t at byte base + t * v row bytes) -> 4 f16 [64, 64] WGMMA-layout arrays (M-blocks of 64 head
+  dims in `magic_ptx.vt_dims` order, tokens as columns), scaled, of head wg + j * consumers.
+  A lane (warp w, row r, quad c) takes the 4 quant bytes 4 (8 w + r) .. +3 of the head (one
+  block; a 2-byte-misaligned start for even blocks: two words and a prmt with a computed
+  selector) and the block scale, for its 16 tokens 8 g + 2 c + {0, 1}; each token pair becomes
+  8 registers (`magic_ptx.convert_token_pair`). The second word of an aligned (odd) block is
+  read and not used; for the last head of the tile's last token it lies 4 bytes past the V span
+  (inside the CTA's SMEM; a kernel would clamp it)."""
+  row_bytes, head_bytes = layout.v_row_bytes, layout.v_head_bytes
+  bt = DECODE_TOKENS
+  ret = plgpu.ShapeDtypeStruct((bt, bt), jnp.float16, plgpu.Layout.WGMMA)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=(ret,) * 4)
+  def conv(ctx, ref):
+    del ctx
+    # pylint: disable=import-outside-toplevel
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
+    import jax.experimental.mosaic.gpu as mgpu
+    i32, i16, i8 = (ir.IntegerType.get_signless(b) for b in (32, 16, 8))
+    c = lambda v: mu.c(v, i32)
+    t = mu.thread_idx()
+    lane, warp = arith.andi(t, c(31)), arith.andi(arith.shrui(t, c(5)), c(3))
+    head = arith.addi(arith.shrui(t, c(7)), c(j * consumers)) if consumers > 1 else c(j)
+    quad, r = arith.andi(lane, c(3)), arith.shrui(lane, c(2))
+    beta = arith.muli(arith.addi(arith.muli(warp, c(8)), r), c(4))   # first quant byte
+    blk = arith.shrui(beta, c(4))
+    scale_col = arith.addi(arith.muli(head, c(head_bytes)), arith.muli(blk, c(18)))
+    q_col = arith.addi(scale_col, arith.addi(c(2), arith.andi(beta, c(15))))
+    # quant words start 2 bytes late in even blocks: prmt 0x5432 there, 0x3210 in odd ones
+    sel = arith.addi(c(0x3210), arith.muli(arith.andi(q_col, c(2)), c(0x1111)))
+    q_col = arith.andi(q_col, c(~3))
+    ptr = mu.memref_ptr(ref)
+
+    def load(off, ty, align):
+      return llvm.load(ty, mu.getelementptr(ptr, [off], i8), alignment=align)
+
+    regs = [np.empty(fa.WGMMA_LAYOUT.registers_shape((bt, bt)), dtype=object) for _ in range(4)]
+    for g in range(bt // 8):                           # 8-token column groups
+      tok0 = arith.addi(c(8 * g), arith.muli(quad, c(2)))
+      words, scales = [], []
+      for e in range(2):
+        row = arith.addi(c(base), arith.muli(arith.addi(tok0, c(e)), c(row_bytes)))
+        w0, w1 = (load(arith.addi(row, arith.addi(q_col, c(4 * k))), i32, 4) for k in range(2))
+        words.append(llvm.inline_asm(i32, [w0, w1, sel], magic_ptx.PRMT_PTX, "=r,r,r,r"))
+        scales.append(arith.extui(i32, load(arith.addi(row, scale_col), i16, 2)))
+      pair = magic_ptx.prmt(scales[0], scales[1], 0x5410)
+      for mb in range(4):
+        lo, hi = magic_ptx.convert_token_pair(words[0], words[1], pair, mb)
+        regs[mb][0, g, 0, 0, 0, 0, 0, 0, 0] = lo
+        regs[mb][0, g, 0, 0, 1, 0, 0, 0, 0] = hi
+    return tuple(mgpu.FragmentedArray(_registers=x, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+                 for x in regs)
+
+  return conv
+
+
+def _magic_probe_kernel(tab_ref, lines_ref, rhs_ref, out_ref, *scratch, layout: PageLayout,
+                        block_pages: int, tiles_per_page: int, k_lines: int, v_lines: int,
+                        v_first: int, stages: int, consumers: int):
+  # tab_ref [T] i32; lines_ref [P, page_lines, L] u8; rhs_ref [2, D, N] f16 (K's and V's rhs rows
+  # in `magic_ptx.ggml_dims` order) -> out_ref [parts, G, 64, N] f32: per head, the float32 sum
+  # over the partition's tiles of K . W_K + (V - 8) . W_V (unscaled quants).
+  # scratch: `stages` buffers [k_lines + v_lines, L] u8, `stages` TMA barriers, `stages` "slot
+  # consumed" barriers, rhs SMEM [2, D, N] f16 (swizzled) and its barrier.
+  bufs, bars = scratch[:stages], scratch[stages:2 * stages]
+  frees, (rhs_s, rhs_bar) = scratch[2 * stages:3 * stages], scratch[3 * stages:]
+  hpw = layout.num_kv_heads // consumers
+  wg = lax.axis_index("wg") if consumers > 1 else 0
+  pp = lax.axis_index("p")
+  line = lines_ref.shape[-1]
+  conv = [(_ggml_magic_lhs(layout.k_type, layout, 0, consumers, j),
+           _ggml_magic_lhs(layout.v_type, layout, k_lines * line, consumers, j))
+          for j in range(hpw)]
+
+  def tile_mmas(accs, buf):
+    for j in range(hpw):
+      plgpu.wgmma(accs[j], conv[j][0](buf), rhs_s.at[0])
+      plgpu.wgmma(accs[j], conv[j][1](buf), rhs_s.at[1])
+
+  def finish(accs):
+    for j in range(hpw):
+      out_ref[pp, wg + j * consumers] = accs[j][...]
+
+  _wgmma_tiles(tab_ref, lines_ref, bufs, bars, frees, [(rhs_ref, rhs_s)], rhs_bar, tile_mmas,
+               finish, n_accs=hpw, n=rhs_ref.shape[-1], block_pages=block_pages,
+               tiles_per_page=tiles_per_page, k_lines=k_lines, v_lines=v_lines, v_first=v_first,
+               stages=stages, consumers=consumers)
+
+
+def _wgmma_tiles(tab_ref, lines_ref, bufs, bars, frees, copies, in_bar, tile_mmas, finish, *,
+                 n_accs: int, n: int, **pipeline):
+  """The magic / step kernels' frame: copy the rhs operands in (`copies`: (GMEM, SMEM) pairs, on
+  in_bar, by warpgroup 0), then `_consume_tiles` with `tile_mmas(accs, buf)` issuing a tile's
+  wgmmas into n_accs [64, n] float32 accumulators (waited for before the slot is refilled), then
+  `finish(accs)`."""
+  def copy_in():
+    for src, dst in copies:
+      plgpu.copy_gmem_to_smem(src, dst, in_bar)
+
+  if pipeline["consumers"] == 1:
+    copy_in()
+  else:
+    pl.when(lax.axis_index("wg") == 0)(copy_in)
+  plgpu.barrier_wait(in_bar)
+
+  def run(*accs):
+    def consume(s, carry):
+      tile_mmas(accs, bufs[s])
+      plgpu.wgmma_wait(0)             # the slot's bytes are read
+      return carry
+
+    _consume_tiles(tab_ref, lines_ref, bufs, bars, frees, consume, jnp.int32(0), **pipeline)
+    finish(accs)
+
+  pl.run_scoped(run, *[plgpu.ACC((DECODE_TOKENS, n), jnp.float32)] * n_accs)
+
+
+def _step_probe_kernel(tab_ref, lines_ref, qt_ref, pt_ref, s_ref, o_ref, *scratch,
+                       layout: PageLayout, block_pages: int, tiles_per_page: int, k_lines: int,
+                       v_lines: int, v_first: int, stages: int, consumers: int):
+  # tab_ref [T] i32; lines_ref [P, page_lines, L] u8; qt_ref [D, N] f16 (Q^T, rows in
+  # `magic_ptx.ggml_dims` order, every head's); pt_ref [64, N] f16 (a fixed P^T)
+  # -> s_ref [parts, G, 64, N] f32 (sum over the partition's tiles of S^T = K Q^T), o_ref
+  # [parts, G, D, N] f32 (sum of O^T = V^T P^T, rows in `magic_ptx.vt_dims` order); K and V
+  # dequantized (scaled, f16) by the magic conversions. The softmax is left out: a floor.
+  # scratch: `stages` buffers, TMA barriers and "consumed" barriers; qt, pt SMEM; a barrier.
+  bufs, bars = scratch[:stages], scratch[stages:2 * stages]
+  frees, (qt_s, pt_s, in_bar) = scratch[2 * stages:3 * stages], scratch[3 * stages:]
+  hpw = layout.num_kv_heads // consumers
+  wg = lax.axis_index("wg") if consumers > 1 else 0
+  pp = lax.axis_index("p")
+  line = lines_ref.shape[-1]
+
+  conv = [(_ggml_magic_lhs(layout.k_type, layout, 0, consumers, j, scaled=True),
+           _ggml_vt_lhs(layout, k_lines * line, consumers, j)) for j in range(hpw)]
+
+  def tile_mmas(accs, buf):
+    for j in range(hpw):
+      plgpu.wgmma(accs[5 * j], conv[j][0](buf), qt_s)
+      for mb, vt in enumerate(conv[j][1](buf)):
+        plgpu.wgmma(accs[5 * j + 1 + mb], vt, pt_s)
+
+  def finish(accs):
+    for j in range(hpw):
+      h = wg + j * consumers
+      s_ref[pp, h] = accs[5 * j][...]
+      for mb in range(4):
+        o_ref[pp, h, pl.ds(64 * mb, 64)] = accs[5 * j + 1 + mb][...]
+
+  _wgmma_tiles(tab_ref, lines_ref, bufs, bars, frees, [(qt_ref, qt_s), (pt_ref, pt_s)], in_bar,
+               tile_mmas, finish, n_accs=5 * hpw, n=qt_ref.shape[-1], block_pages=block_pages,
+               tiles_per_page=tiles_per_page, k_lines=k_lines, v_lines=v_lines, v_first=v_first,
+               stages=stages, consumers=consumers)
+
+
+def _decode_geometry(lines, table, layout: PageLayout, block_pages: int, stages: int,
+                     consumers: int):
+  """Checks shared by the decode modes; returns (parts, k_lines, v_lines, tiles a page)."""
+  line = lines.shape[-1]
+  bt = DECODE_TOKENS
+  if not line_fits(layout, bt, line):
+    raise ValueError(f"{line}-byte lines do not tile a {bt}-token tile of {layout.describe()}")
+  if layout.num_kv_heads % consumers:
+    raise ValueError(f"{consumers} consumer warpgroups do not divide {layout.num_kv_heads} heads")
+  n_table = table.shape[0]
+  tiles_per_page = layout.page_tokens // bt
+  if n_table % block_pages or (block_pages * tiles_per_page) % stages:
+    raise ValueError(f"the decode probe needs whole partitions of whole stages: {n_table} pages "
+                     f"in partitions of {block_pages}, {block_pages * tiles_per_page} tiles a "
+                     f"partition for {stages} stages")
+  return (n_table // block_pages, bt * layout.k_row_bytes // line, bt * layout.v_row_bytes // line,
+          tiles_per_page)
+
+
+def _decode_mode_call(kernel, lines, table, *, layout: PageLayout, block_pages: int, stages: int,
+                      consumers: int, out_type, extra_scratch, **kernel_kw):
+  """The pallas call of a decode mode (decode, magic, step): the pipeline's geometry checks,
+  `stages` tile buffers, TMA barriers and "consumed" barriers, then `extra_scratch`; Lane
+  semantics, `consumers` warpgroups. Returns the call, to be applied to (table, lines, ...)."""
+  _, k_lines, v_lines, tiles_per_page = _decode_geometry(lines, table, layout, block_pages,
+                                                         stages, consumers)
+  line = lines.shape[-1]
+  kern = functools.partial(
+      kernel, layout=layout, block_pages=block_pages, tiles_per_page=tiles_per_page,
+      k_lines=k_lines, v_lines=v_lines, v_first=layout.v_offset // line, stages=stages,
+      consumers=consumers, **kernel_kw)
+  kw = dict(num_threads=consumers, thread_name="wg") if consumers > 1 else {}
+  return plgpu.kernel(
+      kern, out_type=out_type,
+      scratch_types=([plgpu.SMEM((k_lines + v_lines, line), jnp.uint8)] * stages
+                     + [plgpu.Barrier(num_arrivals=_copies(k_lines) + _copies(v_lines))] * stages
+                     + [plgpu.Barrier(num_arrivals=consumers)] * stages + list(extra_scratch)),
+      grid=(len(table) // block_pages,), grid_names=("p",),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      **kw)
+
+
+def _rhs_smem(shape):
+  """SMEM for a wgmma rhs [..., K, N] f16: N * 2-byte swizzled rows (at most 128 bytes)."""
+  sw = min(128, 2 * shape[-1])
+  return plgpu.SMEM(shape, jnp.float16,
+                    transforms=(plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw)))
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "block_pages", "stages", "consumers",
@@ -209,39 +511,114 @@ def decode_probe(lines, table, *, layout: PageLayout, block_pages: int, stages: 
   rolled loop over a warpgroup's heads x blocks, u blocks a step at a dynamic column (less code:
   S8-6 found 2.88 of 10.65 cycles an issue waiting for instructions).
   lines [P, page_bytes / L, L] u8, table [T] i32 -> [parts, consumers, 64, 16] f16."""
-  line = lines.shape[-1]
-  bt = DECODE_TOKENS
-  if not line_fits(layout, bt, line):
-    raise ValueError(f"{line}-byte lines do not tile a {bt}-token tile of {layout.describe()}")
-  if layout.num_kv_heads % consumers:
-    raise ValueError(f"{consumers} consumer warpgroups do not divide {layout.num_kv_heads} heads")
   if unroll < 0 or (unroll and (layout.head_dim // 32) % unroll):
     raise ValueError(f"unroll={unroll} does not divide the {layout.head_dim // 32} blocks a head")
-  n_table = table.shape[0]
-  tiles_per_page = layout.page_tokens // bt
-  if n_table % block_pages or (block_pages * tiles_per_page) % stages:
-    raise ValueError(f"the decode probe needs whole partitions of whole stages: {n_table} pages "
-                     f"in partitions of {block_pages}, {block_pages * tiles_per_page} tiles a "
-                     f"partition for {stages} stages")
-  parts = n_table // block_pages
-  k_lines = bt * layout.k_row_bytes // line
-  v_lines = bt * layout.v_row_bytes // line
-  kern = functools.partial(
-      _decode_probe_kernel, layout=layout, block_pages=block_pages, tiles_per_page=tiles_per_page,
-      k_lines=k_lines, v_lines=v_lines, v_first=layout.v_offset // line, stages=stages,
-      consumers=consumers, unroll=unroll)
-  kw = dict(num_threads=consumers, thread_name="wg") if consumers > 1 else {}
-  call = plgpu.kernel(
-      kern,
-      out_type=jax.ShapeDtypeStruct((parts, consumers, bt, 16), jnp.float16),
-      scratch_types=([plgpu.SMEM((k_lines + v_lines, line), jnp.uint8)] * stages
-                     + [plgpu.Barrier(num_arrivals=_copies(k_lines) + _copies(v_lines))] * stages
-                     + [plgpu.Barrier(num_arrivals=consumers)] * stages
-                     + [plgpu.SMEM((bt, 16), jnp.float16)] * consumers),
-      grid=(parts,), grid_names=("p",),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-      **kw)
+  bt = DECODE_TOKENS
+  call = _decode_mode_call(
+      _decode_probe_kernel, lines, table, layout=layout, block_pages=block_pages, stages=stages,
+      consumers=consumers, unroll=unroll,
+      out_type=jax.ShapeDtypeStruct((len(table) // block_pages, consumers, bt, 16), jnp.float16),
+      extra_scratch=[plgpu.SMEM((bt, 16), jnp.float16)] * consumers)
   return call(table, lines)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "block_pages", "stages", "consumers"))
+def magic_probe(lines, table, rhs, *, layout: PageLayout, block_pages: int, stages: int,
+                consumers: int = 1):
+  """TMA reads + the magic-number conversion of the ggml pages as they are (`_ggml_magic_lhs`,
+  PTX through `plgpu.inline_mgpu`: GPU only) feeding wgmma: each warpgroup's heads' K and V quants
+  of each 64-token tile, as the lhs against rhs [2, D, N] f16 (rows in `magic_ptx.ggml_dims`
+  order), accumulated in float32. The scales are read (they share the words) but not applied.
+  lines [P, page_bytes / L, L] u8, table [T] i32 -> [parts, G, 64, N] f32."""
+  if (layout.k_type, layout.v_type, layout.head_dim) != ("q8_0", "q4_0", 256):
+    raise ValueError(f"the magic probe takes Q8_0 K / Q4_0 V pages of head dim 256, not "
+                     f"{layout.describe()}")
+  parts = len(table) // block_pages
+  call = _decode_mode_call(
+      _magic_probe_kernel, lines, table, layout=layout, block_pages=block_pages, stages=stages,
+      consumers=consumers,
+      out_type=jax.ShapeDtypeStruct((parts, layout.num_kv_heads, DECODE_TOKENS, rhs.shape[-1]),
+                                    jnp.float32),
+      extra_scratch=[_rhs_smem(rhs.shape), plgpu.Barrier(num_arrivals=1)])
+  return call(table, lines, rhs)
+
+
+def magic_rhs(head_dim: int, n: int):
+  """(W [2, D, N] int64 small integers by head dim: K's and V's weights, the rhs [2, D, N] f16 in
+  `magic_ptx.ggml_dims` row order) for the magic probe's check."""
+  w = magic_ptx.check_weights(head_dim, n)
+  rhs = np.stack([w[0][magic_ptx.ggml_dims("q8_0", head_dim)],
+                  w[1][magic_ptx.ggml_dims("q4_0", head_dim)]])
+  return w, rhs.astype(np.float16)
+
+
+def expected_magic_sums(pool: np.ndarray, table: np.ndarray, layout: PageLayout,
+                        block_pages: int, w) -> np.ndarray:
+  """numpy: [parts, G, 64, N] of `magic_probe`: per head, sum over the partition's tiles of the
+  unscaled quants (Q8_0 int8, Q4_0 nibble - 8, by head dim) times W (exact integers)."""
+  bt = DECODE_TOKENS
+  parts = len(table) // block_pages
+  g, d, pt = layout.num_kv_heads, layout.head_dim, layout.page_tokens
+  pages = pool[table]                                               # [T, page_bytes]
+  k = pages[:, :layout.k_plane_bytes].reshape(len(table), pt, g, d // 32, 34)
+  kq = k[..., 2:].view(np.int8).astype(np.int64).reshape(len(table), pt, g, d)
+  v = pages[:, layout.v_offset:layout.v_offset + layout.v_plane_bytes].reshape(
+      len(table), pt, g, d // 32, 18)[..., 2:].astype(np.int64)
+  vq = np.concatenate([v & 15, v >> 4], axis=-1).reshape(len(table), pt, g, d) - 8
+  x = kq @ w[0] + vq @ w[1]                                         # [T, pt, G, N]
+  x = x.reshape(parts, block_pages * pt // bt, bt, g, -1).sum(axis=1)
+  return x.transpose(0, 2, 1, 3).astype(np.float64)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "block_pages", "stages", "consumers"))
+def step_probe(lines, table, qt, pt, *, layout: PageLayout, block_pages: int, stages: int,
+               consumers: int = 1):
+  """TMA reads + the scaled magic conversions of K (as the lhs of S^T = K Q^T) and of V (as the
+  transposed lhs of O^T = V^T P^T) + both wgmmas, for every head of every 64-token tile: a decode
+  step without the softmax (GPU only). lines [P, page_bytes / L, L] u8, table [T] i32, qt [D, N]
+  f16, pt [64, N] f16 -> (S^T sums [parts, G, 64, N], O^T sums [parts, G, D, N]) f32."""
+  if (layout.k_type, layout.v_type, layout.head_dim) != ("q8_0", "q4_0", 256):
+    raise ValueError(f"the step probe takes Q8_0 K / Q4_0 V pages of head dim 256, not "
+                     f"{layout.describe()}")
+  parts = len(table) // block_pages
+  g, d, n = layout.num_kv_heads, layout.head_dim, qt.shape[-1]
+  call = _decode_mode_call(
+      _step_probe_kernel, lines, table, layout=layout, block_pages=block_pages, stages=stages,
+      consumers=consumers,
+      out_type=(jax.ShapeDtypeStruct((parts, g, DECODE_TOKENS, n), jnp.float32),
+                jax.ShapeDtypeStruct((parts, g, d, n), jnp.float32)),
+      extra_scratch=[_rhs_smem(qt.shape), _rhs_smem(pt.shape), plgpu.Barrier(num_arrivals=2)])
+  return call(table, lines, qt, pt)
+
+
+def step_inputs(head_dim: int, n: int):
+  """(W [D, N], P^T [64, N] small integers (int64), qt = W in `magic_ptx.ggml_dims` row order
+  and pt, f16) for the step probe's check."""
+  w = magic_ptx.check_weights(head_dim, n)[0]
+  p = (np.arange(DECODE_TOKENS)[:, None] * 3 + np.arange(n)) % 4 - 1
+  return (w, p.astype(np.int64), w[magic_ptx.ggml_dims("q8_0", head_dim)].astype(np.float16),
+          p.astype(np.float16))
+
+
+def expected_step_sums(pool: np.ndarray, table: np.ndarray, layout: PageLayout,
+                       block_pages: int, w, p):
+  """numpy: (S^T sums [parts, G, 64, N], O^T sums [parts, G, D, N], rows in
+  `magic_ptx.vt_dims` order) of `step_probe`, from `ggml_codec`'s decode (exact on
+  `probe_common.exact_pages` pages: every product and sum is a small multiple of 2^-6)."""
+  bt = DECODE_TOKENS
+  parts = len(table) // block_pages
+  g, d, pt = layout.num_kv_heads, layout.head_dim, layout.page_tokens
+  pages = jnp.asarray(pool[table])                                  # [T, page_bytes]
+  kr = pages[:, :layout.k_plane_bytes].reshape(len(table) * pt, layout.k_row_bytes)
+  vr = pages[:, layout.v_offset:layout.v_offset + layout.v_plane_bytes].reshape(
+      len(table) * pt, layout.v_row_bytes)
+  k = np.asarray(ggml_codec.decode_rows(kr, layout.k_type, g), np.float64).reshape(
+      parts, block_pages * pt // bt, bt, g, d)
+  v = np.asarray(ggml_codec.decode_rows(vr, layout.v_type, g), np.float64).reshape(
+      parts, block_pages * pt // bt, bt, g, d)
+  s = np.einsum("ptrgd,dn->pgrn", k, w.astype(np.float64))
+  o = np.einsum("ptrgd,rn->pgdn", v, p.astype(np.float64))[:, :, magic_ptx.vt_dims(d)]
+  return s, o
 
 
 def expected_decode_sums(pool: np.ndarray, table: np.ndarray, layout: PageLayout,
@@ -335,6 +712,11 @@ def main(argv):
     pool_np, table_np = probe_common.exact_pool(ctx, layout, num_phys, n_pages)
     pool = jnp.asarray(pool_np)
     table = jnp.asarray(table_np)
+    rand_pool, rand_lines = None, {}
+    if "magic" in FLAGS.work:       # full-range quants (garbage scales: the magic mode skips them)
+      rand_pool = np.random.default_rng(ctx + 1).integers(0, 256, pool_np.shape, np.uint8)
+      rand_lines = {int(b): jnp.asarray(rand_pool).reshape(num_phys, layout.page_bytes // int(b),
+                                                            int(b)) for b in FLAGS.line_bytes}
     for line in (int(b) for b in FLAGS.line_bytes):
       lines = pool.reshape(num_phys, layout.page_bytes // line, line)
       for work in FLAGS.work:
@@ -345,8 +727,12 @@ def main(argv):
           variants = [(DECODE_TOKENS, int(st), int(c), int(u)) for st in FLAGS.stages
                       for c in FLAGS.consumers for u in FLAGS.unroll]
         for bt, stages, consumers, unroll in variants:
-          smem = stages * bt * layout.token_bytes + (
-              consumers * bt * 16 * 2 if work == "decode" else 0)
+          if work in ("magic", "step") and unroll:
+            continue                                  # the magic conversion has no unroll knob
+          smem = stages * bt * layout.token_bytes + {
+              "decode": consumers * bt * 16 * 2,
+              "magic": 2 * layout.head_dim * FLAGS.magic_n * 2,
+              "step": (layout.head_dim + bt) * FLAGS.magic_n * 2}.get(work, 0)
           name = (f"{work} line={line} block_tokens={bt} stages={stages} "
                   f"consumers={consumers} unroll={unroll}")
           if layout.page_tokens % bt or smem > FLAGS.smem_limit or not line_fits(layout, bt, line):
@@ -360,6 +746,30 @@ def main(argv):
             if not np.array_equal(np.asarray(fn()), expected(pool_np, table_np, layout,
                                                              FLAGS.block_pages, bt, line)):
               raise SystemExit(f"TMA probe copied the wrong bytes at {ctx} tokens, {name}")
+          elif work == "step":
+            w, p, qt, pt = step_inputs(layout.head_dim, FLAGS.magic_n)
+            fn = functools.partial(step_probe, lines, table, jnp.asarray(qt), jnp.asarray(pt),
+                                   layout=layout, block_pages=FLAGS.block_pages, stages=stages,
+                                   consumers=consumers)
+            got = [np.asarray(x) for x in fn()]
+            want = expected_step_sums(pool_np, table_np, layout, FLAGS.block_pages, w, p)
+            if not all(np.array_equal(a, b) for a, b in zip(got, want)):
+              print(f"FAILED step check at {ctx} tokens, {name}: "
+                    f"{[float(np.mean(a == b)) for a, b in zip(got, want)]} of S / O equal",
+                    flush=True)
+              continue
+            fn = lambda fn=fn: fn()[0]
+          elif work == "magic":
+            w, rhs = magic_rhs(layout.head_dim, FLAGS.magic_n)
+            fn = functools.partial(magic_probe, rand_lines[line], table, jnp.asarray(rhs),
+                                   layout=layout, block_pages=FLAGS.block_pages, stages=stages,
+                                   consumers=consumers)
+            got = np.asarray(fn())
+            want = expected_magic_sums(rand_pool, table_np, layout, FLAGS.block_pages, w)
+            if not np.array_equal(got, want):
+              print(f"FAILED magic check at {ctx} tokens, {name}: "
+                    f"{float(np.mean(got == want)):.1%} of the sums equal", flush=True)
+              continue
           else:
             fn = functools.partial(decode_probe, lines, table, layout=layout,
                                    block_pages=FLAGS.block_pages, stages=stages,

@@ -183,6 +183,14 @@ def _import_experiment(name):
     sys.path.pop(0)
 
 
+def _exact_pool(layout, pages: int, seed: int):
+  """A pool of `probe_common.exact_pages` pages (numpy uint8 [pages, page_bytes])."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed)
+  return _import_experiment("probe_common").exact_pages(
+      rng.integers(0, 256, (pages, layout.page_bytes), np.uint8), layout, rng)
+
+
 def test_probe_tma_decode_sums():
   """The TMA probe's decode mode (compiled only) is checked on the GPU against
   `expected_decode_sums`, bit for bit: on `exact_pages` every f16 sum is exact. Here those numpy
@@ -197,9 +205,7 @@ def test_probe_tma_decode_sums():
   from kvjax_pallas import ggml_codec  # pylint: disable=import-outside-toplevel
   probe = _import_experiment("probe_tma_reads")
   layout = PageLayout(2, 64, "q8_0", "q4_0", 128)
-  rng = np.random.default_rng(5)
-  pool = _import_experiment("probe_common").exact_pages(
-      rng.integers(0, 256, (6, layout.page_bytes), np.uint8), layout, rng)
+  pool = _exact_pool(layout, 6, seed=5)
   table = np.array([4, 1, 5, 0], np.int32)
   got = probe.expected_decode_sums(pool, table, layout, block_pages=2)[:, 0]
   by_wg = probe.expected_decode_sums(pool, table, layout, block_pages=2, consumers=2)
@@ -232,6 +238,60 @@ def test_probe_tma_decode_sums():
                        jnp.zeros((4,), jnp.int32), layout=big, block_pages=4, stages=2, unroll=3)
 
 
+def test_probe_tma_magic_and_step():
+  """The TMA probe's magic and step modes (GPU only: inline PTX) lower for "cuda" at the 27B page
+  geometry with 256-byte lines (1, 2, 4 warpgroups, 1 and 2 stages), and their numpy checks
+  agree with ggml_codec's dequant computed another way: on exact pages (every scale 2^-6) the
+  magic mode's unscaled sums are 64 x the dequantized K . W_K + V . W_V, and the step mode's
+  S^T / O^T sums equal a tile-by-tile loop; O^T's rows follow `magic_ptx.vt_dims`."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from kvjax_pallas import ggml_codec  # pylint: disable=import-outside-toplevel
+  probe = _import_experiment("probe_tma_reads")
+  magic_ptx = _import_experiment("magic_ptx")
+  big = PageLayout(4, 256, "q8_0", "q4_0", 256)
+  pool = _exact_pool(big, 5, seed=8)
+  table = np.array([3, 0, 4, 1], np.int32)
+  pages = jnp.asarray(pool[table])
+  k = np.asarray(ggml_codec.decode_rows(pages[:, :big.k_plane_bytes].reshape(-1, big.k_row_bytes),
+                                        "q8_0", 4), np.float64).reshape(2, 2 * 256, 4, 256)
+  v = np.asarray(ggml_codec.decode_rows(
+      pages[:, big.v_offset:big.v_offset + big.v_plane_bytes].reshape(-1, big.v_row_bytes),
+      "q4_0", 4), np.float64).reshape(2, 2 * 256, 4, 256)
+  w, _ = probe.magic_rhs(256, 16)
+  got = probe.expected_magic_sums(pool, table, big, 2, w)            # [parts, G, 64, N]
+  want = np.zeros((2, 4, 64, 16))
+  for t in range(2 * 256):
+    want[:, :, t % 64] += 64 * (k[:, t] @ w[0] + v[:, t] @ w[1])
+  np.testing.assert_array_equal(got, want)
+  wk, p, qt, pt = probe.step_inputs(256, 16)
+  np.testing.assert_array_equal(qt.astype(np.int64), wk[magic_ptx.ggml_dims("q8_0")])
+  s_got, o_got = probe.expected_step_sums(pool, table, big, 2, wk, p)
+  s_want, o_want = np.zeros((2, 4, 64, 16)), np.zeros((2, 4, 256, 16))
+  for t in range(2 * 256):
+    s_want[:, :, t % 64] += k[:, t] @ wk
+    o_want += v[:, t][..., magic_ptx.vt_dims()][..., None] * p[t % 64]
+  np.testing.assert_array_equal(s_got, s_want)
+  np.testing.assert_array_equal(o_got, o_want)
+  assert np.abs(s_want).max() > 0.1 and np.abs(o_want).max() > 0.1
+  sds = jax.ShapeDtypeStruct
+  lines = sds((520, big.page_bytes // 256, 256), jnp.uint8)
+  tab = sds((512,), jnp.int32)
+  for consumers, stages in ((4, 2), (2, 1), (1, 1)):
+    jax.jit(lambda a, b, r, c=consumers, st=stages: probe.magic_probe(
+        a, b, r, layout=big, block_pages=4, stages=st, consumers=c)).trace(
+            lines, tab, sds((2, 256, 16), jnp.float16)).lower(lowering_platforms=("cuda",))
+  jax.jit(lambda a, b, q, r: probe.step_probe(a, b, q, r, layout=big, block_pages=4, stages=2,
+                                              consumers=4)).trace(
+      lines, tab, sds((256, 16), jnp.float16), sds((64, 16), jnp.float16)).lower(
+          lowering_platforms=("cuda",))
+  with pytest.raises(ValueError, match="head dim 256"):
+    probe.magic_probe(jnp.zeros((4, 26624 // 256, 256), jnp.uint8), jnp.zeros((4,), jnp.int32),
+                      jnp.zeros((2, 64, 16), jnp.float16),
+                      layout=PageLayout(2, 64, "q8_0", "q4_0", 128), block_pages=2, stages=1)
+
+
 def test_probe_packed_decode(tmp_path):
   """The packed-format decode probe: `repack` keeps every value (the packed planes, dequantized,
   equal ggml_codec's decode of real Q8_0 / Q4_0 pages, scales included); the probe runs in the
@@ -262,18 +322,44 @@ def test_probe_packed_decode(tmp_path):
   np.testing.assert_array_equal(v_got, v_want)
   p = _run([os.path.join(REPO, "experiments", "probe_packed_decode.py"), "--interpret",
             "--contexts=512", "--page_tokens=128", "--head_dim=64", "--kv_heads=2",
-            "--block_pages=2", "--stages=1,2"], cwd=str(tmp_path), timeout=300)
-  checked = [l for l in p.stdout.splitlines() if l.startswith("packed ") and " checked " in l]
-  assert [l.split()[2] for l in checked] == ["stages=1", "stages=2"], p.stdout
-  big = PageLayout(4, 256, "q8_0", "q4_0", 256)
+            "--block_pages=2", "--stages=1,2", "--consumers=1,2"], cwd=str(tmp_path), timeout=600)
+  checked = [[l.split()[i] for i in (1, 3, 4)] for l in p.stdout.splitlines()
+             if l.startswith("packed ") and " checked " in l]
+  assert checked == [["sum", "stages=1", "WGs=1"], ["sum", "stages=2", "WGs=1"],
+                     ["wgmma", "stages=1", "WGs=1"], ["wgmma", "stages=1", "WGs=2"],
+                     ["wgmma", "stages=2", "WGs=1"], ["wgmma", "stages=2", "WGs=2"]], p.stdout
+  assert "skip magic: GPU only" in p.stdout and "FAILED" not in p.stdout
   assert probe.smem_bytes(4, 256, 2) <= 227 * 1024
+  assert probe.wgmma_smem_bytes(4, 256, 2, 16) <= 227 * 1024
   sds = jax.ShapeDtypeStruct
   args = (sds((520, 4, 256, 256), jnp.int8), sds((520, 4, 256, 128), jnp.uint8),
           sds((520, 4, 256, 8), jnp.float16), sds((520, 4, 256, 8), jnp.float16),
           sds((512,), jnp.int32))
-  del big
   jax.jit(lambda *a: probe.packed_probe(*a, block_pages=4, stages=2, interpret=False)).trace(
       *args).lower(lowering_platforms=("cuda",))
+  wargs = (args[0], sds((520, 4, 256, 128), jnp.int8)) + args[2:]
+  for convert, dtype in (("mosaic", jnp.bfloat16), ("magic", jnp.float16)):
+    jax.jit(lambda *a, cv=convert: probe.packed_wgmma_probe(
+        *a, block_pages=4, stages=2, consumers=4, interpret=False, convert=cv)).trace(
+            *wargs, sds((2, 256, 16), dtype)).lower(lowering_platforms=("cuda",))
+  # the magic check: a wrong permutation of the rhs rows changes the expected sums
+  kq = np.random.default_rng(6).integers(-128, 128, (4, 2, 128, 256), dtype=np.int8)
+  vq = np.random.default_rng(7).integers(-128, 128, (4, 2, 128, 128), dtype=np.int8)
+  sc = np.ones((4, 2, 128, 8), np.float16)
+  w, rhs = probe.magic_rhs(256, 16)
+  want = probe.expected_magic_sums(kq, vq, sc, sc, np.arange(4, dtype=np.int32), 2, w)[0]
+  lhs_k = kq.astype(np.float64)[..., magic_ptx_dims("q8_0")]
+  v = vq.astype(np.int64) & 0xFF
+  blocks = v.reshape(4, 2, 128, 8, 16)
+  v_vals = np.concatenate([blocks & 15, blocks >> 4], -1).reshape(4, 2, 128, 256) - 8
+  lhs_v = v_vals.astype(np.float64)[..., magic_ptx_dims("q4_0")]
+  got = (lhs_k @ rhs[0].astype(np.float64) + lhs_v @ rhs[1].astype(np.float64))
+  got = got.reshape(2, 2, 2, 2, 64, 16).sum(axis=(1, 3))   # [parts, pages, G, tiles, 64, N]
+  np.testing.assert_array_equal(got, want)
+
+
+def magic_ptx_dims(kind):
+  return _import_experiment("magic_ptx").packed_dims(kind, 256)
 
 
 def test_ncu_report_summaries(tmp_path):

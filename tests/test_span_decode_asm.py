@@ -15,78 +15,7 @@ import pytest
 import jax.numpy as jnp
 
 from kvjax_pallas.span_attention import kernel_triton as kt
-
-
-def _f16x2(x_u32):
-  return x_u32.astype(np.uint32).view(np.uint16).view(np.float16).reshape(-1, 2)
-
-
-def _from_f16x2(h):
-  return np.ascontiguousarray(h.astype(np.float16)).view(np.uint32).reshape(-1)
-
-
-def _prmt(a, b, sel: int):
-  """PTX prmt.b32 (default mode): byte i of the result is byte (sel >> 4i) & 7 of (b:a)."""
-  src = np.stack([(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)])
-  out = np.zeros_like(a)
-  for i in range(4):
-    s = (sel >> (4 * i)) & 0xF
-    if s & 8:
-      raise NotImplementedError("sign-replicate prmt selectors are not modelled")
-    out |= src[s] << np.uint32(8 * i)
-  return out
-
-
-def run_ptx(asm: str, operands: dict):
-  """Execute `asm` (the kernel's inline PTX) on uint32 numpy arrays; `operands` maps "$k" -> array
-  for inputs; returns the "$k" outputs written."""
-  regs = dict(operands)
-  body = asm.strip()
-  assert body.startswith("{") and body.endswith("}")
-  n = next(iter(operands.values())).shape
-
-  def val(tok):
-    tok = tok.strip()
-    if tok.startswith("0x") or tok.isdigit():
-      return np.full(n, int(tok, 0), np.uint32)
-    return regs[tok]
-
-  written = {}
-  for line in body[1:-1].split(";"):
-    line = line.strip()
-    if not line or line.startswith(".reg"):
-      continue
-    op, args = line.split(None, 1)
-    dst, *src = [a.strip() for a in args.split(",")]
-    if op == "mov.b32":
-      r = val(src[0])
-    elif op == "xor.b32":
-      r = val(src[0]) ^ val(src[1])
-    elif op == "and.b32":
-      r = val(src[0]) & val(src[1])
-    elif op == "or.b32":
-      r = val(src[0]) | val(src[1])
-    elif op == "shr.u32":
-      r = val(src[0]) >> np.uint32(int(src[1], 0))
-    elif op == "lop3.b32":           # bit i of the result: LUT bit (a_i << 2 | b_i << 1 | c_i)
-      a, b, c = (val(x) for x in src[:3])
-      lut = int(src[3], 0)
-      r = np.zeros_like(a)
-      for i in range(32):
-        idx = (((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1)
-        r |= ((np.uint32(lut) >> idx.astype(np.uint32)) & 1) << np.uint32(i)
-    elif op == "prmt.b32":
-      r = _prmt(val(src[0]), val(src[1]), int(src[2], 0))
-    elif op in ("sub.rn.f16x2", "mul.rn.f16x2"):
-      a, b = _f16x2(val(src[0])), _f16x2(val(src[1]))
-      with np.errstate(over="ignore"):
-        r = _from_f16x2(a - b if op.startswith("sub") else a * b)  # numpy: exact, rounded once
-    else:
-      raise NotImplementedError(f"opcode {op!r} is not modelled")
-    regs[dst] = r.astype(np.uint32)
-    if dst.startswith("$"):
-      written[dst] = regs[dst]
-  return written
+from ptx_model import run_ptx
 
 
 def _scales():
