@@ -127,6 +127,16 @@ def check_weights(head_dim: int, n: int) -> np.ndarray:
       np.int64)
 
 
+def check_operands(order: str, head_dim: int, n: int):
+  """(W [2, head_dim, n] int64 (`check_weights`), the rhs [2, head_dim, n] f16: W's rows in the
+  column order of the lhs that the conversion builds, K's (Q8_0) then V's (Q4_0)); order
+  "packed" (`packed_dims`) or "ggml" (`ggml_dims`)."""
+  dims = {"packed": lambda kind: packed_dims(kind, head_dim),
+          "ggml": lambda kind: ggml_dims(kind, head_dim)}[order]
+  w = check_weights(head_dim, n)
+  return w, np.stack([w[0][dims("q8_0")], w[1][dims("q4_0")]]).astype(np.float16)
+
+
 def packed_dims(kind: str, width: int) -> np.ndarray:
   """Head dim held by each lhs column (slot) when a packed int8 tile is loaded in Mosaic's
   WGMMA_LAYOUT_8BIT (a lane: 4 consecutive bytes of a row) and converted word by word.

@@ -363,17 +363,8 @@ def expected_wgmma_sums(kq, vq, ks, vs, table, block_pages: int, n: int):
   return out
 
 
-def magic_rhs(head_dim: int, n: int):
-  """(W [2, D, N] int64 (`magic_ptx.check_weights`), the rhs [2, D, N] f16 in
-  `magic_ptx.packed_dims` row order) for the magic variant's check."""
-  w = magic_ptx.check_weights(head_dim, n)
-  rhs = np.stack([w[0][magic_ptx.packed_dims("q8_0", head_dim)],
-                  w[1][magic_ptx.packed_dims("q4_0", head_dim)]])
-  return w, rhs.astype(np.float16)
-
-
 def expected_magic_sums(kq, vq, ks, vs, table, block_pages: int, w):
-  """numpy: the sums of `packed_wgmma_probe(convert="magic")` with rhs from `magic_rhs`: K . W_K +
+  """numpy: the sums of `packed_wgmma_probe(convert="magic")` with rhs from `magic_ptx.check_operands("packed", ...)`: K . W_K +
   (V - 8) . W_V by head dim (exact integers), and the scale sums."""
   _, g, pt, d = kq.shape
   parts = len(table) // block_pages
@@ -429,7 +420,7 @@ def main(argv):
           want = expected_wgmma_sums(*full, table_np, FLAGS.block_pages, FLAGS.wgmma_n)
           rhs = jnp.ones((2, layout.head_dim, FLAGS.wgmma_n), jnp.bfloat16)
         else:
-          w, rhs_np = magic_rhs(layout.head_dim, FLAGS.wgmma_n)
+          w, rhs_np = magic_ptx.check_operands("packed", layout.head_dim, FLAGS.wgmma_n)
           want = expected_magic_sums(*full, table_np, FLAGS.block_pages, w)
           rhs = jnp.asarray(rhs_np)
         wdev = [jnp.asarray(kq_full), jnp.asarray(vq_full), dev[2], dev[3], dev[4], rhs]

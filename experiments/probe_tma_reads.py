@@ -543,15 +543,6 @@ def magic_probe(lines, table, rhs, *, layout: PageLayout, block_pages: int, stag
   return call(table, lines, rhs)
 
 
-def magic_rhs(head_dim: int, n: int):
-  """(W [2, D, N] int64 small integers by head dim: K's and V's weights, the rhs [2, D, N] f16 in
-  `magic_ptx.ggml_dims` row order) for the magic probe's check."""
-  w = magic_ptx.check_weights(head_dim, n)
-  rhs = np.stack([w[0][magic_ptx.ggml_dims("q8_0", head_dim)],
-                  w[1][magic_ptx.ggml_dims("q4_0", head_dim)]])
-  return w, rhs.astype(np.float16)
-
-
 def expected_magic_sums(pool: np.ndarray, table: np.ndarray, layout: PageLayout,
                         block_pages: int, w) -> np.ndarray:
   """numpy: [parts, G, 64, N] of `magic_probe`: per head, sum over the partition's tiles of the
@@ -760,7 +751,7 @@ def main(argv):
               continue
             fn = lambda fn=fn: fn()[0]
           elif work == "magic":
-            w, rhs = magic_rhs(layout.head_dim, FLAGS.magic_n)
+            w, rhs = magic_ptx.check_operands("ggml", layout.head_dim, FLAGS.magic_n)
             fn = functools.partial(magic_probe, rand_lines[line], table, jnp.asarray(rhs),
                                    layout=layout, block_pages=FLAGS.block_pages, stages=stages,
                                    consumers=consumers)

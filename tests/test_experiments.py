@@ -259,7 +259,7 @@ def test_probe_tma_magic_and_step():
   v = np.asarray(ggml_codec.decode_rows(
       pages[:, big.v_offset:big.v_offset + big.v_plane_bytes].reshape(-1, big.v_row_bytes),
       "q4_0", 4), np.float64).reshape(2, 2 * 256, 4, 256)
-  w, _ = probe.magic_rhs(256, 16)
+  w, _ = magic_ptx.check_operands("ggml", 256, 16)
   got = probe.expected_magic_sums(pool, table, big, 2, w)            # [parts, G, 64, N]
   want = np.zeros((2, 4, 64, 16))
   for t in range(2 * 256):
@@ -346,7 +346,7 @@ def test_probe_packed_decode(tmp_path):
   kq = np.random.default_rng(6).integers(-128, 128, (4, 2, 128, 256), dtype=np.int8)
   vq = np.random.default_rng(7).integers(-128, 128, (4, 2, 128, 128), dtype=np.int8)
   sc = np.ones((4, 2, 128, 8), np.float16)
-  w, rhs = probe.magic_rhs(256, 16)
+  w, rhs = _import_experiment("magic_ptx").check_operands("packed", 256, 16)
   want = probe.expected_magic_sums(kq, vq, sc, sc, np.arange(4, dtype=np.int32), 2, w)[0]
   lhs_k = kq.astype(np.float64)[..., magic_ptx_dims("q8_0")]
   v = vq.astype(np.int64) & 0xFF
