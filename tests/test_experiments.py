@@ -174,13 +174,34 @@ def test_probe_tma_reads_smoke(tmp_path):
   assert sorted({l.split()[3] for l in checked}) == ["line=16", "line=256"], checked
 
 
-def _import_experiment(name):
+def _import_experiment(name, folder="experiments"):
   import importlib  # pylint: disable=import-outside-toplevel
-  sys.path.insert(0, os.path.join(REPO, "experiments"))
+  sys.path.insert(0, os.path.join(REPO, folder))
   try:
     return importlib.import_module(name)
   finally:
     sys.path.pop(0)
+
+
+def test_probe_wg_reductions():
+  """mosaic_gpu_probes/probe_wg_reductions.py (GPU only: it found that concurrent axis-0
+  reductions of several Pallas warpgroups race, S9-8): its numpy sums equal the loop they stand
+  for, along either axis, and the kernel lowers for "cuda" with 1, 2 and 4 warpgroups."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  probe = _import_experiment("probe_wg_reductions", os.path.join("experiments", "mosaic_gpu_probes"))
+  x = np.random.default_rng(0).integers(-5, 5, (2, 3, 64, 16)).astype(np.float64)
+  for axis in (0, 1):
+    want = probe.expected(x, 3, axis)
+    for k, op in enumerate((np.max, np.sum)):
+      loop = sum(np.broadcast_to(np.expand_dims(op(x + i, axis=2 + axis), 2 + axis), x.shape)
+                 for i in range(3))
+      np.testing.assert_array_equal(want[:, :, k], loop)
+  for wgs in (1, 2, 4):
+    for axis in (0, 1):
+      jax.jit(lambda a, ax=axis: probe.reductions(a, iters=4, axis=ax)).trace(
+          jax.ShapeDtypeStruct((4, wgs, 64, 16), jnp.float32)).lower(lowering_platforms=("cuda",))
 
 
 def _exact_pool(layout, pages: int, seed: int):
