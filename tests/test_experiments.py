@@ -190,7 +190,8 @@ def test_probe_wg_reductions():
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  probe = _import_experiment("probe_wg_reductions", os.path.join("experiments", "mosaic_gpu_probes"))
+  probe = _import_experiment("probe_wg_reductions",
+                             os.path.join("experiments", "mosaic_gpu_probes"))
   x = np.random.default_rng(0).integers(-5, 5, (2, 3, 64, 16)).astype(np.float64)
   for axis in (0, 1):
     want = probe.expected(x, 3, axis)
