@@ -37,6 +37,7 @@ from kvjax_pallas import ggml_codec  # noqa: E402
 from kvjax_pallas.page_layout import PageLayout  # noqa: E402
 from kvjax_pallas.span_attention import api as span_api  # noqa: E402
 from kvjax_pallas.span_attention import kernel_mosaic as km  # noqa: E402
+from kvjax_pallas.span_attention import kernel_mosaic_v2 as km2  # noqa: E402
 from kvjax_pallas.span_attention import kernel_triton as kt  # noqa: E402
 from kvjax_pallas.span_attention import reference as ref  # noqa: E402
 
@@ -75,6 +76,10 @@ flags.DEFINE_string("profile_config", "", "only run the kernel (config k=v;k=v) 
 flags.DEFINE_integer("profile_calls", 5, "calls in --profile_config mode")
 flags.DEFINE_bool("mosaic", False, "also time the Mosaic GPU kernel (kernel_mosaic, f16, v1) in "
                   "the main table and check it in the correctness check")
+flags.DEFINE_bool("mosaic2", False, "also time the Mosaic GPU v2 kernel (kernel_mosaic_v2: magic "
+                  "conversion + wgmma) on the contiguous and the ring placement, and check it")
+flags.DEFINE_string("mosaic2_block_pages", "auto", "v2's pages a partition: an int or auto "
+                    "(kernel_mosaic_v2.choose_block_pages: one wave of CTAs)")
 flags.DEFINE_integer("copy_probe_mib", 2048, "size of the device copy-bandwidth probe (0: skip)")
 flags.DEFINE_bool("interpret", False, "run kernels in interpret mode (CPU smoke test)")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_span"), "CSV / log folder")
@@ -191,7 +196,7 @@ def _parse_config(text):
   kw = {}
   for item in filter(None, text.split(";")):
     k, v = item.split("=")
-    flags_ = ("prefetch", "old", "u16pool", "mosaic", "overlap", "fused_prep", "clamp_rows")
+    flags_ = ("prefetch", "old", "u16pool", "mosaic", "mosaic2", "overlap", "fused_prep", "clamp_rows")
     if k in ("precision", "reads", "decode") or (v == "auto" and k in ("block_pages",
                                                                        "combine_unroll")):
       kw[k] = v
@@ -249,6 +254,13 @@ def main(argv):
     return us
 
   def kernel_fn(pool, table, kv_len, q_pos, **kw):
+    if kw.pop("mosaic2", False):  # Mosaic GPU v2: its own one-wave partition size
+      bp2 = (km2.choose_block_pages(table.shape[0], span_api.num_sms())
+             if FLAGS.mosaic2_block_pages == "auto" else int(FLAGS.mosaic2_block_pages))
+      bp2 = kw.pop("block_pages", bp2)
+      return lambda q: km2.span_attention_mosaic2(q, pool, table, kv_len, q_pos, layout=layout,
+                                                  block_pages=bp2,
+                                                  interpret=kw.get("interpret", FLAGS.interpret))
     bp = block_pages_of(kw.pop("block_pages", bp_flag), table, q_pos.shape[0])
     if kw.pop("mosaic", False):  # Mosaic GPU v1: f16 operands, no tile options
       mkw = dict(block_pages=bp, interpret=kw.get("interpret", FLAGS.interpret),
@@ -314,11 +326,14 @@ def main(argv):
       checks = [dict(precision=p) for p in (FLAGS.check_precisions if s == 1 else (FLAGS.precision,))]
       if FLAGS.mosaic:
         checks += [dict(mosaic=True), dict(mosaic=True, overlap=True)]
+      if FLAGS.mosaic2 and s * h // layout.num_kv_heads <= km2.MAX_ROWS:
+        checks += [dict(mosaic2=True)]
       for kw in checks:
         try:
           o = kernel_fn(pool, scattered, ctx, q_pos, **kw)(q)
           err = float(jnp.linalg.norm(o - o_ref) / jnp.linalg.norm(o_ref))
-          name = kw.get("precision", "mosaic_f16" + ("_overlap" if kw.get("overlap") else ""))
+          name = kw.get("precision", ("mosaic2_f16" if kw.get("mosaic2") else "mosaic_f16")
+                        + ("_overlap" if kw.get("overlap") else ""))
           record(kind="check", context=ctx, rows=s, precision=name,
                  rel_err_vs_reference=err, finite=bool(jnp.isfinite(o).all()))
         except Exception as e:  # record and go on
@@ -378,6 +393,11 @@ def main(argv):
                       ctx * kv_token))
         cases.append(("mosaic_overlap", kernel_fn(pool, contiguous, ctx, q_pos, mosaic=True,
                                                   overlap=True), ctx * kv_token))
+      if FLAGS.mosaic2 and s * h // layout.num_kv_heads <= km2.MAX_ROWS:
+        cases.append(("mosaic2_contiguous", kernel_fn(pool, contiguous, ctx, q_pos, mosaic2=True),
+                      ctx * kv_token))
+        cases.append(("mosaic2_ring", kernel_fn(pool, scattered, ctx, q_pos, mosaic2=True),
+                      ctx * kv_token))
       if s == 1:
         cases.append(("cudnn_bf16", lambda q: _cudnn_attention(q, k_bf, v_bf), ctx * bf16_token))
       if s <= FLAGS.reference_max_rows:
@@ -419,6 +439,20 @@ def main(argv):
           f"{kc / one_row.get(r['context'], float('nan')):5.2f}"
           + (f" | mosaic {r.get('mosaic_contiguous_us', float('nan')):8.1f}"
              f" overlap {r.get('mosaic_overlap_us', float('nan')):8.1f}" if FLAGS.mosaic else ""))
+  if FLAGS.mosaic2:   # v2 against the same run's XLA bf16 and its own 1-row time
+    one2 = {r["context"]: r.get("mosaic2_contiguous_us", float("nan")) for r in results
+            if r.get("kind") == "main" and r["rows"] == 1}
+    print(f"\nmosaic2 (v2) {'ctx':>7} {'S':>4} | {'v2 us':>8} {'GB/s':>6} | {'ring us':>8} "
+          f"{'ring/c':>6} | {'xla/v2':>6} | {'triton/v2':>9} | {'S/1':>5}")
+    for r in results:
+      if r.get("kind") != "main" or "mosaic2_contiguous_us" not in r:
+        continue
+      m2, m2r = r["mosaic2_contiguous_us"], r.get("mosaic2_ring_us", float("nan"))
+      print(f"{'':12} {r['context']:>7} {r['rows']:>4} | {m2:8.1f} "
+            f"{r.get('mosaic2_contiguous_gbps', float('nan')):6.0f} | {m2r:8.1f} {m2r / m2:6.3f} | "
+            f"{r.get('xla_bf16_us', float('nan')) / m2:6.2f} | "
+            f"{r.get('kernel_contiguous_us', float('nan')) / m2:9.2f} | "
+            f"{m2 / one2.get(r['context'], float('nan')):5.2f}")
 
 
 if __name__ == "__main__":

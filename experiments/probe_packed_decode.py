@@ -45,7 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from kvjax_pallas.page_layout import PageLayout  # noqa: E402
 
-import magic_ptx  # noqa: E402  (experiments/, the script's folder)
+from kvjax_pallas.span_attention import magic_ptx  # noqa: E402
 import probe_common  # noqa: E402
 
 FLAGS = flags.FLAGS

@@ -23,13 +23,13 @@ or offset fails the run.
 `--work` adds consumers of the tiles, `--consumers` warpgroups a CTA (heads round robin), each
 checked on the GPU against numpy, bit for bit:
   decode  Mosaic v1's own window decode (`kernel_mosaic.decode_windows`) summed in f16 (S8, S9).
-  magic   the magic-number PTX conversion of the ggml quants as they lie (`_ggml_magic_lhs`,
-          `magic_ptx`): a lane loads 4-byte-aligned words of two ggml blocks, realigns the
-          2-byte-offset one with prmt, converts to f16 WGMMA-layout registers (head dims
-          permuted) and feeds wgmma; unscaled (S9-5).
+  magic   the magic-number PTX conversion of the ggml quants as they lie
+          (`kernel_mosaic_v2.ggml_k_lhs`, `magic_ptx`): a lane loads 4-byte-aligned words of two
+          ggml blocks, realigns the 2-byte-offset one with prmt, converts to f16 WGMMA-layout
+          registers (head dims permuted) and feeds wgmma; unscaled (S9-5).
   step    a decode step without the softmax: the scaled K conversion as the lhs of S^T = K Q^T
-          and the scaled, transposed V conversion (`_ggml_vt_lhs`) as the lhs of O^T = V^T P^T,
-          both wgmmas (S9-6).
+          and the scaled, transposed V conversion (`kernel_mosaic_v2.ggml_vt_lhs`) as the lhs of
+          O^T = V^T P^T, both wgmmas (S9-6).
 
   python experiments/probe_tma_reads.py --contexts=131072,262144 --stages=2,3,4 --block_tokens=32,64 \
       --line_bytes=16,128,256
@@ -58,8 +58,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 from kvjax_pallas import ggml_codec  # noqa: E402
 from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout  # noqa: E402
 from kvjax_pallas.span_attention import kernel_mosaic as _mosaic  # noqa: E402
+from kvjax_pallas.span_attention import kernel_mosaic_v2 as _km2  # noqa: E402
 
-import magic_ptx  # noqa: E402  (experiments/, the script's folder)
+from kvjax_pallas.span_attention import magic_ptx  # noqa: E402
 import probe_common  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -232,126 +233,6 @@ def _decode_probe_kernel(tab_ref, lines_ref, out_ref, *scratch, layout: PageLayo
       plgpu.wait_smem_to_gmem(0)
 
 
-def _ggml_magic_lhs(kind: str, layout: PageLayout, base: int, consumers: int, j: int,
-                    scaled: bool = False):
-  """The ggml-layout magic conversion: SMEM tile buffer [lines, L] u8 (a 64-token tile's
-  all-heads rows of this plane, row t at byte base + t * row bytes) -> f16 [64, head_dim] in the
-  WGMMA layout: the quants of head wg + j * consumers (wg from the thread index), unscaled, in
-  `magic_ptx.ggml_dims` column order. Lane c of a row loads the 68 (Q8_0) / 36 (Q4_0) bytes of
-  ggml blocks 2c and 2c + 1 as 4-byte-aligned words, realigns block 2c's quants (they start 2
-  bytes into the span) with one prmt a word, and converts them with `magic_ptx`. scaled: each
-  value times its block scale (f16, rounded once: the "f16" decode); the two scales sit in the
-  span's first word (low half) and its middle word (high half)."""
-  per = BLOCK_FORMATS[kind][1]                         # bytes a block: 34 / 18
-  row_bytes, head_bytes = ((layout.k_row_bytes, layout.k_head_bytes) if kind == layout.k_type
-                           else (layout.v_row_bytes, layout.v_head_bytes))
-  span_words = 2 * per // 4                            # 17 / 9
-  q_words = (per - 2) // 4                             # a block's quant words: 8 / 4
-  bt = DECODE_TOKENS
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
-                     return_type=plgpu.ShapeDtypeStruct((bt, layout.head_dim), jnp.float16,
-                                                        plgpu.Layout.WGMMA))
-  def conv(ctx, ref):
-    del ctx
-    # pylint: disable=import-outside-toplevel
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mu
-    import jax.experimental.mosaic.gpu as mgpu
-    i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
-    c = lambda v: mu.c(v, i32)
-    t = mu.thread_idx()
-    lane, warp = arith.andi(t, c(31)), arith.andi(arith.shrui(t, c(5)), c(3))
-    head = arith.addi(arith.shrui(t, c(7)), c(j * consumers)) if consumers > 1 else c(j)
-    quad = arith.andi(lane, c(3))
-    col = arith.addi(arith.muli(head, c(head_bytes)), arith.muli(quad, c(2 * per)))
-    row0 = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
-    ptr = mu.memref_ptr(ref)
-    regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((bt, layout.head_dim)), dtype=object)
-    for half in range(2):                              # rows r and r + 8 of the warp's 16
-      row = arith.addi(row0, c(8 * half))
-      off = arith.addi(c(base), arith.addi(arith.muli(row, c(row_bytes)), col))
-      words = [llvm.load(i32, mu.getelementptr(ptr, [arith.addi(off, c(4 * w))], i8), alignment=4)
-               for w in range(span_words)]
-      realigned = [magic_ptx.prmt(words[w], words[w + 1], 0x5432) for w in range(q_words)]
-      quants = realigned + words[q_words + 1:]         # block 2c, then block 2c + 1
-      scales = [None, None]
-      if scaled:                                       # (d, d) f16x2 of each block
-        scales = [magic_ptx.prmt(words[0], words[0], 0x1010),
-                  magic_ptx.prmt(words[q_words], words[q_words], 0x3232)]
-      m = 0
-      for i, word in enumerate(quants):
-        for out in magic_ptx.convert_word(kind, word, scales[i // q_words]):
-          regs[0, m, 0, 0, half, 0, 0, 0, 0] = out
-          m += 1
-    return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
-
-  return conv
-
-
-def _ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int):
-  """Q4_0 V of a 64-token tile as the lhs of O^T = V^T P^T: SMEM tile buffer [lines, L] u8 (V row
-  t at byte base + t * v row bytes) -> 4 f16 [64, 64] WGMMA-layout arrays (M-blocks of 64 head
-  dims in `magic_ptx.vt_dims` order, tokens as columns), scaled, of head wg + j * consumers.
-  A lane (warp w, row r, quad c) takes the 4 quant bytes 4 (8 w + r) .. +3 of the head (one
-  block; a 2-byte-misaligned start for even blocks: two words and a prmt with a computed
-  selector) and the block scale, for its 16 tokens 8 g + 2 c + {0, 1}; each token pair becomes
-  8 registers (`magic_ptx.convert_token_pair`). The second word of an aligned (odd) block is
-  read and not used; for the last head of the tile's last token it lies 4 bytes past the V span
-  (inside the CTA's SMEM; a kernel would clamp it)."""
-  row_bytes, head_bytes = layout.v_row_bytes, layout.v_head_bytes
-  bt = DECODE_TOKENS
-  ret = plgpu.ShapeDtypeStruct((bt, bt), jnp.float16, plgpu.Layout.WGMMA)
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=(ret,) * 4)
-  def conv(ctx, ref):
-    del ctx
-    # pylint: disable=import-outside-toplevel
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mu
-    import jax.experimental.mosaic.gpu as mgpu
-    i32, i16, i8 = (ir.IntegerType.get_signless(b) for b in (32, 16, 8))
-    c = lambda v: mu.c(v, i32)
-    t = mu.thread_idx()
-    lane, warp = arith.andi(t, c(31)), arith.andi(arith.shrui(t, c(5)), c(3))
-    head = arith.addi(arith.shrui(t, c(7)), c(j * consumers)) if consumers > 1 else c(j)
-    quad, r = arith.andi(lane, c(3)), arith.shrui(lane, c(2))
-    beta = arith.muli(arith.addi(arith.muli(warp, c(8)), r), c(4))   # first quant byte
-    blk = arith.shrui(beta, c(4))
-    scale_col = arith.addi(arith.muli(head, c(head_bytes)), arith.muli(blk, c(18)))
-    q_col = arith.addi(scale_col, arith.addi(c(2), arith.andi(beta, c(15))))
-    # quant words start 2 bytes late in even blocks: prmt 0x5432 there, 0x3210 in odd ones
-    sel = arith.addi(c(0x3210), arith.muli(arith.andi(q_col, c(2)), c(0x1111)))
-    q_col = arith.andi(q_col, c(~3))
-    ptr = mu.memref_ptr(ref)
-
-    def load(off, ty, align):
-      return llvm.load(ty, mu.getelementptr(ptr, [off], i8), alignment=align)
-
-    regs = [np.empty(fa.WGMMA_LAYOUT.registers_shape((bt, bt)), dtype=object) for _ in range(4)]
-    for g in range(bt // 8):                           # 8-token column groups
-      tok0 = arith.addi(c(8 * g), arith.muli(quad, c(2)))
-      words, scales = [], []
-      for e in range(2):
-        row = arith.addi(c(base), arith.muli(arith.addi(tok0, c(e)), c(row_bytes)))
-        w0, w1 = (load(arith.addi(row, arith.addi(q_col, c(4 * k))), i32, 4) for k in range(2))
-        words.append(llvm.inline_asm(i32, [w0, w1, sel], magic_ptx.PRMT_PTX, "=r,r,r,r"))
-        scales.append(arith.extui(i32, load(arith.addi(row, scale_col), i16, 2)))
-      pair = magic_ptx.prmt(scales[0], scales[1], 0x5410)
-      for mb in range(4):
-        lo, hi = magic_ptx.convert_token_pair(words[0], words[1], pair, mb)
-        regs[mb][0, g, 0, 0, 0, 0, 0, 0, 0] = lo
-        regs[mb][0, g, 0, 0, 1, 0, 0, 0, 0] = hi
-    return tuple(mgpu.FragmentedArray(_registers=x, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
-                 for x in regs)
-
-  return conv
-
-
 def _magic_probe_kernel(tab_ref, lines_ref, rhs_ref, out_ref, *scratch, layout: PageLayout,
                         block_pages: int, tiles_per_page: int, k_lines: int, v_lines: int,
                         v_first: int, stages: int, consumers: int):
@@ -366,8 +247,8 @@ def _magic_probe_kernel(tab_ref, lines_ref, rhs_ref, out_ref, *scratch, layout: 
   wg = lax.axis_index("wg") if consumers > 1 else 0
   pp = lax.axis_index("p")
   line = lines_ref.shape[-1]
-  conv = [(_ggml_magic_lhs(layout.k_type, layout, 0, consumers, j),
-           _ggml_magic_lhs(layout.v_type, layout, k_lines * line, consumers, j))
+  conv = [(_km2.ggml_k_lhs(layout.k_type, layout, 0, consumers, j),
+           _km2.ggml_k_lhs(layout.v_type, layout, k_lines * line, consumers, j))
           for j in range(hpw)]
 
   def tile_mmas(accs, buf):
@@ -429,8 +310,8 @@ def _step_probe_kernel(tab_ref, lines_ref, qt_ref, pt_ref, s_ref, o_ref, *scratc
   pp = lax.axis_index("p")
   line = lines_ref.shape[-1]
 
-  conv = [(_ggml_magic_lhs(layout.k_type, layout, 0, consumers, j, scaled=True),
-           _ggml_vt_lhs(layout, k_lines * line, consumers, j)) for j in range(hpw)]
+  conv = [(_km2.ggml_k_lhs(layout.k_type, layout, 0, consumers, j, scaled=True),
+           _km2.ggml_vt_lhs(layout, k_lines * line, consumers, j)) for j in range(hpw)]
 
   def tile_mmas(accs, buf):
     for j in range(hpw):
@@ -525,7 +406,8 @@ def decode_probe(lines, table, *, layout: PageLayout, block_pages: int, stages: 
 @functools.partial(jax.jit, static_argnames=("layout", "block_pages", "stages", "consumers"))
 def magic_probe(lines, table, rhs, *, layout: PageLayout, block_pages: int, stages: int,
                 consumers: int = 1):
-  """TMA reads + the magic-number conversion of the ggml pages as they are (`_ggml_magic_lhs`,
+  """TMA reads + the magic-number conversion of the ggml pages as they are
+  (`kernel_mosaic_v2.ggml_k_lhs`,
   PTX through `plgpu.inline_mgpu`: GPU only) feeding wgmma: each warpgroup's heads' K and V quants
   of each 64-token tile, as the lhs against rhs [2, D, N] f16 (rows in `magic_ptx.ggml_dims`
   order), accumulated in float32. The scales are read (they share the words) but not applied.

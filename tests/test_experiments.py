@@ -13,6 +13,7 @@ import pytest
 from kvjax import config as config_lib
 from kvjax.streaming import fit_split
 from kvjax_pallas.page_layout import PageLayout
+from kvjax_pallas.span_attention import magic_ptx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -148,6 +149,26 @@ def test_bench_span_attention_smoke(tmp_path):
   assert p.stdout.rstrip().splitlines()[-1].split("|")[-1].strip() == "1.00"
 
 
+def test_bench_span_attention_mosaic2_smoke(tmp_path):
+  """--mosaic2: the v2 kernel (interpreted, head_dim 256) is checked against the reference and
+  timed on the contiguous and the ring placement in the main table, with its own summary."""
+  out = str(tmp_path / "bs2")
+  p = _run([os.path.join(REPO, "experiments", "bench_span_attention.py"), "--interpret",
+            "--contexts=192", "--rows=1", "--sweep=false", "--mosaic2", "--check_rows=1",
+            "--check_precisions=f16", "--head_dim=256", "--page_tokens=64", "--q_heads=6",
+            "--kv_heads=2", "--iters=1", "--rounds=1", "--copy_probe_mib=0",
+            "--reference_max_rows=0", "--timing=dispatch", "--dispatch_iters=1",
+            f"--out_dir={out}"], cwd=str(tmp_path), timeout=600)
+  with open(os.path.join(out, "bench_span_attention.csv"), newline="") as f:
+    rows = list(csv.DictReader(f))
+  checks = {r["precision"]: r for r in rows if r["kind"] == "check"}
+  assert float(checks["mosaic2_f16"]["rel_err_vs_reference"]) < 2e-3, checks
+  main = [r for r in rows if r["kind"] == "main"][0]
+  for col in ("mosaic2_contiguous_us", "mosaic2_ring_us", "kernel_contiguous_us"):
+    assert float(main[col]) > 0, col
+  assert "mosaic2 (v2)" in p.stdout
+
+
 def test_probe_page_reads_smoke(tmp_path):
   """The read-ceiling probe (the span kernel's page reads alone, then with its decode) runs in
   interpret mode, and its raw-halfword sums equal numpy's over the same page bytes."""
@@ -271,7 +292,6 @@ def test_probe_tma_magic_and_step():
   import numpy as np  # pylint: disable=import-outside-toplevel
   from kvjax_pallas import ggml_codec  # pylint: disable=import-outside-toplevel
   probe = _import_experiment("probe_tma_reads")
-  magic_ptx = _import_experiment("magic_ptx")
   big = PageLayout(4, 256, "q8_0", "q4_0", 256)
   pool = _exact_pool(big, 5, seed=8)
   table = np.array([3, 0, 4, 1], np.int32)
@@ -368,7 +388,7 @@ def test_probe_packed_decode(tmp_path):
   kq = np.random.default_rng(6).integers(-128, 128, (4, 2, 128, 256), dtype=np.int8)
   vq = np.random.default_rng(7).integers(-128, 128, (4, 2, 128, 128), dtype=np.int8)
   sc = np.ones((4, 2, 128, 8), np.float16)
-  w, rhs = _import_experiment("magic_ptx").check_operands("packed", 256, 16)
+  w, rhs = magic_ptx.check_operands("packed", 256, 16)
   want = probe.expected_magic_sums(kq, vq, sc, sc, np.arange(4, dtype=np.int32), 2, w)[0]
   lhs_k = kq.astype(np.float64)[..., magic_ptx_dims("q8_0")]
   v = vq.astype(np.int64) & 0xFF
@@ -381,7 +401,7 @@ def test_probe_packed_decode(tmp_path):
 
 
 def magic_ptx_dims(kind):
-  return _import_experiment("magic_ptx").packed_dims(kind, 256)
+  return magic_ptx.packed_dims(kind, 256)
 
 
 def test_ncu_report_summaries(tmp_path):

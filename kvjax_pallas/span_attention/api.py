@@ -11,6 +11,11 @@ implementations:
                "f16" only. Correct on the H200 (3.7e-4 vs the float32 reference)
                but 4.9x slower than "triton" at 128K (docs/PERFORMANCE.md), so
                "auto" never picks it. `interpret=True` runs the Mosaic GPU interpreter.
+  "mosaic2"    EXPERIMENTAL Pallas kernel v2, Mosaic GPU (`kernel_mosaic_v2.py`): TMA line
+               copies of all heads' spans, the magic-number conversion of the ggml quants
+               straight into wgmma registers, one warpgroup a KV head. Q8_0/Q4_0 pages,
+               head_dim 256, 1-4 KV heads, <= 32 folded query rows, precision "f16".
+               `block_pages="auto"` gives it its own one-wave size.
 
 Kernel-only keyword arguments (ignored by "reference"):
   precision  how the kernel's dots meet the tensor cores (`kernel_triton.PRECISIONS`):
@@ -41,8 +46,9 @@ from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import reference as _ref
 from kvjax_pallas.span_attention import kernel_triton as _triton
 from kvjax_pallas.span_attention import kernel_mosaic as _mosaic
+from kvjax_pallas.span_attention import kernel_mosaic_v2 as _mosaic2
 
-IMPLEMENTATIONS = ("reference", "triton", "mosaic")
+IMPLEMENTATIONS = ("reference", "triton", "mosaic", "mosaic2")
 # the implementations that take every K/V pair, path and precision of the contract
 FULL_IMPLEMENTATIONS = ("reference", "triton")
 
@@ -63,7 +69,7 @@ def _check(implementation: str):
 
 def _check_mosaic_options(precision: str):
   if precision != "f16":
-    raise ValueError(f"the Mosaic GPU kernel computes with f16 operands only (precision='f16'), "
+    raise ValueError(f"the Mosaic GPU kernels compute with f16 operands only (precision='f16'), "
                      f"got precision={precision!r}; use implementation='triton' for it")
 
 
@@ -76,11 +82,15 @@ def num_sms() -> int:
 
 
 def resolve_block_pages(block_pages: Union[int, str], num_table_pages: int, num_tokens: int,
-                        num_q_heads: int, layout: PageLayout, path: Optional[str] = None) -> int:
-  """block_pages as given (an int >= 1), or the "auto" choice for these static shapes."""
+                        num_q_heads: int, layout: PageLayout, path: Optional[str] = None,
+                        implementation: str = "triton") -> int:
+  """block_pages as given (an int >= 1), or the "auto" choice for these static shapes (v2,
+  `implementation="mosaic2"`, has its own: one CTA a partition for all heads)."""
   if isinstance(block_pages, str):
     if block_pages != "auto":
       raise ValueError(f"block_pages must be an int >= 1 or 'auto', got {block_pages!r}")
+    if implementation == "mosaic2":
+      return _mosaic2.choose_block_pages(num_table_pages, num_sms())
     return _triton.choose_block_pages(num_table_pages, layout.num_kv_heads, num_tokens,
                                       max(1, num_q_heads // layout.num_kv_heads), num_sms(), path)
   if int(block_pages) != block_pages or block_pages < 1:
@@ -135,8 +145,13 @@ def span_attention(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: Pag
   """o_shd [S, H, D] float32: attention of query rows over the active logical pages."""
   implementation = resolve_implementation(implementation)
   block_pages = resolve_block_pages(block_pages, page_table_t.shape[0], q_shd.shape[0],
-                                    q_shd.shape[1], layout, path)
+                                    q_shd.shape[1], layout, path, implementation)
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len)
+  if implementation == "mosaic2":
+    _check_mosaic_options(precision)
+    return _mosaic2.span_attention_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
+                                           layout=layout, block_pages=block_pages,
+                                           sm_scale=sm_scale, interpret=interpret)
   if implementation == "mosaic":
     _check_mosaic_options(precision)
     return _mosaic.span_attention_mosaic(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
@@ -164,8 +179,13 @@ def span_attention_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry,
   """
   implementation = resolve_implementation(implementation)
   block_pages = resolve_block_pages(block_pages, page_table_t.shape[0], q_shd.shape[0],
-                                    num_q_heads, layout, path)
+                                    num_q_heads, layout, path, implementation)
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len, tile_begin, tile_end)
+  if implementation == "mosaic2":
+    _check_mosaic_options(precision)
+    return _mosaic2.span_attention_partial_mosaic2(
+        q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end, layout=layout,
+        num_q_heads=num_q_heads, block_pages=block_pages, sm_scale=sm_scale, interpret=interpret)
   if implementation == "mosaic":
     _check_mosaic_options(precision)
     return _mosaic.span_attention_partial_mosaic(

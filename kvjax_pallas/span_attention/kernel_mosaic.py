@@ -525,7 +525,7 @@ def tile_step_mosaic(k_rows, v_rows, qt, tile_meta, q_pos_s, *, k_type: str, v_t
 # ----------------------------------------------------------------------------- wrapper
 
 
-def _fold_partitions(carry: _ref.Carry, m_p, l_p, acc_p) -> _ref.Carry:
+def fold_partitions(carry: _ref.Carry, m_p, l_p, acc_p) -> _ref.Carry:
   """Left fold of the partitions [G, parts, ...] (logical order) into the carry."""
 
   def step(c, part):
@@ -549,6 +549,14 @@ def _copies_per_fetch(row_bytes: int, interpret: bool) -> int:
   return -(-(BLOCK_TOKENS * row_bytes // _ROW_BYTES) // _TMA_ROWS)
 
 
+def query_t(q_shd, num_kv_heads: int, n: int):
+  """q [S, H, D] -> Q^T [G, D, N] f16: the query heads of a KV head folded into S x R rows,
+  padded with zero rows to the wgmma N (shared by the Mosaic GPU kernels)."""
+  qf = _ref.fold_query(q_shd.astype(jnp.float32), num_kv_heads)     # [G, rows, D]
+  qf = jnp.pad(qf, ((0, 0), (0, n - qf.shape[1]), (0, 0)))
+  return jnp.swapaxes(qf, 1, 2).astype(jnp.float16)
+
+
 def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayout,
                block_pages: int, n_parts: int, sm_scale: float, interpret: bool,
                overlap: bool):
@@ -560,9 +568,7 @@ def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayou
   n = rows_padded(rows)
   bt = BLOCK_TOKENS
   num_phys = pool_u8.shape[0]
-  qf = _ref.fold_query(q_shd.astype(jnp.float32), g)                  # [G, rows, D]
-  qf = jnp.pad(qf, ((0, 0), (0, n - rows), (0, 0)))
-  qt = jnp.swapaxes(qf, 1, 2).astype(jnp.float16)                      # [G, D, N]
+  qt = query_t(q_shd, g, n)                                            # [G, D, N]
 
   kb, vb = layout.k_head_bytes, layout.v_head_bytes
   if overlap and not interpret and n > 32:
@@ -647,7 +653,7 @@ def span_attention_partial_mosaic(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
   m_p = ml_p[:, :, 0, :rows]                                     # [G, parts, rows]
   l_p = ml_p[:, :, 1, :rows]
   acc_p = jnp.swapaxes(acct_p, 2, 3)[:, :, :rows, :]             # [G, parts, rows, D]
-  return _fold_partitions(carry, m_p, l_p, acc_p)
+  return fold_partitions(carry, m_p, l_p, acc_p)
 
 
 def span_attention_mosaic(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: PageLayout,

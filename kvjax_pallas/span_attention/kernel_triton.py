@@ -1040,6 +1040,21 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
       name="kvjax_span_attention",
   )(*span_inputs)
 
+  return combine_call(m_p, l_p, acc_p, carry, rows=rows, c_rows=c_rows,
+                      combine_cols=combine_cols, combine_warps=combine_warps, unroll=unroll,
+                      v_cols=v_cols, head_dim=d, interpret=interpret)
+
+
+def combine_call(m_p, l_p, acc_p, carry, *, rows: int, c_rows: int, combine_cols: int,
+                 combine_warps: int, unroll: int, v_cols: np.ndarray, head_dim: int,
+                 interpret: bool) -> _ref.Carry:
+  """The pipelined in-order combine (`_combine_kernel`) of a span kernel's partitions, shared by
+  the Triton and the Mosaic GPU v2 kernels: m_p, l_p [G, parts, rows_pad], acc_p [G, parts,
+  rows_pad, V columns] (column c holds head dim v_cols[c]; parts a multiple of `unroll`), the
+  carry (or None: the empty one) -> the folded carry, rows [:rows], dims in order."""
+  g, n_parts, rows_pad = m_p.shape
+  vc = v_cols.shape[0]
+  d = head_dim
   carry_inputs = ()
   if carry is not None:
     pad_m = ((0, 0), (0, rows_pad - rows))

@@ -1,0 +1,78 @@
+"""Times the Mosaic GPU v2 span kernel alone (`kernel_mosaic_v2._span_call`) and the whole call
+(kernel + combine + finalize) at the 27B geometry, contiguous pages, dispatch timing.
+
+  python3 experiments/gpu/time_mosaic2.py 131072,262144 1,4 [variants: default,split,acc_refs]
+
+Each variant's call is also compared with the default's output on the same inputs (max |diff|).
+"""
+import functools
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from kvjax_pallas.page_layout import PageLayout  # noqa: E402
+from kvjax_pallas.span_attention import kernel_mosaic_v2 as km2  # noqa: E402
+
+
+def timed(fn, *args, iters=50):
+  out = fn(*args)
+  jax.block_until_ready(out)
+  ts = []
+  for _ in range(5):
+    t = time.perf_counter()
+    for _ in range(iters):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    ts.append((time.perf_counter() - t) / iters)
+  return float(np.median(ts)) * 1e6
+
+
+def main():
+  contexts = [int(x) for x in sys.argv[1].split(",")]
+  rows = [int(x) for x in sys.argv[2].split(",")]
+  variants = (sys.argv[3] if len(sys.argv) > 3 else "default").split(",")
+  kws = {"default": {}, "split": dict(split=True), "acc_refs": dict(acc_refs=True),
+         "split+acc_refs": dict(split=True, acc_refs=True)}
+  lay = PageLayout(4, 256, "q8_0", "q4_0", 256)
+  print(f"{'ctx':>7} {'S':>3} {'bp':>3} {'variant':>14} | {'kernel us':>9} {'GB/s':>6} | "
+        f"{'call us':>8} {'GB/s':>6} | max|diff| vs default")
+  for ctx in contexts:
+    n_pages = ctx // lay.page_tokens
+    pool = jax.random.randint(jax.random.PRNGKey(0), (n_pages + 8, lay.page_bytes), 0, 256,
+                              jnp.int32).astype(jnp.uint8)
+    # finite scales: every f16 scale byte pair below 0x3c00 (the high byte of each block < 0x3c)
+    pool = pool & jnp.uint8(0x3B)
+    table = jnp.arange(n_pages, dtype=jnp.int32)
+    bp = km2.choose_block_pages(n_pages)
+    base = {}
+    for s, variant in [(s, v) for s in rows for v in variants]:
+      kw = kws[variant]
+      q = jax.random.normal(jax.random.PRNGKey(s), (s, 24, 256), jnp.float32)
+      q_pos = jnp.arange(ctx - s, ctx, dtype=jnp.int32)
+      meta = jnp.asarray([ctx, 0, n_pages, n_pages, ctx, 0, 0, 0], jnp.int32)
+      parts = -(-n_pages // bp)
+      kern = jax.jit(functools.partial(km2._span_call, layout=lay, block_pages=bp,  # pylint: disable=protected-access
+                                       n_parts=parts, sm_scale=1 / 16, interpret=False,
+                                       **kw))
+      call = jax.jit(functools.partial(km2.span_attention_mosaic2, layout=lay, block_pages=bp,
+                                       **kw))
+      out = np.asarray(call(q, pool, table, ctx, q_pos))
+      if s not in base:
+        base[s] = np.asarray(jax.jit(functools.partial(
+            km2.span_attention_mosaic2, layout=lay, block_pages=bp))(q, pool, table, ctx, q_pos))
+      diff = float(np.max(np.abs(out - base[s])))
+      tk = timed(kern, q, pool, table, meta, q_pos)
+      tc = timed(call, q, pool, table, ctx, q_pos)
+      nbytes = ctx * lay.token_bytes
+      print(f"{ctx:>7} {s:>3} {bp:>3} {variant:>14} | {tk:9.1f} {nbytes / tk / 1e3:6.0f} | "
+            f"{tc:8.1f} {nbytes / tc / 1e3:6.0f} | {diff:.3g}", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,829 @@
+"""Span attention v2, Pallas Mosaic GPU (Hopper): the magic-number conversion feeding wgmma.
+
+EXPERIMENTAL (`implementation="mosaic2"`): Q8_0 K / Q4_0 V pages, head_dim 256, 1-4 KV heads,
+page_tokens a multiple of 64, at most 32 folded query rows a KV head, precision "f16". Same
+contract as `reference.py`: split-K over fixed LOGICAL partitions of `block_pages` pages, then
+the in-order left fold of the partitions into the carry (`reference.merge_partials`), so the
+bits do not depend on where the pages lie.
+
+One CTA a logical partition, one warpgroup a KV head (4 for the 27B). Per key tile of 64 tokens
+(docs/DESIGN.md, "Span attention v2 with the magic conversion"; the pieces were measured one by
+one in session 9 with `experiments/probe_tma_reads.py`):
+
+1. TMA copies the all-heads K span of the tile (64 rows x k_row_bytes) and its V span into SMEM in
+   256-byte lines: a ring of 2 K slots and 1 V slot (2 whole stages do not fit beside Q^T at
+   106.5 KB a tile; at N = 32 only 1 K slot fits: `choose_k_slots`); warpgroup 0 issues, every warpgroup arrives on a slot's "consumed" barrier.
+2. K: `ggml_k_lhs` turns each lane's 4-byte words of the ggml blocks into f16 registers of a
+   WGMMA-layout lhs with the magic-number PTX (`magic_ptx`), scaled (one mul.rn.f16x2: the "f16"
+   decode), head dims in `magic_ptx.ggml_dims` order; S^T [64, N] = K Q^T by wgmma with Q^T's
+   rows in the same order (N = folded query rows padded to 16 / 32).
+3. Online softmax of S^T along the tokens (`_softmax_tile`, inline Mosaic GPU code): the scores
+   scaled into the log2 domain, masked (keys at or past a column's limit: the partition end, the
+   causal bound of its query token; padding columns everything), the max across the warpgroup by
+   butterfly shuffles and one SMEM slot per warp behind the warpgroup's named barrier (Pallas's
+   own axis-0 reduction shares one scratch between warpgroups and races: S9-8), p = 2^(x - m) in
+   f16 to the warpgroup's P^T tile. l is kept as per-thread partial sums and reduced once at the
+   end (`_column_sums`).
+4. V: `ggml_vt_lhs` builds V^T [256, 64] as 4 M-blocks straight from the ggml bytes (a lane takes
+   4 quant bytes of the head for its 16 tokens; token pairs joined by prmt), scaled, with the
+   scales of tokens past the partition end zeroed (junk bytes never make NaN); O^T += V^T P^T, 4
+   wgmmas (`pl.run_state` on `ACC.init`), the accumulators rescaled by alpha first.
+5. m (natural log domain), l and O^T (rows in `magic_ptx.vt_dims` order) per partition to GMEM;
+   the wrapper unpermutes the rows and folds the partitions in logical order.
+
+Interpret mode (`interpret=True`) runs the same kernel body (page walk, TMA ring, barriers,
+masks, outputs) in the Mosaic GPU interpreter, which runs neither inline Mosaic GPU code nor a
+register lhs: there the tile math is jnp (`_InterpretTile`): the same scaled f16 values in the
+same permuted orders (from `ggml_codec`), the same log2-domain softmax, dots in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kvjax_pallas import ggml_codec
+from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout
+from kvjax_pallas.span_attention import magic_ptx
+from kvjax_pallas.span_attention import reference as _ref
+
+SUPPORTED_PAIRS = (("q8_0", "q4_0"),)
+HEAD_DIM = 256
+BLOCK_TOKENS = 64          # keys a tile: the wgmma M dimension
+MAX_KV_HEADS = 4           # one warpgroup a KV head
+MAX_ROWS = 32              # folded query rows a KV head (N <= 32: S9-9, wider is register-bound)
+LINE = 256                 # bytes a line of the pool view (the TMA box's inner dimension)
+BOX = 256                  # TMA box limit a dimension
+K_SLOTS = (2, 1)           # K ring slots, most first: the most that fit (V has one slot)
+INFO = 8                   # per-warpgroup SMEM i32 words before the column limits
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+SMEM_LIMIT = 232_448       # bytes of shared memory a CTA may use on the H200
+
+_COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+def rows_padded(rows: int) -> int:
+  """Folded query rows -> the wgmma N (16 or 32)."""
+  if rows < 1:
+    raise ValueError("span attention needs at least 1 query row")
+  if rows > MAX_ROWS:
+    raise ValueError(f"too many folded query rows for the Mosaic GPU v2 kernel: {rows} > "
+                     f"{MAX_ROWS} (query tokens x query heads per KV head; split the call or use "
+                     f"implementation='triton')")
+  return 16 if rows <= 16 else 32
+
+
+def check_layout(layout: PageLayout, head_dim: int):
+  pair = (layout.k_type, layout.v_type)
+  if pair not in SUPPORTED_PAIRS:
+    raise ValueError(f"unsupported K/V pair {layout.k_type.upper()}/{layout.v_type.upper()} for the "
+                     f"Mosaic GPU v2 kernel; it supports Q8_0/Q4_0 only")
+  if head_dim != layout.head_dim:
+    raise ValueError(f"query head_dim {head_dim} != layout head_dim {layout.head_dim}")
+  if head_dim != HEAD_DIM:
+    raise ValueError(f"the Mosaic GPU v2 kernel supports head_dim {HEAD_DIM} only, got {head_dim}")
+  if not 1 <= layout.num_kv_heads <= MAX_KV_HEADS:
+    raise ValueError(f"the Mosaic GPU v2 kernel takes 1-{MAX_KV_HEADS} KV heads (one warpgroup "
+                     f"each), got {layout.num_kv_heads}")
+  if layout.page_tokens % BLOCK_TOKENS:
+    raise ValueError(f"page_tokens {layout.page_tokens} is not a multiple of {BLOCK_TOKENS}")
+  for name, val in (("a tile's K span", BLOCK_TOKENS * layout.k_row_bytes),
+                    ("a tile's V span", BLOCK_TOKENS * layout.v_row_bytes),
+                    ("the V plane offset", layout.v_offset), ("page bytes", layout.page_bytes)):
+    if val % LINE:
+      raise ValueError(f"{name} ({val} B) is not a multiple of the {LINE}-byte TMA line")
+
+
+def smem_bytes(layout: PageLayout, n: int, k_slots: int) -> int:
+  """Shared memory of one CTA: the K ring, the V slot, Q^T and P^T per head, the reduction slots,
+  the info words and the (m, l) staging."""
+  g, bt = layout.num_kv_heads, BLOCK_TOKENS
+  return (k_slots * bt * layout.k_row_bytes + bt * layout.v_row_bytes
+          + g * (HEAD_DIM + bt) * n * 2 + g * 2 * 4 * n * 4 + g * (INFO + n) * 4 + g * 2 * n * 4)
+
+
+def choose_k_slots(layout: PageLayout, n: int) -> int:
+  """K ring slots of the call: 2 where they fit in SMEM (decode, N = 16), else 1 (N = 32 at the
+  27B shape: 2 slots need 263,808 B); raises where not even 1 fits, naming the shortfall."""
+  for k_slots in K_SLOTS:
+    if smem_bytes(layout, n, k_slots) <= SMEM_LIMIT:
+      return k_slots
+  need = smem_bytes(layout, n, K_SLOTS[-1])
+  raise ValueError(f"the v2 kernel needs {need:,} B of shared memory at N={n} with "
+                   f"{layout.num_kv_heads} KV heads, {need - SMEM_LIMIT:,} B more than the "
+                   f"{SMEM_LIMIT:,} B of a CTA")
+
+
+def choose_block_pages(num_pages: int, num_sms: int = 132) -> int:
+  """Pages a logical partition: the fewest that keep the partitions (one CTA each, all heads) in
+  one wave of `num_sms` CTAs. A pure function of the static shapes."""
+  return max(1, -(-max(1, int(num_pages)) // num_sms))
+
+
+# ----------------------------------------------------------------------------- inline pieces
+# Lowering-time code (MLIR through `plgpu.inline_mgpu`); GPU only.
+
+
+def _mlir():
+  # pylint: disable=import-outside-toplevel
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, vector
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax.experimental.mosaic.gpu import utils as mu
+  import jax.experimental.mosaic.gpu as mgpu
+  return ir, arith, llvm, vector, fa, mu, mgpu
+
+
+def _lane_ids(consumers: int, j: int = 0):
+  """(i32 constant maker, lane, warp in the warpgroup, head) of this thread: head = warpgroup +
+  j * consumers."""
+  ir, arith, _, _, _, mu, _ = _mlir()
+  i32 = ir.IntegerType.get_signless(32)
+  c = lambda v: mu.c(v, i32)
+  t = mu.thread_idx()
+  lane, warp = arith.andi(t, c(31)), arith.andi(arith.shrui(t, c(5)), c(3))
+  head = arith.addi(arith.shrui(t, c(7)), c(j * consumers)) if consumers > 1 else c(j)
+  return c, lane, warp, head
+
+
+def ggml_k_lhs(kind: str, layout: PageLayout, base: int, consumers: int, j: int = 0,
+               scaled: bool = False, part: Optional[int] = None):
+  """The ggml-layout magic conversion: SMEM tile buffer [lines, L] u8 (a 64-token tile's
+  all-heads rows of this plane, row t at byte base + t * row bytes) -> f16 [64, head_dim] in the
+  WGMMA layout: the quants of head wg + j * consumers (wg from the thread index), in
+  `magic_ptx.ggml_dims` column order. Lane c of a row loads the 68 (Q8_0) / 36 (Q4_0) bytes of
+  ggml blocks 2c and 2c + 1 as 4-byte-aligned words, realigns block 2c's quants (they start 2
+  bytes into the span) with one prmt a word, and converts them with `magic_ptx`. scaled: each
+  value times its block scale (f16, rounded once: the "f16" decode); the two scales sit in the
+  span's first word (low half) and its middle word (high half).
+  part: None (the whole [64, head_dim] lhs) or 0 / 1: only columns [0, 128) (each lane's block
+  2c) or [128, 256) (block 2c + 1), a [64, 128] lhs: half the registers live at once."""
+  per = BLOCK_FORMATS[kind][1]                         # bytes a block: 34 / 18
+  row_bytes, head_bytes = ((layout.k_row_bytes, layout.k_head_bytes) if kind == layout.k_type
+                           else (layout.v_row_bytes, layout.v_head_bytes))
+  span_words = 2 * per // 4                            # 17 / 9
+  q_words = (per - 2) // 4                             # a block's quant words: 8 / 4
+  bt = BLOCK_TOKENS
+
+  width = layout.head_dim if part is None else layout.head_dim // 2
+  if part is not None and (layout.head_dim != 256 or part not in (0, 1)):
+    raise ValueError(f"part={part}: halves of a head_dim 256 lhs are 0 and 1")
+  words_used = (range(span_words) if part is None
+                else range(q_words + 1) if part == 0 else range(q_words, span_words))
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                     return_type=plgpu.ShapeDtypeStruct((bt, width), jnp.float16,
+                                                        plgpu.Layout.WGMMA))
+  def conv(ctx, ref):
+    del ctx
+    ir, arith, llvm, _, fa, mu, mgpu = _mlir()
+    i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+    c, lane, warp, head = _lane_ids(consumers, j)
+    quad = arith.andi(lane, c(3))
+    col = arith.addi(arith.muli(head, c(head_bytes)), arith.muli(quad, c(2 * per)))
+    row0 = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
+    ptr = mu.memref_ptr(ref)
+    regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((bt, width)), dtype=object)
+    for half in range(2):                              # rows r and r + 8 of the warp's 16
+      row = arith.addi(row0, c(8 * half))
+      off = arith.addi(c(base), arith.addi(arith.muli(row, c(row_bytes)), col))
+      words = {w: llvm.load(i32, mu.getelementptr(ptr, [arith.addi(off, c(4 * w))], i8),
+                            alignment=4) for w in words_used}
+      blocks = []                                      # (quant words, scale) of block 2c, 2c + 1
+      if part in (None, 0):
+        blocks.append(([magic_ptx.prmt(words[w], words[w + 1], 0x5432) for w in range(q_words)],
+                       magic_ptx.prmt(words[0], words[0], 0x1010) if scaled else None))
+      if part in (None, 1):
+        blocks.append(([words[w] for w in range(q_words + 1, span_words)],
+                       magic_ptx.prmt(words[q_words], words[q_words], 0x3232) if scaled
+                       else None))
+      m = 0
+      for quants, scale in blocks:
+        for word in quants:
+          for out in magic_ptx.convert_word(kind, word, scale):
+            regs[0, m, 0, 0, half, 0, 0, 0, 0] = out
+            m += 1
+    return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return conv
+
+
+def ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int = 0, masked: bool = False,
+                blocks=(0, 1, 2, 3)):
+  """Q4_0 V of a 64-token tile as the lhs of O^T = V^T P^T: SMEM tile buffer [lines, L] u8 (V row
+  t at byte base + t * v row bytes) -> 4 f16 [64, 64] WGMMA-layout arrays (M-blocks of 64 head
+  dims in `magic_ptx.vt_dims` order, tokens as columns), scaled, of head wg + j * consumers.
+  A lane (warp w, row r, quad c) takes the 4 quant bytes 4 (8 w + r) .. +3 of the head (one
+  block; a 2-byte-misaligned start for even blocks: two words and a prmt with a computed
+  selector) and the block scale, for its 16 tokens 8 g + 2 c + {0, 1}; each token pair becomes
+  8 registers (`magic_ptx.convert_token_pair`). The second word of an aligned (odd) block is
+  read and not used; for the last head of the tile's last token it lies 4 bytes past the V span
+  (inside the CTA's SMEM: the kernel's V slot is followed by other scratch).
+  masked: the function takes a second ref, the warpgroup's info words (i32: [0] the tile's first
+  token, [1] the partition's token end); tokens at or past the end get a zero scale, so junk
+  bytes there give exact zeros. blocks: the M-blocks built (fewer: fewer registers live at once;
+  each call loads the quant words again)."""
+  row_bytes, head_bytes = layout.v_row_bytes, layout.v_head_bytes
+  bt = BLOCK_TOKENS
+  ret = plgpu.ShapeDtypeStruct((bt, bt), jnp.float16, plgpu.Layout.WGMMA)
+  args = (plgpu.RefType(), plgpu.RefType()) if masked else (plgpu.RefType(),)
+
+  @plgpu.inline_mgpu(arg_types=args, return_type=(ret,) * len(blocks))
+  def conv(ctx, ref, *info):
+    del ctx
+    ir, arith, llvm, _, fa, mu, mgpu = _mlir()
+    i32, i16, i8 = (ir.IntegerType.get_signless(b) for b in (32, 16, 8))
+    c, lane, warp, head = _lane_ids(consumers, j)
+    quad, r = arith.andi(lane, c(3)), arith.shrui(lane, c(2))
+    beta = arith.muli(arith.addi(arith.muli(warp, c(8)), r), c(4))   # first quant byte
+    blk = arith.shrui(beta, c(4))
+    scale_col = arith.addi(arith.muli(head, c(head_bytes)), arith.muli(blk, c(18)))
+    q_col = arith.addi(scale_col, arith.addi(c(2), arith.andi(beta, c(15))))
+    # quant words start 2 bytes late in even blocks: prmt 0x5432 there, 0x3210 in odd ones
+    sel = arith.addi(c(0x3210), arith.muli(arith.andi(q_col, c(2)), c(0x1111)))
+    q_col = arith.andi(q_col, c(~3))
+    ptr = mu.memref_ptr(ref)
+    n_valid = None
+    if masked:   # valid tokens of the tile: end - first
+      iptr = mu.memref_ptr(info[0])
+      first, end = (llvm.load(i32, mu.getelementptr(iptr, [c(k)], i32)) for k in range(2))
+      n_valid = arith.subi(end, first)
+
+    def load(off, ty, align):
+      return llvm.load(ty, mu.getelementptr(ptr, [off], i8), alignment=align)
+
+    regs = [np.empty(fa.WGMMA_LAYOUT.registers_shape((bt, bt)), dtype=object) for _ in blocks]
+    for g in range(bt // 8):                           # 8-token column groups
+      tok0 = arith.addi(c(8 * g), arith.muli(quad, c(2)))
+      words, scales = [], []
+      for e in range(2):
+        tok = arith.addi(tok0, c(e))
+        row = arith.addi(c(base), arith.muli(tok, c(row_bytes)))
+        w0, w1 = (load(arith.addi(row, arith.addi(q_col, c(4 * k))), i32, 4) for k in range(2))
+        words.append(llvm.inline_asm(i32, [w0, w1, sel], magic_ptx.PRMT_PTX, "=r,r,r,r"))
+        sc = arith.extui(i32, load(arith.addi(row, scale_col), i16, 2))
+        if masked:
+          sc = arith.select(arith.cmpi(arith.CmpIPredicate.slt, tok, n_valid), sc, c(0))
+        scales.append(sc)
+      pair = magic_ptx.prmt(scales[0], scales[1], 0x5410)
+      for k, mb in enumerate(blocks):
+        lo, hi = magic_ptx.convert_token_pair(words[0], words[1], pair, mb)
+        regs[k][0, g, 0, 0, 0, 0, 0, 0, 0] = lo
+        regs[k][0, g, 0, 0, 1, 0, 0, 0, 0] = hi
+    return tuple(mgpu.FragmentedArray(_registers=x, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+                 for x in regs)
+
+  return conv
+
+
+def _f32_ops():
+  """MLIR helpers on f32 scalars: (max, ex2, shuffle-xor, -inf constant)."""
+  ir, arith, llvm, _, _, mu, _ = _mlir()
+  f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+
+  def fmax(a, b):
+    return arith.maximumf(a, b)
+
+  def ex2(x):
+    return llvm.inline_asm(f32, [x], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+
+  def shfl(x, off):
+    return llvm.inline_asm(f32, [x], f"shfl.sync.bfly.b32 $0, $1, {off}, 0x1f, 0xffffffff;",
+                           "=f,f")
+
+  neg_inf = arith.constant(f32, ir.FloatAttr.get(f32, float("-inf")))
+  del i32, mu
+  return fmax, ex2, shfl, neg_inf
+
+
+def _softmax_tile(n: int, scale_log2: float):
+  """The online-softmax step of one tile, inline Mosaic GPU code (GPU only):
+  (s [64, N] f32 raw scores S^T, m [N] running max (log2 domain), l [N] per-thread partial sums,
+  info ref (i32: [0] the tile's first token, [INFO + c] column c's key limit), red ref (f32 [4, N]:
+  one row a warp)) -> (p [64, N] f16, m_new [N], l_new [N], alpha [64, N] f32 broadcast over the
+  rows). x = s * scale_log2, -inf at keys >= the column's limit; the tile max of each column is
+  reduced over the thread's two rows, the 8 lanes of its column (butterfly shuffles over lane bits
+  2-4) and the 4 warps (one SMEM row each, then the warpgroup's named barrier; the caller
+  alternates two red slots so a fast warp's next write cannot meet a slow warp's read);
+  m_use = m_new or 0 where it is -inf; p = 2^(x - m_use); alpha = 2^(m - m_use);
+  l_new = l alpha + this thread's p."""
+  col = plgpu.Layout.WGMMA.reduce(0)
+  ret = (plgpu.ShapeDtypeStruct((BLOCK_TOKENS, n), jnp.float16, plgpu.Layout.WGMMA),
+         plgpu.ShapeDtypeStruct((n,), jnp.float32, col),
+         plgpu.ShapeDtypeStruct((n,), jnp.float32, col),
+         plgpu.ShapeDtypeStruct((BLOCK_TOKENS, n), jnp.float32, plgpu.Layout.WGMMA))
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, col, col, plgpu.RefType(), plgpu.RefType()),
+                     return_type=ret)
+  def step(ctx, s, m, l, info, red):
+    del ctx
+    ir, arith, llvm, vector, fa, mu, mgpu = _mlir()
+    f32, f16, i32 = ir.F32Type.get(), ir.F16Type.get(), ir.IntegerType.get_signless(32)
+    fmax, ex2, shfl, neg_inf = _f32_ops()
+    c, lane, warp, _ = _lane_ids(1)
+    quad, r = arith.andi(lane, c(3)), arith.shrui(lane, c(2))
+    iptr, rptr = mu.memref_ptr(info), mu.memref_ptr(red)
+    first = llvm.load(i32, mu.getelementptr(iptr, [c(0)], i32))
+    row0 = arith.addi(first, arith.addi(arith.muli(warp, c(16)), r))  # token of row half 0
+    k_scale = arith.constant(f32, ir.FloatAttr.get(f32, scale_log2))
+    zero = arith.constant(f32, ir.FloatAttr.get(f32, 0.0))
+    groups = n // 8
+    x = {}                                             # (group, e, half) -> masked scaled score
+    tile_max = {}
+    for k in range(groups):
+      reg = [s.registers[0, k, 0, 0, h, 0, 0, 0, 0] for h in range(2)]
+      for e in range(2):
+        colk = arith.addi(c(8 * k + e), arith.muli(quad, c(2)))
+        lim = llvm.load(i32, mu.getelementptr(iptr, [arith.addi(colk, c(INFO))], i32))
+        for h in range(2):
+          v = arith.mulf(vector.extract(reg[h], [], [e]), k_scale)
+          tok = arith.addi(row0, c(8 * h))
+          ok = arith.cmpi(arith.CmpIPredicate.slt, tok, lim)
+          x[k, e, h] = arith.select(ok, v, neg_inf)
+        mx = fmax(x[k, e, 0], x[k, e, 1])
+        for off in (4, 8, 16):
+          mx = fmax(mx, shfl(mx, off))
+        llvm.store(mx, mu.getelementptr(rptr, [arith.addi(arith.muli(warp, c(n)), colk)], f32))
+        tile_max[k, e] = colk
+    mu.warpgroup_barrier()
+    m_regs = np.empty(m.registers.shape, dtype=object)
+    l_regs = np.empty(l.registers.shape, dtype=object)
+    p_regs = np.empty(s.registers.shape, dtype=object)
+    a_regs = np.empty(s.registers.shape, dtype=object)
+    v2f32 = ir.VectorType.get((2,), f32)
+    for k in range(groups):
+      m_new, alpha, l_new, p = [], [], [], {}
+      for e in range(2):
+        colk = tile_max[k, e]
+        tm = llvm.load(f32, mu.getelementptr(rptr, [colk], f32))
+        for w in range(1, 4):
+          tm = fmax(tm, llvm.load(f32, mu.getelementptr(rptr, [arith.addi(c(w * n), colk)], f32)))
+        m_old = vector.extract(m.registers[k, 0, 0], [], [e])
+        mn = fmax(m_old, tm)
+        m_use = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, mn, neg_inf), zero, mn)
+        a = ex2(arith.subf(m_old, m_use))
+        for h in range(2):
+          p[e, h] = ex2(arith.subf(x[k, e, h], m_use))
+        l_old = vector.extract(l.registers[k, 0, 0], [], [e])
+        l_new.append(arith.addf(arith.mulf(l_old, a), arith.addf(p[e, 0], p[e, 1])))
+        m_new.append(mn)
+        alpha.append(a)
+      m_regs[k, 0, 0] = vector.from_elements(v2f32, m_new)
+      l_regs[k, 0, 0] = vector.from_elements(v2f32, l_new)
+      for h in range(2):
+        pair = vector.from_elements(v2f32, [p[0, h], p[1, h]])
+        p_regs[0, k, 0, 0, h, 0, 0, 0, 0] = arith.truncf(ir.VectorType.get((2,), f16), pair)
+        a_regs[0, k, 0, 0, h, 0, 0, 0, 0] = vector.from_elements(v2f32, alpha)
+    mk = lambda regs, layout: mgpu.FragmentedArray(_registers=regs, _layout=layout,
+                                                   _is_signed=None)
+    return (mk(p_regs, fa.WGMMA_LAYOUT), mk(m_regs, m.layout), mk(l_regs, l.layout),
+            mk(a_regs, fa.WGMMA_LAYOUT))
+
+  return step
+
+
+def _column_sums(n: int):
+  """(l [N] per-thread partial sums, red ref f32 [4, N]) -> l [N] summed over the warpgroup:
+  butterfly shuffles over the 8 lanes of a column, one SMEM row a warp, the warpgroup's named
+  barrier, the 4 rows added (inline Mosaic GPU code)."""
+  col = plgpu.Layout.WGMMA.reduce(0)
+
+  @plgpu.inline_mgpu(arg_types=(col, plgpu.RefType()),
+                     return_type=plgpu.ShapeDtypeStruct((n,), jnp.float32, col))
+  def total(ctx, l, red):
+    del ctx
+    ir, arith, llvm, vector, _, mu, mgpu = _mlir()
+    f32 = ir.F32Type.get()
+    _, _, shfl, _ = _f32_ops()
+    c, lane, warp, _ = _lane_ids(1)
+    quad = arith.andi(lane, c(3))
+    rptr = mu.memref_ptr(red)
+    cols = {}
+    for k in range(n // 8):
+      for e in range(2):
+        colk = arith.addi(c(8 * k + e), arith.muli(quad, c(2)))
+        v = vector.extract(l.registers[k, 0, 0], [], [e])
+        for off in (4, 8, 16):
+          v = arith.addf(v, shfl(v, off))
+        llvm.store(v, mu.getelementptr(rptr, [arith.addi(arith.muli(warp, c(n)), colk)], f32))
+        cols[k, e] = colk
+    mu.warpgroup_barrier()
+    regs = np.empty(l.registers.shape, dtype=object)
+    v2f32 = ir.VectorType.get((2,), f32)
+    for k in range(n // 8):
+      out = []
+      for e in range(2):
+        acc = llvm.load(f32, mu.getelementptr(rptr, [cols[k, e]], f32))
+        for w in range(1, 4):
+          acc = arith.addf(acc, llvm.load(f32, mu.getelementptr(
+              rptr, [arith.addi(c(w * n), cols[k, e])], f32)))
+        out.append(acc)
+      regs[k, 0, 0] = vector.from_elements(v2f32, out)
+    return mgpu.FragmentedArray(_registers=regs, _layout=l.layout, _is_signed=None)
+
+  return total
+
+
+# ----------------------------------------------------------------------------- tile math
+
+
+class _CompiledTile:
+  """The tile math of the compiled kernel: magic conversions in registers, inline softmax."""
+
+  def __init__(self, layout: PageLayout, n: int, scale_log2: float, split: bool = False):
+    g = layout.num_kv_heads
+    self.n = n
+    # split: the K lhs in two halves of the head dims and V^T in two pairs of M-blocks, each
+    # waited for before the next is built (the whole lhs at once spilled registers: ncu S10-3)
+    self.k_parts = ([ggml_k_lhs(layout.k_type, layout, 0, g, scaled=True, part=p) for p in (0, 1)]
+                    if split else [ggml_k_lhs(layout.k_type, layout, 0, g, scaled=True)])
+    self.vt_parts = ([ggml_vt_lhs(layout, 0, g, masked=True, blocks=b) for b in ((0, 1), (2, 3))]
+                     if split else [ggml_vt_lhs(layout, 0, g, masked=True)])
+    self.softmax = _softmax_tile(n, scale_log2)
+    self.col_sums = _column_sums(n)
+
+  def scores(self, kbuf, qt, head=None):
+    del head     # the conversion takes its head from the warpgroup index
+    rows = HEAD_DIM // len(self.k_parts)
+
+    def qk(acc):
+      for p, conv in enumerate(self.k_parts):
+        plgpu.wgmma(acc, conv(kbuf), qt.at[pl.ds(p * rows, rows)] if len(self.k_parts) > 1
+                    else qt)
+        plgpu.wgmma_wait(0)
+      return acc[...]
+    return pl.run_scoped(qk, plgpu.ACC((BLOCK_TOKENS, self.n), jnp.float32))
+
+  def pv(self, o, vbuf, pt, info, head=None):
+    del head
+    return pl.run_state(lambda accs: self.pv_refs(accs, vbuf, pt, info))(
+        tuple(plgpu.ACC.init(x) for x in o))
+
+  def pv_refs(self, o_refs, vbuf, pt, info):
+    """O^T += V^T P^T into the 4 accumulator refs (O held in refs for the whole loop)."""
+    k = 0
+    for conv in self.vt_parts:
+      for vt in conv(vbuf, info):
+        plgpu.wgmma(o_refs[k], vt, pt)
+        k += 1
+      plgpu.wgmma_wait(0)
+
+  def zeros(self):
+    col = plgpu.Layout.WGMMA.reduce(0)
+    n = self.n
+    return (plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), col),
+            plgpu.layout_cast(jnp.zeros((n,), jnp.float32), col),
+            tuple(plgpu.layout_cast(jnp.zeros((BLOCK_TOKENS, n), jnp.float32),
+                                    plgpu.Layout.WGMMA) for _ in range(4)))
+
+
+def k_in_ggml_order(k):
+  """[..., 256] by head dim -> [..., 256] in `magic_ptx.ggml_dims("q8_0")` order (column
+  8 m + 2 c + e holds dim 64 c + 2 m + e) by reshapes (no gather: kernels take no constants)."""
+  lead = k.shape[:-1]
+  return jnp.swapaxes(k.reshape(*lead, 4, 32, 2), -3, -2).reshape(*lead, HEAD_DIM)
+
+
+def vt_in_magic_order(vt):
+  """[256, ...] by head dim -> [256, ...] in `magic_ptx.vt_dims` order: dim 64 w + 32 r1 + 16 h +
+  4 r0 + mb sits at row 64 mb + 16 w + 8 h + 4 r1 + r0."""
+  rest = vt.shape[1:]
+  x = vt.reshape(4, 2, 2, 4, 4, *rest)                 # (w, r1, h, r0, mb)
+  return jnp.transpose(x, (4, 0, 2, 1, 3, *range(5, 5 + len(rest)))).reshape(HEAD_DIM, *rest)
+
+
+class _InterpretTile:
+  """The tile math in jnp for the Mosaic GPU interpreter: the same scaled f16 values in the same
+  column / row orders as the compiled conversions (ggml_codec decodes; one rounding to f16 of
+  the exact product, as mul.rn.f16x2), the same log2-domain softmax, dots in float32."""
+
+  def __init__(self, layout: PageLayout, n: int, scale_log2: float):
+    self.layout, self.n, self.scale_log2 = layout, n, scale_log2
+
+  def _head(self, buf, row_bytes: int, head_bytes: int, kind: str, wg):
+    rows = buf[...].reshape(BLOCK_TOKENS, row_bytes)
+    head = lax.dynamic_slice_in_dim(rows, wg * head_bytes, head_bytes, axis=1)
+    return ggml_codec.decode_rows(head, kind, 1).reshape(BLOCK_TOKENS, HEAD_DIM).astype(
+        jnp.float16)
+
+  def scores(self, kbuf, qt, wg):
+    lay = self.layout
+    k = k_in_ggml_order(self._head(kbuf, lay.k_row_bytes, lay.k_head_bytes, lay.k_type, wg))
+    return jnp.dot(k.astype(jnp.float32), qt[...].astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST)
+
+  def softmax(self, s, m, l, info, red):
+    del red
+    bt = BLOCK_TOKENS
+    tok = info[0] + lax.broadcasted_iota(jnp.int32, (bt, self.n), 0)
+    lim = info[pl.ds(INFO, self.n)]
+    x = jnp.where(tok < lim[None, :], s * jnp.float32(self.scale_log2), -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(x, axis=0))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp2(x - m_use[None, :])
+    alpha = jnp.exp2(m - m_use)
+    l_new = l * alpha + jnp.sum(p, axis=0)
+    return p.astype(jnp.float16), m_new, l_new, jnp.broadcast_to(alpha[None, :], (bt, self.n))
+
+  def pv(self, o, vbuf, pt, info, wg):
+    lay = self.layout
+    v = self._head(vbuf, lay.v_row_bytes, lay.v_head_bytes, lay.v_type, wg)
+    ok = (info[0] + lax.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, 1), 0)) < info[1]
+    vt = vt_in_magic_order(jnp.where(ok, v, jnp.float16(0)).T)      # [256, 64], vt_dims rows
+    upd = jnp.dot(vt.astype(jnp.float32), pt[...].astype(jnp.float32),
+                  precision=lax.Precision.HIGHEST)
+    return tuple(x + upd[64 * mb:64 * (mb + 1)] for mb, x in enumerate(o))
+
+  def col_sums(self, l, red):
+    del red
+    return l
+
+  def zeros(self):
+    n = self.n
+    return (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32),
+            tuple(jnp.zeros((BLOCK_TOKENS, n), jnp.float32) for _ in range(4)))
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _span_kernel_v2(meta_ref, tab_ref, qpos_ref, qt_ref, lines_ref,     # inputs
+                    ml_out, o_out,                                    # outputs
+                    kbufs, vbuf, kbars, vbar, kfree, vfree, qt_s, pt_s, red_s, info_s, ml_s,
+                    in_bar,                                           # scratch
+                    *, layout: PageLayout, block_pages: int, num_phys: int, num_tokens: int,
+                    group: int, n: int, scale_log2: float, interpret: bool, split: bool,
+                    acc_refs: bool):
+  # meta [8] i32: kv_len, tile_begin, tile_end (clipped), n_table, causal end (max q_pos + 1)
+  # tab [T] i32; qpos [S] i32; qt [G, 256, N] f16 (Q^T, rows in ggml_dims order)
+  # lines [P, page_bytes / 256, 256] u8
+  # -> ml_out [parts, G, 2, N] f32 (m natural-log domain, l), o_out [parts, G, 256, N] f32
+  #    (O^T, rows in vt_dims order)
+  # scratch: kbufs [2, k_lines, 256] u8, vbuf [v_lines, 256] u8, kbars (2), vbar, kfree (2),
+  # vfree (arrivals: G), qt_s [G, 256, N] f16, pt_s [G, 64, N] f16, red_s [G, 2, 4, N] f32,
+  # info_s [G, INFO + N] i32, ml_s [G, 2, N] f32, in_bar
+  g_heads = layout.num_kv_heads
+  # compiled: one warpgroup a KV head (Pallas threads); interpreted: one thread serves every head
+  # in turn (the interpreter runs each Pallas thread's code as an XLA computation whose barrier
+  # waits are host callbacks; several blocking at once could starve each other on a 2-core CPU)
+  multi = g_heads > 1 and not interpret
+  heads = [lax.axis_index("wg") if multi else 0] if not interpret else list(range(g_heads))
+  issuer = heads[0] if multi else None
+  pp = lax.axis_index("p")
+  bt, pt = BLOCK_TOKENS, layout.page_tokens
+  tiles = (_InterpretTile(layout, n, scale_log2) if interpret
+           else _CompiledTile(layout, n, scale_log2, split))
+  k_slots, k_lines, v_lines = kbufs.shape[0], kbufs.shape[1], vbuf.shape[0]
+  v_first = layout.v_offset // LINE
+
+  kv_len, tile_begin, tile_end = meta_ref[0], meta_ref[1], meta_ref[2]
+  n_table, causal_end = meta_ref[3], meta_ref[4]
+  page_lo = jnp.maximum(pp * block_pages, tile_begin)
+  page_hi = jnp.minimum(pp * block_pages + block_pages, tile_end)
+  tok_lo = page_lo * pt
+  tok_end = jnp.minimum(page_hi * pt, kv_len)          # keys at or past this are masked
+  tok_hi = jnp.minimum(tok_end, causal_end)             # no tile past the last query's position
+  n_tiles = jnp.maximum(tok_hi - tok_lo + bt - 1, 0) // bt
+
+  def by_issuer(fn):
+    if multi:
+      pl.when(issuer == 0)(fn)
+    else:
+      fn()
+
+  def copy(plane: str, i, dst, bar):
+    """TMA copies of key tile i's all-heads K or V span into dst [lines, 256], in boxes of
+    <= 256 lines, all arriving on bar."""
+    t0 = tok_lo + i * bt
+    lp = jnp.minimum(t0 // pt, n_table - 1)
+    phys = jnp.clip(tab_ref[lp], 0, num_phys - 1)
+    r = (t0 - lp * pt) // bt
+    first, lines = ((r * k_lines, k_lines) if plane == "k" else (v_first + r * v_lines, v_lines))
+    for c0 in range(0, lines, BOX):
+      cnt = min(BOX, lines - c0)
+      plgpu.copy_gmem_to_smem(lines_ref.at[phys, pl.ds(first + c0, cnt)],
+                              dst.at[pl.ds(c0, cnt)], bar)
+
+  @by_issuer
+  def _():
+    plgpu.copy_gmem_to_smem(qt_ref, qt_s, in_bar)
+
+    @pl.when(n_tiles > 0)
+    def _():
+      copy("k", 0, kbufs.at[0], kbars.at[0])
+      copy("v", 0, vbuf, vbar)
+
+    if k_slots > 1:
+      pl.when(n_tiles > 1)(lambda: copy("k", 1, kbufs.at[1], kbars.at[1]))
+
+  # a head's info words: [0] the tile's first token, [1] the token end, [INFO + c] the key limit
+  # of column c: min(token end, q_pos of its query token + 1); padding columns none
+  for h in heads:
+    info = info_s.at[h]
+    info[1] = tok_end
+    for col in range(n):
+      info[INFO + col] = (jnp.minimum(tok_end, qpos_ref[col // group] + 1)
+                          if col < num_tokens * group else jnp.int32(-1))
+  plgpu.barrier_wait(in_bar)
+
+  def body(i, carry, o_refs=None):
+    """Tile i for every head this thread serves; carry: per head (m, l, O^T values or none)."""
+    ks = i % k_slots
+    for h in heads:
+      info_s.at[h][0] = tok_lo + i * bt
+    plgpu.barrier_wait(kbars.at[ks])
+    scores = [tiles.scores(kbufs.at[ks], qt_s.at[h], h) for h in heads]
+    if multi:
+      plgpu.barrier_arrive(kfree.at[ks])
+
+    @by_issuer
+    def _():   # every completion of a "consumed" barrier is waited for (the interpreter checks)
+      if multi:
+        plgpu.barrier_wait(kfree.at[ks])
+      pl.when(i + k_slots < n_tiles)(lambda: copy("k", i + k_slots, kbufs.at[ks], kbars.at[ks]))
+
+    stepped = []
+    for h, s, (m, l, o) in zip(heads, scores, carry):
+      p16, m, l, alpha = tiles.softmax(s, m, l, info_s.at[h], red_s.at[h, i % 2])
+      pt_s.at[h][...] = p16
+      if o_refs is None:
+        o = tuple(x * alpha for x in o)
+      else:
+        for r in o_refs:
+          r[...] = r[...] * alpha
+      stepped.append((m, l, o))
+    plgpu.commit_smem()
+    plgpu.barrier_wait(vbar)
+    carry = []
+    for h, (m, l, o) in zip(heads, stepped):
+      if o_refs is not None:
+        tiles.pv_refs(o_refs, vbuf, pt_s.at[h], info_s.at[h])
+      else:
+        o = tiles.pv(o, vbuf, pt_s.at[h], info_s.at[h], h)
+      carry.append((m, l, o))
+    if multi:
+      plgpu.barrier_arrive(vfree)
+
+    @by_issuer
+    def _():
+      if multi:
+        plgpu.barrier_wait(vfree)
+      pl.when(i + 1 < n_tiles)(lambda: copy("v", i + 1, vbuf, vbar))
+
+    return tuple(carry)
+
+  if acc_refs and not interpret:   # O^T in 4 accumulator refs for the whole loop (as the probes)
+    def scoped(*o_refs):
+      m0, l0, _ = tiles.zeros()
+      (m_f, l_f, _), = lax.fori_loop(0, n_tiles, functools.partial(body, o_refs=o_refs),
+                                     ((m0, l0, None),))
+      return ((m_f, l_f, tuple(r[...] for r in o_refs)),)
+    final = pl.run_scoped(scoped, *[plgpu.ACC((bt, n), jnp.float32)] * 4)
+  else:                            # O^T as loop-carried values, updated through ACC.init
+    final = lax.fori_loop(0, n_tiles, body, tuple(tiles.zeros() for _ in heads))
+  for h, (m, l, o) in zip(heads, final):
+    l = tiles.col_sums(l, red_s.at[h, 0])
+    ml = ml_s.at[h]
+    ml[0, :] = jnp.where(m == -jnp.inf, m, m * jnp.float32(_LN2))
+    ml[1, :] = l
+  plgpu.commit_smem()
+  for h, (_, _, o) in zip(heads, final):
+    plgpu.copy_smem_to_gmem(ml_s.at[h], ml_out.at[pp, h])
+    for mb in range(4):
+      o_out[pp, h, pl.ds(64 * mb, 64)] = o[mb]
+  plgpu.wait_smem_to_gmem(0)
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def _interpret_params():
+  from jax._src.pallas.mosaic_gpu.interpret import params as _ip  # pylint: disable=g-import-not-at-top
+  return _ip.InterpretGPUParams()
+
+
+def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayout,
+               block_pages: int, n_parts: int, sm_scale: float, interpret: bool,
+               split: bool = False, acc_refs: bool = False):
+  """The kernel call: -> (ml [parts, G, 2, N], O^T [parts, G, 256, N] in vt_dims rows) f32."""
+  # pylint: disable=import-outside-toplevel
+  from kvjax_pallas.span_attention import kernel_mosaic as _v1
+  s_tok, h, d = q_shd.shape
+  g = layout.num_kv_heads
+  r = h // g
+  rows = s_tok * r
+  n = rows_padded(rows)
+  bt = BLOCK_TOKENS
+  num_phys = pool_u8.shape[0]
+  qt = _v1.query_t(q_shd, g, n)[:, magic_ptx.ggml_dims("q8_0", d)]   # [G, D, N], ggml_dims rows
+  lines = pool_u8.reshape(num_phys, layout.page_bytes // LINE, LINE)
+  k_lines, v_lines = bt * layout.k_row_bytes // LINE, bt * layout.v_row_bytes // LINE
+  k_slots = choose_k_slots(layout, n)
+  sw = min(128, 2 * n)
+  rhs = lambda shape: plgpu.SMEM(shape, jnp.float16, transforms=(
+      plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw)))
+  boxes = lambda lines_: -(-lines_ // BOX)
+  scratch = [
+      plgpu.SMEM((k_slots, k_lines, LINE), jnp.uint8),                 # kbufs
+      plgpu.SMEM((v_lines, LINE), jnp.uint8),                          # vbuf
+      plgpu.Barrier(num_arrivals=boxes(k_lines), num_barriers=k_slots),  # kbars
+      plgpu.Barrier(num_arrivals=boxes(v_lines)),                      # vbar
+      plgpu.Barrier(num_arrivals=g, num_barriers=k_slots),             # kfree
+      plgpu.Barrier(num_arrivals=g),                                   # vfree
+      rhs((g, d, n)),                                                  # qt_s
+      rhs((g, bt, n)),                                                 # pt_s
+      plgpu.SMEM((g, 2, 4, n), jnp.float32),                           # red_s
+      plgpu.SMEM((g, INFO + n), jnp.int32),                            # info_s
+      plgpu.SMEM((g, 2, n), jnp.float32),                              # ml_s
+      plgpu.Barrier(num_arrivals=1),                                   # in_bar
+  ]
+  body = functools.partial(_span_kernel_v2, layout=layout, block_pages=block_pages,
+                           num_phys=num_phys, num_tokens=s_tok, group=r, n=n,
+                           scale_log2=float(sm_scale) * _LOG2E, interpret=interpret,
+                           split=split, acc_refs=acc_refs)
+  kw = dict(num_threads=g, thread_name="wg") if g > 1 and not interpret else {}
+  kern = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((n_parts, g, 2, n), jnp.float32),
+                jax.ShapeDtypeStruct((n_parts, g, d, n), jnp.float32)),
+      scratch_types=scratch, grid=(n_parts,), grid_names=("p",),
+      compiler_params=_COMPILER_PARAMS,
+      interpret=_interpret_params() if interpret else None, **kw)
+  return kern(meta, page_table_t.astype(jnp.int32), q_pos_s.astype(jnp.int32), qt, lines)
+
+
+def _check_args(q_shd, pool_pn, layout, num_q_heads, block_pages):
+  # pylint: disable=import-outside-toplevel
+  from kvjax_pallas.span_attention import kernel_triton as _triton
+  _triton.check_call(q_shd, pool_pn, layout, num_q_heads, block_pages, check_layout)
+  s_tok, h, _ = q_shd.shape
+  rows_padded(s_tok * (h // layout.num_kv_heads))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "split", "acc_refs"))
+def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
+                                   carry: Optional[_ref.Carry], tile_begin, tile_end, *,
+                                   layout: PageLayout, num_q_heads: int, block_pages: int = 1,
+                                   sm_scale: Optional[float] = None, interpret: bool = False,
+                                   split: bool = False, acc_refs: bool = False) -> _ref.Carry:
+  """Mosaic GPU v2 version of `reference.span_attention_partial_reference` (same contract;
+  carry=None: the empty carry). The partitions are folded in logical order by the Triton
+  kernel's pipelined combine (`kernel_triton.combine_call`), O^T's rows taken as its columns in
+  `magic_ptx.vt_dims` order; the partition count is padded to the combine's group with empty
+  CTAs. Compiled-only options (the interpreter ignores them): split builds the K lhs in two
+  halves and V^T in two pairs of M-blocks (fewer registers live at once; measured no faster at
+  S=1 and 1.35x slower at S=4, S10-4); acc_refs keeps O^T in 4 accumulator refs for the whole
+  loop (rescaled in place) instead of loop-carried values."""
+  # pylint: disable=import-outside-toplevel
+  from kvjax_pallas.span_attention import kernel_mosaic as _v1
+  from kvjax_pallas.span_attention import kernel_triton as _triton
+  _check_args(q_shd, pool_pn, layout, num_q_heads, block_pages)
+  s_tok, h, d = q_shd.shape
+  g = layout.num_kv_heads
+  rows = s_tok * (h // g)
+  n = rows_padded(rows)
+  scale = (1.0 / d ** 0.5) if sm_scale is None else sm_scale
+  n_table = page_table_t.shape[0]
+  c_rows = min(n, 1 << (rows - 1).bit_length())
+  cols = 32
+  unroll = _triton.combine_unroll_for(c_rows, cols, -(-max(n_table, 1) // block_pages))
+  n_parts = -(-(-(-max(n_table, 1) // block_pages)) // unroll) * unroll
+  kv_len = jnp.asarray(kv_len, jnp.int32)
+  q_pos_s = jnp.asarray(q_pos_s, jnp.int32)
+  n_active = (kv_len + layout.page_tokens - 1) // layout.page_tokens
+  tile_end_c = jnp.minimum(jnp.minimum(jnp.asarray(tile_end, jnp.int32), n_active), n_table)
+  z = jnp.int32(0)
+  meta = jnp.stack([kv_len, jnp.asarray(tile_begin, jnp.int32), tile_end_c, jnp.int32(n_table),
+                    jnp.max(q_pos_s) + 1, z, z, z]).astype(jnp.int32)
+  ml_p, ot_p = _span_call(q_shd, _v1.byte_view(pool_pn), page_table_t, meta, q_pos_s,
+                          layout=layout, block_pages=block_pages, n_parts=n_parts,
+                          sm_scale=scale, interpret=interpret, split=split, acc_refs=acc_refs)
+  m_p = jnp.swapaxes(ml_p[:, :, 0], 0, 1)                          # [G, parts, N]
+  l_p = jnp.swapaxes(ml_p[:, :, 1], 0, 1)
+  acc_p = jnp.transpose(ot_p, (1, 0, 3, 2))                        # [G, parts, N, vt rows]
+  return _triton.combine_call(m_p, l_p, acc_p, carry, rows=rows, c_rows=c_rows,
+                              combine_cols=cols, combine_warps=min(4, max(1, c_rows * cols // 64)),
+                              unroll=unroll, v_cols=magic_ptx.vt_dims(d), head_dim=d,
+                              interpret=interpret)
+
+
+def span_attention_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: PageLayout,
+                           block_pages: int = 1, sm_scale: Optional[float] = None,
+                           interpret: bool = False, split: bool = False, acc_refs: bool = False):
+  """o_shd [S, H, D] float32 over all active pages (Mosaic GPU v2 version of the reference)."""
+  h = q_shd.shape[1]
+  carry = span_attention_partial_mosaic2(
+      q_shd, pool_pn, page_table_t, jnp.asarray(kv_len, jnp.int32), q_pos_s, None, jnp.int32(0),
+      jnp.int32(page_table_t.shape[0]), layout=layout, num_q_heads=h, block_pages=block_pages,
+      sm_scale=sm_scale, interpret=interpret, split=split, acc_refs=acc_refs)
+  return _ref.finalize(carry, h)
