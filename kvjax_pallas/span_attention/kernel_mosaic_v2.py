@@ -287,8 +287,8 @@ def ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int = 0, maske
 
 def _f32_ops():
   """MLIR helpers on f32 scalars: (max, ex2, shuffle-xor, -inf constant)."""
-  ir, arith, llvm, _, _, mu, _ = _mlir()
-  f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+  ir, arith, llvm, _, _, _, _ = _mlir()
+  f32 = ir.F32Type.get()
 
   def fmax(a, b):
     return arith.maximumf(a, b)
@@ -301,7 +301,6 @@ def _f32_ops():
                            "=f,f")
 
   neg_inf = arith.constant(f32, ir.FloatAttr.get(f32, float("-inf")))
-  del i32, mu
   return fmax, ex2, shfl, neg_inf
 
 
@@ -338,7 +337,7 @@ def _softmax_tile(n: int, scale_log2: float):
     zero = arith.constant(f32, ir.FloatAttr.get(f32, 0.0))
     groups = n // 8
     x = {}                                             # (group, e, half) -> masked scaled score
-    tile_max = {}
+    cols = {}                                          # (group, e) -> this thread's column
     for k in range(groups):
       reg = [s.registers[0, k, 0, 0, h, 0, 0, 0, 0] for h in range(2)]
       for e in range(2):
@@ -353,7 +352,7 @@ def _softmax_tile(n: int, scale_log2: float):
         for off in (4, 8, 16):
           mx = fmax(mx, shfl(mx, off))
         llvm.store(mx, mu.getelementptr(rptr, [arith.addi(arith.muli(warp, c(n)), colk)], f32))
-        tile_max[k, e] = colk
+        cols[k, e] = colk
     mu.warpgroup_barrier()
     m_regs = np.empty(m.registers.shape, dtype=object)
     l_regs = np.empty(l.registers.shape, dtype=object)
@@ -363,7 +362,7 @@ def _softmax_tile(n: int, scale_log2: float):
     for k in range(groups):
       m_new, alpha, l_new, p = [], [], [], {}
       for e in range(2):
-        colk = tile_max[k, e]
+        colk = cols[k, e]
         tm = llvm.load(f32, mu.getelementptr(rptr, [colk], f32))
         for w in range(1, 4):
           tm = fmax(tm, llvm.load(f32, mu.getelementptr(rptr, [arith.addi(c(w * n), colk)], f32)))
