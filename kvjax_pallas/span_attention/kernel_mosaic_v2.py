@@ -31,10 +31,16 @@ one in session 9 with `experiments/probe_tma_reads.py`):
 5. m (natural log domain), l and O^T (rows in `magic_ptx.vt_dims` order) per partition to GMEM;
    the wrapper unpermutes the rows and folds the partitions in logical order.
 
-Interpret mode (`interpret=True`) runs the same kernel body (page walk, TMA ring, barriers,
-masks, outputs) in the Mosaic GPU interpreter, which runs neither inline Mosaic GPU code nor a
-register lhs: there the tile math is jnp (`_InterpretTile`): the same scaled f16 values in the
-same permuted orders (from `ggml_codec`), the same log2-domain softmax, dots in float32.
+Interpret mode (`interpret=True`) runs the same kernel body (page walk, TMA ring, K / V
+barriers, masks, outputs) in the Mosaic GPU interpreter, which runs neither inline Mosaic GPU
+code nor a register lhs: there the tile math is jnp (`_InterpretTile`): the same scaled f16
+values in the same permuted orders (from `ggml_codec`), the same log2-domain softmax, dots in
+float32; and one Pallas thread serves every head in turn (no "consumed" barriers), because
+several interpreter threads blocking in barrier callbacks at once hung on a 2-core CPU.
+
+Measured on the H200 (docs/PERFORMANCE.md, session 10): correct (4.0e-4 against the float32
+reference, like the Triton "f16"; placement invariance and waves bit for bit); 172 us at 128K
+S=1 against 190 for the Triton call; spills at the 128-register cap of 4 warpgroups.
 """
 
 from __future__ import annotations
