@@ -445,3 +445,33 @@ def test_ncu_report_summaries(tmp_path):
     w.writerow(row("long.kernel(int)", "gpu__time_duration.sum", "ns", "2,000,000"))
   p = _run([script, "longest", str(times)], cwd=str(tmp_path))
   assert p.stdout.strip() == r"long\.kernel"
+
+
+def test_ncu_durations_lists_a_calls_kernels(tmp_path):
+  """experiments/gpu/ncu_durations.py: the last `tail` kernels of an ncu duration log in launch
+  order, each in microseconds (ns / us / ms units), and their total; the program's own lines and
+  ncu's banner skipped."""
+  head = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream",
+          "Block Size", "Grid Size", "Device", "CC", "Section Name", "Metric Name", "Metric Unit",
+          "Metric Value"]
+
+  def row(kernel, unit, value):
+    return ["0", "1", "python3", "host", kernel, "1", "7", "(128, 1, 1)", "(4, 1, 1)", "0", "9.0",
+            "", "gpu__time_duration.sum", unit, value]
+
+  path = tmp_path / "d.csv"
+  with open(path, "w", newline="") as f:
+    f.write("==PROF== Connected to process 1\n=== rows 6 N 8: sum |o| 1\n")
+    w = csv.writer(f)
+    w.writerow(head)
+    w.writerow(row("random_bits", "usecond", "50"))
+    w.writerow(row("loop_gather_fusion", "nsecond", "2,940"))
+    w.writerow(row("anonymous_mosaic_gpu_kernel", "usecond", "91.46"))
+    w.writerow(row("kvjax_span_combine", "msecond", "0.021"))
+  script = os.path.join(REPO, "experiments", "gpu", "ncu_durations.py")
+  p = _run([script, str(path), "3"], cwd=str(tmp_path))
+  lines = p.stdout.strip().splitlines()
+  assert [ln.split()[-1] for ln in lines[:3]] == [
+      "loop_gather_fusion", "anonymous_mosaic_gpu_kernel", "kvjax_span_combine"]
+  assert [float(ln.split()[0]) for ln in lines[:3]] == [2.94, 91.46, 21.0]
+  assert lines[3].split()[0] == "115.40" and "3 kernels" in lines[3]

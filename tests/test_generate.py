@@ -185,9 +185,12 @@ def test_prefill_micro_batches_give_the_same_logits(cfg, runner):
   prompt = prompt_of(cfg, 100, seed=1)
   one = runner.forward(np.asarray(prompt, np.int32), 0, 100, runner.zero_states(), kv_of(cfg, runner, 128))
   base = np.asarray(one.logits_rv)
-  # Two float32 evaluation orders may differ by twice the float32 error of either: measure the
-  # one-call path against the float64 oracle (on an AVX-512 EPYC it is 2.2e-5 max-norm, and the
-  # 16-row micro-batches land 3.8e-5 from it while both are within 2.2e-5 of the oracle).
+  # Two float32 evaluation orders differ by up to the sum of their errors against the float64
+  # oracle, and either may be the larger: so each path is held to the oracle (the float32 class
+  # of error: F32_ROUNDING, or twice the one-call path's own error where that is larger) and the
+  # two to each other within twice that. Seen: on an AVX-512 EPYC the one call 2.2e-5 from the
+  # oracle and the 16-row micro-batches 3.8e-5 from it; on another EPYC (2026-12-01) the one
+  # call 7.9e-6, the micro-batches 1.7e-5, the two 2.5e-5 apart.
   want = reference_model.forward(cfg, weights.random_tensors(cfg, 0), np.asarray(prompt))
   bound = max(F32_ROUNDING, 2 * rel(base, want))
   assert bound < 1e-4, bound
@@ -198,8 +201,9 @@ def test_prefill_micro_batches_give_the_same_logits(cfg, runner):
             for i in range(0, 100, ub)]
     got = np.concatenate(rows)
     assert got.shape == base.shape and seq.pos == 100
-    e = rel(got, base)
-    assert e < bound, f"ubatch {ub}: rel err {e:.2e} (bound {bound:.2e})"
+    e_oracle, e = rel(got, want), rel(got, base)
+    assert e_oracle < bound, f"ubatch {ub}: rel err {e_oracle:.2e} vs the oracle (bound {bound:.2e})"
+    assert e < 2 * bound, f"ubatch {ub}: rel err {e:.2e} vs one call (bound {2 * bound:.2e})"
     for x, y in zip(jax.tree_util.tree_leaves(seq.rec_states), jax.tree_util.tree_leaves(one.rec_states)):
       assert rel(x, y) < F32_ROUNDING
     # generate.prefill does the same and returns the last row

@@ -1,7 +1,7 @@
 """Span attention v2, Pallas Mosaic GPU (Hopper): the magic-number conversion feeding wgmma.
 
 EXPERIMENTAL (`implementation="mosaic2"`): Q8_0 K / Q4_0 V pages, head_dim 256, 1-4 KV heads,
-page_tokens a multiple of 64, at most 32 folded query rows a KV head, precision "f16". Same
+page_tokens a multiple of 64, at most 40 folded query rows a KV head, precision "f16". Same
 contract as `reference.py`: split-K over fixed LOGICAL partitions of `block_pages` pages, then
 the in-order left fold of the partitions into the carry (`reference.merge_partials`), so the
 bits do not depend on where the pages lie.
@@ -16,7 +16,10 @@ one in session 9 with `experiments/probe_tma_reads.py`):
 2. K: `ggml_k_lhs` turns each lane's 4-byte words of the ggml blocks into f16 registers of a
    WGMMA-layout lhs with the magic-number PTX (`magic_ptx`), scaled (one mul.rn.f16x2: the "f16"
    decode), head dims in `magic_ptx.ggml_dims` order; S^T [64, N] = K Q^T by wgmma with Q^T's
-   rows in the same order (N = folded query rows padded to 16 / 32).
+   rows in the same order (N = folded query rows padded to 8 / 16 / 32 / 40: Q and P sit in SMEM
+   N-major and reach wgmma through transposed views, so N needs no power of two). Every SMEM
+   access is a per-thread pointer plus a constant (`_thread_ptr`): whole addresses per access
+   were hoisted out of the loop by LLVM and spilled.
 3. Online softmax of S^T along the tokens (`_softmax_tile`, inline Mosaic GPU code): the scores
    scaled into the log2 domain, masked (keys at or past a column's limit: the partition end, the
    causal bound of its query token; padding columns everything), the max across the warpgroup by
@@ -28,8 +31,9 @@ one in session 9 with `experiments/probe_tma_reads.py`):
    4 quant bytes of the head for its 16 tokens; token pairs joined by prmt), scaled, with the
    scales of tokens past the partition end zeroed (junk bytes never make NaN); O^T += V^T P^T, 4
    wgmmas (`pl.run_state` on `ACC.init`), the accumulators rescaled by alpha first.
-5. m (natural log domain), l and O^T (rows in `magic_ptx.vt_dims` order) per partition to GMEM;
-   the wrapper unpermutes the rows and folds the partitions in logical order.
+5. m (natural log domain), l and O^T (rows in `magic_ptx.vt_dims` order) per partition to GMEM,
+   [G, parts, ...]; the Triton combine reads them as written and folds the partitions in logical
+   order, then unpermutes its small result.
 
 Interpret mode (`interpret=True`) runs the same kernel body (page walk, TMA ring, K / V
 barriers, masks, outputs) in the Mosaic GPU interpreter, which runs neither inline Mosaic GPU
@@ -38,9 +42,10 @@ values in the same permuted orders (from `ggml_codec`), the same log2-domain sof
 float32; and one Pallas thread serves every head in turn (no "consumed" barriers), because
 several interpreter threads blocking in barrier callbacks at once hung on a 2-core CPU.
 
-Measured on the H200 (docs/PERFORMANCE.md, session 10): correct (4.0e-4 against the float32
-reference, like the Triton "f16"; placement invariance and waves bit for bit); 172 us at 128K
-S=1 against 190 for the Triton call; spills at the 128-register cap of 4 warpgroups.
+Measured on the H200 (docs/PERFORMANCE.md, session 11): correct (4.0e-4 against the float32
+reference, like the Triton "f16"; placement invariance and waves bit for bit); 122.6 us a call
+at 128K S=1 (kernel 91.5 us by ncu) against 191.0 for the Triton call and 161.8 for XLA bf16;
+still at the 128-register cap of 4 warpgroups (56 B of spills at N = 8).
 """
 
 from __future__ import annotations
@@ -65,7 +70,9 @@ SUPPORTED_PAIRS = (("q8_0", "q4_0"),)
 HEAD_DIM = 256
 BLOCK_TOKENS = 64          # keys a tile: the wgmma M dimension
 MAX_KV_HEADS = 4           # one warpgroup a KV head
-MAX_ROWS = 32              # folded query rows a KV head (N <= 32: S9-9, wider is register-bound)
+MAX_ROWS = 40              # folded query rows a KV head (wider N is register-bound: S9-9)
+N_CHOICES = (8, 16, 32, 40)  # the wgmma N of a call (Q and P N-major: any multiple of 8 works;
+                           # N=24 measured slower than 32 at 128K, S11-1: 197 vs 167 us)
 LINE = 256                 # bytes a line of the pool view (the TMA box's inner dimension)
 BOX = 256                  # TMA box limit a dimension
 K_SLOTS = (2, 1)           # K ring slots, most first: the most that fit (V has one slot)
@@ -78,14 +85,28 @@ _COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemanti
 
 
 def rows_padded(rows: int) -> int:
-  """Folded query rows -> the wgmma N (16 or 32)."""
+  """Folded query rows -> the wgmma N: the smallest of `N_CHOICES` that holds them (decode 6 rows
+  -> 8, verify S=4 / 5 24 / 30 rows -> 32, S=6 36 rows -> 40). Q and P sit in SMEM N-major ([N, K]
+  tiles of (8, 64), swizzle 128) and reach wgmma transposed, so N needs no power of two."""
   if rows < 1:
     raise ValueError("span attention needs at least 1 query row")
   if rows > MAX_ROWS:
     raise ValueError(f"too many folded query rows for the Mosaic GPU v2 kernel: {rows} > "
                      f"{MAX_ROWS} (query tokens x query heads per KV head; split the call or use "
                      f"implementation='triton')")
-  return 16 if rows <= 16 else 32
+  return next(n for n in N_CHOICES if n >= rows)
+
+
+def choose_n(rows: int, wgmma_n: Optional[int] = None) -> int:
+  """The wgmma N of a call: `rows_padded(rows)`, or wgmma_n where given (an experiment's choice:
+  a multiple of 8 from the rows up to 256)."""
+  n = rows_padded(rows)
+  if wgmma_n is None:
+    return n
+  if wgmma_n % 8 or not rows <= wgmma_n <= 256:
+    raise ValueError(f"wgmma_n={wgmma_n} must be a multiple of 8 between the folded query rows "
+                     f"({rows}) and 256")
+  return wgmma_n
 
 
 def check_layout(layout: PageLayout, head_dim: int):
@@ -161,6 +182,16 @@ def _lane_ids(consumers: int, j: int = 0):
   return c, lane, warp, head
 
 
+def _thread_ptr(ref, offset, elem_type):
+  """A pointer `offset` elements into ref's SMEM buffer (offset: this thread's i32 part of the
+  address). Every access then adds a compile-time constant (`mu.getelementptr(p, [int], ...)`),
+  which the PTX backend folds into the load's immediate offset. Whole i32 addresses per access
+  (thread part + token * row bytes) were hoisted out of the tile loop by LLVM as ~60
+  loop-invariant values and spilled (S11-2: 248 B of spill stores, the V row addresses)."""
+  _, _, _, _, _, mu, _ = _mlir()
+  return mu.getelementptr(mu.memref_ptr(ref), [offset], elem_type)
+
+
 def ggml_k_lhs(kind: str, layout: PageLayout, base: int, consumers: int, j: int = 0,
                scaled: bool = False, part: Optional[int] = None):
   """The ggml-layout magic conversion: SMEM tile buffer [lines, L] u8 (a 64-token tile's
@@ -197,13 +228,13 @@ def ggml_k_lhs(kind: str, layout: PageLayout, base: int, consumers: int, j: int 
     quad = arith.andi(lane, c(3))
     col = arith.addi(arith.muli(head, c(head_bytes)), arith.muli(quad, c(2 * per)))
     row0 = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
-    ptr = mu.memref_ptr(ref)
+    # one per-thread pointer, every load a constant offset from it (see `_thread_ptr`)
+    tp = _thread_ptr(ref, arith.addi(arith.muli(row0, c(row_bytes)), col), i8)
     regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((bt, width)), dtype=object)
     for half in range(2):                              # rows r and r + 8 of the warp's 16
-      row = arith.addi(row0, c(8 * half))
-      off = arith.addi(c(base), arith.addi(arith.muli(row, c(row_bytes)), col))
-      words = {w: llvm.load(i32, mu.getelementptr(ptr, [arith.addi(off, c(4 * w))], i8),
-                            alignment=4) for w in words_used}
+      off = base + 8 * half * row_bytes
+      words = {w: llvm.load(i32, mu.getelementptr(tp, [off + 4 * w], i8), alignment=4)
+               for w in words_used}
       blocks = []                                      # (quant words, scale) of block 2c, 2c + 1
       if part in (None, 0):
         blocks.append(([magic_ptx.prmt(words[w], words[w + 1], 0x5432) for w in range(q_words)],
@@ -257,28 +288,30 @@ def ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int = 0, maske
     # quant words start 2 bytes late in even blocks: prmt 0x5432 there, 0x3210 in odd ones
     sel = arith.addi(c(0x3210), arith.muli(arith.andi(q_col, c(2)), c(0x1111)))
     q_col = arith.andi(q_col, c(~3))
-    ptr = mu.memref_ptr(ref)
+    # the thread's first token 2c: a quant pointer and a scale pointer; every load below is a
+    # constant offset from one of them (token 8 g + e further on)
+    quad_row = arith.muli(quad, c(2 * row_bytes))
+    tq = _thread_ptr(ref, arith.addi(quad_row, q_col), i8)
+    ts = _thread_ptr(ref, arith.addi(quad_row, scale_col), i8)
     n_valid = None
-    if masked:   # valid tokens of the tile: end - first
+    if masked:   # valid tokens of the tile past the thread's first: end - first - 2c
       iptr = mu.memref_ptr(info[0])
-      first, end = (llvm.load(i32, mu.getelementptr(iptr, [c(k)], i32)) for k in range(2))
-      n_valid = arith.subi(end, first)
+      first, end = (llvm.load(i32, mu.getelementptr(iptr, [k], i32)) for k in range(2))
+      n_valid = arith.subi(arith.subi(end, first), arith.muli(quad, c(2)))
 
-    def load(off, ty, align):
-      return llvm.load(ty, mu.getelementptr(ptr, [off], i8), alignment=align)
+    def load(p, off, ty, align):
+      return llvm.load(ty, mu.getelementptr(p, [off], i8), alignment=align)
 
     regs = [np.empty(fa.WGMMA_LAYOUT.registers_shape((bt, bt)), dtype=object) for _ in blocks]
     for g in range(bt // 8):                           # 8-token column groups
-      tok0 = arith.addi(c(8 * g), arith.muli(quad, c(2)))
       words, scales = [], []
       for e in range(2):
-        tok = arith.addi(tok0, c(e))
-        row = arith.addi(c(base), arith.muli(tok, c(row_bytes)))
-        w0, w1 = (load(arith.addi(row, arith.addi(q_col, c(4 * k))), i32, 4) for k in range(2))
+        row = base + (8 * g + e) * row_bytes
+        w0, w1 = (load(tq, row + 4 * k, i32, 4) for k in range(2))
         words.append(llvm.inline_asm(i32, [w0, w1, sel], magic_ptx.PRMT_PTX, "=r,r,r,r"))
-        sc = arith.extui(i32, load(arith.addi(row, scale_col), i16, 2))
+        sc = arith.extui(i32, load(ts, row, i16, 2))
         if masked:
-          sc = arith.select(arith.cmpi(arith.CmpIPredicate.slt, tok, n_valid), sc, c(0))
+          sc = arith.select(arith.cmpi(arith.CmpIPredicate.slt, c(8 * g + e), n_valid), sc, c(0))
         scales.append(sc)
       pair = magic_ptx.prmt(scales[0], scales[1], 0x5410)
       for k, mb in enumerate(blocks):
@@ -337,18 +370,20 @@ def _softmax_tile(n: int, scale_log2: float):
     c, lane, warp, _ = _lane_ids(1)
     quad, r = arith.andi(lane, c(3)), arith.shrui(lane, c(2))
     iptr, rptr = mu.memref_ptr(info), mu.memref_ptr(red)
-    first = llvm.load(i32, mu.getelementptr(iptr, [c(0)], i32))
+    quad2 = arith.muli(quad, c(2))
+    t_lim = mu.getelementptr(iptr, [quad2], i32)                        # + INFO + 8 k + e
+    t_red_w = _thread_ptr(red, arith.addi(arith.muli(warp, c(n)), quad2), f32)  # + 8 k + e
+    t_red = mu.getelementptr(rptr, [quad2], f32)                        # + w n + 8 k + e
+    first = llvm.load(i32, mu.getelementptr(iptr, [0], i32))
     row0 = arith.addi(first, arith.addi(arith.muli(warp, c(16)), r))  # token of row half 0
     k_scale = arith.constant(f32, ir.FloatAttr.get(f32, scale_log2))
     zero = arith.constant(f32, ir.FloatAttr.get(f32, 0.0))
     groups = n // 8
     x = {}                                             # (group, e, half) -> masked scaled score
-    cols = {}                                          # (group, e) -> this thread's column
     for k in range(groups):
       reg = [s.registers[0, k, 0, 0, h, 0, 0, 0, 0] for h in range(2)]
       for e in range(2):
-        colk = arith.addi(c(8 * k + e), arith.muli(quad, c(2)))
-        lim = llvm.load(i32, mu.getelementptr(iptr, [arith.addi(colk, c(INFO))], i32))
+        lim = llvm.load(i32, mu.getelementptr(t_lim, [INFO + 8 * k + e], i32))
         for h in range(2):
           v = arith.mulf(vector.extract(reg[h], [], [e]), k_scale)
           tok = arith.addi(row0, c(8 * h))
@@ -357,8 +392,7 @@ def _softmax_tile(n: int, scale_log2: float):
         mx = fmax(x[k, e, 0], x[k, e, 1])
         for off in (4, 8, 16):
           mx = fmax(mx, shfl(mx, off))
-        llvm.store(mx, mu.getelementptr(rptr, [arith.addi(arith.muli(warp, c(n)), colk)], f32))
-        cols[k, e] = colk
+        llvm.store(mx, mu.getelementptr(t_red_w, [8 * k + e], f32))
     mu.warpgroup_barrier()
     m_regs = np.empty(m.registers.shape, dtype=object)
     l_regs = np.empty(l.registers.shape, dtype=object)
@@ -368,10 +402,9 @@ def _softmax_tile(n: int, scale_log2: float):
     for k in range(groups):
       m_new, alpha, l_new, p = [], [], [], {}
       for e in range(2):
-        colk = cols[k, e]
-        tm = llvm.load(f32, mu.getelementptr(rptr, [colk], f32))
+        tm = llvm.load(f32, mu.getelementptr(t_red, [8 * k + e], f32))
         for w in range(1, 4):
-          tm = fmax(tm, llvm.load(f32, mu.getelementptr(rptr, [arith.addi(c(w * n), colk)], f32)))
+          tm = fmax(tm, llvm.load(f32, mu.getelementptr(t_red, [w * n + 8 * k + e], f32)))
         m_old = vector.extract(m.registers[k, 0, 0], [], [e])
         mn = fmax(m_old, tm)
         m_use = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, mn, neg_inf), zero, mn)
@@ -410,27 +443,24 @@ def _column_sums(n: int):
     f32 = ir.F32Type.get()
     _, _, shfl, _ = _f32_ops()
     c, lane, warp, _ = _lane_ids(1)
-    quad = arith.andi(lane, c(3))
-    rptr = mu.memref_ptr(red)
-    cols = {}
+    quad2 = arith.muli(arith.andi(lane, c(3)), c(2))
+    t_red_w = _thread_ptr(red, arith.addi(arith.muli(warp, c(n)), quad2), f32)  # + 8 k + e
+    t_red = _thread_ptr(red, quad2, f32)                                # + w n + 8 k + e
     for k in range(n // 8):
       for e in range(2):
-        colk = arith.addi(c(8 * k + e), arith.muli(quad, c(2)))
         v = vector.extract(l.registers[k, 0, 0], [], [e])
         for off in (4, 8, 16):
           v = arith.addf(v, shfl(v, off))
-        llvm.store(v, mu.getelementptr(rptr, [arith.addi(arith.muli(warp, c(n)), colk)], f32))
-        cols[k, e] = colk
+        llvm.store(v, mu.getelementptr(t_red_w, [8 * k + e], f32))
     mu.warpgroup_barrier()
     regs = np.empty(l.registers.shape, dtype=object)
     v2f32 = ir.VectorType.get((2,), f32)
     for k in range(n // 8):
       out = []
       for e in range(2):
-        acc = llvm.load(f32, mu.getelementptr(rptr, [cols[k, e]], f32))
+        acc = llvm.load(f32, mu.getelementptr(t_red, [8 * k + e], f32))
         for w in range(1, 4):
-          acc = arith.addf(acc, llvm.load(f32, mu.getelementptr(
-              rptr, [arith.addi(c(w * n), cols[k, e])], f32)))
+          acc = arith.addf(acc, llvm.load(f32, mu.getelementptr(t_red, [w * n + 8 * k + e], f32)))
         out.append(acc)
       regs[k, 0, 0] = vector.from_elements(v2f32, out)
     return mgpu.FragmentedArray(_registers=regs, _layout=l.layout, _is_signed=None)
@@ -462,8 +492,8 @@ class _CompiledTile:
 
     def qk(acc):
       for p, conv in enumerate(self.k_parts):
-        plgpu.wgmma(acc, conv(kbuf), qt.at[pl.ds(p * rows, rows)] if len(self.k_parts) > 1
-                    else qt)
+        q_part = qt.at[:, pl.ds(p * rows, rows)] if len(self.k_parts) > 1 else qt
+        plgpu.wgmma(acc, conv(kbuf), plgpu.transpose_ref(q_part, (1, 0)))   # Q^T [256, N]
         plgpu.wgmma_wait(0)
       return acc[...]
     return pl.run_scoped(qk, plgpu.ACC((BLOCK_TOKENS, self.n), jnp.float32))
@@ -478,9 +508,14 @@ class _CompiledTile:
     k = 0
     for conv in self.vt_parts:
       for vt in conv(vbuf, info):
-        plgpu.wgmma(o_refs[k], vt, pt)
+        plgpu.wgmma(o_refs[k], vt, plgpu.transpose_ref(pt, (1, 0)))       # P^T [64, N]
         k += 1
       plgpu.wgmma_wait(0)
+
+  def store_p(self, p_ref, p16):
+    """p [64, N] f16 (WGMMA layout) -> the N-major P ref [N, 64]: one register shuffle into the
+    transposed layout, then Mosaic's tiled store through the transposed view."""
+    plgpu.transpose_ref(p_ref, (1, 0))[...] = plgpu.layout_cast(p16, plgpu.Layout.WGMMA_TRANSPOSED)
 
   def zeros(self):
     col = plgpu.Layout.WGMMA.reduce(0)
@@ -523,7 +558,7 @@ class _InterpretTile:
   def scores(self, kbuf, qt, wg):
     lay = self.layout
     k = k_in_ggml_order(self._head(kbuf, lay.k_row_bytes, lay.k_head_bytes, lay.k_type, wg))
-    return jnp.dot(k.astype(jnp.float32), qt[...].astype(jnp.float32),
+    return jnp.dot(k.astype(jnp.float32), qt[...].T.astype(jnp.float32),
                    precision=lax.Precision.HIGHEST)
 
   def softmax(self, s, m, l, info, red):
@@ -544,13 +579,16 @@ class _InterpretTile:
     v = self._head(vbuf, lay.v_row_bytes, lay.v_head_bytes, lay.v_type, wg)
     ok = (info[0] + lax.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, 1), 0)) < info[1]
     vt = vt_in_magic_order(jnp.where(ok, v, jnp.float16(0)).T)      # [256, 64], vt_dims rows
-    upd = jnp.dot(vt.astype(jnp.float32), pt[...].astype(jnp.float32),
+    upd = jnp.dot(vt.astype(jnp.float32), pt[...].T.astype(jnp.float32),
                   precision=lax.Precision.HIGHEST)
     return tuple(x + upd[64 * mb:64 * (mb + 1)] for mb, x in enumerate(o))
 
   def col_sums(self, l, red):
     del red
     return l
+
+  def store_p(self, p_ref, p16):
+    p_ref[...] = p16.T
 
   def zeros(self):
     n = self.n
@@ -569,12 +607,13 @@ def _span_kernel_v2(meta_ref, tab_ref, qpos_ref, qt_ref, lines_ref,     # inputs
                     group: int, n: int, scale_log2: float, interpret: bool, split: bool,
                     acc_refs: bool):
   # meta [8] i32: kv_len, tile_begin, tile_end (clipped), n_table, causal end (max q_pos + 1)
-  # tab [T] i32; qpos [S] i32; qt [G, 256, N] f16 (Q^T, rows in ggml_dims order)
+  # tab [T] i32; qpos [S] i32; qt [G, N, 256] f16 (Q, head dims in ggml_dims order)
   # lines [P, page_bytes / 256, 256] u8
-  # -> ml_out [parts, G, 2, N] f32 (m natural-log domain, l), o_out [parts, G, 256, N] f32
+  # -> ml_out [G, parts, 2, N] f32 (m natural-log domain, l), o_out [G, parts, 256, N] f32
   #    (O^T, rows in vt_dims order)
   # scratch: kbufs [2, k_lines, 256] u8, vbuf [v_lines, 256] u8, kbars (2), vbar, kfree (2),
-  # vfree (arrivals: G), qt_s [G, 256, N] f16, pt_s [G, 64, N] f16, red_s [G, 2, 4, N] f32,
+  # vfree (arrivals: G), qt_s [G, N, 256] f16, pt_s [G, N, 64] f16 (Q and P
+  # N-major: wgmma reads them through transposed views as Q^T and P^T), red_s [G, 2, 4, N] f32,
   # info_s [G, INFO + N] i32, ml_s [G, 2, N] f32, in_bar
   g_heads = layout.num_kv_heads
   # compiled: one warpgroup a KV head (Pallas threads); interpreted: one thread serves every head
@@ -659,7 +698,7 @@ def _span_kernel_v2(meta_ref, tab_ref, qpos_ref, qt_ref, lines_ref,     # inputs
     stepped = []
     for h, s, (m, l, o) in zip(heads, scores, carry):
       p16, m, l, alpha = tiles.softmax(s, m, l, info_s.at[h], red_s.at[h, i % 2])
-      pt_s.at[h][...] = p16
+      tiles.store_p(pt_s.at[h], p16)
       if o_refs is None:
         o = tuple(x * alpha for x in o)
       else:
@@ -702,9 +741,9 @@ def _span_kernel_v2(meta_ref, tab_ref, qpos_ref, qt_ref, lines_ref,     # inputs
     ml[1, :] = l
   plgpu.commit_smem()
   for h, (_, _, o) in zip(heads, final):
-    plgpu.copy_smem_to_gmem(ml_s.at[h], ml_out.at[pp, h])
+    plgpu.copy_smem_to_gmem(ml_s.at[h], ml_out.at[h, pp])
     for mb in range(4):
-      o_out[pp, h, pl.ds(64 * mb, 64)] = o[mb]
+      o_out[h, pp, pl.ds(64 * mb, 64)] = o[mb]
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -718,24 +757,24 @@ def _interpret_params():
 
 def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayout,
                block_pages: int, n_parts: int, sm_scale: float, interpret: bool,
-               split: bool = False, acc_refs: bool = False):
-  """The kernel call: -> (ml [parts, G, 2, N], O^T [parts, G, 256, N] in vt_dims rows) f32."""
+               split: bool = False, acc_refs: bool = False, wgmma_n: Optional[int] = None):
+  """The kernel call: -> (ml [G, parts, 2, N], O^T [G, parts, 256, N] in vt_dims rows) f32."""
   # pylint: disable=import-outside-toplevel
   from kvjax_pallas.span_attention import kernel_mosaic as _v1
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads
   r = h // g
   rows = s_tok * r
-  n = rows_padded(rows)
+  n = choose_n(rows, wgmma_n)
   bt = BLOCK_TOKENS
   num_phys = pool_u8.shape[0]
-  qt = _v1.query_t(q_shd, g, n)[:, magic_ptx.ggml_dims("q8_0", d)]   # [G, D, N], ggml_dims rows
+  qt = jnp.swapaxes(_v1.query_t(q_shd, g, n)[:, magic_ptx.ggml_dims("q8_0", d)], 1, 2)  # [G, N, D]
   lines = pool_u8.reshape(num_phys, layout.page_bytes // LINE, LINE)
   k_lines, v_lines = bt * layout.k_row_bytes // LINE, bt * layout.v_row_bytes // LINE
   k_slots = choose_k_slots(layout, n)
-  sw = min(128, 2 * n)
+  # Q and P N-major in (8, 64) tiles, 128-byte swizzle: the transposed wgmma rhs of any N % 8 == 0
   rhs = lambda shape: plgpu.SMEM(shape, jnp.float16, transforms=(
-      plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw)))
+      plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
   boxes = lambda lines_: -(-lines_ // BOX)
   scratch = [
       plgpu.SMEM((k_slots, k_lines, LINE), jnp.uint8),                 # kbufs
@@ -744,8 +783,8 @@ def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayou
       plgpu.Barrier(num_arrivals=boxes(v_lines)),                      # vbar
       plgpu.Barrier(num_arrivals=g, num_barriers=k_slots),             # kfree
       plgpu.Barrier(num_arrivals=g),                                   # vfree
-      rhs((g, d, n)),                                                  # qt_s
-      rhs((g, bt, n)),                                                 # pt_s
+      rhs((g, n, d)),                                                  # qt_s
+      rhs((g, n, bt)),                                                 # pt_s
       plgpu.SMEM((g, 2, 4, n), jnp.float32),                           # red_s
       plgpu.SMEM((g, INFO + n), jnp.int32),                            # info_s
       plgpu.SMEM((g, 2, n), jnp.float32),                              # ml_s
@@ -758,8 +797,8 @@ def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayou
   kw = dict(num_threads=g, thread_name="wg") if g > 1 and not interpret else {}
   kern = plgpu.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct((n_parts, g, 2, n), jnp.float32),
-                jax.ShapeDtypeStruct((n_parts, g, d, n), jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct((g, n_parts, 2, n), jnp.float32),
+                jax.ShapeDtypeStruct((g, n_parts, d, n), jnp.float32)),
       scratch_types=scratch, grid=(n_parts,), grid_names=("p",),
       compiler_params=_COMPILER_PARAMS,
       interpret=_interpret_params() if interpret else None, **kw)
@@ -775,12 +814,14 @@ def _check_args(q_shd, pool_pn, layout, num_q_heads, block_pages):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "split", "acc_refs"))
+    "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "split", "acc_refs",
+    "wgmma_n"))
 def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                    carry: Optional[_ref.Carry], tile_begin, tile_end, *,
                                    layout: PageLayout, num_q_heads: int, block_pages: int = 1,
                                    sm_scale: Optional[float] = None, interpret: bool = False,
-                                   split: bool = False, acc_refs: bool = False) -> _ref.Carry:
+                                   split: bool = False, acc_refs: bool = False,
+                                   wgmma_n: Optional[int] = None) -> _ref.Carry:
   """Mosaic GPU v2 version of `reference.span_attention_partial_reference` (same contract;
   carry=None: the empty carry). The partitions are folded in logical order by the Triton
   kernel's pipelined combine (`kernel_triton.combine_call`), O^T's rows taken as its columns in
@@ -788,7 +829,8 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
   CTAs. Compiled-only options (the interpreter ignores them): split builds the K lhs in two
   halves and V^T in two pairs of M-blocks (fewer registers live at once; measured no faster at
   S=1 and 1.35x slower at S=4, S10-4); acc_refs keeps O^T in 4 accumulator refs for the whole
-  loop (rescaled in place) instead of loop-carried values."""
+  loop (rescaled in place) instead of loop-carried values. wgmma_n overrides the wgmma N of
+  `rows_padded` (any multiple of 8 from the rows up; for experiments)."""
   # pylint: disable=import-outside-toplevel
   from kvjax_pallas.span_attention import kernel_mosaic as _v1
   from kvjax_pallas.span_attention import kernel_triton as _triton
@@ -796,10 +838,10 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads
   rows = s_tok * (h // g)
-  n = rows_padded(rows)
+  n = choose_n(rows, wgmma_n)
   scale = (1.0 / d ** 0.5) if sm_scale is None else sm_scale
   n_table = page_table_t.shape[0]
-  c_rows = min(n, 1 << (rows - 1).bit_length())
+  c_rows = min(n & -n, 1 << (rows - 1).bit_length())   # a power of 2 dividing N (Triton blocks)
   cols = 32
   unroll = _triton.combine_unroll_for(c_rows, cols, -(-max(n_table, 1) // block_pages))
   n_parts = -(-(-(-max(n_table, 1) // block_pages)) // unroll) * unroll
@@ -812,11 +854,11 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
                     jnp.max(q_pos_s) + 1, z, z, z]).astype(jnp.int32)
   ml_p, ot_p = _span_call(q_shd, _v1.byte_view(pool_pn), page_table_t, meta, q_pos_s,
                           layout=layout, block_pages=block_pages, n_parts=n_parts,
-                          sm_scale=scale, interpret=interpret, split=split, acc_refs=acc_refs)
-  m_p = jnp.swapaxes(ml_p[:, :, 0], 0, 1)                          # [G, parts, N]
-  l_p = jnp.swapaxes(ml_p[:, :, 1], 0, 1)
-  acc_p = jnp.transpose(ot_p, (1, 0, 3, 2))                        # [G, parts, N, vt rows]
-  return _triton.combine_call(m_p, l_p, acc_p, carry, rows=rows, c_rows=c_rows,
+                          sm_scale=scale, interpret=interpret, split=split, acc_refs=acc_refs,
+                          wgmma_n=wgmma_n)
+  # ml_p [G, parts, 2, N] and O^T [G, parts, vt rows, N] go to the combine as the kernel wrote them
+  return _triton.combine_call(ml_p, None, ot_p, carry, rows=rows, c_rows=c_rows,
+                              acc_transposed=True,
                               combine_cols=cols, combine_warps=min(4, max(1, c_rows * cols // 64)),
                               unroll=unroll, v_cols=magic_ptx.vt_dims(d), head_dim=d,
                               interpret=interpret)
@@ -824,11 +866,12 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
 
 def span_attention_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: PageLayout,
                            block_pages: int = 1, sm_scale: Optional[float] = None,
-                           interpret: bool = False, split: bool = False, acc_refs: bool = False):
+                           interpret: bool = False, split: bool = False, acc_refs: bool = False,
+                           wgmma_n: Optional[int] = None):
   """o_shd [S, H, D] float32 over all active pages (Mosaic GPU v2 version of the reference)."""
   h = q_shd.shape[1]
   carry = span_attention_partial_mosaic2(
       q_shd, pool_pn, page_table_t, jnp.asarray(kv_len, jnp.int32), q_pos_s, None, jnp.int32(0),
       jnp.int32(page_table_t.shape[0]), layout=layout, num_q_heads=h, block_pages=block_pages,
-      sm_scale=sm_scale, interpret=interpret, split=split, acc_refs=acc_refs)
+      sm_scale=sm_scale, interpret=interpret, split=split, acc_refs=acc_refs, wgmma_n=wgmma_n)
   return _ref.finalize(carry, h)

@@ -799,8 +799,13 @@ def _span_kernel(*refs, layout: PageLayout, cfg: TileConfig, block_pages: int, n
 
 
 def _combine_kernel(*refs, block_rows: int, block_cols: int, num_parts: int, unroll: int,
-                    has_carry: bool = True):
+                    has_carry: bool = True, ml_packed: bool = False,
+                    acc_transposed: bool = False):
   """Left fold of the partitions (logical order) into the carry; grid (g, row block, column block).
+
+  Partials: m_parts, l_parts [G, parts, rows] and acc_parts [G, parts, rows, columns]; or
+  (ml_packed) m and l in one ref [G, parts, 2, rows] (l_parts unused: the same ref); or
+  (acc_transposed) acc_parts [G, parts, columns, rows], a block transposed as it is loaded.
 
   Software-pipelined: the loads of group j+1 are issued before group j is
   folded (a plain loop let the compiler sink each load next to its fold: one
@@ -821,7 +826,12 @@ def _combine_kernel(*refs, block_rows: int, block_cols: int, num_parts: int, unr
     parts = []
     for u in range(unroll):
       q = j * unroll + u
-      parts.append((m_parts[g, q, rows], l_parts[g, q, rows], acc_parts[g, q, rows, cols]))
+      if ml_packed:
+        m, l = m_parts[g, q, 0, rows], m_parts[g, q, 1, rows]
+      else:
+        m, l = m_parts[g, q, rows], l_parts[g, q, rows]
+      acc = acc_parts[g, q, cols, rows].T if acc_transposed else acc_parts[g, q, rows, cols]
+      parts.append((m, l, acc))
     return tuple(parts)
 
   def body(j, carry):
@@ -1047,12 +1057,15 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
 
 def combine_call(m_p, l_p, acc_p, carry, *, rows: int, c_rows: int, combine_cols: int,
                  combine_warps: int, unroll: int, v_cols: np.ndarray, head_dim: int,
-                 interpret: bool) -> _ref.Carry:
+                 interpret: bool, acc_transposed: bool = False) -> _ref.Carry:
   """The pipelined in-order combine (`_combine_kernel`) of a span kernel's partitions, shared by
   the Triton and the Mosaic GPU v2 kernels: m_p, l_p [G, parts, rows_pad], acc_p [G, parts,
   rows_pad, V columns] (column c holds head dim v_cols[c]; parts a multiple of `unroll`), the
-  carry (or None: the empty one) -> the folded carry, rows [:rows], dims in order."""
-  g, n_parts, rows_pad = m_p.shape
+  carry (or None: the empty one) -> the folded carry, rows [:rows], dims in order.
+  l_p None: m_p is m and l packed [G, parts, 2, rows_pad]; acc_transposed: acc_p is [G, parts,
+  V columns, rows_pad] (the kernel's O^T as it wrote it: no transpose in XLA between)."""
+  ml_packed = l_p is None
+  g, n_parts, rows_pad = (m_p.shape[0], m_p.shape[1], m_p.shape[-1])
   vc = v_cols.shape[0]
   d = head_dim
   carry_inputs = ()
@@ -1068,7 +1081,8 @@ def combine_call(m_p, l_p, acc_p, carry, *, rows: int, c_rows: int, combine_cols
   n_cm = -(-rows // c_rows)
   m_c, l_c, acc_c = pl.pallas_call(
       functools.partial(_combine_kernel, block_rows=c_rows, block_cols=combine_cols,
-                        num_parts=n_parts, unroll=unroll, has_carry=carry is not None),
+                        num_parts=n_parts, unroll=unroll, has_carry=carry is not None,
+                        ml_packed=ml_packed, acc_transposed=acc_transposed),
       grid=(g, n_cm, n_cb),
       out_shape=(jax.ShapeDtypeStruct((g, rows_pad, n_cb), jnp.float32),
                  jax.ShapeDtypeStruct((g, rows_pad, n_cb), jnp.float32),
@@ -1076,7 +1090,7 @@ def combine_call(m_p, l_p, acc_p, carry, *, rows: int, c_rows: int, combine_cols
       compiler_params=_compiler_params(combine_warps, 1, interpret),
       interpret=interpret,
       name="kvjax_span_combine",
-  )(m_p, l_p, acc_p, *carry_inputs)
+  )(m_p, m_p if ml_packed else l_p, acc_p, *carry_inputs)
   acc = _from_columns(acc_c[:, :rows], v_cols, d)          # kernel columns -> dims
   return _ref.Carry(m_c[:, :rows, 0], l_c[:, :rows, 0], acc)
 
