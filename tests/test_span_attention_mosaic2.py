@@ -163,3 +163,48 @@ if ON_GPU:
   @pytest.mark.parametrize("s_tok", [1, 4])
   def test_gpu_placement_invariance_and_waves_bit_exact(s_tok):
     _placement_and_waves(False, REAL, 7 * 256 - 11, 2, s_tok)
+
+
+# ----------------------------------------------------------------------------- combine layouts
+
+
+@pytest.mark.parametrize("with_carry", [False, True])
+def test_combine_reads_the_kernels_layout(with_carry):
+  """`kernel_triton.combine_call` on v2's layout (m and l packed [G, parts, 2, rows], O^T
+  [G, parts, columns, rows], folded as [columns, rows] blocks) gives what it gives on the Triton
+  kernel's layout (separate m / l, acc [G, parts, rows, columns]): m bit for bit, l and acc to
+  the last bit or two (the same operations; the compiler may contract a * b + c * d into FMAs
+  differently for the two layouts: 1-ulp differences seen in interpret mode on the CPU), with
+  and without a carry; and agrees with the left fold in jnp (`reference.merge_partials`). Empty
+  partitions (m = -inf, l = 0, acc = 0) and a row no partition saw included. Interpret mode."""
+  from kvjax_pallas.span_attention import kernel_triton as kt   # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(5)
+  g, parts, rows_pad, rows, d = 2, 16, 8, 6, 256
+  m_p = rng.normal(0, 3, (g, parts, rows_pad)).astype(np.float32)
+  m_p[:, 3] = -np.inf                                  # an empty partition
+  m_p[:, :, 5] = -np.inf                               # a row no partition saw
+  l_p = np.where(np.isfinite(m_p), rng.uniform(0.5, 4, m_p.shape), 0).astype(np.float32)
+  acc_p = (rng.normal(size=(g, parts, rows_pad, d)) * np.isfinite(m_p)[..., None]).astype(
+      np.float32)
+  carry = None
+  if with_carry:
+    carry = ref.Carry(jnp.asarray(rng.normal(0, 3, (g, rows)), jnp.float32),
+                      jnp.asarray(rng.uniform(0.5, 4, (g, rows)), jnp.float32),
+                      jnp.asarray(rng.normal(size=(g, rows, d)), jnp.float32))
+  v_cols = magic_ptx.vt_dims(d)
+  kw = dict(rows=rows, c_rows=8, combine_cols=32, combine_warps=4, unroll=8, v_cols=v_cols,
+            head_dim=d, interpret=True)
+  acc_cols = acc_p[..., v_cols]                        # column c holds dim v_cols[c]
+  want = kt.combine_call(jnp.asarray(m_p), jnp.asarray(l_p), jnp.asarray(acc_cols), carry, **kw)
+  got = kt.combine_call(jnp.asarray(np.stack([m_p, l_p], axis=2)), None,
+                        jnp.asarray(np.swapaxes(acc_cols, 2, 3)), carry, acc_transposed=True, **kw)
+  np.testing.assert_array_equal(np.asarray(got.m_gm), np.asarray(want.m_gm))
+  for a, b in zip(got[1:], want[1:]):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  state = ((carry.m_gm, carry.l_gm, carry.acc_gmd) if with_carry else
+           (jnp.full((g, rows), -jnp.inf), jnp.zeros((g, rows)), jnp.zeros((g, rows, d))))
+  for j in range(parts):
+    state = ref.merge_partials(state, (m_p[:, j, :rows], l_p[:, j, :rows], acc_p[:, j, :rows]))
+  for a, b in zip(got, state):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  assert np.isfinite(np.asarray(got.l_gm)).all()

@@ -599,14 +599,14 @@ class _InterpretTile:
 # ----------------------------------------------------------------------------- kernel
 
 
-def _span_kernel_v2(meta_ref, tab_ref, qpos_ref, qt_ref, lines_ref,     # inputs
+def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref,  # inputs
                     ml_out, o_out,                                    # outputs
                     kbufs, vbuf, kbars, vbar, kfree, vfree, qt_s, pt_s, red_s, info_s, ml_s,
                     in_bar,                                           # scratch
-                    *, layout: PageLayout, block_pages: int, num_phys: int, num_tokens: int,
-                    group: int, n: int, scale_log2: float, interpret: bool, split: bool,
-                    acc_refs: bool):
-  # meta [8] i32: kv_len, tile_begin, tile_end (clipped), n_table, causal end (max q_pos + 1)
+                    *, layout: PageLayout, block_pages: int, num_phys: int, num_table: int,
+                    num_tokens: int, group: int, n: int, scale_log2: float, interpret: bool,
+                    split: bool, acc_refs: bool):
+  # kv_len, tile_begin, tile_end [1] i32 (as the caller gave them: no XLA op stacks them);
   # tab [T] i32; qpos [S] i32; qt [G, N, 256] f16 (Q, head dims in ggml_dims order)
   # lines [P, page_bytes / 256, 256] u8
   # -> ml_out [G, parts, 2, N] f32 (m natural-log domain, l), o_out [G, parts, 256, N] f32
@@ -629,8 +629,11 @@ def _span_kernel_v2(meta_ref, tab_ref, qpos_ref, qt_ref, lines_ref,     # inputs
   k_slots, k_lines, v_lines = kbufs.shape[0], kbufs.shape[1], vbuf.shape[0]
   v_first = layout.v_offset // LINE
 
-  kv_len, tile_begin, tile_end = meta_ref[0], meta_ref[1], meta_ref[2]
-  n_table, causal_end = meta_ref[3], meta_ref[4]
+  kv_len, tile_begin = kv_ref[0], tb_ref[0]
+  n_active = (kv_len + pt - 1) // pt                    # pages holding keys
+  tile_end = jnp.minimum(jnp.minimum(te_ref[0], n_active), num_table)
+  n_table = num_table
+  causal_end = functools.reduce(jnp.maximum, [qpos_ref[s] for s in range(num_tokens)]) + 1
   page_lo = jnp.maximum(pp * block_pages, tile_begin)
   page_hi = jnp.minimum(pp * block_pages + block_pages, tile_end)
   tok_lo = page_lo * pt
@@ -755,12 +758,21 @@ def _interpret_params():
   return _ip.InterpretGPUParams()
 
 
-def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayout,
-               block_pages: int, n_parts: int, sm_scale: float, interpret: bool,
-               split: bool = False, acc_refs: bool = False, wgmma_n: Optional[int] = None):
-  """The kernel call: -> (ml [G, parts, 2, N], O^T [G, parts, 256, N] in vt_dims rows) f32."""
-  # pylint: disable=import-outside-toplevel
-  from kvjax_pallas.span_attention import kernel_mosaic as _v1
+def query_n_major(q_shd, num_kv_heads: int, n: int):
+  """q [S, H, D] -> Q [G, N, D] f16: a KV head's query heads folded into S x R rows (padded with
+  zero rows to N), head dims in `magic_ptx.ggml_dims` order, by reshapes and transposes only (one
+  XLA fusion; a gather of the dims made a second)."""
+  qf = k_in_ggml_order(_ref.fold_query(q_shd.astype(jnp.float16), num_kv_heads))   # [G, rows, D]
+  return jnp.pad(qf, ((0, 0), (0, n - qf.shape[1]), (0, 0)))
+
+
+def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos_s, *,
+               layout: PageLayout, block_pages: int, n_parts: int, sm_scale: float,
+               interpret: bool, split: bool = False, acc_refs: bool = False,
+               wgmma_n: Optional[int] = None):
+  """The kernel call (kv_len, tile_begin, tile_end: i32 scalars; tile_end is clipped to the
+  active pages and the table in the kernel): -> (ml [G, parts, 2, N], O^T [G, parts, 256, N] in
+  vt_dims rows) f32."""
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads
   r = h // g
@@ -768,7 +780,7 @@ def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayou
   n = choose_n(rows, wgmma_n)
   bt = BLOCK_TOKENS
   num_phys = pool_u8.shape[0]
-  qt = jnp.swapaxes(_v1.query_t(q_shd, g, n)[:, magic_ptx.ggml_dims("q8_0", d)], 1, 2)  # [G, N, D]
+  qt = query_n_major(q_shd, g, n)                                   # [G, N, D]
   lines = pool_u8.reshape(num_phys, layout.page_bytes // LINE, LINE)
   k_lines, v_lines = bt * layout.k_row_bytes // LINE, bt * layout.v_row_bytes // LINE
   k_slots = choose_k_slots(layout, n)
@@ -791,7 +803,8 @@ def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayou
       plgpu.Barrier(num_arrivals=1),                                   # in_bar
   ]
   body = functools.partial(_span_kernel_v2, layout=layout, block_pages=block_pages,
-                           num_phys=num_phys, num_tokens=s_tok, group=r, n=n,
+                           num_phys=num_phys, num_table=page_table_t.shape[0],
+                           num_tokens=s_tok, group=r, n=n,
                            scale_log2=float(sm_scale) * _LOG2E, interpret=interpret,
                            split=split, acc_refs=acc_refs)
   kw = dict(num_threads=g, thread_name="wg") if g > 1 and not interpret else {}
@@ -802,7 +815,9 @@ def _span_call(q_shd, pool_u8, page_table_t, meta, q_pos_s, *, layout: PageLayou
       scratch_types=scratch, grid=(n_parts,), grid_names=("p",),
       compiler_params=_COMPILER_PARAMS,
       interpret=_interpret_params() if interpret else None, **kw)
-  return kern(meta, page_table_t.astype(jnp.int32), q_pos_s.astype(jnp.int32), qt, lines)
+  scalar = lambda x: jnp.reshape(jnp.asarray(x, jnp.int32), (1,))
+  return kern(scalar(kv_len), scalar(tile_begin), scalar(tile_end),
+              page_table_t.astype(jnp.int32), q_pos_s.astype(jnp.int32), qt, lines)
 
 
 def _check_args(q_shd, pool_pn, layout, num_q_heads, block_pages):
@@ -845,14 +860,9 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
   cols = 32
   unroll = _triton.combine_unroll_for(c_rows, cols, -(-max(n_table, 1) // block_pages))
   n_parts = -(-(-(-max(n_table, 1) // block_pages)) // unroll) * unroll
-  kv_len = jnp.asarray(kv_len, jnp.int32)
   q_pos_s = jnp.asarray(q_pos_s, jnp.int32)
-  n_active = (kv_len + layout.page_tokens - 1) // layout.page_tokens
-  tile_end_c = jnp.minimum(jnp.minimum(jnp.asarray(tile_end, jnp.int32), n_active), n_table)
-  z = jnp.int32(0)
-  meta = jnp.stack([kv_len, jnp.asarray(tile_begin, jnp.int32), tile_end_c, jnp.int32(n_table),
-                    jnp.max(q_pos_s) + 1, z, z, z]).astype(jnp.int32)
-  ml_p, ot_p = _span_call(q_shd, _v1.byte_view(pool_pn), page_table_t, meta, q_pos_s,
+  ml_p, ot_p = _span_call(q_shd, _v1.byte_view(pool_pn), page_table_t, kv_len, tile_begin,
+                          tile_end, q_pos_s,
                           layout=layout, block_pages=block_pages, n_parts=n_parts,
                           sm_scale=scale, interpret=interpret, split=split, acc_refs=acc_refs,
                           wgmma_n=wgmma_n)

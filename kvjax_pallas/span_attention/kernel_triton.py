@@ -805,7 +805,10 @@ def _combine_kernel(*refs, block_rows: int, block_cols: int, num_parts: int, unr
 
   Partials: m_parts, l_parts [G, parts, rows] and acc_parts [G, parts, rows, columns]; or
   (ml_packed) m and l in one ref [G, parts, 2, rows] (l_parts unused: the same ref); or
-  (acc_transposed) acc_parts [G, parts, columns, rows], a block transposed as it is loaded.
+  (acc_transposed) acc_parts [G, parts, columns, rows], and then acc_in / acc_out [G, columns,
+  rows] too: the fold runs on [columns, rows] blocks as loaded (`merge_partials(...,
+  acc_transposed=True)`: the same operations; the bits can differ from the other layout's where
+  the compiler contracts into FMAs differently), no transpose in the kernel.
 
   Software-pipelined: the loads of group j+1 are issued before group j is
   folded (a plain loop let the compiler sink each load next to its fold: one
@@ -830,7 +833,7 @@ def _combine_kernel(*refs, block_rows: int, block_cols: int, num_parts: int, unr
         m, l = m_parts[g, q, 0, rows], m_parts[g, q, 1, rows]
       else:
         m, l = m_parts[g, q, rows], l_parts[g, q, rows]
-      acc = acc_parts[g, q, cols, rows].T if acc_transposed else acc_parts[g, q, rows, cols]
+      acc = acc_parts[g, q, cols, rows] if acc_transposed else acc_parts[g, q, rows, cols]
       parts.append((m, l, acc))
     return tuple(parts)
 
@@ -838,18 +841,20 @@ def _combine_kernel(*refs, block_rows: int, block_cols: int, num_parts: int, unr
     state, parts = carry
     nxt = load_group(j + 1)
     for part in parts:
-      state = _ref.merge_partials(state, part)
+      state = _ref.merge_partials(state, part, acc_transposed)
     return state, nxt
 
+  acc_block = (cols, rows) if acc_transposed else (rows, cols)
   if has_carry:
-    state = (m_in[g, rows], l_in[g, rows], acc_in[g, rows, cols])
+    state = (m_in[g, rows], l_in[g, rows], acc_in[(g,) + acc_block])
   else:
     state = (jnp.full((block_rows,), -jnp.inf, jnp.float32), jnp.zeros((block_rows,), jnp.float32),
-             jnp.zeros((block_rows, block_cols), jnp.float32))
+             jnp.zeros((block_cols, block_rows) if acc_transposed else (block_rows, block_cols),
+                       jnp.float32))
   (m_c, l_c, a_c), _ = lax.fori_loop(0, num_parts // unroll, body, (state, load_group(0)))
   m_out[g, rows, c] = m_c
   l_out[g, rows, c] = l_c
-  acc_out[g, rows, cols] = a_c
+  acc_out[(g,) + acc_block] = a_c
 
 
 def combine_unroll_for(block_rows: int, block_cols: int, num_parts: int) -> int:
@@ -1074,6 +1079,8 @@ def combine_call(m_p, l_p, acc_p, carry, *, rows: int, c_rows: int, combine_cols
     m_in = jnp.pad(carry.m_gm, pad_m, constant_values=-jnp.inf)
     l_in = jnp.pad(carry.l_gm, pad_m)
     acc_in = _to_columns(jnp.pad(carry.acc_gmd, pad_m + ((0, 0),)), v_cols)  # [G, Mp, Vc]
+    if acc_transposed:
+      acc_in = jnp.swapaxes(acc_in, 1, 2)                                    # [G, Vc, Mp]
     carry_inputs = (m_in, l_in, acc_in)
   # the combine grid runs over row blocks of the real rows (not the span tile's padding) and
   # column blocks; m/l come back once per column block. Its tiling changes no bit (elementwise).
@@ -1086,11 +1093,14 @@ def combine_call(m_p, l_p, acc_p, carry, *, rows: int, c_rows: int, combine_cols
       grid=(g, n_cm, n_cb),
       out_shape=(jax.ShapeDtypeStruct((g, rows_pad, n_cb), jnp.float32),
                  jax.ShapeDtypeStruct((g, rows_pad, n_cb), jnp.float32),
-                 jax.ShapeDtypeStruct((g, rows_pad, vc), jnp.float32)),
+                 jax.ShapeDtypeStruct((g, vc, rows_pad) if acc_transposed else (g, rows_pad, vc),
+                                      jnp.float32)),
       compiler_params=_compiler_params(combine_warps, 1, interpret),
       interpret=interpret,
       name="kvjax_span_combine",
   )(m_p, m_p if ml_packed else l_p, acc_p, *carry_inputs)
+  if acc_transposed:
+    acc_c = jnp.swapaxes(acc_c, 1, 2)                      # (fused into the columns' gather)
   acc = _from_columns(acc_c[:, :rows], v_cols, d)          # kernel columns -> dims
   return _ref.Carry(m_c[:, :rows, 0], l_c[:, :rows, 0], acc)
 

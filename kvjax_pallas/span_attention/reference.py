@@ -51,12 +51,13 @@ def init_carry(num_kv_heads: int, rows: int, head_dim: int) -> Carry:
                jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32))
 
 
-def merge_partials(carry, part):
+def merge_partials(carry, part, acc_transposed: bool = False):
   """Fold one partition's un-normalised (m, l, acc) into the running (m, l, acc).
 
   The one merge rule of every implementation (kernel bodies and jnp): rows
-  broadcast over acc's last axis; an empty part (m=-inf, l=0, acc=0) is an
-  exact no-op, and so is an empty carry folded into by the first part.
+  broadcast over acc's last axis (acc_transposed: acc is [..., columns, rows] and the rows
+  broadcast over its second-to-last axis: the same operations); an empty part
+  (m=-inf, l=0, acc=0) is an exact no-op, and so is an empty carry folded into by the first part.
   """
   m_c, l_c, a_c = carry
   m_p, l_p, a_p = part
@@ -64,7 +65,8 @@ def merge_partials(carry, part):
   m_use = jnp.where(m_new > -jnp.inf, m_new, 0.0)
   al_c = jnp.exp(m_c - m_use)
   al_p = jnp.exp(m_p - m_use)
-  return m_new, l_c * al_c + l_p * al_p, a_c * al_c[..., None] + a_p * al_p[..., None]
+  rows = (lambda x: x[..., None, :]) if acc_transposed else (lambda x: x[..., None])
+  return m_new, l_c * al_c + l_p * al_p, a_c * rows(al_c) + a_p * rows(al_p)
 
 
 def fold_query(q_shd, num_kv_heads: int):
