@@ -149,6 +149,34 @@ def test_bench_span_attention_smoke(tmp_path):
   assert p.stdout.rstrip().splitlines()[-1].split("|")[-1].strip() == "1.00"
 
 
+def test_bench_hoists_closed_over_arrays_into_arguments(tmp_path):
+  """The bench times `fn(q)` closures over the pool / K / V; `hoist_closure` turns what they
+  close over into arguments of the jitted step (closed over, jit embeds them in the program as
+  constants), with the same result."""
+  code = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import jax, jax.numpy as jnp, numpy as np
+import bench_span_attention as b
+pool = jax.random.normal(jax.random.PRNGKey(0), (64, 96))
+inner = jax.jit(lambda q, p: q @ p.T)
+fn = lambda q: inner(q, pool) * 2.0
+q = jnp.ones((3, 96))
+fn_args, consts = b.hoist_closure(fn, q)
+assert len(consts) == 1 and consts[0].shape == (64, 96), [c.shape for c in consts]
+step = jax.jit(fn_args)
+np.testing.assert_array_equal(np.asarray(step(q, consts)), np.asarray(fn(q)))
+text = step.lower(q, consts).as_text()
+assert "tensor<64x96xf32>" in text.split("public @main")[1].split(")")[0], text[:400]
+closed_text = jax.jit(fn).lower(q).as_text()
+assert "stablehlo.constant dense<" in closed_text and "tensor<64x96xf32>" not in closed_text.split(
+    "public @main")[1].split(")")[0]
+print("hoisted")
+"""
+  p = _run(["-c", code, os.path.join(REPO, "experiments")], cwd=str(tmp_path))
+  assert "hoisted" in p.stdout
+
+
 def test_bench_span_attention_mosaic2_smoke(tmp_path):
   """--mosaic2: the v2 kernel (interpreted, head_dim 256) is checked against the reference and
   timed on the contiguous and the ring placement in the main table, with its own summary."""
