@@ -369,12 +369,11 @@ def _softmax_tile(n: int, scale_log2: float):
     fmax, ex2, shfl, neg_inf = _f32_ops()
     c, lane, warp, _ = _lane_ids(1)
     quad, r = arith.andi(lane, c(3)), arith.shrui(lane, c(2))
-    iptr, rptr = mu.memref_ptr(info), mu.memref_ptr(red)
     quad2 = arith.muli(quad, c(2))
-    t_lim = mu.getelementptr(iptr, [quad2], i32)                        # + INFO + 8 k + e
+    t_lim = _thread_ptr(info, quad2, i32)                               # + INFO + 8 k + e
     t_red_w = _thread_ptr(red, arith.addi(arith.muli(warp, c(n)), quad2), f32)  # + 8 k + e
-    t_red = mu.getelementptr(rptr, [quad2], f32)                        # + w n + 8 k + e
-    first = llvm.load(i32, mu.getelementptr(iptr, [0], i32))
+    t_red = _thread_ptr(red, quad2, f32)                                # + w n + 8 k + e
+    first = llvm.load(i32, mu.memref_ptr(info))
     row0 = arith.addi(first, arith.addi(arith.muli(warp, c(16)), r))  # token of row half 0
     k_scale = arith.constant(f32, ir.FloatAttr.get(f32, scale_log2))
     zero = arith.constant(f32, ir.FloatAttr.get(f32, 0.0))
