@@ -38,8 +38,6 @@ def main():
   bp = km2.choose_block_pages(n_pages)
   for s in rows:
     q = jax.random.normal(jax.random.PRNGKey(s), (s, 24, 256), jnp.float32)
-    kern = jax.jit(functools.partial(km2._span_call, layout=lay, block_pages=bp,  # pylint: disable=protected-access
-                                     n_parts=-(-n_pages // bp), sm_scale=1 / 16, interpret=False))
     q_pos = jnp.arange(ctx - s, ctx, dtype=jnp.int32)
     if whole_call:
       call = jax.jit(functools.partial(km2.span_attention_mosaic2, layout=lay, block_pages=bp))
@@ -47,6 +45,8 @@ def main():
         o = jax.block_until_ready(call(q, pool, table, ctx, q_pos))
       print(f"=== rows {s * 6} N {km2.rows_padded(s * 6)}: sum |o| {float(jnp.abs(o).sum()):.6g}")
       continue
+    kern = jax.jit(functools.partial(km2._span_call, layout=lay, block_pages=bp,  # pylint: disable=protected-access
+                                     n_parts=-(-n_pages // bp), sm_scale=1 / 16, interpret=False))
     ml, ot = kern(q, pool, table, ctx, 0, n_pages, q_pos)
     print(f"=== rows {s * 6} N {km2.rows_padded(s * 6)}: sum |O^T| {float(jnp.abs(ot).sum()):.6g}, "
           f"sum l {float(ml[:, :, 1].sum()):.6g}", flush=True)

@@ -62,21 +62,22 @@ def main():
       kern_fn = functools.partial(km2._span_call, layout=lay, block_pages=bp,  # pylint: disable=protected-access
                                   n_parts=parts, sm_scale=1 / 16, interpret=False, **kw)
       call_fn = functools.partial(km2.span_attention_mosaic2, layout=lay, block_pages=bp, **kw)
-      # one argument a call, the rest closed over (as the bench): session 11 passed all five
-      # (ctx a Python int) and measured the call ~30 us slower than the bench, host-bound
-      kern = jax.jit(lambda q, kern_fn=kern_fn, q_pos=q_pos, ctx=ctx, n_pages=n_pages: kern_fn(
-          q, pool, table, ctx, 0, n_pages, q_pos))
-      call = jax.jit(lambda q, call_fn=call_fn, q_pos=q_pos, ctx=ctx: call_fn(
+      # the scalars and q_pos closed over, the pool and table passed (closed over, jit would embed
+      # them as constants): session 11 passed ctx as a Python int each call and measured the
+      # call ~30 us slower than the bench, host-bound
+      kern = jax.jit(lambda q, pool, table, kern_fn=kern_fn, q_pos=q_pos, ctx=ctx,
+                     n_pages=n_pages: kern_fn(q, pool, table, ctx, 0, n_pages, q_pos))
+      call = jax.jit(lambda q, pool, table, call_fn=call_fn, q_pos=q_pos, ctx=ctx: call_fn(
           q, pool, table, ctx, q_pos))
-      out = np.asarray(call(q))
+      out = np.asarray(call(q, pool, table))
       if variant == "default":
         base[s] = out
       elif s not in base:
         base[s] = np.asarray(jax.jit(functools.partial(
             km2.span_attention_mosaic2, layout=lay, block_pages=bp))(q, pool, table, ctx, q_pos))
       diff = float(np.max(np.abs(out - base[s])))
-      tk = timed(kern, q)
-      tc = timed(call, q)
+      tk = timed(kern, q, pool, table)
+      tc = timed(call, q, pool, table)
       nbytes = ctx * lay.token_bytes
       print(f"{ctx:>7} {s:>3} {bp:>3} {variant:>14} | {tk:9.1f} {nbytes / tk / 1e3:6.0f} | "
             f"{tc:8.1f} {nbytes / tc / 1e3:6.0f} | {diff:.3g}", flush=True)
