@@ -423,9 +423,13 @@ def main(argv):
             block_pages=block_pages_of(bp_flag, scattered, s)), ctx * kv_token))
       for name, fn, nbytes in cases:
         try:
+          t_case = time.time()
           t = _time_loop(fn, q, FLAGS.iters if s < 256 else 3, FLAGS.rounds)
           row[name + "_us"] = t * 1e6
           row[name + "_gbps"] = nbytes / t / 1e9
+          # progress: a run cut by a timeout still shows what it measured and where time went
+          print(f"  case {name} ctx={ctx} rows={s}: {t * 1e6:.1f} us ({time.time() - t_case:.0f} s "
+                f"with its compile; {_elapsed():.0f} s since start)", flush=True)
         except Exception as e:
           row[name + "_us"] = float("nan")
           print(f"{name} ctx={ctx} rows={s} failed: {str(e)[:300]}", flush=True)

@@ -54,3 +54,25 @@ class History:
     n = self.num_pages
     phys = np.random.default_rng(seed).permutation(n + 3)[:n]
     return self.pool(phys, n + 3, n + 3)
+
+
+def rel_error(a, b) -> float:
+  """||a - b|| / ||b|| in float64."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def check_against_reference(out, hist: History, q, pool, table, q_pos, *, block_pages: int,
+                            tol: float):
+  """A kernel's output over `hist` (pool / table placement) against the jnp reference on the
+  same inputs and the float64 oracle over the decoded history: finite, same shape, relative
+  error <= tol against each."""
+  # pylint: disable=import-outside-toplevel
+  from kvjax_pallas.span_attention import reference as ref
+  out = np.asarray(out)
+  want = np.asarray(ref.span_attention_reference(q, pool, table, hist.tokens, q_pos,
+                                                 layout=hist.layout, block_pages=block_pages))
+  assert out.shape == want.shape and np.isfinite(out).all()
+  assert rel_error(out, want) <= tol, rel_error(out, want)
+  oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, np.asarray(q_pos), hist.tokens)
+  assert rel_error(out, oracle) <= tol, rel_error(out, oracle)

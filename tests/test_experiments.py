@@ -465,14 +465,21 @@ def test_ncu_report_summaries(tmp_path):
   p = _run([script, "opcodes", str(path), "cfg=1"], cwd=str(tmp_path))
   assert "cfg=1: 0.00 M warp instructions by opcode" in p.stdout
   assert "IMAD 0.00M, LDG 0.00M, HMMA 0.00M" in p.stdout
-  times = tmp_path / "times.csv"
-  with open(times, "w", newline="") as f:
-    w = csv.writer(f)
-    w.writerow(head)
-    w.writerow(row("short_kernel", "gpu__time_duration.sum", "ns", "1,000"))
-    w.writerow(row("long.kernel(int)", "gpu__time_duration.sum", "ns", "2,000,000"))
-  p = _run([script, "longest", str(times)], cwd=str(tmp_path))
+  def write(name, *rows):
+    with open(tmp_path / name, "w", newline="") as f:
+      csv.writer(f).writerows([head, *rows])
+    return str(tmp_path / name)
+
+  times = write("times.csv", row("short_kernel", "gpu__time_duration.sum", "ns", "1,000"),
+                row("long.kernel(int)", "gpu__time_duration.sum", "ns", "2,000,000"))
+  p = _run([script, "longest", times], cwd=str(tmp_path))
   assert p.stdout.strip() == r"long\.kernel"
+  shared = write("shared.csv",
+                 row("k", "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum", "", "3,000"),
+                 row("k", "smsp__inst_executed_op_shared_ld.sum", "inst", "1,200"))
+  p = _run([script, "metrics", shared], cwd=str(tmp_path))
+  assert "smsp__inst_executed_op_shared_ld.sum = 1,200 inst" in p.stdout
+  assert "wavefronts per shared load instruction = 2.50" in p.stdout
 
 
 def test_ncu_durations_lists_a_calls_kernels(tmp_path):
@@ -503,3 +510,19 @@ def test_ncu_durations_lists_a_calls_kernels(tmp_path):
       "loop_gather_fusion", "anonymous_mosaic_gpu_kernel", "kvjax_span_combine"]
   assert [float(ln.split()[0]) for ln in lines[:3]] == [2.94, 91.46, 21.0]
   assert lines[3].split()[0] == "115.40" and "3 kernels" in lines[3]
+
+
+def test_v2_round_runs_the_named_steps_and_prints_a_summary(tmp_path):
+  """experiments/gpu/v2_round.sh (one device call of the v2 kernel's round): only the steps
+  named in STEPS run; the EXTRA command's output tail goes into $OUT/summary.txt, which is
+  printed last."""
+  script = os.path.join(REPO, "experiments", "gpu", "v2_round.sh")
+  env = dict(os.environ, OUT=str(tmp_path), STEPS="none", EXTRA="echo measured 42 us",
+             JAX_PLATFORMS="cpu")
+  p = subprocess.run(["bash", script], capture_output=True, text=True, cwd=REPO, env=env,
+                     timeout=60)
+  assert p.returncode == 0, p.stderr
+  summary = (tmp_path / "summary.txt").read_text()
+  assert "== extra: echo measured 42 us" in summary and "measured 42 us" in summary
+  assert "== tests" not in summary and "== bench" not in summary
+  assert p.stdout.rstrip().endswith("measured 42 us")

@@ -29,7 +29,7 @@ from kvjax_pallas import ggml_codec
 from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import kernel_mosaic as km
 from kvjax_pallas.span_attention import reference as ref
-from span_history import History
+from span_history import History, check_against_reference
 
 ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"
 
@@ -201,14 +201,9 @@ def test_interpret_matches_reference(pair, s_tok, tokens, block_pages):
   hist = History(layout, tokens, seed=tokens)
   pool, table = hist.shuffled(seed=s_tok)
   q, q_pos = _query(tokens, s_tok, SMALL["q_heads"], SMALL["head_dim"], tokens)
-  out = np.asarray(km.span_attention_mosaic(q, pool, table, tokens, q_pos, layout=layout,
-                                            block_pages=block_pages, interpret=True))
-  want = np.asarray(ref.span_attention_reference(q, pool, table, tokens, q_pos, layout=layout,
-                                                 block_pages=block_pages))
-  assert out.shape == want.shape and np.isfinite(out).all()
-  assert _rel(out, want) <= 1e-2, _rel(out, want)
-  oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, np.asarray(q_pos), tokens)
-  assert _rel(out, oracle) <= 1e-2, _rel(out, oracle)
+  out = km.span_attention_mosaic(q, pool, table, tokens, q_pos, layout=layout,
+                                 block_pages=block_pages, interpret=True)
+  check_against_reference(out, hist, q, pool, table, q_pos, block_pages=block_pages, tol=1e-2)
 
 
 def test_interpret_masks_kv_len_and_positions():

@@ -28,7 +28,7 @@ from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import kernel_mosaic_v2 as km2
 from kvjax_pallas.span_attention import magic_ptx
 from kvjax_pallas.span_attention import reference as ref
-from span_history import History
+from span_history import History, check_against_reference, rel_error
 
 ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"
 
@@ -46,9 +46,7 @@ def _query(seed, s, h, d, kv_len):
   return jnp.asarray(q), jnp.asarray(np.arange(kv_len - s, kv_len, dtype=np.int32))
 
 
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+_rel = rel_error
 
 
 # ----------------------------------------------------------------------------- plain functions
@@ -138,6 +136,117 @@ def test_lowers_for_cuda_at_real_shape(s_tok, wgmma_n):
   assert "mosaic_gpu" in lowered.as_text()
 
 
+# ----------------------------------------------------------------------------- interpreter
+
+
+@pytest.mark.parametrize("s_tok,tokens,block_pages", [
+    (1, 5 * 64 - 23, 2), (2, 4 * 64 + 1, 1), (1, 3 * 64, 3), (4, 3 * 64 + 7, 2)])
+def test_interpret_matches_reference(s_tok, tokens, block_pages):
+  layout = _layout(SMALL)
+  hist = History(layout, tokens, seed=tokens)
+  pool, table = hist.shuffled(seed=s_tok)
+  q, q_pos = _query(tokens, s_tok, SMALL["q_heads"], SMALL["head_dim"], tokens)
+  out = km2.span_attention_mosaic2(q, pool, table, tokens, q_pos, layout=layout,
+                                   block_pages=block_pages, interpret=True)
+  check_against_reference(out, hist, q, pool, table, q_pos, block_pages=block_pages, tol=2e-3)
+
+
+def test_token_order_option():
+  """`token_perm` swaps tokens 2 and 3 of every 4 (its own inverse); the kernel gives the
+  reference's result with the tiles' tokens in order (perm_tokens=False, as before session 12)
+  and permuted (the default), and the two orders differ only in rounding."""
+  i = np.arange(64)
+  np.testing.assert_array_equal(km2.token_perm(km2.token_perm(i)), i)
+  np.testing.assert_array_equal(km2.token_perm(i)[:8], [0, 1, 3, 2, 4, 5, 7, 6])
+  layout = _layout(SMALL)
+  tokens = 3 * 64 - 13
+  hist = History(layout, tokens, seed=9)
+  pool, table = hist.shuffled(seed=1)
+  q, q_pos = _query(9, 2, SMALL["q_heads"], SMALL["head_dim"], tokens)
+  want = np.asarray(ref.span_attention_reference(q, pool, table, tokens, q_pos, layout=layout,
+                                                 block_pages=2))
+  outs = [np.asarray(km2.span_attention_mosaic2(q, pool, table, tokens, q_pos, layout=layout,
+                                                block_pages=2, interpret=True, perm_tokens=p))
+          for p in (False, True)]
+  for out in outs:
+    assert _rel(out, want) <= 2e-3, _rel(out, want)
+  assert _rel(outs[0], outs[1]) <= 1e-3
+
+
+def test_interpret_masks_kv_len_positions_and_junk_past_the_end():
+  """kv_len ending mid-tile, a query that sees half a page, and NaN-making junk (0xFF bytes:
+  f16 NaN scales) in every row past kv_len: V's scales there are zeroed, K's scores masked."""
+  layout = _layout(SMALL)
+  hist = History(layout, 4 * 64, seed=3)
+  pool, table = hist.contiguous()
+  kv_len = 3 * 64 - 5
+  pool = np.asarray(pool).copy()
+  page, row = kv_len // 64, kv_len % 64
+  k_rows = pool[page, :layout.k_plane_bytes].reshape(64, layout.k_row_bytes)
+  v_rows = pool[page, layout.v_offset:layout.v_offset + layout.v_plane_bytes].reshape(
+      64, layout.v_row_bytes)
+  k_rows[row:] = 0xFF
+  v_rows[row:] = 0xFF
+  pool[page, :layout.k_plane_bytes] = k_rows.reshape(-1)
+  pool[page, layout.v_offset:layout.v_offset + layout.v_plane_bytes] = v_rows.reshape(-1)
+  q, _ = _query(3, 2, SMALL["q_heads"], SMALL["head_dim"], kv_len)
+  q_pos = jnp.asarray([32, kv_len - 1], jnp.int32)
+  out = np.asarray(km2.span_attention_mosaic2(q, jnp.asarray(pool), table, kv_len, q_pos,
+                                              layout=layout, block_pages=2, interpret=True))
+  assert np.isfinite(out).all()
+  oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, np.asarray(q_pos), kv_len)
+  assert _rel(out, oracle) <= 2e-3, _rel(out, oracle)
+
+
+def _placement_and_waves(interpret: bool, shape, tokens: int, bp: int, s_tok: int):
+  layout = _layout(shape)
+  h = shape["q_heads"]
+  hist = History(layout, tokens, seed=11)
+  q, q_pos = _query(11, s_tok, h, shape["head_dim"], tokens)
+  kw = dict(layout=layout, block_pages=bp, interpret=interpret)
+  pool_a, table_a = hist.contiguous()
+  pool_b, table_b = hist.shuffled(seed=5)
+  pool_c, table_c = hist.resident_ring(resident=1, ring_base=hist.num_pages + 2, ring_slots=3,
+                                       wrap=2)
+  one = np.asarray(km2.span_attention_mosaic2(q, pool_a, table_a, tokens, q_pos, **kw))
+  for pool, table in ((pool_b, table_b), (pool_c, table_c)):
+    np.testing.assert_array_equal(
+        one, np.asarray(km2.span_attention_mosaic2(q, pool, table, tokens, q_pos, **kw)))
+  carry = ref.init_carry(layout.num_kv_heads, s_tok * h // layout.num_kv_heads, shape["head_dim"])
+  for a, b in ((0, bp), (bp, 2 * bp), (2 * bp, table_b.shape[0])):
+    carry = km2.span_attention_partial_mosaic2(q, pool_b, table_b, jnp.int32(tokens), q_pos,
+                                               carry, jnp.int32(a), jnp.int32(b), num_q_heads=h,
+                                               **kw)
+  np.testing.assert_array_equal(one, np.asarray(ref.finalize(carry, h)))
+  return one, hist, q, q_pos
+
+
+def test_interpret_placement_invariance_and_waves_bit_exact():
+  _placement_and_waves(True, SMALL, 5 * 64 - 9, 2, 2)
+
+
+def test_api_routes_to_the_v2_kernel():
+  """api.span_attention(implementation="mosaic2") is the v2 kernel, bit for bit; "auto"
+  block_pages resolves to v2's own one-wave size; the f16-only refusal."""
+  from kvjax_pallas.span_attention import api  # pylint: disable=import-outside-toplevel
+  layout = _layout(SMALL)
+  tokens = 3 * 64 - 7
+  hist = History(layout, tokens, seed=17)
+  pool, table = hist.shuffled(seed=2)
+  q, q_pos = _query(17, 1, SMALL["q_heads"], SMALL["head_dim"], tokens)
+  direct = km2.span_attention_mosaic2(q, pool, table, tokens, q_pos, layout=layout,
+                                      block_pages=1, interpret=True)
+  routed = api.span_attention(q, pool, table, tokens, q_pos, layout=layout, block_pages="auto",
+                              implementation="mosaic2", interpret=True)
+  np.testing.assert_array_equal(np.asarray(direct), np.asarray(routed))
+  assert api.resolve_block_pages("auto", 640, 1, 24, _layout(REAL),
+                                 implementation="mosaic2") == 5
+  assert "mosaic2" in api.IMPLEMENTATIONS and "mosaic2" not in api.FULL_IMPLEMENTATIONS
+  with pytest.raises(ValueError, match="f16 operands only.*f16x3"):
+    api.span_attention(q, pool, table, tokens, q_pos, layout=layout, implementation="mosaic2",
+                       precision="f16x3", interpret=True)
+
+
 # ----------------------------------------------------------------------------- GPU only
 
 if ON_GPU:
@@ -151,14 +260,8 @@ if ON_GPU:
     hist = History(layout, tokens, seed=21)
     pool, table = hist.shuffled(seed=4)
     q, q_pos = _query(21, s_tok, REAL["q_heads"], REAL["head_dim"], tokens)
-    out = np.asarray(km2.span_attention_mosaic2(q, pool, table, tokens, q_pos, layout=layout,
-                                                block_pages=4))
-    want = np.asarray(ref.span_attention_reference(q, pool, table, tokens, q_pos, layout=layout,
-                                                   block_pages=4))
-    assert np.isfinite(out).all()
-    assert _rel(out, want) <= 2e-3, _rel(out, want)
-    oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, np.asarray(q_pos), tokens)
-    assert _rel(out, oracle) <= 2e-3, _rel(out, oracle)
+    out = km2.span_attention_mosaic2(q, pool, table, tokens, q_pos, layout=layout, block_pages=4)
+    check_against_reference(out, hist, q, pool, table, q_pos, block_pages=4, tol=2e-3)
 
   @pytest.mark.parametrize("s_tok", [1, 4])
   def test_gpu_placement_invariance_and_waves_bit_exact(s_tok):

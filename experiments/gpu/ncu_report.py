@@ -3,6 +3,7 @@
   python3 experiments/gpu/ncu_report.py opcodes <csv> <config>           # opcode mix, one launch
   python3 experiments/gpu/ncu_report.py longest <csv>                    # name of the longest kernel
   python3 experiments/gpu/ncu_report.py stalls <csv> <config> <kernel>   # stalls, issue, occupancy
+  python3 experiments/gpu/ncu_report.py metrics <csv>                    # every metric, one a line
 """
 
 import csv
@@ -64,16 +65,25 @@ def longest(path):
   print(re.escape(ranked[0][k].split("(")[0][:60]))
 
 
-def stalls(path, cfg, kernel):
+def metric_rows(path, who):
+  """(rows after the header, metric name / value / unit columns), or None (printed) where the
+  file has no ncu rows."""
   rows = read_rows(path)
   if len(rows) < 2:
-    print("stall_profile: no ncu rows; see", path)
-    return
+    print(f"{who}: no ncu rows; see", path)
+    return None
   head = rows[0]
-  m, v, u = head.index("Metric Name"), head.index("Metric Value"), head.index("Metric Unit")
+  return rows[1:], head.index("Metric Name"), head.index("Metric Value"), head.index("Metric Unit")
+
+
+def stalls(path, cfg, kernel):
+  got = metric_rows(path, "stall_profile")
+  if got is None:
+    return
+  rows, m, v, u = got
   found = []
   print(f"  {cfg} ({kernel[:40]}):")
-  for r in rows[1:]:
+  for r in rows:
     name = r[m]
     if name.startswith(STALL_PREFIX):
       reason = name[len(STALL_PREFIX):].replace("_per_issue_active.ratio", "")
@@ -93,8 +103,28 @@ def stalls(path, cfg, kernel):
         + ", ".join(f"{reason} {s:.2f}" for s, reason in found[:10]))
 
 
+def metrics(path):
+  """Every metric of the profiled launches as `name = value unit`, with the wavefronts per
+  shared load instruction where both counts are there."""
+  got = metric_rows(path, "  metrics")
+  if got is None:
+    return
+  rows, m, v, u = got
+  vals = {}
+  for r in rows:
+    print(f"    {r[m]} = {r[v]} {r[u]}")
+    try:
+      vals[r[m]] = _number(r[v])
+    except ValueError:
+      pass
+  waves = vals.get("l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum")
+  insts = vals.get("smsp__inst_executed_op_shared_ld.sum")
+  if waves and insts:
+    print(f"    wavefronts per shared load instruction = {waves / insts:.2f}")
+
+
 if __name__ == "__main__":
-  commands = {"opcodes": opcodes, "longest": longest, "stalls": stalls}
+  commands = {"opcodes": opcodes, "longest": longest, "stalls": stalls, "metrics": metrics}
   if len(sys.argv) < 3 or sys.argv[1] not in commands:
     sys.exit(__doc__)
   commands[sys.argv[1]](*sys.argv[2:])

@@ -3,7 +3,9 @@
 
   python3 experiments/gpu/time_mosaic2.py 131072,262144 1,4 [variants: default,split,acc_refs,n24]
 
-(nXX: the wgmma N forced to XX, `wgmma_n`.)
+(nXX: the wgmma N forced to XX, `wgmma_n`; any other variant is options of
+`span_attention_partial_mosaic2` as k=v joined by "+", e.g. perm_tokens=0+combine_cols=16 or
+combine_cols=16.)
 
 Each variant's call is also compared with the default's output on the same inputs (max |diff|).
 """
@@ -36,6 +38,21 @@ def timed(fn, *args, iters=50):
   return float(np.median(ts)) * 1e6
 
 
+KERNEL_OPTIONS = ("split", "acc_refs", "wgmma_n", "perm_tokens")   # the rest are the combine's
+
+
+def variant_options(variant: str) -> dict:
+  """"n24" -> wgmma_n=24; "perm_tokens=0+combine_cols=16" -> those options (ints; 0 / 1 for the
+  flags)."""
+  if variant[0] == "n" and variant[1:].isdigit():
+    return dict(wgmma_n=int(variant[1:]))
+  out = {}
+  for item in variant.split("+"):
+    k, v = item.split("=")
+    out[k] = bool(int(v)) if k in ("perm_tokens", "split", "acc_refs") else int(v)
+  return out
+
+
 def main():
   contexts = [int(x) for x in sys.argv[1].split(",")]
   rows = [int(x) for x in sys.argv[2].split(",")]
@@ -55,12 +72,13 @@ def main():
     bp = km2.choose_block_pages(n_pages)
     base = {}
     for s, variant in [(s, v) for s in rows for v in variants]:
-      kw = kws[variant] if variant in kws else dict(wgmma_n=int(variant[1:]))   # "n24": N=24
+      kw = kws[variant] if variant in kws else variant_options(variant)
       q = jax.random.normal(jax.random.PRNGKey(s), (s, 24, 256), jnp.float32)
       q_pos = jnp.arange(ctx - s, ctx, dtype=jnp.int32)
       parts = -(-n_pages // bp)
       kern_fn = functools.partial(km2._span_call, layout=lay, block_pages=bp,  # pylint: disable=protected-access
-                                  n_parts=parts, sm_scale=1 / 16, interpret=False, **kw)
+                                  n_parts=parts, sm_scale=1 / 16, interpret=False,
+                                  **{k: v for k, v in kw.items() if k in KERNEL_OPTIONS})
       call_fn = functools.partial(km2.span_attention_mosaic2, layout=lay, block_pages=bp, **kw)
       # the scalars and q_pos closed over, the pool and table passed (closed over, jit would embed
       # them as constants): session 11 passed ctx as a Python int each call and measured the

@@ -42,10 +42,19 @@ values in the same permuted orders (from `ggml_codec`), the same log2-domain sof
 float32; and one Pallas thread serves every head in turn (no "consumed" barriers), because
 several interpreter threads blocking in barrier callbacks at once hung on a 2-core CPU.
 
-Measured on the H200 (docs/PERFORMANCE.md, session 11): correct (4.0e-4 against the float32
-reference, like the Triton "f16"; placement invariance and waves bit for bit); 122.6 us a call
-at 128K S=1 (kernel 91.5 us by ncu) against 191.0 for the Triton call and 161.8 for XLA bf16;
-still at the 128-register cap of 4 warpgroups (56 B of spills at N = 8).
+Token order (`perm_tokens`, default on since session 12): tile row / column i holds token
+`token_perm(i)` (tokens 2 and 3 of every 4 swapped) in the K lhs rows, the softmax masks, P^T and
+the V^T columns alike, so V's 4 quads read rows of alternating parity: V's shared-memory loads
+went from 4-way to 2-way bank conflicts (ncu: 3.86 -> 2.79 wavefronts a load) and the kernel
+from 92.3 to 81.3 us at 128K S=1, output bits unchanged on the GPU (S12-2). K's loads stay 4-way
+conflicted: its rows (1088 B) fall on 2 bank classes whatever the order (docs/DESIGN.md).
+
+Measured on the H200 (docs/PERFORMANCE.md, session 12): correct (4.0e-4 against the float32
+reference, like the Triton "f16"; placement invariance and waves bit for bit); kernel 81.3 us
+by ncu at 128K S=1, 162.2 us at 256K (2.69 TB/s); the call 110 us at 128K, 179.8 at 256K
+(2.43 TB/s), 129.8 at 160K in the bench (XLA bf16 193.5, Triton 228.1); still at the
+128-register cap of 4 warpgroups (48 B of spills at N = 8); the combine takes 20 us of a 128K
+call whatever its arithmetic (S12-3).
 """
 
 from __future__ import annotations
@@ -192,8 +201,26 @@ def _thread_ptr(ref, offset, elem_type):
   return mu.getelementptr(mu.memref_ptr(ref), [offset], elem_type)
 
 
+def token_perm(i):
+  """The token order of a tile (`perm_tokens`): tile row / column i holds token
+  i ^ ((i >> 1) & 1) (tokens 2 and 3 of every 4 swapped; its own inverse). Python ints, numpy or
+  jnp arrays. With it the V conversion's 4 quads read tokens of alternating parity: the V row
+  stride (576 B) puts tokens of one parity on the same banks, so the V loads go from 4-way to
+  2-way bank conflicts (K, 1088 B a row, stays 4-way: its 8 rows a quad have 2 bank classes
+  whatever the order)."""
+  return i ^ ((i >> 1) & 1)
+
+
+def _perm_i32(x):
+  """`token_perm` of an i32 MLIR value."""
+  _, arith, _, _, _, mu, _ = _mlir()
+  i32 = x.type
+  one = mu.c(1, i32)
+  return arith.xori(x, arith.andi(arith.shrui(x, one), one))
+
+
 def ggml_k_lhs(kind: str, layout: PageLayout, base: int, consumers: int, j: int = 0,
-               scaled: bool = False, part: Optional[int] = None):
+               scaled: bool = False, part: Optional[int] = None, perm: bool = False):
   """The ggml-layout magic conversion: SMEM tile buffer [lines, L] u8 (a 64-token tile's
   all-heads rows of this plane, row t at byte base + t * row bytes) -> f16 [64, head_dim] in the
   WGMMA layout: the quants of head wg + j * consumers (wg from the thread index), in
@@ -203,7 +230,8 @@ def ggml_k_lhs(kind: str, layout: PageLayout, base: int, consumers: int, j: int 
   value times its block scale (f16, rounded once: the "f16" decode); the two scales sit in the
   span's first word (low half) and its middle word (high half).
   part: None (the whole [64, head_dim] lhs) or 0 / 1: only columns [0, 128) (each lane's block
-  2c) or [128, 256) (block 2c + 1), a [64, 128] lhs: half the registers live at once."""
+  2c) or [128, 256) (block 2c + 1), a [64, 128] lhs: half the registers live at once.
+  perm: lhs row i is the tile's token `token_perm(i)`."""
   per = BLOCK_FORMATS[kind][1]                         # bytes a block: 34 / 18
   row_bytes, head_bytes = ((layout.k_row_bytes, layout.k_head_bytes) if kind == layout.k_type
                            else (layout.v_row_bytes, layout.v_head_bytes))
@@ -228,6 +256,8 @@ def ggml_k_lhs(kind: str, layout: PageLayout, base: int, consumers: int, j: int 
     quad = arith.andi(lane, c(3))
     col = arith.addi(arith.muli(head, c(head_bytes)), arith.muli(quad, c(2 * per)))
     row0 = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
+    if perm:
+      row0 = _perm_i32(row0)
     # one per-thread pointer, every load a constant offset from it (see `_thread_ptr`)
     tp = _thread_ptr(ref, arith.addi(arith.muli(row0, c(row_bytes)), col), i8)
     regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((bt, width)), dtype=object)
@@ -255,7 +285,7 @@ def ggml_k_lhs(kind: str, layout: PageLayout, base: int, consumers: int, j: int 
 
 
 def ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int = 0, masked: bool = False,
-                blocks=(0, 1, 2, 3)):
+                blocks=(0, 1, 2, 3), perm: bool = False):
   """Q4_0 V of a 64-token tile as the lhs of O^T = V^T P^T: SMEM tile buffer [lines, L] u8 (V row
   t at byte base + t * v row bytes) -> 4 f16 [64, 64] WGMMA-layout arrays (M-blocks of 64 head
   dims in `magic_ptx.vt_dims` order, tokens as columns), scaled, of head wg + j * consumers.
@@ -268,7 +298,9 @@ def ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int = 0, maske
   masked: the function takes a second ref, the warpgroup's info words (i32: [0] the tile's first
   token, [1] the partition's token end); tokens at or past the end get a zero scale, so junk
   bytes there give exact zeros. blocks: the M-blocks built (fewer: fewer registers live at once;
-  each call loads the quant words again)."""
+  each call loads the quant words again). perm: lhs column i is the tile's token
+  `token_perm(i)` (odd quads read their token pairs swapped: 2-way instead of 4-way bank
+  conflicts)."""
   row_bytes, head_bytes = layout.v_row_bytes, layout.v_head_bytes
   bt = BLOCK_TOKENS
   ret = plgpu.ShapeDtypeStruct((bt, bt), jnp.float16, plgpu.Layout.WGMMA)
@@ -288,16 +320,20 @@ def ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int = 0, maske
     # quant words start 2 bytes late in even blocks: prmt 0x5432 there, 0x3210 in odd ones
     sel = arith.addi(c(0x3210), arith.muli(arith.andi(q_col, c(2)), c(0x1111)))
     q_col = arith.andi(q_col, c(~3))
-    # the thread's first token 2c: a quant pointer and a scale pointer; every load below is a
-    # constant offset from one of them (token 8 g + e further on)
-    quad_row = arith.muli(quad, c(2 * row_bytes))
-    tq = _thread_ptr(ref, arith.addi(quad_row, q_col), i8)
-    ts = _thread_ptr(ref, arith.addi(quad_row, scale_col), i8)
+    # a quant pointer and a scale pointer for each of the thread's first two columns 2c + e:
+    # SMEM row 2c + e, or with perm row 2c + (e ^ odd) (odd: quad & 1; `token_perm`); every
+    # load below is a constant offset from one of them (column 8 g + 2c + e: 8 g rows further)
+    swap = arith.andi(quad, c(1)) if perm else c(0)
+    pair_rows = [arith.addi(arith.muli(quad, c(2)), arith.xori(swap, c(e))) for e in range(2)]
+    tq = [_thread_ptr(ref, arith.addi(arith.muli(pr, c(row_bytes)), q_col), i8)
+          for pr in pair_rows]
+    ts = [_thread_ptr(ref, arith.addi(arith.muli(pr, c(row_bytes)), scale_col), i8)
+          for pr in pair_rows]
     n_valid = None
-    if masked:   # valid tokens of the tile past the thread's first: end - first - 2c
+    if masked:   # valid tokens of the tile past the row of pair e: end - first - row
       iptr = mu.memref_ptr(info[0])
       first, end = (llvm.load(i32, mu.getelementptr(iptr, [k], i32)) for k in range(2))
-      n_valid = arith.subi(arith.subi(end, first), arith.muli(quad, c(2)))
+      n_valid = [arith.subi(arith.subi(end, first), pr) for pr in pair_rows]
 
     def load(p, off, ty, align):
       return llvm.load(ty, mu.getelementptr(p, [off], i8), alignment=align)
@@ -306,12 +342,12 @@ def ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int = 0, maske
     for g in range(bt // 8):                           # 8-token column groups
       words, scales = [], []
       for e in range(2):
-        row = base + (8 * g + e) * row_bytes
-        w0, w1 = (load(tq, row + 4 * k, i32, 4) for k in range(2))
+        row = base + 8 * g * row_bytes
+        w0, w1 = (load(tq[e], row + 4 * k, i32, 4) for k in range(2))
         words.append(llvm.inline_asm(i32, [w0, w1, sel], magic_ptx.PRMT_PTX, "=r,r,r,r"))
-        sc = arith.extui(i32, load(ts, row, i16, 2))
+        sc = arith.extui(i32, load(ts[e], row, i16, 2))
         if masked:
-          sc = arith.select(arith.cmpi(arith.CmpIPredicate.slt, c(8 * g + e), n_valid), sc, c(0))
+          sc = arith.select(arith.cmpi(arith.CmpIPredicate.slt, c(8 * g), n_valid[e]), sc, c(0))
         scales.append(sc)
       pair = magic_ptx.prmt(scales[0], scales[1], 0x5410)
       for k, mb in enumerate(blocks):
@@ -343,7 +379,7 @@ def _f32_ops():
   return fmax, ex2, shfl, neg_inf
 
 
-def _softmax_tile(n: int, scale_log2: float):
+def _softmax_tile(n: int, scale_log2: float, perm: bool = False):
   """The online-softmax step of one tile, inline Mosaic GPU code (GPU only):
   (s [64, N] f32 raw scores S^T, m [N] running max (log2 domain), l [N] per-thread partial sums,
   info ref (i32: [0] the tile's first token, [INFO + c] column c's key limit), red ref (f32 [4, N]:
@@ -353,7 +389,7 @@ def _softmax_tile(n: int, scale_log2: float):
   2-4) and the 4 warps (one SMEM row each, then the warpgroup's named barrier; the caller
   alternates two red slots so a fast warp's next write cannot meet a slow warp's read);
   m_use = m_new or 0 where it is -inf; p = 2^(x - m_use); alpha = 2^(m - m_use);
-  l_new = l alpha + this thread's p."""
+  l_new = l alpha + this thread's p. perm: row i of the tile is its token `token_perm(i)`."""
   col = plgpu.Layout.WGMMA.reduce(0)
   ret = (plgpu.ShapeDtypeStruct((BLOCK_TOKENS, n), jnp.float16, plgpu.Layout.WGMMA),
          plgpu.ShapeDtypeStruct((n,), jnp.float32, col),
@@ -374,7 +410,8 @@ def _softmax_tile(n: int, scale_log2: float):
     t_red_w = _thread_ptr(red, arith.addi(arith.muli(warp, c(n)), quad2), f32)  # + 8 k + e
     t_red = _thread_ptr(red, quad2, f32)                                # + w n + 8 k + e
     first = llvm.load(i32, mu.memref_ptr(info))
-    row0 = arith.addi(first, arith.addi(arith.muli(warp, c(16)), r))  # token of row half 0
+    row_in = arith.addi(arith.muli(warp, c(16)), r)
+    row0 = arith.addi(first, _perm_i32(row_in) if perm else row_in)  # token of row half 0
     k_scale = arith.constant(f32, ir.FloatAttr.get(f32, scale_log2))
     zero = arith.constant(f32, ir.FloatAttr.get(f32, 0.0))
     groups = n // 8
@@ -473,16 +510,19 @@ def _column_sums(n: int):
 class _CompiledTile:
   """The tile math of the compiled kernel: magic conversions in registers, inline softmax."""
 
-  def __init__(self, layout: PageLayout, n: int, scale_log2: float, split: bool = False):
+  def __init__(self, layout: PageLayout, n: int, scale_log2: float, split: bool = False,
+               perm: bool = False):
     g = layout.num_kv_heads
     self.n = n
     # split: the K lhs in two halves of the head dims and V^T in two pairs of M-blocks, each
     # waited for before the next is built (the whole lhs at once spilled registers: ncu S10-3)
-    self.k_parts = ([ggml_k_lhs(layout.k_type, layout, 0, g, scaled=True, part=p) for p in (0, 1)]
-                    if split else [ggml_k_lhs(layout.k_type, layout, 0, g, scaled=True)])
-    self.vt_parts = ([ggml_vt_lhs(layout, 0, g, masked=True, blocks=b) for b in ((0, 1), (2, 3))]
-                     if split else [ggml_vt_lhs(layout, 0, g, masked=True)])
-    self.softmax = _softmax_tile(n, scale_log2)
+    self.k_parts = ([ggml_k_lhs(layout.k_type, layout, 0, g, scaled=True, part=p, perm=perm)
+                     for p in (0, 1)] if split else
+                    [ggml_k_lhs(layout.k_type, layout, 0, g, scaled=True, perm=perm)])
+    self.vt_parts = ([ggml_vt_lhs(layout, 0, g, masked=True, blocks=b, perm=perm)
+                      for b in ((0, 1), (2, 3))] if split else
+                     [ggml_vt_lhs(layout, 0, g, masked=True, perm=perm)])
+    self.softmax = _softmax_tile(n, scale_log2, perm)
     self.col_sums = _column_sums(n)
 
   def scores(self, kbuf, qt, head=None):
@@ -545,14 +585,26 @@ class _InterpretTile:
   column / row orders as the compiled conversions (ggml_codec decodes; one rounding to f16 of
   the exact product, as mul.rn.f16x2), the same log2-domain softmax, dots in float32."""
 
-  def __init__(self, layout: PageLayout, n: int, scale_log2: float):
-    self.layout, self.n, self.scale_log2 = layout, n, scale_log2
+  def __init__(self, layout: PageLayout, n: int, scale_log2: float, perm: bool = False):
+    self.layout, self.n, self.scale_log2, self.perm = layout, n, scale_log2, perm
+
+  def _rows(self, x):
+    """The tile's rows in its token order: row i = token `token_perm(i)` with perm (tokens 2
+    and 3 of every 4 swapped, by slices: kernels take no constant index arrays)."""
+    if not self.perm:
+      return x
+    q = x.reshape(BLOCK_TOKENS // 4, 4, *x.shape[1:])
+    return jnp.concatenate([q[:, :2], q[:, 3:4], q[:, 2:3]], axis=1).reshape(x.shape)
+
+  def _tokens(self, first, shape):
+    i = lax.broadcasted_iota(jnp.int32, shape, 0)
+    return first + (token_perm(i) if self.perm else i)
 
   def _head(self, buf, row_bytes: int, head_bytes: int, kind: str, wg):
     rows = buf[...].reshape(BLOCK_TOKENS, row_bytes)
     head = lax.dynamic_slice_in_dim(rows, wg * head_bytes, head_bytes, axis=1)
-    return ggml_codec.decode_rows(head, kind, 1).reshape(BLOCK_TOKENS, HEAD_DIM).astype(
-        jnp.float16)
+    return self._rows(ggml_codec.decode_rows(head, kind, 1).reshape(BLOCK_TOKENS, HEAD_DIM)
+                      .astype(jnp.float16))
 
   def scores(self, kbuf, qt, wg):
     lay = self.layout
@@ -563,7 +615,7 @@ class _InterpretTile:
   def softmax(self, s, m, l, info, red):
     del red
     bt = BLOCK_TOKENS
-    tok = info[0] + lax.broadcasted_iota(jnp.int32, (bt, self.n), 0)
+    tok = self._tokens(info[0], (bt, self.n))
     lim = info[pl.ds(INFO, self.n)]
     x = jnp.where(tok < lim[None, :], s * jnp.float32(self.scale_log2), -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(x, axis=0))
@@ -576,7 +628,7 @@ class _InterpretTile:
   def pv(self, o, vbuf, pt, info, wg):
     lay = self.layout
     v = self._head(vbuf, lay.v_row_bytes, lay.v_head_bytes, lay.v_type, wg)
-    ok = (info[0] + lax.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, 1), 0)) < info[1]
+    ok = self._tokens(info[0], (BLOCK_TOKENS, 1)) < info[1]
     vt = vt_in_magic_order(jnp.where(ok, v, jnp.float16(0)).T)      # [256, 64], vt_dims rows
     upd = jnp.dot(vt.astype(jnp.float32), pt[...].T.astype(jnp.float32),
                   precision=lax.Precision.HIGHEST)
@@ -604,7 +656,7 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
                     in_bar,                                           # scratch
                     *, layout: PageLayout, block_pages: int, num_phys: int, num_table: int,
                     num_tokens: int, group: int, n: int, scale_log2: float, interpret: bool,
-                    split: bool, acc_refs: bool):
+                    split: bool, acc_refs: bool, perm: bool):
   # kv_len, tile_begin, tile_end [1] i32 (as the caller gave them: no XLA op stacks them);
   # tab [T] i32; qpos [S] i32; qt [G, N, 256] f16 (Q, head dims in ggml_dims order)
   # lines [P, page_bytes / 256, 256] u8
@@ -623,8 +675,8 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
   issuer = heads[0] if multi else None
   pp = lax.axis_index("p")
   bt, pt = BLOCK_TOKENS, layout.page_tokens
-  tiles = (_InterpretTile(layout, n, scale_log2) if interpret
-           else _CompiledTile(layout, n, scale_log2, split))
+  tiles = (_InterpretTile(layout, n, scale_log2, perm) if interpret
+           else _CompiledTile(layout, n, scale_log2, split, perm))
   k_slots, k_lines, v_lines = kbufs.shape[0], kbufs.shape[1], vbuf.shape[0]
   v_first = layout.v_offset // LINE
 
@@ -768,7 +820,7 @@ def query_n_major(q_shd, num_kv_heads: int, n: int):
 def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos_s, *,
                layout: PageLayout, block_pages: int, n_parts: int, sm_scale: float,
                interpret: bool, split: bool = False, acc_refs: bool = False,
-               wgmma_n: Optional[int] = None):
+               wgmma_n: Optional[int] = None, perm_tokens: bool = True):
   """The kernel call (kv_len, tile_begin, tile_end: i32 scalars; tile_end is clipped to the
   active pages and the table in the kernel): -> (ml [G, parts, 2, N], O^T [G, parts, 256, N] in
   vt_dims rows) f32."""
@@ -805,7 +857,7 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
                            num_phys=num_phys, num_table=page_table_t.shape[0],
                            num_tokens=s_tok, group=r, n=n,
                            scale_log2=float(sm_scale) * _LOG2E, interpret=interpret,
-                           split=split, acc_refs=acc_refs)
+                           split=split, acc_refs=acc_refs, perm=perm_tokens)
   kw = dict(num_threads=g, thread_name="wg") if g > 1 and not interpret else {}
   kern = plgpu.kernel(
       body,
@@ -829,13 +881,14 @@ def _check_args(q_shd, pool_pn, layout, num_q_heads, block_pages):
 
 @functools.partial(jax.jit, static_argnames=(
     "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "split", "acc_refs",
-    "wgmma_n"))
+    "wgmma_n", "combine_cols", "perm_tokens"))
 def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                    carry: Optional[_ref.Carry], tile_begin, tile_end, *,
                                    layout: PageLayout, num_q_heads: int, block_pages: int = 1,
                                    sm_scale: Optional[float] = None, interpret: bool = False,
                                    split: bool = False, acc_refs: bool = False,
-                                   wgmma_n: Optional[int] = None) -> _ref.Carry:
+                                   wgmma_n: Optional[int] = None, combine_cols: int = 32,
+                                   perm_tokens: bool = True) -> _ref.Carry:
   """Mosaic GPU v2 version of `reference.span_attention_partial_reference` (same contract;
   carry=None: the empty carry). The partitions are folded in logical order by the Triton
   kernel's pipelined combine (`kernel_triton.combine_call`), O^T's rows taken as its columns in
@@ -844,7 +897,11 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
   halves and V^T in two pairs of M-blocks (fewer registers live at once; measured no faster at
   S=1 and 1.35x slower at S=4, S10-4); acc_refs keeps O^T in 4 accumulator refs for the whole
   loop (rescaled in place) instead of loop-carried values. wgmma_n overrides the wgmma N of
-  `rows_padded` (any multiple of 8 from the rows up; for experiments)."""
+  `rows_padded` (any multiple of 8 from the rows up; for experiments). combine_cols: the
+  combine's column block (a power of two dividing 256; 16 measured no faster at S=1 and 2x slower
+  at S=4, S12-2/3).
+  perm_tokens: the tiles' token order `token_perm` (V loads 2-way instead of 4-way bank
+  conflicts; False: tokens in order, as before session 12)."""
   # pylint: disable=import-outside-toplevel
   from kvjax_pallas.span_attention import kernel_mosaic as _v1
   from kvjax_pallas.span_attention import kernel_triton as _triton
@@ -856,7 +913,9 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
   scale = (1.0 / d ** 0.5) if sm_scale is None else sm_scale
   n_table = page_table_t.shape[0]
   c_rows = min(n & -n, 1 << (rows - 1).bit_length())   # a power of 2 dividing N (Triton blocks)
-  cols = 32
+  cols = combine_cols
+  if cols < 1 or cols & (cols - 1) or d % cols:
+    raise ValueError(f"combine_cols must be a power of two dividing {d}, got {cols}")
   unroll = _triton.combine_unroll_for(c_rows, cols, -(-max(n_table, 1) // block_pages))
   n_parts = -(-(-(-max(n_table, 1) // block_pages)) // unroll) * unroll
   q_pos_s = jnp.asarray(q_pos_s, jnp.int32)
@@ -864,7 +923,7 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
                           tile_end, q_pos_s,
                           layout=layout, block_pages=block_pages, n_parts=n_parts,
                           sm_scale=scale, interpret=interpret, split=split, acc_refs=acc_refs,
-                          wgmma_n=wgmma_n)
+                          wgmma_n=wgmma_n, perm_tokens=perm_tokens)
   # ml_p [G, parts, 2, N] and O^T [G, parts, vt rows, N] go to the combine as the kernel wrote them
   return _triton.combine_call(ml_p, None, ot_p, carry, rows=rows, c_rows=c_rows,
                               acc_transposed=True,
@@ -875,12 +934,12 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
 
 def span_attention_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: PageLayout,
                            block_pages: int = 1, sm_scale: Optional[float] = None,
-                           interpret: bool = False, split: bool = False, acc_refs: bool = False,
-                           wgmma_n: Optional[int] = None):
-  """o_shd [S, H, D] float32 over all active pages (Mosaic GPU v2 version of the reference)."""
+                           interpret: bool = False, **kw):
+  """o_shd [S, H, D] float32 over all active pages (Mosaic GPU v2 version of the reference);
+  kw: the options of `span_attention_partial_mosaic2`."""
   h = q_shd.shape[1]
   carry = span_attention_partial_mosaic2(
       q_shd, pool_pn, page_table_t, jnp.asarray(kv_len, jnp.int32), q_pos_s, None, jnp.int32(0),
       jnp.int32(page_table_t.shape[0]), layout=layout, num_q_heads=h, block_pages=block_pages,
-      sm_scale=sm_scale, interpret=interpret, split=split, acc_refs=acc_refs, wgmma_n=wgmma_n)
+      sm_scale=sm_scale, interpret=interpret, **kw)
   return _ref.finalize(carry, h)

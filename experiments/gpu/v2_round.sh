@@ -1,0 +1,70 @@
+#!/bin/bash
+# One device call for the Mosaic GPU v2 span kernel: GPU tests, per-kernel breakdown of one call
+# (ncu durations), stall profile of one kernel launch, bench main table per context, extra
+# commands. Every step has its own timeout and writes under $OUT; the summary comes last.
+# Usage (device machine, repo root):
+#   STEPS="tests breakdown stalls conflicts bench" CONTEXTS=131072,163840 ROWS=1,4,6 \
+#   EXTRA='python3 experiments/gpu/time_mosaic2.py 262144 1,4' bash experiments/gpu/v2_round.sh
+set -u
+export PYTHONPATH=$PWD:$PWD/tests PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STEPS=${STEPS:-"tests breakdown stalls bench"}
+CONTEXTS=${CONTEXTS:-131072,163840}
+ROWS=${ROWS:-1,4,6}
+STALL_CTX=${STALL_CTX:-131072}
+STALL_ROWS=${STALL_ROWS:-1}
+SUMMARY=$OUT/summary.txt; : > "$SUMMARY"
+say() { echo "$@" | tee -a "$SUMMARY"; }
+t0=$SECONDS
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+if has tests; then
+  KVJAX_TEST_GPU=1 timeout ${TESTS_S:-200} python3 -m pytest -q -p no:warnings \
+    tests/test_span_attention_mosaic2.py -k gpu --junitxml=$OUT/v2.xml > $OUT/pytest.log 2>&1
+  say "== tests ($((SECONDS - t0)) s)"; python3 experiments/gpu/junit_summary.py $OUT/v2.xml 2>&1 \
+    | tee -a "$SUMMARY" || tail -5 $OUT/pytest.log | tee -a "$SUMMARY"
+fi
+if has breakdown; then
+  timeout ${BREAKDOWN_S:-120} ncu --clock-control none --csv --metrics gpu__time_duration.sum \
+    python3 experiments/gpu/dump_mosaic2.py ${BREAKDOWN_ROWS:-1} ${BREAKDOWN_CTX:-131072} call \
+    > $OUT/bd.csv 2>&1
+  say "== breakdown of one call ($((SECONDS - t0)) s)"
+  python3 experiments/gpu/ncu_durations.py $OUT/bd.csv ${BREAKDOWN_TAIL:-6} 2>&1 | tee -a "$SUMMARY"
+fi
+if has stalls; then
+  # the kernel-only mode of dump_mosaic2 launches the span kernel once per row count;
+  # STALL_MODE=call runs whole calls (STALL_REGEX=kvjax_span_combine: the combine's profile)
+  timeout ${STALLS_S:-200} ncu --clock-control none --csv --kernel-name "regex:${STALL_REGEX:-mosaic}" \
+    --launch-skip 0 --launch-count 1 --print-metric-instances details --section LaunchStats \
+    --section Occupancy --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,sass__inst_executed_per_opcode" \
+    python3 experiments/gpu/dump_mosaic2.py $STALL_ROWS $STALL_CTX ${STALL_MODE:-kernel} > $OUT/stalls.csv 2>&1
+  say "== stalls, v2 kernel ${STALL_CTX} S=${STALL_ROWS} ($((SECONDS - t0)) s)"
+  python3 experiments/gpu/ncu_report.py stalls $OUT/stalls.csv v2 mosaic 2>&1 | tee -a "$SUMMARY"
+fi
+if has conflicts; then
+  # shared-memory load wavefronts and bank conflicts of the span kernel, per option set
+  for v in ${CONFLICT_VARIANTS:-default}; do
+    opt=(); [ "$v" = default ] || opt=(kernel "$v")
+    timeout ${CONFLICTS_S:-120} ncu --clock-control none --csv --kernel-name "regex:${STALL_REGEX:-mosaic}" \
+      --launch-skip 0 --launch-count 1 --metrics \
+      l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed_op_shared_ld.sum,gpu__time_duration.sum,smsp__inst_executed.sum \
+      python3 experiments/gpu/dump_mosaic2.py $STALL_ROWS $STALL_CTX "${opt[@]}" > $OUT/conflicts_$v.csv 2>&1
+    say "== smem conflicts, $v ($((SECONDS - t0)) s)"
+    python3 experiments/gpu/ncu_report.py metrics $OUT/conflicts_$v.csv 2>&1 | tee -a "$SUMMARY"
+  done
+fi
+if has bench; then
+  for c in ${CONTEXTS//,/ }; do
+    timeout ${BENCH_S:-150} python3 experiments/bench_span_attention.py --out_dir=$OUT/b$c \
+      --sweep=false --check=false --contexts=$c --rows=$ROWS --mosaic2 --reference_max_rows=0 \
+      --copy_probe_mib=0 --max_seconds=${BENCH_MAX_S:-120} > $OUT/bench_$c.log 2>&1
+    say "== bench $c ($((SECONDS - t0)) s)"; grep "kind=main" $OUT/bench_$c.log | tee -a "$SUMMARY"
+    grep -q "kind=main" $OUT/bench_$c.log || tail -4 $OUT/bench_$c.log | tee -a "$SUMMARY"
+  done
+fi
+if [ -n "${EXTRA:-}" ]; then
+  timeout ${EXTRA_S:-200} bash -c "$EXTRA" > $OUT/extra.log 2>&1
+  say "== extra: $EXTRA ($((SECONDS - t0)) s)"; tail -${EXTRA_TAIL:-30} $OUT/extra.log | tee -a "$SUMMARY"
+fi
+echo; echo "######## summary"; cat "$SUMMARY"
