@@ -46,9 +46,6 @@ def _query(seed, s, h, d, kv_len):
   return jnp.asarray(q), jnp.asarray(np.arange(kv_len - s, kv_len, dtype=np.int32))
 
 
-_rel = rel_error
-
-
 # ----------------------------------------------------------------------------- plain functions
 
 
@@ -169,8 +166,8 @@ def test_token_order_option():
                                                 block_pages=2, interpret=True, perm_tokens=p))
           for p in (False, True)]
   for out in outs:
-    assert _rel(out, want) <= 2e-3, _rel(out, want)
-  assert _rel(outs[0], outs[1]) <= 1e-3
+    assert rel_error(out, want) <= 2e-3, rel_error(out, want)
+  assert rel_error(outs[0], outs[1]) <= 1e-3
 
 
 def test_interpret_masks_kv_len_positions_and_junk_past_the_end():
@@ -195,7 +192,7 @@ def test_interpret_masks_kv_len_positions_and_junk_past_the_end():
                                               layout=layout, block_pages=2, interpret=True))
   assert np.isfinite(out).all()
   oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, np.asarray(q_pos), kv_len)
-  assert _rel(out, oracle) <= 2e-3, _rel(out, oracle)
+  assert rel_error(out, oracle) <= 2e-3, rel_error(out, oracle)
 
 
 def _placement_and_waves(interpret: bool, shape, tokens: int, bp: int, s_tok: int):

@@ -46,12 +46,13 @@ if has conflicts; then
   # shared-memory load wavefronts and bank conflicts of the span kernel, per option set
   for v in ${CONFLICT_VARIANTS:-default}; do
     opt=(); [ "$v" = default ] || opt=(kernel "$v")
+    f=$OUT/conflicts_${v//[^A-Za-z0-9_.-]/_}.csv   # a name the device tool brings back
     timeout ${CONFLICTS_S:-120} ncu --clock-control none --csv --kernel-name "regex:${STALL_REGEX:-mosaic}" \
       --launch-skip 0 --launch-count 1 --metrics \
       l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed_op_shared_ld.sum,gpu__time_duration.sum,smsp__inst_executed.sum \
-      python3 experiments/gpu/dump_mosaic2.py $STALL_ROWS $STALL_CTX "${opt[@]}" > $OUT/conflicts_$v.csv 2>&1
+      python3 experiments/gpu/dump_mosaic2.py $STALL_ROWS $STALL_CTX "${opt[@]}" > "$f" 2>&1
     say "== smem conflicts, $v ($((SECONDS - t0)) s)"
-    python3 experiments/gpu/ncu_report.py metrics $OUT/conflicts_$v.csv 2>&1 | tee -a "$SUMMARY"
+    python3 experiments/gpu/ncu_report.py metrics "$f" 2>&1 | tee -a "$SUMMARY"
   done
 fi
 if has bench; then
