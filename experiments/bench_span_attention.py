@@ -77,6 +77,8 @@ flags.DEFINE_string("profile_config", "", "only run the kernel (config k=v;k=v) 
 flags.DEFINE_integer("profile_calls", 5, "calls in --profile_config mode")
 flags.DEFINE_bool("mosaic", False, "also time the Mosaic GPU kernel (kernel_mosaic, f16, v1) in "
                   "the main table and check it in the correctness check")
+flags.DEFINE_bool("triton", True, "time the Triton kernel (kernel_contiguous / kernel_ring) in "
+                  "the main table (false: v2 and the baselines only, fewer compiles)")
 flags.DEFINE_bool("mosaic2", False, "also time the Mosaic GPU v2 kernel (kernel_mosaic_v2: magic "
                   "conversion + wgmma) on the contiguous and the ring placement, and check it")
 flags.DEFINE_string("mosaic2_block_pages", "auto", "v2's pages a partition: an int or auto "
@@ -153,7 +155,8 @@ def _make_pool(layout, num_pages, num_phys, seed=0, distinct=32):
   kb = ggml_codec.encode_rows(k, layout.k_type).reshape(distinct, pt * layout.k_row_bytes)
   vb = ggml_codec.encode_rows(v, layout.v_type).reshape(distinct, pt * layout.v_row_bytes)
   pad = jnp.zeros((distinct, layout.v_offset - layout.k_plane_bytes), jnp.uint8)
-  pages = jnp.concatenate([kb, pad, vb], axis=1)
+  tail = jnp.zeros((distinct, layout.page_bytes - layout.v_offset - layout.v_plane_bytes), jnp.uint8)
+  pages = jnp.concatenate([kb, pad, vb, tail], axis=1)
   reps = -(-num_phys // distinct)
   pool = jnp.tile(pages, (reps, 1))[:num_phys]
   # decoded contiguous bf16 K/V of the logical history (for the XLA / cuDNN baselines)
@@ -402,9 +405,10 @@ def main(argv):
       q = jax.random.normal(jax.random.PRNGKey(s), (s, h, d), jnp.float32)
       q_pos = jnp.arange(ctx - s, ctx, dtype=jnp.int32)
       row = dict(context=ctx, rows=s, bp=block_pages_of(bp_flag, contiguous, s))
-      cases = [("kernel_contiguous", kernel_fn(pool, contiguous, ctx, q_pos), ctx * kv_token),
-               ("kernel_ring", kernel_fn(pool, scattered, ctx, q_pos), ctx * kv_token),
-               ("xla_bf16", lambda q: _xla_attention(q, k_bf, v_bf, q_pos), ctx * bf16_token)]
+      cases = [("xla_bf16", lambda q: _xla_attention(q, k_bf, v_bf, q_pos), ctx * bf16_token)]
+      if FLAGS.triton:
+        cases[:0] = [("kernel_contiguous", kernel_fn(pool, contiguous, ctx, q_pos), ctx * kv_token),
+                     ("kernel_ring", kernel_fn(pool, scattered, ctx, q_pos), ctx * kv_token)]
       if FLAGS.mosaic:
         cases.append(("mosaic_contiguous", kernel_fn(pool, contiguous, ctx, q_pos, mosaic=True),
                       ctx * kv_token))

@@ -522,6 +522,15 @@ def _copies(n_lines: int) -> int:
   return -(-n_lines // BOX)
 
 
+def as_lines(pool, line: int):
+  """pool [P, page_bytes] -> [P, lines, line]: each page's bytes in lines of `line` bytes, the
+  page padded with zeros to whole lines (pages are whole K rows, not always whole lines)."""
+  pad = -pool.shape[1] % line
+  if pad:
+    pool = jnp.pad(pool, ((0, 0), (0, pad)))
+  return pool.reshape(pool.shape[0], -1, line)
+
+
 def line_fits(layout: PageLayout, block_tokens: int, line: int) -> bool:
   """Whether a tile's K and V spans and the V plane's offset are whole lines of `line` bytes."""
   return not (block_tokens * layout.k_row_bytes % line or block_tokens * layout.v_row_bytes % line
@@ -588,10 +597,9 @@ def main(argv):
     rand_pool, rand_lines = None, {}
     if "magic" in FLAGS.work:       # full-range quants (garbage scales: the magic mode skips them)
       rand_pool = np.random.default_rng(ctx + 1).integers(0, 256, pool_np.shape, np.uint8)
-      rand_lines = {int(b): jnp.asarray(rand_pool).reshape(num_phys, layout.page_bytes // int(b),
-                                                            int(b)) for b in FLAGS.line_bytes}
+      rand_lines = {int(b): as_lines(jnp.asarray(rand_pool), int(b)) for b in FLAGS.line_bytes}
     for line in (int(b) for b in FLAGS.line_bytes):
-      lines = pool.reshape(num_phys, layout.page_bytes // line, line)
+      lines = as_lines(pool, line)
       for work in FLAGS.work:
         if work == "copy":
           variants = [(int(b), int(st), 1, 0) for b in FLAGS.block_tokens

@@ -652,7 +652,7 @@ WORKSPACE = "workspace"
 
 
 def phase_layouts(arena_bytes: int, prefill_workspace_bytes: int, decode_workspace_bytes: int,
-                  persistent: Optional[Mapping[str, int]] = None, page_bytes: int = 425984,
+                  persistent: Optional[Mapping[str, int]] = None, page_bytes: int = 426_496,
                   alignment: int = 256) -> PhaseLayouts:
   """The two standard layouts: persistent regions, a workspace, a KV pool.
 

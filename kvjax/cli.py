@@ -186,7 +186,8 @@ def load_runner(model: str = "tiny", *, preset: Optional[str] = None, dtype: str
     raise UsageError(f"--dtype {dtype!r}: expected float32 or bfloat16")
   if attn_impl not in IMPLEMENTATIONS + ("auto",):
     raise UsageError(f"--attn-impl {attn_impl!r}: expected auto or one of {', '.join(IMPLEMENTATIONS)}")
-  attn_impl = resolve_implementation(attn_impl)
+  if attn_impl != "auto" or jax.default_backend() != "gpu":
+    attn_impl = resolve_implementation(attn_impl)   # on a GPU "auto" stays: each call picks
   if page_tokens < 1:
     raise UsageError(f"--kv-page-tokens must be >= 1, got {page_tokens}")
   block_pages = parse_block_pages(block_pages)

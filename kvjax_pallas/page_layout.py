@@ -3,7 +3,7 @@
 A page holds `page_tokens` consecutive token positions of ONE attention layer,
 all KV heads. Bytes:
 
-    [ K plane : page_tokens rows x k_row_bytes ] [pad to 128] [ V plane : page_tokens rows x v_row_bytes ]
+    [ K plane : page_tokens rows x k_row_bytes ] [pad to 128] [ V plane : page_tokens rows x v_row_bytes ] [pad to a whole K row]
 
 A row is one token: for each KV head in order, the head's `head_dim` values
 encoded as ggml blocks along the head dimension (32 values a block for Q8_0 /
@@ -11,8 +11,17 @@ Q4_0; plain little-endian scalars for F32 / F16 / BF16). This is exactly the
 byte image of a ggml KV-cache row, so a page of host history, a resident page
 and a ring slot are byte-for-byte the same thing.
 
+The page ends padded to a whole number of K rows (`page_bytes % k_row_bytes == 0`), so a pool
+of pages [P, page_bytes] is also a grid of K rows [P * page_bytes / k_row_bytes, heads, head
+bytes]: the Mosaic GPU v2 kernel copies one head's K rows of a key tile from that view with
+one TMA box into a head-major SMEM tile, where a row stride of one head (272 B at D=256) puts
+the 8 rows a load reads on 8 different bank groups (the token-major 1088-byte stride put them
+on 2: 4-way shared-memory bank conflicts, docs/DESIGN.md). Pages of equal K and V rows need no
+pad; Q8_0 K / Q4_0 V pages pay less than one K row.
+
 For Q8_0 K / Q4_0 V, 4 KV heads x 256 and 256-token pages:
-K row 1088 B, V row 576 B, K plane 278,528 B, V offset 278,528, page 425,984 B.
+K row 1088 B, V row 576 B, K plane 278,528 B, V offset 278,528, page 426,496 B (425,984 B of
+rows and 512 B of pad: 392 K rows).
 
 This module imports nothing from `kvjax` (the kernels' package must stay
 independent); `kvjax` imports it.
@@ -108,7 +117,13 @@ class PageLayout:
 
   @property
   def page_bytes(self) -> int:
-    return self.v_offset + self.v_plane_bytes
+    """Bytes of a page: the V plane's end padded up to a whole number of K rows."""
+    return align_up(self.v_offset + self.v_plane_bytes, self.k_row_bytes)
+
+  @property
+  def k_rows_per_page(self) -> int:
+    """K rows a page spans in the pool's K-row view (`page_bytes / k_row_bytes`)."""
+    return self.page_bytes // self.k_row_bytes
 
   def pages_for(self, tokens: int) -> int:
     return -(-tokens // self.page_tokens)

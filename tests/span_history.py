@@ -32,7 +32,7 @@ class History:
     pool = self.rng.integers(0, 256, (num_phys, lay.page_bytes), dtype=np.uint8)
     for i, p in enumerate(physical):
       pool[p, :lay.k_plane_bytes] = self.k_bytes[i * pt:(i + 1) * pt].reshape(-1)
-      pool[p, lay.v_offset:] = self.v_bytes[i * pt:(i + 1) * pt].reshape(-1)
+      pool[p, lay.v_offset:lay.v_offset + lay.v_plane_bytes] = self.v_bytes[i * pt:(i + 1) * pt].reshape(-1)
     table = np.full(table_len, 10 ** 6, np.int32)  # entries past the active pages are ignored
     table[:len(physical)] = physical
     return jnp.asarray(pool), jnp.asarray(table)

@@ -17,12 +17,14 @@ def test_27b_kv_sizes():
   r = M.memory_report(config_lib.qwen38_27b(), 262_144, "q8_0", "q4_0", arena_mib=2240,
                       mtp_depth=3)
   assert r["kv_bytes_per_token_per_layer"] == 1088 + 576
-  assert r["kv_page_bytes"] == 425_984
+  # the reference's 425,984 B of K and V rows a page (416 MiB a layer at 256 Ki), padded to whole
+  # K rows (392 x 1088 B: the v2 kernel's K-row view of the pool, kvjax_pallas.page_layout)
+  assert r["kv_page_bytes"] == 425_984 + 512 == 392 * 1088
   assert r["kv_pages_per_layer"] == 1024
-  assert r["kv_layer_bytes"] == 416 * MIB
+  assert r["kv_layer_bytes"] == 416.5 * MIB
   assert r["target_attention_layers"] == 16
-  assert r["target_kv_bytes"] == 6.5 * 2**30
-  assert r["mtp_kv_bytes"] == 416 * MIB
+  assert r["target_kv_bytes"] == 16 * 416.5 * MIB
+  assert r["mtp_kv_bytes"] == 416.5 * MIB
   assert r["pool_layers"] == 17
 
 
@@ -45,8 +47,9 @@ def test_decode_grant_is_arena_minus_workspace_and_stage():
   cfg = config_lib.qwen38_27b()
   r = M.memory_report(cfg, 163_840, arena_mib=2240, mtp_depth=3, decode_workspace_mib=12)
   assert r["decode_kv_grant_bytes"] == 2240 * MIB - 12 * MIB - r["stage_device_bytes"]
-  assert r["decode_kv_pool_pages"] == r["decode_kv_grant_bytes"] // 425_984
-  assert 0 <= r["decode_kv_grant_bytes"] - r["decode_kv_pool_bytes"] < 425_984
+  page = r["kv_page_bytes"]
+  assert r["decode_kv_pool_pages"] == r["decode_kv_grant_bytes"] // page
+  assert 0 <= r["decode_kv_grant_bytes"] - r["decode_kv_pool_bytes"] < page
   r2 = M.memory_report(cfg, 163_840, arena_mib=2240, mtp_depth=3, decode_workspace_mib=12,
                        stage_in_arena=False)
   assert r2["decode_kv_grant_bytes"] == 2228 * MIB
@@ -73,11 +76,11 @@ def test_tiny_model_and_other_types():
 def test_format_table_and_cli():
   r = M.memory_report(config_lib.qwen38_27b(), 262_144, mtp_depth=3, arena_mib=2240)
   table = M.format_table(r)
-  assert "416.00 MiB" in table and "two-slot device stage" in table
+  assert "416.50 MiB" in table and "two-slot device stage" in table
   out = subprocess.run(
       [sys.executable, "-m", "kvjax.memory_report", "--config=configs/memory_27b.py",
        "--config.mtp_depth=5"], cwd=ROOT, capture_output=True, text=True, timeout=120,
       env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.returncode == 0, out.stderr
-  assert "MTP depth 5" in out.stdout and "436,207,616 B" in out.stdout
+  assert "MTP depth 5" in out.stdout and "436,731,904 B" in out.stdout   # 1,024 pages of 426,496 B
   assert "rollback host snapshots" in out.stdout

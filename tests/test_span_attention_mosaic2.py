@@ -195,12 +195,14 @@ def test_interpret_masks_kv_len_positions_and_junk_past_the_end():
   assert rel_error(out, oracle) <= 2e-3, rel_error(out, oracle)
 
 
-def _placement_and_waves(interpret: bool, shape, tokens: int, bp: int, s_tok: int):
+def _placement_and_waves(interpret: bool, shape, tokens: int, bp: int, s_tok: int, **opts):
+  """One call over three placements (contiguous, shuffled, resident + ring with wraps) and three
+  waves over the shuffled one: the same bits. opts: kernel options (k_heads, combine_impl...)."""
   layout = _layout(shape)
   h = shape["q_heads"]
   hist = History(layout, tokens, seed=11)
   q, q_pos = _query(11, s_tok, h, shape["head_dim"], tokens)
-  kw = dict(layout=layout, block_pages=bp, interpret=interpret)
+  kw = dict(layout=layout, block_pages=bp, interpret=interpret, **opts)
   pool_a, table_a = hist.contiguous()
   pool_b, table_b = hist.shuffled(seed=5)
   pool_c, table_c = hist.resident_ring(resident=1, ring_base=hist.num_pages + 2, ring_slots=3,
@@ -222,26 +224,53 @@ def test_interpret_placement_invariance_and_waves_bit_exact():
   _placement_and_waves(True, SMALL, 5 * 64 - 9, 2, 2)
 
 
-def test_api_routes_to_the_v2_kernel():
-  """api.span_attention(implementation="mosaic2") is the v2 kernel, bit for bit; "auto"
-  block_pages resolves to v2's own one-wave size; the f16-only refusal."""
-  from kvjax_pallas.span_attention import api  # pylint: disable=import-outside-toplevel
+def test_interpret_k_layouts_same_bits():
+  """K copied head-major (k_heads, the default: one TMA box a head from the pool's K-row view)
+  and token-major (the all-heads span in lines, as before session 13) give the same bits: the
+  same bytes reach the same conversion, only their SMEM addresses differ."""
   layout = _layout(SMALL)
-  tokens = 3 * 64 - 7
-  hist = History(layout, tokens, seed=17)
-  pool, table = hist.shuffled(seed=2)
-  q, q_pos = _query(17, 1, SMALL["q_heads"], SMALL["head_dim"], tokens)
-  direct = km2.span_attention_mosaic2(q, pool, table, tokens, q_pos, layout=layout,
-                                      block_pages=1, interpret=True)
-  routed = api.span_attention(q, pool, table, tokens, q_pos, layout=layout, block_pages="auto",
-                              implementation="mosaic2", interpret=True)
-  np.testing.assert_array_equal(np.asarray(direct), np.asarray(routed))
-  assert api.resolve_block_pages("auto", 640, 1, 24, _layout(REAL),
-                                 implementation="mosaic2") == 5
-  assert "mosaic2" in api.IMPLEMENTATIONS and "mosaic2" not in api.FULL_IMPLEMENTATIONS
-  with pytest.raises(ValueError, match="f16 operands only.*f16x3"):
-    api.span_attention(q, pool, table, tokens, q_pos, layout=layout, implementation="mosaic2",
-                       precision="f16x3", interpret=True)
+  tokens = 4 * 64 - 21
+  hist = History(layout, tokens, seed=13)
+  pool, table = hist.shuffled(seed=3)
+  q, q_pos = _query(13, 2, SMALL["q_heads"], SMALL["head_dim"], tokens)
+  outs = [np.asarray(km2.span_attention_mosaic2(q, pool, table, tokens, q_pos, layout=layout,
+                                                block_pages=2, interpret=True, k_heads=k))
+          for k in (True, False)]
+  np.testing.assert_array_equal(outs[0], outs[1])
+  check_against_reference(jnp.asarray(outs[0]), hist, q, pool, table, q_pos, block_pages=2,
+                          tol=2e-3)
+
+
+def test_pages_are_whole_k_rows():
+  """The page layout pads each page to whole K rows (the v2 kernel's K-row view of the pool);
+  the 27B page is 392 K rows (425,984 B of planes + 512 B); the V lines are 256 B there and
+  as long as the small test layout allows (64 B) elsewhere."""
+  for shape in (REAL, SMALL, dict(REAL, kv_heads=1), dict(REAL, kv_heads=3)):
+    lay = _layout(shape)
+    assert lay.page_bytes % lay.k_row_bytes == 0
+    assert 0 <= lay.page_bytes - (lay.v_offset + lay.v_plane_bytes) < lay.k_row_bytes
+    km2.check_layout(lay, 256)
+  real = _layout(REAL)
+  assert (real.page_bytes, real.k_rows_per_page) == (426_496, 392)
+  assert km2.line_bytes(real) == 256 and km2.line_bytes(_layout(SMALL)) == 64
+
+
+def test_combine_plan():
+  """The combine's tiles: 8 rows x 8 columns a program by default (the real rows of N only),
+  partitions padded to whole load groups, clear errors for tiles the Triton combine cannot take."""
+  plan = km2.combine_plan(8, 128)
+  assert (plan["c_rows"], plan["combine_cols"], plan["combine_warps"]) == (8, 8, 1)
+  assert plan["parts"] >= 128 and plan["parts"] % plan["unroll"] == 0
+  assert km2.combine_plan(32, 128)["c_rows"] == 8       # S=4: the real 24 rows of N=32 only
+  tri = km2.combine_plan(32, 125, cols=8, warps=1, unroll=16, rows_block=32)
+  assert (tri["c_rows"], tri["combine_cols"], tri["combine_warps"], tri["unroll"],
+          tri["parts"]) == (32, 8, 1, 16, 128)
+  for kw, msg in ((dict(cols=24), "combine_cols must be a power of two dividing 256, got 24"),
+                  (dict(warps=3), "combine_warps must be 1, 2, 4 or 8, got 3"),
+                  (dict(unroll=12), "combine_unroll must be a multiple of 8"),
+                  (dict(rows_block=16), "combine_rows must be a power of two dividing N=8")):
+    with pytest.raises(ValueError, match=msg):
+      km2.combine_plan(8, 128, **kw)
 
 
 # ----------------------------------------------------------------------------- GPU only
@@ -263,6 +292,24 @@ if ON_GPU:
   @pytest.mark.parametrize("s_tok", [1, 4])
   def test_gpu_placement_invariance_and_waves_bit_exact(s_tok):
     _placement_and_waves(False, REAL, 7 * 256 - 11, 2, s_tok)
+
+  @pytest.mark.parametrize("s_tok", [1, 4, 6])
+  def test_gpu_k_layouts_and_combines(s_tok):
+    """Compiled: head-major K (the default) gives the bits of token-major K; other combine
+    tiles (the default before session 13, and one warp a 8 x 8 tile loading 8 partitions at a
+    time) stay on the reference."""
+    layout = _layout(REAL)
+    tokens = 11 * 256 - 5
+    hist = History(layout, tokens, seed=23)
+    pool, table = hist.shuffled(seed=6)
+    q, q_pos = _query(23, s_tok, REAL["q_heads"], REAL["head_dim"], tokens)
+    run = lambda **kw: np.asarray(km2.span_attention_mosaic2(q, pool, table, tokens, q_pos,
+                                                             layout=layout, block_pages=2, **kw))
+    base = run()
+    np.testing.assert_array_equal(base, run(k_heads=False))
+    for kw in (dict(combine_cols=32, combine_rows=8), dict(combine_unroll=8)):
+      check_against_reference(jnp.asarray(run(**kw)), hist, q, pool, table, q_pos,
+                              block_pages=2, tol=2e-3)
 
 
 # ----------------------------------------------------------------------------- combine layouts

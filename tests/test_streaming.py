@@ -61,7 +61,7 @@ def test_streamed_greedy_equals_plain_long(tiny_runner):
     k_host, v_host = hist.rows(a, n_tok)
     pages = plain_kv.layer_bytes(a, n_tok)
     k_plain = pages[:, :layout.k_plane_bytes].reshape(-1, layout.k_row_bytes)[:n_tok]
-    v_plain = pages[:, layout.v_offset:].reshape(-1, layout.v_row_bytes)[:n_tok]
+    v_plain = pages[:, layout.v_offset:layout.v_offset + layout.v_plane_bytes].reshape(-1, layout.v_row_bytes)[:n_tok]
     np.testing.assert_array_equal(k_host, k_plain)
     np.testing.assert_array_equal(v_host, v_plain)
 
@@ -160,7 +160,7 @@ def test_valid_plans_accepted_and_placement_invariant(plan, seed):
   kb = np.asarray(ggml_codec.encode_rows(jnp.asarray(k), "q8_0")).reshape(pages, -1)
   vb = np.asarray(ggml_codec.encode_rows(jnp.asarray(v), "q4_0")).reshape(pages, -1)
   logical[:, :LAYOUT.k_plane_bytes] = kb
-  logical[:, LAYOUT.v_offset:] = vb
+  logical[:, LAYOUT.v_offset:LAYOUT.v_offset + LAYOUT.v_plane_bytes] = vb
   table = page_table(plan, LAYOUT, 12)
   pool = rng.integers(0, 256, (POOL_PAGES, LAYOUT.page_bytes), dtype=np.uint8)
   pool[table[:pages]] = logical

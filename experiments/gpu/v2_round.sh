@@ -1,12 +1,19 @@
 #!/bin/bash
 # One device call for the Mosaic GPU v2 span kernel: GPU tests, per-kernel breakdown of one call
-# (ncu durations), stall profile of one kernel launch, bench main table per context, extra
+# (ncu durations), stall profile of one kernel launch, bench main table per context, the combine
+# alone per plan (time_combine.py), kernel and call per variant (time_mosaic2.py), extra
 # commands. Every step has its own timeout and writes under $OUT; the summary comes last.
 # Usage (device machine, repo root):
-#   STEPS="tests breakdown stalls conflicts bench" CONTEXTS=131072,163840 ROWS=1,4,6 \
+#   STEPS="tests combine time breakdown stalls conflicts bench" CONTEXTS=131072,163840 ROWS=1,4,6 \
+#   TESTS_K="compiled or k_layouts" COMBINE_VARIANTS=default,cols=8 TIME_CONTEXTS=131072 \
+#   TIME_VARIANTS=default,k_heads=0 \
 #   EXTRA='python3 experiments/gpu/time_mosaic2.py 262144 1,4' bash experiments/gpu/v2_round.sh
 set -u
 export PYTHONPATH=$PWD:$PWD/tests PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
+# jax's persistent compilation cache: identical programs (the bench's contiguous and ring cases,
+# whose tables are arguments) compile once per call
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"tests breakdown stalls bench"}
 CONTEXTS=${CONTEXTS:-131072,163840}
@@ -20,9 +27,20 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if has tests; then
   KVJAX_TEST_GPU=1 timeout ${TESTS_S:-200} python3 -m pytest -q -p no:warnings \
-    tests/test_span_attention_mosaic2.py -k gpu --junitxml=$OUT/v2.xml > $OUT/pytest.log 2>&1
+    ${TESTS_FILES:-tests/test_span_attention_mosaic2.py} -k "gpu${TESTS_K:+ and ($TESTS_K)}" \
+    --junitxml=$OUT/v2.xml > $OUT/pytest.log 2>&1
   say "== tests ($((SECONDS - t0)) s)"; python3 experiments/gpu/junit_summary.py $OUT/v2.xml 2>&1 \
     | tee -a "$SUMMARY" || tail -5 $OUT/pytest.log | tee -a "$SUMMARY"
+fi
+if has combine; then
+  timeout ${COMBINE_S:-150} python3 experiments/gpu/time_combine.py ${COMBINE_PARTS:-128} \
+    ${COMBINE_ROWS:-1,4,6} ${COMBINE_VARIANTS:-default} > $OUT/combine.log 2>&1
+  say "== combine alone ($((SECONDS - t0)) s)"; cat $OUT/combine.log | tee -a "$SUMMARY"
+fi
+if has time; then
+  timeout ${TIME_S:-200} python3 experiments/gpu/time_mosaic2.py ${TIME_CONTEXTS:-131072} \
+    ${TIME_ROWS:-1,4} ${TIME_VARIANTS:-default} > $OUT/time.log 2>&1
+  say "== kernel / call ($((SECONDS - t0)) s)"; cat $OUT/time.log | tee -a "$SUMMARY"
 fi
 if has breakdown; then
   timeout ${BREAKDOWN_S:-120} ncu --clock-control none --csv --metrics gpu__time_duration.sum \
@@ -59,7 +77,7 @@ if has bench; then
   for c in ${CONTEXTS//,/ }; do
     timeout ${BENCH_S:-150} python3 experiments/bench_span_attention.py --out_dir=$OUT/b$c \
       --sweep=false --check=false --contexts=$c --rows=$ROWS --mosaic2 --reference_max_rows=0 \
-      --copy_probe_mib=0 --max_seconds=${BENCH_MAX_S:-120} > $OUT/bench_$c.log 2>&1
+      --copy_probe_mib=0 --max_seconds=${BENCH_MAX_S:-120} ${BENCH_FLAGS:-} > $OUT/bench_$c.log 2>&1
     say "== bench $c ($((SECONDS - t0)) s)"; grep "kind=main" $OUT/bench_$c.log | tee -a "$SUMMARY"
     grep -q "kind=main" $OUT/bench_$c.log || tail -4 $OUT/bench_$c.log | tee -a "$SUMMARY"
   done

@@ -104,7 +104,7 @@ class HostHistory:
     lay = self.layout
     pages = self.pages_lpn[layer, :lay.pages_for(tokens)]
     k = pages[:, :lay.k_plane_bytes].reshape(-1, lay.k_row_bytes)[:tokens]
-    v = pages[:, lay.v_offset:].reshape(-1, lay.v_row_bytes)[:tokens]
+    v = pages[:, lay.v_offset:lay.v_offset + lay.v_plane_bytes].reshape(-1, lay.v_row_bytes)[:tokens]
     return k, v
 
   def chunk_sealed(self, layer: int, chunk: int) -> bool:

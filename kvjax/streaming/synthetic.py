@@ -24,7 +24,7 @@ def synthetic_pages(layout: PageLayout, n_distinct: int = 4, seed: int = 0) -> n
     k = rng.standard_normal((t, g, d)).astype(np.float32)
     v = rng.standard_normal((t, g, d)).astype(np.float32)
     out[i, :layout.k_plane_bytes] = np.asarray(ggml_codec.encode_rows(jnp.asarray(k), layout.k_type)).reshape(-1)
-    out[i, layout.v_offset:] = np.asarray(ggml_codec.encode_rows(jnp.asarray(v), layout.v_type)).reshape(-1)
+    out[i, layout.v_offset:layout.v_offset + layout.v_plane_bytes] = np.asarray(ggml_codec.encode_rows(jnp.asarray(v), layout.v_type)).reshape(-1)
   return out
 
 

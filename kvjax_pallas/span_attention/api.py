@@ -11,13 +11,16 @@ implementations:
                "f16" only. Correct on the H200 (3.7e-4 vs the float32 reference)
                but 4.9x slower than "triton" at 128K (docs/PERFORMANCE.md), so
                "auto" never picks it. `interpret=True` runs the Mosaic GPU interpreter.
-  "mosaic2"    EXPERIMENTAL Pallas kernel v2, Mosaic GPU (`kernel_mosaic_v2.py`): TMA line
-               copies of all heads' spans, the magic-number conversion of the ggml quants
-               straight into wgmma registers, one warpgroup a KV head. Q8_0/Q4_0 pages,
-               head_dim 256, 1-4 KV heads, <= 40 folded query rows, precision "f16".
-               `block_pages="auto"` gives it its own one-wave size. On the H200 1.76x
-               faster than "triton" and 1.49x faster than XLA bf16 at 160K decode (S12-4);
-               "auto" does not pick it yet (no end-to-end model run with it on the GPU).
+  "mosaic2"    Pallas kernel v2, Mosaic GPU (`kernel_mosaic_v2.py`): TMA copies of the
+               tiles (K head-major from the pool's K-row view), the magic-number conversion of
+               the ggml quants straight into wgmma registers, one warpgroup a KV head.
+               Q8_0/Q4_0 pages, head_dim 256, 1-4 KV heads, <= 40 folded query rows,
+               precision "f16". `block_pages="auto"` gives it its own one-wave size. On the
+               H200 1.76x faster than "triton" and 1.49x faster than XLA bf16 at 160K decode
+               (S12-4; docs/PERFORMANCE.md has the current numbers).
+  "auto"       on an NVIDIA GPU "mosaic2" where it takes the call (`mosaic2_takes`: decode and
+               verify of the 27B geometry) and "triton" elsewhere (prefill chunks, other K/V
+               pairs, precisions or paths); "reference" without a GPU.
 
 Kernel-only keyword arguments (ignored by "reference"):
   precision  how the kernel's dots meet the tensor cores (`kernel_triton.PRECISIONS`):
@@ -55,10 +58,34 @@ IMPLEMENTATIONS = ("reference", "triton", "mosaic", "mosaic2")
 FULL_IMPLEMENTATIONS = ("reference", "triton")
 
 
-def resolve_implementation(implementation: str) -> str:
-  """"auto" -> the Pallas kernel on an NVIDIA GPU backend, the jnp reference elsewhere."""
+def mosaic2_takes(layout: PageLayout, head_dim: int, rows: int, precision: str = "f16",
+                  path: Optional[str] = None) -> bool:
+  """Whether the v2 kernel takes a call: its K/V pair, head_dim, KV heads and page geometry
+  (`kernel_mosaic_v2.check_layout`), at most `MAX_ROWS` folded query rows, precision "f16" and
+  no forced path."""
+  if precision != "f16" or path is not None or not 1 <= rows <= _mosaic2.MAX_ROWS:
+    return False
+  try:
+    _mosaic2.check_layout(layout, head_dim)
+  except ValueError:
+    return False
+  return True
+
+
+def resolve_implementation(implementation: str, *, layout: Optional[PageLayout] = None,
+                           q_shape=None, precision: str = _triton.DEFAULT_PRECISION,
+                           path: Optional[str] = None, backend: Optional[str] = None) -> str:
+  """"auto" -> on an NVIDIA GPU backend "mosaic2" where `mosaic2_takes` the call (layout and
+  q_shape [S, H, D] given), else "triton"; "reference" on other backends. Other names are
+  checked and returned. backend: the one to decide for (default: jax's default backend)."""
   if implementation == "auto":
-    return "triton" if jax.default_backend() == "gpu" else "reference"
+    if (backend or jax.default_backend()) != "gpu":
+      return "reference"
+    if layout is not None and q_shape is not None:
+      s, h, d = q_shape
+      if mosaic2_takes(layout, d, s * (h // layout.num_kv_heads), precision, path):
+        return "mosaic2"
+    return "triton"
   _check(implementation)
   return implementation
 
@@ -145,7 +172,8 @@ def span_attention(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: Pag
                    implementation: str = "reference", interpret: bool = False,
                    precision: str = _triton.DEFAULT_PRECISION, path: Optional[str] = None):
   """o_shd [S, H, D] float32: attention of query rows over the active logical pages."""
-  implementation = resolve_implementation(implementation)
+  implementation = resolve_implementation(implementation, layout=layout, q_shape=q_shd.shape,
+                                          precision=precision, path=path)
   block_pages = resolve_block_pages(block_pages, page_table_t.shape[0], q_shd.shape[0],
                                     q_shd.shape[1], layout, path, implementation)
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len)
@@ -179,7 +207,8 @@ def span_attention_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry,
   `block_pages` pages give the same bits as one call ("auto" resolves from the table's length,
   so waves over one table share the size).
   """
-  implementation = resolve_implementation(implementation)
+  implementation = resolve_implementation(implementation, layout=layout, q_shape=q_shd.shape,
+                                          precision=precision, path=path)
   block_pages = resolve_block_pages(block_pages, page_table_t.shape[0], q_shd.shape[0],
                                     num_q_heads, layout, path, implementation)
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len, tile_begin, tile_end)

@@ -82,13 +82,18 @@ MAX_KV_HEADS = 4           # one warpgroup a KV head
 MAX_ROWS = 40              # folded query rows a KV head (wider N is register-bound: S9-9)
 N_CHOICES = (8, 16, 32, 40)  # the wgmma N of a call (Q and P N-major: any multiple of 8 works;
                            # N=24 measured slower than 32 at 128K, S11-1: 197 vs 167 us)
-LINE = 256                 # bytes a line of the pool view (the TMA box's inner dimension)
+LINE = 256                 # bytes a line of the pool's V view at most (a TMA box's inner
+                           # dimension: `line_bytes`)
 BOX = 256                  # TMA box limit a dimension
 K_SLOTS = (2, 1)           # K ring slots, most first: the most that fit (V has one slot)
 INFO = 8                   # per-warpgroup SMEM i32 words before the column limits
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 SMEM_LIMIT = 232_448       # bytes of shared memory a CTA may use on the H200
+COMBINE_ROWS = 8           # the Triton combine's default row block (N is a multiple of 8)
+COMBINE_COLS = 8           # the Triton combine's default column block: 2 elements a thread at
+                           # every N (S13-1: the combine alone at 128 partitions, S=1, 49 us
+                           # against 82 at 32 columns)
 
 _COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
@@ -132,11 +137,24 @@ def check_layout(layout: PageLayout, head_dim: int):
                      f"each), got {layout.num_kv_heads}")
   if layout.page_tokens % BLOCK_TOKENS:
     raise ValueError(f"page_tokens {layout.page_tokens} is not a multiple of {BLOCK_TOKENS}")
-  for name, val in (("a tile's K span", BLOCK_TOKENS * layout.k_row_bytes),
-                    ("a tile's V span", BLOCK_TOKENS * layout.v_row_bytes),
-                    ("the V plane offset", layout.v_offset), ("page bytes", layout.page_bytes)):
-    if val % LINE:
-      raise ValueError(f"{name} ({val} B) is not a multiple of the {LINE}-byte TMA line")
+  if layout.page_bytes % layout.k_row_bytes or layout.k_head_bytes % 16:
+    raise ValueError(f"the v2 kernel views the pool as K rows: page bytes {layout.page_bytes} "
+                     f"must be whole K rows of {layout.k_row_bytes} B and a head's K row "
+                     f"({layout.k_head_bytes} B) whole 16-byte units")
+  line_bytes(layout)
+
+
+def line_bytes(layout: PageLayout) -> int:
+  """Bytes a line of the pool's V view (the V TMA boxes' inner dimension): the largest power of
+  two up to `LINE` dividing the page, the V plane offset and a tile's V span (256 at the 27B
+  shape; the TMA engine wants >= 16)."""
+  g = math.gcd(layout.page_bytes, layout.v_offset, BLOCK_TOKENS * layout.v_row_bytes)
+  line = min(LINE, g & -g)
+  if line < 16:
+    raise ValueError(f"the v2 kernel's V copies need the page ({layout.page_bytes} B), the V "
+                     f"plane offset ({layout.v_offset} B) and a tile's V span "
+                     f"({BLOCK_TOKENS * layout.v_row_bytes} B) in 16-byte lines")
+  return line
 
 
 def smem_bytes(layout: PageLayout, n: int, k_slots: int) -> int:
@@ -220,9 +238,11 @@ def _perm_i32(x):
 
 
 def ggml_k_lhs(kind: str, layout: PageLayout, base: int, consumers: int, j: int = 0,
-               scaled: bool = False, part: Optional[int] = None, perm: bool = False):
+               scaled: bool = False, part: Optional[int] = None, perm: bool = False,
+               heads_major: bool = False):
   """The ggml-layout magic conversion: SMEM tile buffer [lines, L] u8 (a 64-token tile's
-  all-heads rows of this plane, row t at byte base + t * row bytes) -> f16 [64, head_dim] in the
+  all-heads rows of this plane, row t at byte base + t * row bytes; heads_major: head h's row t
+  at byte base + (h * 64 + t) * head bytes, as `_span_call` copies K) -> f16 [64, head_dim] in the
   WGMMA layout: the quants of head wg + j * consumers (wg from the thread index), in
   `magic_ptx.ggml_dims` column order. Lane c of a row loads the 68 (Q8_0) / 36 (Q4_0) bytes of
   ggml blocks 2c and 2c + 1 as 4-byte-aligned words, realigns block 2c's quants (they start 2
@@ -235,9 +255,12 @@ def ggml_k_lhs(kind: str, layout: PageLayout, base: int, consumers: int, j: int 
   per = BLOCK_FORMATS[kind][1]                         # bytes a block: 34 / 18
   row_bytes, head_bytes = ((layout.k_row_bytes, layout.k_head_bytes) if kind == layout.k_type
                            else (layout.v_row_bytes, layout.v_head_bytes))
+  bt = BLOCK_TOKENS
+  head_step = bt * head_bytes if heads_major else head_bytes   # bytes from a head to the next
+  if heads_major:
+    row_bytes = head_bytes                             # a token's row of one head
   span_words = 2 * per // 4                            # 17 / 9
   q_words = (per - 2) // 4                             # a block's quant words: 8 / 4
-  bt = BLOCK_TOKENS
 
   width = layout.head_dim if part is None else layout.head_dim // 2
   if part is not None and (layout.head_dim != 256 or part not in (0, 1)):
@@ -254,7 +277,7 @@ def ggml_k_lhs(kind: str, layout: PageLayout, base: int, consumers: int, j: int 
     i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
     c, lane, warp, head = _lane_ids(consumers, j)
     quad = arith.andi(lane, c(3))
-    col = arith.addi(arith.muli(head, c(head_bytes)), arith.muli(quad, c(2 * per)))
+    col = arith.addi(arith.muli(head, c(head_step)), arith.muli(quad, c(2 * per)))
     row0 = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
     if perm:
       row0 = _perm_i32(row0)
@@ -511,14 +534,14 @@ class _CompiledTile:
   """The tile math of the compiled kernel: magic conversions in registers, inline softmax."""
 
   def __init__(self, layout: PageLayout, n: int, scale_log2: float, split: bool = False,
-               perm: bool = False):
+               perm: bool = False, k_heads: bool = True):
     g = layout.num_kv_heads
     self.n = n
     # split: the K lhs in two halves of the head dims and V^T in two pairs of M-blocks, each
     # waited for before the next is built (the whole lhs at once spilled registers: ncu S10-3)
-    self.k_parts = ([ggml_k_lhs(layout.k_type, layout, 0, g, scaled=True, part=p, perm=perm)
-                     for p in (0, 1)] if split else
-                    [ggml_k_lhs(layout.k_type, layout, 0, g, scaled=True, perm=perm)])
+    k_lhs = functools.partial(ggml_k_lhs, layout.k_type, layout, 0, g, scaled=True, perm=perm,
+                              heads_major=k_heads)
+    self.k_parts = [k_lhs(part=p) for p in (0, 1)] if split else [k_lhs()]
     self.vt_parts = ([ggml_vt_lhs(layout, 0, g, masked=True, blocks=b, perm=perm)
                       for b in ((0, 1), (2, 3))] if split else
                      [ggml_vt_lhs(layout, 0, g, masked=True, perm=perm)])
@@ -585,8 +608,10 @@ class _InterpretTile:
   column / row orders as the compiled conversions (ggml_codec decodes; one rounding to f16 of
   the exact product, as mul.rn.f16x2), the same log2-domain softmax, dots in float32."""
 
-  def __init__(self, layout: PageLayout, n: int, scale_log2: float, perm: bool = False):
+  def __init__(self, layout: PageLayout, n: int, scale_log2: float, perm: bool = False,
+               k_heads: bool = True):
     self.layout, self.n, self.scale_log2, self.perm = layout, n, scale_log2, perm
+    self.k_heads = k_heads
 
   def _rows(self, x):
     """The tile's rows in its token order: row i = token `token_perm(i)` with perm (tokens 2
@@ -601,14 +626,23 @@ class _InterpretTile:
     return first + (token_perm(i) if self.perm else i)
 
   def _head(self, buf, row_bytes: int, head_bytes: int, kind: str, wg):
+    """Head wg's bytes [64, head bytes] of a token-major tile buffer (all heads' rows), decoded
+    to f16 in the tile's row order."""
     rows = buf[...].reshape(BLOCK_TOKENS, row_bytes)
-    head = lax.dynamic_slice_in_dim(rows, wg * head_bytes, head_bytes, axis=1)
+    return self._decode(lax.dynamic_slice_in_dim(rows, wg * head_bytes, head_bytes, axis=1), kind)
+
+  def _decode(self, head, kind: str):
     return self._rows(ggml_codec.decode_rows(head, kind, 1).reshape(BLOCK_TOKENS, HEAD_DIM)
                       .astype(jnp.float16))
 
   def scores(self, kbuf, qt, wg):
     lay = self.layout
-    k = k_in_ggml_order(self._head(kbuf, lay.k_row_bytes, lay.k_head_bytes, lay.k_type, wg))
+    if self.k_heads:   # kbuf [G, 64, head words] i32: head wg's rows as 4-byte words
+      words = kbuf.at[wg][...]
+      head = lax.bitcast_convert_type(words, jnp.uint8).reshape(BLOCK_TOKENS, lay.k_head_bytes)
+      k = k_in_ggml_order(self._decode(head, lay.k_type))
+    else:
+      k = k_in_ggml_order(self._head(kbuf, lay.k_row_bytes, lay.k_head_bytes, lay.k_type, wg))
     return jnp.dot(k.astype(jnp.float32), qt[...].T.astype(jnp.float32),
                    precision=lax.Precision.HIGHEST)
 
@@ -651,18 +685,21 @@ class _InterpretTile:
 
 
 def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref,  # inputs
+                    krows_ref,
                     ml_out, o_out,                                    # outputs
                     kbufs, vbuf, kbars, vbar, kfree, vfree, qt_s, pt_s, red_s, info_s, ml_s,
                     in_bar,                                           # scratch
                     *, layout: PageLayout, block_pages: int, num_phys: int, num_table: int,
                     num_tokens: int, group: int, n: int, scale_log2: float, interpret: bool,
-                    split: bool, acc_refs: bool, perm: bool):
+                    split: bool, acc_refs: bool, perm: bool, k_heads: bool):
   # kv_len, tile_begin, tile_end [1] i32 (as the caller gave them: no XLA op stacks them);
   # tab [T] i32; qpos [S] i32; qt [G, N, 256] f16 (Q, head dims in ggml_dims order)
-  # lines [P, page_bytes / 256, 256] u8
+  # lines [P, page_bytes / L, L] u8 (L = line_bytes: 256 at the 27B shape)
+  # krows [P * page_bytes / k_row_bytes, G, k_head_bytes / 4] i32 (the same pool as K rows)
   # -> ml_out [G, parts, 2, N] f32 (m natural-log domain, l), o_out [G, parts, 256, N] f32
   #    (O^T, rows in vt_dims order)
-  # scratch: kbufs [2, k_lines, 256] u8, vbuf [v_lines, 256] u8, kbars (2), vbar, kfree (2),
+  # scratch: kbufs [2, G, 64, k_head_bytes / 4] i32 (k_heads: head-major) or [2, k_lines, L] u8
+  # (token-major), vbuf [v_lines, L] u8, kbars (2), vbar, kfree (2),
   # vfree (arrivals: G), qt_s [G, N, 256] f16, pt_s [G, N, 64] f16 (Q and P
   # N-major: wgmma reads them through transposed views as Q^T and P^T), red_s [G, 2, 4, N] f32,
   # info_s [G, INFO + N] i32, ml_s [G, 2, N] f32, in_bar
@@ -675,10 +712,11 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
   issuer = heads[0] if multi else None
   pp = lax.axis_index("p")
   bt, pt = BLOCK_TOKENS, layout.page_tokens
-  tiles = (_InterpretTile(layout, n, scale_log2, perm) if interpret
-           else _CompiledTile(layout, n, scale_log2, split, perm))
+  tiles = (_InterpretTile(layout, n, scale_log2, perm, k_heads) if interpret
+           else _CompiledTile(layout, n, scale_log2, split, perm, k_heads))
   k_slots, k_lines, v_lines = kbufs.shape[0], kbufs.shape[1], vbuf.shape[0]
-  v_first = layout.v_offset // LINE
+  line = lines_ref.shape[-1]
+  v_first = layout.v_offset // line
 
   kv_len, tile_begin = kv_ref[0], tb_ref[0]
   n_active = (kv_len + pt - 1) // pt                    # pages holding keys
@@ -699,12 +737,18 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
       fn()
 
   def copy(plane: str, i, dst, bar):
-    """TMA copies of key tile i's all-heads K or V span into dst [lines, 256], in boxes of
-    <= 256 lines, all arriving on bar."""
+    """TMA copies of key tile i into dst, all arriving on bar: K with k_heads one box a head
+    ([64 rows, head words] of the K-row view into dst [G, 64, head words]); else the all-heads
+    K or V span into dst [lines, L], in boxes of <= 256 lines."""
     t0 = tok_lo + i * bt
     lp = jnp.minimum(t0 // pt, n_table - 1)
     phys = jnp.clip(tab_ref[lp], 0, num_phys - 1)
     r = (t0 - lp * pt) // bt
+    if plane == "k" and k_heads:
+      row0 = phys * layout.k_rows_per_page + r * bt
+      for h in range(g_heads):
+        plgpu.copy_gmem_to_smem(krows_ref.at[pl.ds(row0, bt), h], dst.at[h], bar)
+      return
     first, lines = ((r * k_lines, k_lines) if plane == "k" else (v_first + r * v_lines, v_lines))
     for c0 in range(0, lines, BOX):
       cnt = min(BOX, lines - c0)
@@ -820,7 +864,7 @@ def query_n_major(q_shd, num_kv_heads: int, n: int):
 def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos_s, *,
                layout: PageLayout, block_pages: int, n_parts: int, sm_scale: float,
                interpret: bool, split: bool = False, acc_refs: bool = False,
-               wgmma_n: Optional[int] = None, perm_tokens: bool = True):
+               wgmma_n: Optional[int] = None, perm_tokens: bool = True, k_heads: bool = True):
   """The kernel call (kv_len, tile_begin, tile_end: i32 scalars; tile_end is clipped to the
   active pages and the table in the kernel): -> (ml [G, parts, 2, N], O^T [G, parts, 256, N] in
   vt_dims rows) f32."""
@@ -832,17 +876,23 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
   bt = BLOCK_TOKENS
   num_phys = pool_u8.shape[0]
   qt = query_n_major(q_shd, g, n)                                   # [G, N, D]
-  lines = pool_u8.reshape(num_phys, layout.page_bytes // LINE, LINE)
-  k_lines, v_lines = bt * layout.k_row_bytes // LINE, bt * layout.v_row_bytes // LINE
+  line = line_bytes(layout)
+  lines = pool_u8.reshape(num_phys, layout.page_bytes // line, line)
+  # the same bytes as K rows, 4-byte words: [P * rows a page, G, head words] (bitcast, no copy)
+  kw_head = layout.k_head_bytes // 4
+  krows = lax.bitcast_convert_type(pool_u8.reshape(num_phys * layout.k_rows_per_page, g, kw_head,
+                                                   4), jnp.int32)
+  k_lines, v_lines = bt * layout.k_row_bytes // line, bt * layout.v_row_bytes // line
   k_slots = choose_k_slots(layout, n)
   # Q and P N-major in (8, 64) tiles, 128-byte swizzle: the transposed wgmma rhs of any N % 8 == 0
   rhs = lambda shape: plgpu.SMEM(shape, jnp.float16, transforms=(
       plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
   boxes = lambda lines_: -(-lines_ // BOX)
   scratch = [
-      plgpu.SMEM((k_slots, k_lines, LINE), jnp.uint8),                 # kbufs
-      plgpu.SMEM((v_lines, LINE), jnp.uint8),                          # vbuf
-      plgpu.Barrier(num_arrivals=boxes(k_lines), num_barriers=k_slots),  # kbars
+      (plgpu.SMEM((k_slots, g, bt, kw_head), jnp.int32) if k_heads      # kbufs
+       else plgpu.SMEM((k_slots, k_lines, line), jnp.uint8)),
+      plgpu.SMEM((v_lines, line), jnp.uint8),                          # vbuf
+      plgpu.Barrier(num_arrivals=g if k_heads else boxes(k_lines), num_barriers=k_slots),  # kbars
       plgpu.Barrier(num_arrivals=boxes(v_lines)),                      # vbar
       plgpu.Barrier(num_arrivals=g, num_barriers=k_slots),             # kfree
       plgpu.Barrier(num_arrivals=g),                                   # vfree
@@ -857,7 +907,7 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
                            num_phys=num_phys, num_table=page_table_t.shape[0],
                            num_tokens=s_tok, group=r, n=n,
                            scale_log2=float(sm_scale) * _LOG2E, interpret=interpret,
-                           split=split, acc_refs=acc_refs, perm=perm_tokens)
+                           split=split, acc_refs=acc_refs, perm=perm_tokens, k_heads=k_heads)
   kw = dict(num_threads=g, thread_name="wg") if g > 1 and not interpret else {}
   kern = plgpu.kernel(
       body,
@@ -868,7 +918,7 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
       interpret=_interpret_params() if interpret else None, **kw)
   scalar = lambda x: jnp.reshape(jnp.asarray(x, jnp.int32), (1,))
   return kern(scalar(kv_len), scalar(tile_begin), scalar(tile_end),
-              page_table_t.astype(jnp.int32), q_pos_s.astype(jnp.int32), qt, lines)
+              page_table_t.astype(jnp.int32), q_pos_s.astype(jnp.int32), qt, lines, krows)
 
 
 def _check_args(q_shd, pool_pn, layout, num_q_heads, block_pages):
@@ -879,16 +929,48 @@ def _check_args(q_shd, pool_pn, layout, num_q_heads, block_pages):
   rows_padded(s_tok * (h // layout.num_kv_heads))
 
 
+def combine_plan(n: int, num_parts: int, head_dim: int = HEAD_DIM,
+                 cols: Optional[int] = None, warps: Optional[int] = None,
+                 unroll: Optional[int] = None, rows_block: Optional[int] = None) -> dict:
+  """The combine of a call: `kernel_triton.combine_call`'s tile arguments and the padded
+  partition count `parts` (a whole number of load groups). Given values are checked; None takes
+  the default: row block c_rows COMBINE_ROWS (a power of two dividing N; the row blocks cover the
+  real rows only, N's padding rows past them are not read); columns COMBINE_COLS; warps one a 64
+  elements of the tile (1-4); unroll `combine_unroll_for`."""
+  # pylint: disable=import-outside-toplevel
+  from kvjax_pallas.span_attention import kernel_triton as _triton
+  c_rows = min(COMBINE_ROWS, n & -n) if rows_block is None else rows_block
+  if c_rows < 1 or c_rows & (c_rows - 1) or n % c_rows:
+    raise ValueError(f"combine_rows must be a power of two dividing N={n}, got {c_rows}")
+  cols = COMBINE_COLS if cols is None else cols
+  if cols < 1 or cols & (cols - 1) or head_dim % cols:
+    raise ValueError(f"combine_cols must be a power of two dividing {head_dim}, got {cols}")
+  warps = min(4, max(1, c_rows * cols // 64)) if warps is None else warps
+  if warps not in (1, 2, 4, 8):
+    raise ValueError(f"combine_warps must be 1, 2, 4 or 8, got {warps}")
+  if unroll is None:
+    unroll = _triton.combine_unroll_for(c_rows, cols, num_parts)
+  elif unroll < 8 or unroll % 8:
+    raise ValueError(f"combine_unroll must be a multiple of 8, got {unroll}")
+  parts = -(-num_parts // unroll) * unroll
+  return dict(c_rows=c_rows, combine_cols=cols, combine_warps=warps, unroll=unroll, parts=parts)
+
+
 @functools.partial(jax.jit, static_argnames=(
     "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "split", "acc_refs",
-    "wgmma_n", "combine_cols", "perm_tokens"))
+    "wgmma_n", "combine_cols", "combine_warps", "combine_unroll", "combine_rows",
+    "perm_tokens", "k_heads"))
 def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                    carry: Optional[_ref.Carry], tile_begin, tile_end, *,
                                    layout: PageLayout, num_q_heads: int, block_pages: int = 1,
                                    sm_scale: Optional[float] = None, interpret: bool = False,
                                    split: bool = False, acc_refs: bool = False,
-                                   wgmma_n: Optional[int] = None, combine_cols: int = 32,
-                                   perm_tokens: bool = True) -> _ref.Carry:
+                                   wgmma_n: Optional[int] = None,
+                                   combine_cols: Optional[int] = None,
+                                   combine_warps: Optional[int] = None,
+                                   combine_unroll: Optional[int] = None,
+                                   combine_rows: Optional[int] = None,
+                                   perm_tokens: bool = True, k_heads: bool = True) -> _ref.Carry:
   """Mosaic GPU v2 version of `reference.span_attention_partial_reference` (same contract;
   carry=None: the empty carry). The partitions are folded in logical order by the Triton
   kernel's pipelined combine (`kernel_triton.combine_call`), O^T's rows taken as its columns in
@@ -897,11 +979,14 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
   halves and V^T in two pairs of M-blocks (fewer registers live at once; measured no faster at
   S=1 and 1.35x slower at S=4, S10-4); acc_refs keeps O^T in 4 accumulator refs for the whole
   loop (rescaled in place) instead of loop-carried values. wgmma_n overrides the wgmma N of
-  `rows_padded` (any multiple of 8 from the rows up; for experiments). combine_cols: the
-  combine's column block (a power of two dividing 256; 16 measured no faster at S=1 and 2x slower
-  at S=4, S12-2/3).
+  `rows_padded` (any multiple of 8 from the rows up; for experiments). combine_cols /
+  combine_warps / combine_unroll / combine_rows: the combine's tiles (`combine_plan`; None: the
+  defaults).
   perm_tokens: the tiles' token order `token_perm` (V loads 2-way instead of 4-way bank
-  conflicts; False: tokens in order, as before session 12)."""
+  conflicts; False: tokens in order, as before session 12).
+  k_heads: K copied head-major (one TMA box a head from the pool's K-row view: a row stride of
+  one head's 272 B, no bank conflicts in the K conversion's loads); False: the all-heads span
+  token-major as before session 13 (1088-byte rows, 4-way conflicts). Same bits."""
   # pylint: disable=import-outside-toplevel
   from kvjax_pallas.span_attention import kernel_mosaic as _v1
   from kvjax_pallas.span_attention import kernel_triton as _triton
@@ -912,24 +997,19 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
   n = choose_n(rows, wgmma_n)
   scale = (1.0 / d ** 0.5) if sm_scale is None else sm_scale
   n_table = page_table_t.shape[0]
-  c_rows = min(n & -n, 1 << (rows - 1).bit_length())   # a power of 2 dividing N (Triton blocks)
-  cols = combine_cols
-  if cols < 1 or cols & (cols - 1) or d % cols:
-    raise ValueError(f"combine_cols must be a power of two dividing {d}, got {cols}")
-  unroll = _triton.combine_unroll_for(c_rows, cols, -(-max(n_table, 1) // block_pages))
-  n_parts = -(-(-(-max(n_table, 1) // block_pages)) // unroll) * unroll
+  plan = combine_plan(n, -(-max(n_table, 1) // block_pages), d, combine_cols,
+                      combine_warps, combine_unroll, combine_rows)
+  n_parts = plan.pop("parts")
   q_pos_s = jnp.asarray(q_pos_s, jnp.int32)
   ml_p, ot_p = _span_call(q_shd, _v1.byte_view(pool_pn), page_table_t, kv_len, tile_begin,
                           tile_end, q_pos_s,
                           layout=layout, block_pages=block_pages, n_parts=n_parts,
                           sm_scale=scale, interpret=interpret, split=split, acc_refs=acc_refs,
-                          wgmma_n=wgmma_n, perm_tokens=perm_tokens)
+                          wgmma_n=wgmma_n, perm_tokens=perm_tokens, k_heads=k_heads)
   # ml_p [G, parts, 2, N] and O^T [G, parts, vt rows, N] go to the combine as the kernel wrote them
-  return _triton.combine_call(ml_p, None, ot_p, carry, rows=rows, c_rows=c_rows,
-                              acc_transposed=True,
-                              combine_cols=cols, combine_warps=min(4, max(1, c_rows * cols // 64)),
-                              unroll=unroll, v_cols=magic_ptx.vt_dims(d), head_dim=d,
-                              interpret=interpret)
+  return _triton.combine_call(ml_p, None, ot_p, carry, rows=rows, acc_transposed=True,
+                              v_cols=magic_ptx.vt_dims(d), head_dim=d, interpret=interpret,
+                              **plan)
 
 
 def span_attention_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: PageLayout,

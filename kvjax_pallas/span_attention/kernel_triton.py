@@ -1066,7 +1066,8 @@ def combine_call(m_p, l_p, acc_p, carry, *, rows: int, c_rows: int, combine_cols
   """The pipelined in-order combine (`_combine_kernel`) of a span kernel's partitions, shared by
   the Triton and the Mosaic GPU v2 kernels: m_p, l_p [G, parts, rows_pad], acc_p [G, parts,
   rows_pad, V columns] (column c holds head dim v_cols[c]; parts a multiple of `unroll`), the
-  carry (or None: the empty one) -> the folded carry, rows [:rows], dims in order.
+  carry (or None: the empty one) -> the folded carry, rows [:rows], dims in order. The grid:
+  KV heads x row blocks of c_rows (covering the real rows) x column blocks of combine_cols.
   l_p None: m_p is m and l packed [G, parts, 2, rows_pad]; acc_transposed: acc_p is [G, parts,
   V columns, rows_pad] (the kernel's O^T as it wrote it: no transpose in XLA between)."""
   ml_packed = l_p is None
@@ -1099,9 +1100,16 @@ def combine_call(m_p, l_p, acc_p, carry, *, rows: int, c_rows: int, combine_cols
       interpret=interpret,
       name="kvjax_span_combine",
   )(m_p, m_p if ml_packed else l_p, acc_p, *carry_inputs)
+  return _combine_out(m_c, l_c, acc_c, rows, v_cols, d, acc_transposed)
+
+
+def _combine_out(m_c, l_c, acc_c, rows: int, v_cols: np.ndarray, head_dim: int,
+                 acc_transposed: bool) -> _ref.Carry:
+  """The combine's outputs (m, l [G, rows_pad, column blocks], acc in kernel columns) -> the
+  carry: real rows, dims in order."""
   if acc_transposed:
     acc_c = jnp.swapaxes(acc_c, 1, 2)                      # (fused into the columns' gather)
-  acc = _from_columns(acc_c[:, :rows], v_cols, d)          # kernel columns -> dims
+  acc = _from_columns(acc_c[:, :rows], v_cols, head_dim)   # kernel columns -> dims
   return _ref.Carry(m_c[:, :rows, 0], l_c[:, :rows, 0], acc)
 
 
