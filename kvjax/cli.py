@@ -63,8 +63,9 @@ def _model_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("cache-type-v", "q4_0", "V cache type: q8_0, q4_0, f16, bf16, f32", flag_values=fv)
   flags.DEFINE_integer("kv-page-tokens", 256, "token positions per KV page", flag_values=fv)
   flags.DEFINE_integer("ubatch-size", 256, "prefill micro-batch (rows per forward)", flag_values=fv)
-  flags.DEFINE_string("attn-impl", "auto", "span attention implementation: auto (triton on an NVIDIA GPU, "
-                      "reference elsewhere) | reference | triton",
+  flags.DEFINE_string("attn-impl", "auto", "span attention implementation: auto (on an NVIDIA GPU "
+                      "mosaic2 for each call it takes, decode and verify, and triton for the rest; "
+                      "reference elsewhere) | reference | triton | mosaic | mosaic2",
                       flag_values=fv)
   flags.DEFINE_string("attn-block-pages", "auto", "pages per logical partition of the attention "
                       "core (an int >= 1), or auto (sized to the table and the GPU)", flag_values=fv)

@@ -1,6 +1,7 @@
 """Span attention v2, Pallas Mosaic GPU (Hopper): the magic-number conversion feeding wgmma.
 
-EXPERIMENTAL (`implementation="mosaic2"`): Q8_0 K / Q4_0 V pages, head_dim 256, 1-4 KV heads,
+`implementation="mosaic2"` (and "auto" on a GPU where it takes the call, `api.mosaic2_takes`):
+Q8_0 K / Q4_0 V pages, head_dim 256, 1-4 KV heads,
 page_tokens a multiple of 64, at most 40 folded query rows a KV head, precision "f16". Same
 contract as `reference.py`: split-K over fixed LOGICAL partitions of `block_pages` pages, then
 the in-order left fold of the partitions into the carry (`reference.merge_partials`), so the
@@ -10,9 +11,13 @@ One CTA a logical partition, one warpgroup a KV head (4 for the 27B). Per key ti
 (docs/DESIGN.md, "Span attention v2 with the magic conversion"; the pieces were measured one by
 one in session 9 with `experiments/probe_tma_reads.py`):
 
-1. TMA copies the all-heads K span of the tile (64 rows x k_row_bytes) and its V span into SMEM in
-   256-byte lines: a ring of 2 K slots and 1 V slot (2 whole stages do not fit beside Q^T at
-   106.5 KB a tile; at N = 32 only 1 K slot fits: `choose_k_slots`); warpgroup 0 issues, every warpgroup arrives on a slot's "consumed" barrier.
+1. TMA copies the tile's K into SMEM head-major (`k_heads`, the default since session 13: one box
+   a head, [64 rows, 272 B] from the pool's K-row view [pages x rows a page, heads, head bytes],
+   which needs pages of whole K rows: `PageLayout.page_bytes`) and its all-heads V span in lines
+   of `line_bytes`: a ring of 2 K slots and 1 V slot (2 whole stages do not fit beside Q^T at
+   106.5 KB a tile; at N = 32 only 1 K slot fits: `choose_k_slots`); warpgroup 0 issues, every
+   warpgroup arrives on a slot's "consumed" barrier. A head-major row is 272 B, so the 8 rows a
+   K load reads fall on 8 bank groups (token-major 1088-byte rows: 2, 4-way conflicts).
 2. K: `ggml_k_lhs` turns each lane's 4-byte words of the ggml blocks into f16 registers of a
    WGMMA-layout lhs with the magic-number PTX (`magic_ptx`), scaled (one mul.rn.f16x2: the "f16"
    decode), head dims in `magic_ptx.ggml_dims` order; S^T [64, N] = K Q^T by wgmma with Q^T's
@@ -33,7 +38,8 @@ one in session 9 with `experiments/probe_tma_reads.py`):
    wgmmas (`pl.run_state` on `ACC.init`), the accumulators rescaled by alpha first.
 5. m (natural log domain), l and O^T (rows in `magic_ptx.vt_dims` order) per partition to GMEM,
    [G, parts, ...]; the Triton combine reads them as written and folds the partitions in logical
-   order, then unpermutes its small result.
+   order (tiles of 8 rows x 8 columns a program: `combine_plan`), then unpermutes its small
+   result.
 
 Interpret mode (`interpret=True`) runs the same kernel body (page walk, TMA ring, K / V
 barriers, masks, outputs) in the Mosaic GPU interpreter, which runs neither inline Mosaic GPU
@@ -49,12 +55,13 @@ went from 4-way to 2-way bank conflicts (ncu: 3.86 -> 2.79 wavefronts a load) an
 from 92.3 to 81.3 us at 128K S=1, output bits unchanged on the GPU (S12-2). K's loads stay 4-way
 conflicted: its rows (1088 B) fall on 2 bank classes whatever the order (docs/DESIGN.md).
 
-Measured on the H200 (docs/PERFORMANCE.md, session 12): correct (4.0e-4 against the float32
-reference, like the Triton "f16"; placement invariance and waves bit for bit); kernel 81.3 us
-by ncu at 128K S=1, 162.2 us at 256K (2.69 TB/s); the call 110 us at 128K, 179.8 at 256K
-(2.43 TB/s), 129.8 at 160K in the bench (XLA bf16 193.5, Triton 228.1); still at the
-128-register cap of 4 warpgroups (48 B of spills at N = 8); the combine takes 20 us of a 128K
-call whatever its arithmetic (S12-3).
+Measured on the H200 (docs/PERFORMANCE.md, session 13): correct (4.0e-4 against the float32
+reference, like the Triton "f16"; placement invariance and waves bit for bit; in the model
+within 5e-3 of the reference's logits); kernel 77.9 us by ncu at 128K S=1, 154.8 us at 256K
+(2.82 TB/s); the call 96.1 us at 128K, 166.9 at 256K (2.61 TB/s), 113.4 at 160K in the bench
+(XLA bf16 196.2: 1.73x); verify S=4 1.39x the 1-row call at 160K, S=6 2.53x; still at the
+128-register cap of 4 warpgroups (48 B of spills at N = 8), 0.50 issues a scheduler cycle
+(S13-4).
 """
 
 from __future__ import annotations
