@@ -526,3 +526,20 @@ def test_v2_round_runs_the_named_steps_and_prints_a_summary(tmp_path):
   assert "== extra: echo measured 42 us" in summary and "measured 42 us" in summary
   assert "== tests" not in summary and "== bench" not in summary
   assert p.stdout.rstrip().endswith("measured 42 us")
+
+
+def test_time_combine_smoke(tmp_path):
+  """experiments/gpu/time_combine.py on the CPU (the Triton combine interpreted): every tiling of
+  the v2 combine folds to the default's bits, a tiling the shape refuses is reported by name and
+  the run goes on."""
+  env = dict(os.environ, TIME_COMBINE_REPS="1")
+  p = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "gpu", "time_combine.py"),
+                      "8", "1", "default,cols=32,rows=16,cols=4+unroll=8"],
+                     capture_output=True, text=True, cwd=str(tmp_path), timeout=300,
+                     env=dict(env, JAX_PLATFORMS="cpu"))
+  assert p.returncode == 0, p.stderr[-3000:]
+  rows = [l for l in p.stdout.splitlines() if l.strip().startswith("8 ")]
+  assert len(rows) == 4, p.stdout
+  timed = [l for l in rows if "failed" not in l]
+  assert len(timed) == 3 and all(l.split("|")[-1].strip() == "0" for l in timed), p.stdout
+  assert "combine_rows must be a power of two dividing N=8, got 16" in p.stdout

@@ -7,14 +7,13 @@ A variant is `kernel_mosaic_v2.combine_plan` arguments (cols, warps, unroll, row
 Rows per KV head = 6 x S (the 27B's 24 query heads over 4 KV heads), N = `rows_padded`. Each
 variant's output is compared with the default's (max |diff| of the folded acc; 0: same bits).
 Timing: one jitted program runs the combine on REPS different sets of partials back to back;
-time = median over rounds of 10 such calls / (10 x REPS). (Session 13's first version timed one
+time = median over 5 rounds of 10 such calls / (10 x REPS). (Session 13's first version timed one
 combine per dispatched call and measured 49-110 us a combine where the same kernel costs ~15 us
 inside a whole call: per-call host cost, not GPU time.) Without a GPU the Triton combine runs
 interpreted (a smoke run; the times mean nothing).
 """
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -25,6 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 from kvjax_pallas.span_attention import kernel_mosaic_v2 as km2  # noqa: E402
 from kvjax_pallas.span_attention import kernel_triton as kt  # noqa: E402
 from kvjax_pallas.span_attention import magic_ptx  # noqa: E402
+from time_mosaic2 import timed  # noqa: E402  (same folder)
 
 PLAN_KEYS = {"cols": "cols", "warps": "warps", "unroll": "unroll", "rows": "rows_block"}
 
@@ -54,19 +54,6 @@ def partials(g: int, parts: int, n: int, rows: int, d: int = 256, seed: int = 0)
 
 
 REPS = int(os.environ.get("TIME_COMBINE_REPS", "8"))
-
-
-def timed(fn, *args, iters=10, rounds=5):
-  out = fn(*args)
-  jax.block_until_ready(out)
-  ts = []
-  for _ in range(rounds):
-    t = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    ts.append((time.perf_counter() - t) / iters)
-  return float(np.median(ts)) * 1e6
 
 
 def main():
@@ -99,7 +86,7 @@ def main():
         if base is None:
           base = acc
         diff = float(np.max(np.abs(acc - base))) if acc.shape == base.shape else float("nan")
-        us = timed(fn, ml, ot) / REPS
+        us = timed(fn, ml, ot, iters=10) / REPS
         desc = (f"r{plan['c_rows']} c{plan['combine_cols']} w{plan['combine_warps']} "
                 f"u{plan['unroll']} p{n_parts}")
         print(f"{parts:>5} {s:>3} {n:>3} {variant:>26} | {desc:>34} | {us:7.2f} | {diff:.3g}",
