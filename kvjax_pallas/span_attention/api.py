@@ -16,8 +16,8 @@ implementations:
                the ggml quants straight into wgmma registers, one warpgroup a KV head.
                Q8_0/Q4_0 pages, head_dim 256, 1-4 KV heads, <= 40 folded query rows,
                precision "f16". `block_pages="auto"` gives it its own one-wave size. On the
-               H200 1.76x faster than "triton" and 1.49x faster than XLA bf16 at 160K decode
-               (S12-4; docs/PERFORMANCE.md has the current numbers).
+               H200 at 160K decode 1.73x faster than XLA bf16 (S13-3) and 1.76x faster than
+               "triton" (S12-4); docs/PERFORMANCE.md.
   "auto"       on an NVIDIA GPU "mosaic2" where it takes the call (`mosaic2_takes`: decode and
                verify of the 27B geometry) and "triton" elsewhere (prefill chunks, other K/V
                pairs, precisions or paths); "reference" without a GPU.
