@@ -558,3 +558,14 @@ def test_bench_cases_that_differ_in_closed_over_arrays_share_a_step():
   step3, _ = bench._dispatch_step(lambda x: x * t3.sum(), q)    # pylint: disable=protected-access
   assert step1 is step2 and step3 is not step1
   assert float(step1(q, c1)[0, 0]) == float(step2(q, c2)[0, 0]) == 1.0   # q + 1e-30 * 6 q
+
+
+def test_compile_time_smoke(tmp_path):
+  """experiments/gpu/compile_time.py on the CPU (the jnp reference): one row a (rows,
+  implementation), the first forward (compiling) slower than the second."""
+  p = _run([os.path.join(REPO, "experiments", "gpu", "compile_time.py"), "1", "reference", "300"],
+           cwd=str(tmp_path), timeout=300)
+  rows = [l.split() for l in p.stdout.splitlines() if l.split()[:2] == ["1", "reference"]]
+  assert len(rows) == 1, p.stdout
+  first, second = float(rows[0][3]), float(rows[0][4])
+  assert first > second > 0
