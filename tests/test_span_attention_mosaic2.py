@@ -197,7 +197,7 @@ def test_interpret_masks_kv_len_positions_and_junk_past_the_end():
 
 def _placement_and_waves(interpret: bool, shape, tokens: int, bp: int, s_tok: int, **opts):
   """One call over three placements (contiguous, shuffled, resident + ring with wraps) and three
-  waves over the shuffled one: the same bits. opts: kernel options (k_heads, combine_impl...)."""
+  waves over the shuffled one: the same bits. opts: kernel options (k_heads, combine tiles)."""
   layout = _layout(shape)
   h = shape["q_heads"]
   hist = History(layout, tokens, seed=11)
@@ -271,6 +271,28 @@ def test_combine_plan():
                   (dict(rows_block=16), "combine_rows must be a power of two dividing N=8")):
     with pytest.raises(ValueError, match=msg):
       km2.combine_plan(8, 128, **kw)
+
+
+def test_api_routes_to_the_v2_kernel():
+  """api.span_attention(implementation="mosaic2") is the v2 kernel, bit for bit; "auto"
+  block_pages resolves to v2's own one-wave size; the f16-only refusal."""
+  from kvjax_pallas.span_attention import api  # pylint: disable=import-outside-toplevel
+  layout = _layout(SMALL)
+  tokens = 3 * 64 - 7
+  hist = History(layout, tokens, seed=17)
+  pool, table = hist.shuffled(seed=2)
+  q, q_pos = _query(17, 1, SMALL["q_heads"], SMALL["head_dim"], tokens)
+  direct = km2.span_attention_mosaic2(q, pool, table, tokens, q_pos, layout=layout,
+                                      block_pages=1, interpret=True)
+  routed = api.span_attention(q, pool, table, tokens, q_pos, layout=layout, block_pages="auto",
+                              implementation="mosaic2", interpret=True)
+  np.testing.assert_array_equal(np.asarray(direct), np.asarray(routed))
+  assert api.resolve_block_pages("auto", 640, 1, 24, _layout(REAL),
+                                 implementation="mosaic2") == 5
+  assert "mosaic2" in api.IMPLEMENTATIONS and "mosaic2" not in api.FULL_IMPLEMENTATIONS
+  with pytest.raises(ValueError, match="f16 operands only.*f16x3"):
+    api.span_attention(q, pool, table, tokens, q_pos, layout=layout, implementation="mosaic2",
+                       precision="f16x3", interpret=True)
 
 
 # ----------------------------------------------------------------------------- GPU only
