@@ -545,19 +545,26 @@ def test_time_combine_smoke(tmp_path):
   assert "combine_rows must be a power of two dividing N=8, got 16" in p.stdout
 
 
-def test_bench_cases_that_differ_in_closed_over_arrays_share_a_step():
+def test_bench_cases_that_differ_in_closed_over_arrays_share_a_step(tmp_path):
   """The bench's timing step is cached by jaxpr: a kernel over the contiguous and over the ring
   table (closed-over arrays of one shape) is one jitted step, compiled once; another shape is
-  another step."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  bench = _import_experiment("bench_span_attention")
-  q = jnp.ones((2, 3))
-  t1, t2, t3 = jnp.arange(4), jnp.arange(4)[::-1], jnp.arange(5)
-  step1, c1 = bench._dispatch_step(lambda x: x * t1.sum(), q)   # pylint: disable=protected-access
-  step2, c2 = bench._dispatch_step(lambda x: x * t2.sum(), q)   # pylint: disable=protected-access
-  step3, _ = bench._dispatch_step(lambda x: x * t3.sum(), q)    # pylint: disable=protected-access
-  assert step1 is step2 and step3 is not step1
-  assert float(step1(q, c1)[0, 0]) == float(step2(q, c2)[0, 0]) == 1.0   # q + 1e-30 * 6 q
+  another step. (In a subprocess: the bench's absl flags would clash with the probes'.)"""
+  code = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import jax.numpy as jnp
+import bench_span_attention as bench
+q = jnp.ones((2, 3))
+t1, t2, t3 = jnp.arange(4), jnp.arange(4)[::-1], jnp.arange(5)
+step1, c1 = bench._dispatch_step(lambda x: x * t1.sum(), q)
+step2, c2 = bench._dispatch_step(lambda x: x * t2.sum(), q)
+step3, _ = bench._dispatch_step(lambda x: x * t3.sum(), q)
+assert step1 is step2 and step3 is not step1
+assert float(step1(q, c1)[0, 0]) == float(step2(q, c2)[0, 0]) == 1.0   # q + 1e-30 * 6 q
+print("shared")
+"""
+  p = _run(["-c", code, os.path.join(REPO, "experiments")], cwd=str(tmp_path), timeout=120)
+  assert "shared" in p.stdout
 
 
 def test_compile_time_smoke(tmp_path):
