@@ -5,7 +5,7 @@
 
 (nXX: the wgmma N forced to XX, `wgmma_n`; any other variant is options of
 `span_attention_partial_mosaic2` as k=v joined by "+", e.g. perm_tokens=0+combine_cols=16,
-k_heads=0 or combine_impl=xla.)
+k_heads=0 or combine_cols=32+combine_rows=32.)
 
 Each variant's call is also compared with the default's output on the same inputs (max |diff|).
 The kernel alone is timed once per set of kernel options (variants that change only the combine

@@ -1100,16 +1100,9 @@ def combine_call(m_p, l_p, acc_p, carry, *, rows: int, c_rows: int, combine_cols
       interpret=interpret,
       name="kvjax_span_combine",
   )(m_p, m_p if ml_packed else l_p, acc_p, *carry_inputs)
-  return _combine_out(m_c, l_c, acc_c, rows, v_cols, d, acc_transposed)
-
-
-def _combine_out(m_c, l_c, acc_c, rows: int, v_cols: np.ndarray, head_dim: int,
-                 acc_transposed: bool) -> _ref.Carry:
-  """The combine's outputs (m, l [G, rows_pad, column blocks], acc in kernel columns) -> the
-  carry: real rows, dims in order."""
   if acc_transposed:
     acc_c = jnp.swapaxes(acc_c, 1, 2)                      # (fused into the columns' gather)
-  acc = _from_columns(acc_c[:, :rows], v_cols, head_dim)   # kernel columns -> dims
+  acc = _from_columns(acc_c[:, :rows], v_cols, d)          # kernel columns -> dims
   return _ref.Carry(m_c[:, :rows, 0], l_c[:, :rows, 0], acc)
 
 
