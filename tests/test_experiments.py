@@ -576,3 +576,32 @@ def test_compile_time_smoke(tmp_path):
   assert len(rows) == 1, p.stdout
   first, second = float(rows[0][3]), float(rows[0][4])
   assert first > second > 0
+
+
+def test_ncu_report_sources(tmp_path):
+  """`ncu_report.py sources` (stall_sources.sh): the SASS source page's stall samples summed by
+  opcode (predicates and modifiers dropped) and listed by instruction, largest first, with their
+  largest reasons; a page without the sampling column is refused by name."""
+  path = tmp_path / "sass.csv"
+  with open(path, "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(["# Address", "Source", "Warp Stall Sampling (All Samples)",
+                "Warp Stall Sampling (Not-issued Samples)", "stall_long_sb", "stall_barrier"])
+    w.writerow(["0x10", "@!P0 LDL.64 R2, [R1+0x8]", "600", "590", "550", "0"])
+    w.writerow(["0x20", "LDL R4, [R1]", "200", "190", "180", "0"])
+    w.writerow(["0x30", "BAR.SYNC.DEFER_BLOCKING 0x1, 0x80", "300", "300", "0", "290"])
+    w.writerow(["0x40", "HMUL2 R5, R6, R7", "1,000", "100", "0", "0"])
+  script = os.path.join(REPO, "experiments", "gpu", "ncu_report.py")
+  out = _run([script, "sources", str(path), "2"], cwd=str(tmp_path)).stdout
+  assert "4 SASS instructions, 2100 warp samples" in out
+  lines = out.splitlines()
+  ops = [l.split()[0] for l in lines[lines.index("  by opcode (share of samples; largest reasons):")
+                                     + 1:][:3]]
+  assert ops == ["HMUL2", "LDL", "BAR"]
+  assert "LDL         38.1 %  stall_long_sb 730" in out
+  top = lines[lines.index("  top 2 instructions:") + 1:]
+  assert len(top) == 2 and "HMUL2" in top[0] and "@!P0 LDL.64" in top[1]
+  bad = tmp_path / "bad.csv"
+  bad.write_text("Source,Other\nLDL,1\n")
+  p = subprocess.run([sys.executable, script, "sources", str(bad)], capture_output=True, text=True)
+  assert p.returncode != 0 and "no 'Warp Stall Sampling (All Samples)' column" in p.stderr

@@ -58,11 +58,19 @@ def test_jnp_orders_are_the_conversions_orders():
 
 
 def test_smem_plan_and_partitions():
+  """K slots, the most that fit; the V half-tile slots that fit beside them; a V ring asked for
+  past the SMEM limit is refused with the shortfall."""
   lay = _layout(REAL)
-  for n, slots in ((8, 2), (16, 2), (24, 1), (32, 1), (40, 1)):
+  for n, slots, halves in ((8, 2, 3), (16, 2, 2), (24, 1, 3), (32, 1, 3), (40, 1, 2)):
     assert km2.choose_k_slots(lay, n) == slots, n
-    assert km2.smem_bytes(lay, n, slots) <= km2.SMEM_LIMIT
+    assert km2.max_v_halves(lay, n, slots) == halves, n
+    assert km2.choose_v_halves(lay, n, slots) == 2          # the default: one whole tile
+    assert km2.smem_bytes(lay, n, slots, halves) <= km2.SMEM_LIMIT
     assert slots == 2 or km2.smem_bytes(lay, n, 2) > km2.SMEM_LIMIT
+    assert halves == 3 or km2.smem_bytes(lay, n, slots, 3) > km2.SMEM_LIMIT
+  over = km2.smem_bytes(lay, 40, 1, 3) - km2.SMEM_LIMIT
+  with pytest.raises(ValueError, match=f"v_halves=3 needs .* {over:,} B more than"):
+    km2.choose_v_halves(lay, 40, 1, 3)
   assert [km2.choose_block_pages(p, 132) for p in (1, 132, 133, 512, 640, 1024)] == [
       1, 1, 2, 4, 5, 8]
   assert [km2.rows_padded(r) for r in (1, 6, 8, 9, 16, 17, 24, 30, 36, 40)] == [
@@ -227,16 +235,22 @@ def test_interpret_placement_invariance_and_waves_bit_exact():
 def test_interpret_k_layouts_same_bits():
   """K copied head-major (k_heads, the default: one TMA box a head from the pool's K-row view)
   and token-major (the all-heads span in lines, as before session 13) give the same bits: the
-  same bytes reach the same conversion, only their SMEM addresses differ."""
+  same bytes reach the same conversion, only their SMEM addresses differ. So do the issue
+  options (the page table read once into SMEM; K issued after the PV; each head's K issued by
+  its own warpgroup on its own barrier; a V ring of 3 half-tile slots instead of 2): the same
+  copies in another order, every barrier completion still waited for (the interpreter
+  checks)."""
   layout = _layout(SMALL)
   tokens = 4 * 64 - 21
   hist = History(layout, tokens, seed=13)
   pool, table = hist.shuffled(seed=3)
   q, q_pos = _query(13, 2, SMALL["q_heads"], SMALL["head_dim"], tokens)
   outs = [np.asarray(km2.span_attention_mosaic2(q, pool, table, tokens, q_pos, layout=layout,
-                                                block_pages=2, interpret=True, k_heads=k))
-          for k in (True, False)]
-  np.testing.assert_array_equal(outs[0], outs[1])
+                                                block_pages=2, interpret=True, **kw))
+          for kw in (dict(), dict(k_heads=False), dict(table_smem=True, late_k=True),
+                     dict(table_smem=True, own_k=True), dict(v_halves=3))]
+  for out in outs[1:]:
+    np.testing.assert_array_equal(outs[0], out)
   check_against_reference(jnp.asarray(outs[0]), hist, q, pool, table, q_pos, block_pages=2,
                           tol=2e-3)
 
@@ -317,7 +331,8 @@ if ON_GPU:
 
   @pytest.mark.parametrize("s_tok", [1, 4, 6])
   def test_gpu_k_layouts_and_combines(s_tok):
-    """Compiled: head-major K (the default) gives the bits of token-major K; other combine
+    """Compiled: head-major K (the default) gives the bits of token-major K, and so do the issue
+    options (table_smem, late_k, own_k, v_halves=3); other combine
     tiles (the default before session 13, and one warp a 8 x 8 tile loading 8 partitions at a
     time) stay on the reference."""
     layout = _layout(REAL)
@@ -329,6 +344,10 @@ if ON_GPU:
                                                              layout=layout, block_pages=2, **kw))
     base = run()
     np.testing.assert_array_equal(base, run(k_heads=False))
+    np.testing.assert_array_equal(base, run(table_smem=True))
+    np.testing.assert_array_equal(base, run(late_k=True))
+    np.testing.assert_array_equal(base, run(own_k=True, table_smem=True))
+    np.testing.assert_array_equal(base, run(v_halves=3))
     for kw in (dict(combine_cols=32, combine_rows=8), dict(combine_unroll=8)):
       check_against_reference(jnp.asarray(run(**kw)), hist, q, pool, table, q_pos,
                               block_pages=2, tol=2e-3)

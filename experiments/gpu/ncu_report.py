@@ -4,6 +4,8 @@
   python3 experiments/gpu/ncu_report.py longest <csv>                    # name of the longest kernel
   python3 experiments/gpu/ncu_report.py stalls <csv> <config> <kernel>   # stalls, issue, occupancy
   python3 experiments/gpu/ncu_report.py metrics <csv>                    # every metric, one a line
+  python3 experiments/gpu/ncu_report.py sources <csv> [top]              # stall samples by SASS
+                                                                         # opcode and instruction
 """
 
 import csv
@@ -123,8 +125,72 @@ def metrics(path):
     print(f"    wavefronts per shared load instruction = {waves / insts:.2f}")
 
 
+def _opcode(sass: str) -> str:
+  """"@!P0 LDL.64 R2, [R1+0x8]" -> "LDL" (the mnemonic without predicate and modifiers)."""
+  words = [w for w in sass.replace("{", " ").split() if not w.startswith("@")]
+  return words[0].split(".")[0] if words else "?"
+
+
+def source_samples(path):
+  """The SASS source page (`ncu --import R --page source --csv --print-source sass`) -> (reason
+  names, [(address, sass, samples, {reason: samples})]): samples from the first "Warp Stall
+  Sampling (All ...)" column; reasons: every other numeric column whose name has "stall"."""
+  rows = [r for r in csv.reader(open(path)) if r]
+  head = next((i for i, r in enumerate(rows) if "Source" in r), None)
+  if head is None:
+    raise ValueError(f"{path}: no header row with a 'Source' column")
+  names = rows[head]
+  src = names.index("Source")
+  addr = next((i for i, n in enumerate(names) if "Address" in n), None)
+  total = next((i for i, n in enumerate(names) if "Sampling" in n and "All" in n), None)
+  if total is None:
+    raise ValueError(f"{path}: no 'Warp Stall Sampling (All Samples)' column in {names}")
+  reasons = [i for i, n in enumerate(names) if "stall" in n.lower() and i != total
+             and "Sampling" not in n]
+  out = []
+  for r in rows[head + 1:]:
+    if len(r) != len(names):
+      continue
+    try:
+      n = _number(r[total] or "0")
+    except ValueError:
+      continue
+    rs = {}
+    for i in reasons:
+      try:
+        rs[names[i]] = _number(r[i] or "0")
+      except ValueError:
+        pass
+    out.append((r[addr] if addr is not None else "", r[src], n, rs))
+  return [names[i] for i in reasons], out
+
+
+def sources(path, top="30"):
+  """Stall samples summed by opcode, then the `top` instructions with the most samples, each
+  with its three largest reasons."""
+  reasons, rows = source_samples(path)
+  total = sum(n for _, _, n, _ in rows) or 1.0
+  print(f"  {len(rows)} SASS instructions, {total:.0f} warp samples; reason columns: "
+        + (", ".join(reasons) if reasons else "none"))
+  by_op = {}
+  for _, sass, n, rs in rows:
+    acc = by_op.setdefault(_opcode(sass), [0.0, {}])
+    acc[0] += n
+    for k, v in rs.items():
+      acc[1][k] = acc[1].get(k, 0.0) + v
+  fmt = lambda rs: ", ".join(f"{k} {v:.0f}" for k, v in sorted(rs.items(), key=lambda x: -x[1])[:3]
+                             if v)
+  print("  by opcode (share of samples; largest reasons):")
+  for op, (n, rs) in sorted(by_op.items(), key=lambda x: -x[1][0])[:15]:
+    print(f"    {op:<10} {100 * n / total:5.1f} %  {fmt(rs)}")
+  print(f"  top {top} instructions:")
+  for a, sass, n, rs in sorted(rows, key=lambda x: -x[2])[:int(top)]:
+    print(f"    {a:>8} {100 * n / total:5.1f} %  {sass.strip()[:60]:<60} {fmt(rs)}")
+
+
 if __name__ == "__main__":
-  commands = {"opcodes": opcodes, "longest": longest, "stalls": stalls, "metrics": metrics}
+  commands = {"opcodes": opcodes, "longest": longest, "stalls": stalls, "metrics": metrics,
+              "sources": sources}
   if len(sys.argv) < 3 or sys.argv[1] not in commands:
     sys.exit(__doc__)
   commands[sys.argv[1]](*sys.argv[2:])

@@ -5,13 +5,18 @@
 
 (nXX: the wgmma N forced to XX, `wgmma_n`; any other variant is options of
 `span_attention_partial_mosaic2` as k=v joined by "+", e.g. perm_tokens=0+combine_cols=16,
-k_heads=0 or combine_cols=32+combine_rows=32.)
+k_heads=0 or combine_cols=32+combine_rows=32; module=NAME runs the variant with
+kvjax_pallas/span_attention/NAME.py instead of kernel_mosaic_v2, e.g. a saved copy of an earlier
+revision as the control in the same run: `git show REV:kvjax_pallas/span_attention/
+kernel_mosaic_v2.py > kvjax_pallas/span_attention/v2_rev.py`, variant module=v2_rev.)
 
-Each variant's call is also compared with the default's output on the same inputs (max |diff|).
+"first s": the call's first run (trace + compile + run; jax's persistent compilation cache, where
+set, can shorten it). Each variant's call is also compared with the default's output on the same inputs (max |diff|).
 The kernel alone is timed once per set of kernel options (variants that change only the combine
 share it: "=" in the kernel column).
 """
 import functools
+import importlib
 import os
 import sys
 import time
@@ -40,8 +45,10 @@ def timed(fn, *args, iters=50):
   return float(np.median(ts)) * 1e6
 
 
-KERNEL_OPTIONS = ("split", "acc_refs", "wgmma_n", "perm_tokens", "k_heads")   # the rest: combine
-FLAG_OPTIONS = ("perm_tokens", "split", "acc_refs", "k_heads")
+KERNEL_OPTIONS = ("split", "acc_refs", "wgmma_n", "perm_tokens", "k_heads", "table_smem",
+                  "late_k", "own_k", "v_halves")                                       # the rest: the combine's
+FLAG_OPTIONS = ("perm_tokens", "split", "acc_refs", "k_heads", "table_smem", "late_k",
+                "own_k")
 
 
 def variant_options(variant: str) -> dict:
@@ -64,7 +71,7 @@ def main():
          "split+acc_refs": dict(split=True, acc_refs=True)}
   lay = PageLayout(4, 256, "q8_0", "q4_0", 256)
   print(f"{'ctx':>7} {'S':>3} {'bp':>3} {'variant':>14} | {'kernel us':>9} {'GB/s':>6} | "
-        f"{'call us':>8} {'GB/s':>6} | max|diff| vs default")
+        f"{'call us':>8} {'GB/s':>6} | {'first s':>7} | max|diff| vs default")
   for ctx in contexts:
     n_pages = ctx // lay.page_tokens
     pool = jax.random.randint(jax.random.PRNGKey(0), (n_pages + 8, lay.page_bytes), 0, 256,
@@ -75,14 +82,16 @@ def main():
     bp = km2.choose_block_pages(n_pages)
     base, kernel_us = {}, {}
     for s, variant in [(s, v) for s in rows for v in variants]:
-      kw = kws[variant] if variant in kws else variant_options(variant)
+      kw = dict(kws[variant] if variant in kws else variant_options(variant))
+      module = kw.pop("module", "kernel_mosaic_v2")
+      km = importlib.import_module("kvjax_pallas.span_attention." + module)
       q = jax.random.normal(jax.random.PRNGKey(s), (s, 24, 256), jnp.float32)
       q_pos = jnp.arange(ctx - s, ctx, dtype=jnp.int32)
       parts = -(-n_pages // bp)
-      kern_fn = functools.partial(km2._span_call, layout=lay, block_pages=bp,  # pylint: disable=protected-access
+      kern_fn = functools.partial(km._span_call, layout=lay, block_pages=bp,  # pylint: disable=protected-access
                                   n_parts=parts, sm_scale=1 / 16, interpret=False,
                                   **{k: v for k, v in kw.items() if k in KERNEL_OPTIONS})
-      call_fn = functools.partial(km2.span_attention_mosaic2, layout=lay, block_pages=bp, **kw)
+      call_fn = functools.partial(km.span_attention_mosaic2, layout=lay, block_pages=bp, **kw)
       # the scalars and q_pos closed over, the pool and table passed (closed over, jit would embed
       # them as constants): session 11 passed ctx as a Python int each call and measured the
       # call ~30 us slower than the bench, host-bound
@@ -91,7 +100,9 @@ def main():
       call = jax.jit(lambda q, pool, table, call_fn=call_fn, q_pos=q_pos, ctx=ctx: call_fn(
           q, pool, table, ctx, q_pos))
       try:
+        t_first = time.perf_counter()
         out = np.asarray(call(q, pool, table))
+        t_first = time.perf_counter() - t_first
       except Exception as e:  # a variant this shape refuses: say so and go on
         print(f"{ctx:>7} {s:>3} {bp:>3} {variant:>14} | failed: {str(e)[:160]}", flush=True)
         continue
@@ -101,7 +112,7 @@ def main():
         base[s] = np.asarray(jax.jit(functools.partial(
             km2.span_attention_mosaic2, layout=lay, block_pages=bp))(q, pool, table, ctx, q_pos))
       diff = float(np.max(np.abs(out - base[s])))
-      kkey = (s, tuple(sorted((k, v) for k, v in kw.items() if k in KERNEL_OPTIONS)))
+      kkey = (s, module, tuple(sorted((k, v) for k, v in kw.items() if k in KERNEL_OPTIONS)))
       shared = kkey in kernel_us
       if not shared:
         kernel_us[kkey] = timed(kern, q, pool, table)
@@ -109,7 +120,8 @@ def main():
       tc = timed(call, q, pool, table)
       nbytes = ctx * lay.token_bytes
       print(f"{ctx:>7} {s:>3} {bp:>3} {variant:>14} | {tk:8.1f}{'=' if shared else ' '} "
-            f"{nbytes / tk / 1e3:6.0f} | {tc:8.1f} {nbytes / tc / 1e3:6.0f} | {diff:.3g}",
+            f"{nbytes / tk / 1e3:6.0f} | {tc:8.1f} {nbytes / tc / 1e3:6.0f} | {t_first:7.1f} | "
+            f"{diff:.3g}",
             flush=True)
 
 

@@ -18,6 +18,9 @@ one in session 9 with `experiments/probe_tma_reads.py`):
    106.5 KB a tile; at N = 32 only 1 K slot fits: `choose_k_slots`); warpgroup 0 issues, every
    warpgroup arrives on a slot's "consumed" barrier. A head-major row is 272 B, so the 8 rows a
    K load reads fall on 8 bank groups (token-major 1088-byte rows: 2, 4-way conflicts).
+   Session 14 tried four other issue schedules, each an option with the same bits and none
+   faster (`table_smem`, `late_k`, `own_k`, `v_halves=3`: see `span_attention_partial_mosaic2`;
+   docs/DESIGN.md, "Span attention v2, session 14").
 2. K: `ggml_k_lhs` turns each lane's 4-byte words of the ggml blocks into f16 registers of a
    WGMMA-layout lhs with the magic-number PTX (`magic_ptx`), scaled (one mul.rn.f16x2: the "f16"
    decode), head dims in `magic_ptx.ggml_dims` order; S^T [64, N] = K Q^T by wgmma with Q^T's
@@ -55,13 +58,14 @@ went from 4-way to 2-way bank conflicts (ncu: 3.86 -> 2.79 wavefronts a load) an
 from 92.3 to 81.3 us at 128K S=1, output bits unchanged on the GPU (S12-2). K's loads stay 4-way
 conflicted: its rows (1088 B) fall on 2 bank classes whatever the order (docs/DESIGN.md).
 
-Measured on the H200 (docs/PERFORMANCE.md, session 13): correct (4.0e-4 against the float32
-reference, like the Triton "f16"; placement invariance and waves bit for bit; in the model
-within 5e-3 of the reference's logits); kernel 77.9 us by ncu at 128K S=1, 154.8 us at 256K
-(2.82 TB/s); the call 96.1 us at 128K, 166.9 at 256K (2.61 TB/s), 113.4 at 160K in the bench
-(XLA bf16 196.2: 1.73x); verify S=4 1.39x the 1-row call at 160K, S=6 2.53x; still at the
-128-register cap of 4 warpgroups (48 B of spills at N = 8), 0.50 issues a scheduler cycle
-(S13-4).
+Measured on the H200 (docs/PERFORMANCE.md, sessions 13 and 14): correct (4.0e-4 against the
+float32 reference, like the Triton "f16"; placement invariance and waves bit for bit; in the
+model within 5e-3 of the reference's logits); kernel 77.9 us by ncu at 128K S=1 (S13-4), 154.8
+us at 256K (2.82 TB/s, S13-3); in the session-14 bench (S14-4) the call 98.8 us at 128K, 115.3
+at 160K (XLA bf16 196.9: 1.71x; Triton 225.2: 1.95x), 165.9 at 256K (2.63 TB/s); verify S=4
+1.36x the 1-row call at 160K, S=6 2.45x; still at the 128-register cap of 4 warpgroups (48 B of
+spills at N = 8), 0.50 issues a scheduler cycle (S13-4); the issuing warpgroup's per-tile work
+is on the critical path (S14-3: one more copy + wait a tile cost 11 %).
 """
 
 from __future__ import annotations
@@ -92,7 +96,9 @@ N_CHOICES = (8, 16, 32, 40)  # the wgmma N of a call (Q and P N-major: any multi
 LINE = 256                 # bytes a line of the pool's V view at most (a TMA box's inner
                            # dimension: `line_bytes`)
 BOX = 256                  # TMA box limit a dimension
-K_SLOTS = (2, 1)           # K ring slots, most first: the most that fit (V has one slot)
+K_SLOTS = (2, 1)           # K ring slots, most first: the most that fit
+V_HALVES = (2, 3)          # V ring slots of half a tile (32 tokens); 2 (the default: one whole tile
+                           # in static slots) or 3 where it fits (measured slower, S14-2)
 INFO = 8                   # per-warpgroup SMEM i32 words before the column limits
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -153,22 +159,22 @@ def check_layout(layout: PageLayout, head_dim: int):
 
 def line_bytes(layout: PageLayout) -> int:
   """Bytes a line of the pool's V view (the V TMA boxes' inner dimension): the largest power of
-  two up to `LINE` dividing the page, the V plane offset and a tile's V span (256 at the 27B
-  shape; the TMA engine wants >= 16)."""
-  g = math.gcd(layout.page_bytes, layout.v_offset, BLOCK_TOKENS * layout.v_row_bytes)
+  two up to `LINE` dividing the page, the V plane offset and half a tile's V span (V is copied
+  in half tiles; 256 at the 27B shape; the TMA engine wants >= 16)."""
+  g = math.gcd(layout.page_bytes, layout.v_offset, BLOCK_TOKENS // 2 * layout.v_row_bytes)
   line = min(LINE, g & -g)
   if line < 16:
     raise ValueError(f"the v2 kernel's V copies need the page ({layout.page_bytes} B), the V "
-                     f"plane offset ({layout.v_offset} B) and a tile's V span "
-                     f"({BLOCK_TOKENS * layout.v_row_bytes} B) in 16-byte lines")
+                     f"plane offset ({layout.v_offset} B) and half a tile's V span "
+                     f"({BLOCK_TOKENS // 2 * layout.v_row_bytes} B) in 16-byte lines")
   return line
 
 
-def smem_bytes(layout: PageLayout, n: int, k_slots: int) -> int:
-  """Shared memory of one CTA: the K ring, the V slot, Q^T and P^T per head, the reduction slots,
-  the info words and the (m, l) staging."""
+def smem_bytes(layout: PageLayout, n: int, k_slots: int, v_halves: int = 2) -> int:
+  """Shared memory of one CTA: the K ring, the V ring (half tiles), Q^T and P^T per head, the
+  reduction slots, the info words and the (m, l) staging."""
   g, bt = layout.num_kv_heads, BLOCK_TOKENS
-  return (k_slots * bt * layout.k_row_bytes + bt * layout.v_row_bytes
+  return (k_slots * bt * layout.k_row_bytes + v_halves * bt // 2 * layout.v_row_bytes
           + g * (HEAD_DIM + bt) * n * 2 + g * 2 * 4 * n * 4 + g * (INFO + n) * 4 + g * 2 * n * 4)
 
 
@@ -182,6 +188,29 @@ def choose_k_slots(layout: PageLayout, n: int) -> int:
   raise ValueError(f"the v2 kernel needs {need:,} B of shared memory at N={n} with "
                    f"{layout.num_kv_heads} KV heads, {need - SMEM_LIMIT:,} B more than the "
                    f"{SMEM_LIMIT:,} B of a CTA")
+
+
+def max_v_halves(layout: PageLayout, n: int, k_slots: int) -> int:
+  """The most V half-tile slots that fit beside `k_slots` K slots (3 at N = 8 and N = 24 to 32 at
+  the 27B shape, 2 at N = 16 and 40)."""
+  return max(v for v in V_HALVES if v == 2 or smem_bytes(layout, n, k_slots, v) <= SMEM_LIMIT)
+
+
+def choose_v_halves(layout: PageLayout, n: int, k_slots: int,
+                    v_halves: Optional[int] = None) -> int:
+  """V ring slots of half a tile beside `k_slots` K slots: v_halves where given (2 or 3, checked
+  against the SMEM limit), else 2: one whole tile, V(i + 1) copied after tile i's PV. 3 copies
+  V(i + 1)'s first half a tile earlier, but its two dynamic half-slot pointers measured slower
+  (S14-2, 128K kernel: S=1 107.5 vs 99.8 us, S=4 178.2 vs 132.9)."""
+  if v_halves is None:
+    return 2
+  if v_halves not in V_HALVES:
+    raise ValueError(f"v_halves must be one of {V_HALVES}, got {v_halves}")
+  need = smem_bytes(layout, n, k_slots, v_halves)
+  if need > SMEM_LIMIT:
+    raise ValueError(f"v_halves={v_halves} needs {need:,} B of shared memory at N={n}, "
+                     f"{need - SMEM_LIMIT:,} B more than the {SMEM_LIMIT:,} B of a CTA")
+  return v_halves
 
 
 def choose_block_pages(num_pages: int, num_sms: int = 132) -> int:
@@ -315,7 +344,7 @@ def ggml_k_lhs(kind: str, layout: PageLayout, base: int, consumers: int, j: int 
 
 
 def ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int = 0, masked: bool = False,
-                blocks=(0, 1, 2, 3), perm: bool = False):
+                blocks=(0, 1, 2, 3), perm: bool = False, halves: bool = False):
   """Q4_0 V of a 64-token tile as the lhs of O^T = V^T P^T: SMEM tile buffer [lines, L] u8 (V row
   t at byte base + t * v row bytes) -> 4 f16 [64, 64] WGMMA-layout arrays (M-blocks of 64 head
   dims in `magic_ptx.vt_dims` order, tokens as columns), scaled, of head wg + j * consumers.
@@ -330,15 +359,18 @@ def ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int = 0, maske
   bytes there give exact zeros. blocks: the M-blocks built (fewer: fewer registers live at once;
   each call loads the quant words again). perm: lhs column i is the tile's token
   `token_perm(i)` (odd quads read their token pairs swapped: 2-way instead of 4-way bank
-  conflicts)."""
+  conflicts). halves: the function takes two tile refs before the info ref, tokens 0-31 and
+  32-63 (the V ring's half-tile slots); each holds its 32 rows from byte base."""
   row_bytes, head_bytes = layout.v_row_bytes, layout.v_head_bytes
   bt = BLOCK_TOKENS
   ret = plgpu.ShapeDtypeStruct((bt, bt), jnp.float16, plgpu.Layout.WGMMA)
-  args = (plgpu.RefType(), plgpu.RefType()) if masked else (plgpu.RefType(),)
+  n_refs = 2 if halves else 1
+  args = (plgpu.RefType(),) * (n_refs + int(masked))
 
   @plgpu.inline_mgpu(arg_types=args, return_type=(ret,) * len(blocks))
-  def conv(ctx, ref, *info):
+  def conv(ctx, *refs):
     del ctx
+    bufs, info = refs[:n_refs], refs[n_refs:]
     ir, arith, llvm, _, fa, mu, mgpu = _mlir()
     i32, i16, i8 = (ir.IntegerType.get_signless(b) for b in (32, 16, 8))
     c, lane, warp, head = _lane_ids(consumers, j)
@@ -355,10 +387,11 @@ def ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int = 0, maske
     # load below is a constant offset from one of them (column 8 g + 2c + e: 8 g rows further)
     swap = arith.andi(quad, c(1)) if perm else c(0)
     pair_rows = [arith.addi(arith.muli(quad, c(2)), arith.xori(swap, c(e))) for e in range(2)]
-    tq = [_thread_ptr(ref, arith.addi(arith.muli(pr, c(row_bytes)), q_col), i8)
-          for pr in pair_rows]
-    ts = [_thread_ptr(ref, arith.addi(arith.muli(pr, c(row_bytes)), scale_col), i8)
-          for pr in pair_rows]
+    # [buffer][e]: with halves, column groups g < 4 read the first buffer, g >= 4 the second
+    tq = [[_thread_ptr(ref, arith.addi(arith.muli(pr, c(row_bytes)), q_col), i8)
+           for pr in pair_rows] for ref in bufs]
+    ts = [[_thread_ptr(ref, arith.addi(arith.muli(pr, c(row_bytes)), scale_col), i8)
+           for pr in pair_rows] for ref in bufs]
     n_valid = None
     if masked:   # valid tokens of the tile past the row of pair e: end - first - row
       iptr = mu.memref_ptr(info[0])
@@ -371,11 +404,12 @@ def ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int = 0, maske
     regs = [np.empty(fa.WGMMA_LAYOUT.registers_shape((bt, bt)), dtype=object) for _ in blocks]
     for g in range(bt // 8):                           # 8-token column groups
       words, scales = [], []
+      b = g * n_refs // (bt // 8)                      # the buffer of this group
       for e in range(2):
-        row = base + 8 * g * row_bytes
-        w0, w1 = (load(tq[e], row + 4 * k, i32, 4) for k in range(2))
+        row = base + 8 * (g - b * (bt // 8) // n_refs) * row_bytes
+        w0, w1 = (load(tq[b][e], row + 4 * k, i32, 4) for k in range(2))
         words.append(llvm.inline_asm(i32, [w0, w1, sel], magic_ptx.PRMT_PTX, "=r,r,r,r"))
-        sc = arith.extui(i32, load(ts[e], row, i16, 2))
+        sc = arith.extui(i32, load(ts[b][e], row, i16, 2))
         if masked:
           sc = arith.select(arith.cmpi(arith.CmpIPredicate.slt, c(8 * g), n_valid[e]), sc, c(0))
         scales.append(sc)
@@ -549,9 +583,12 @@ class _CompiledTile:
     k_lhs = functools.partial(ggml_k_lhs, layout.k_type, layout, 0, g, scaled=True, perm=perm,
                               heads_major=k_heads)
     self.k_parts = [k_lhs(part=p) for p in (0, 1)] if split else [k_lhs()]
-    self.vt_parts = ([ggml_vt_lhs(layout, 0, g, masked=True, blocks=b, perm=perm)
-                      for b in ((0, 1), (2, 3))] if split else
-                     [ggml_vt_lhs(layout, 0, g, masked=True, perm=perm)])
+    # V^T from one whole-tile ref (a 2-slot V ring: static slots) or from two half-tile refs
+    self.vt_parts = {halves: ([ggml_vt_lhs(layout, 0, g, masked=True, blocks=b, perm=perm,
+                                           halves=halves) for b in ((0, 1), (2, 3))] if split
+                              else [ggml_vt_lhs(layout, 0, g, masked=True, perm=perm,
+                                                halves=halves)])
+                     for halves in (False, True)}
     self.softmax = _softmax_tile(n, scale_log2, perm)
     self.col_sums = _column_sums(n)
 
@@ -567,16 +604,17 @@ class _CompiledTile:
       return acc[...]
     return pl.run_scoped(qk, plgpu.ACC((BLOCK_TOKENS, self.n), jnp.float32))
 
-  def pv(self, o, vbuf, pt, info, head=None):
+  def pv(self, o, vbufs, pt, info, head=None):
     del head
-    return pl.run_state(lambda accs: self.pv_refs(accs, vbuf, pt, info))(
+    return pl.run_state(lambda accs: self.pv_refs(accs, vbufs, pt, info))(
         tuple(plgpu.ACC.init(x) for x in o))
 
-  def pv_refs(self, o_refs, vbuf, pt, info):
-    """O^T += V^T P^T into the 4 accumulator refs (O held in refs for the whole loop)."""
+  def pv_refs(self, o_refs, vbufs, pt, info):
+    """O^T += V^T P^T into the 4 accumulator refs (O held in refs for the whole loop); vbufs:
+    (the whole tile's V) or the tile's two half-tile V slots."""
     k = 0
-    for conv in self.vt_parts:
-      for vt in conv(vbuf, info):
+    for conv in self.vt_parts[len(vbufs) == 2]:
+      for vt in conv(*vbufs, info):
         plgpu.wgmma(o_refs[k], vt, plgpu.transpose_ref(pt, (1, 0)))       # P^T [64, N]
         k += 1
       plgpu.wgmma_wait(0)
@@ -635,7 +673,7 @@ class _InterpretTile:
   def _head(self, buf, row_bytes: int, head_bytes: int, kind: str, wg):
     """Head wg's bytes [64, head bytes] of a token-major tile buffer (all heads' rows), decoded
     to f16 in the tile's row order."""
-    rows = buf[...].reshape(BLOCK_TOKENS, row_bytes)
+    rows = (buf if isinstance(buf, jax.Array) else buf[...]).reshape(BLOCK_TOKENS, row_bytes)
     return self._decode(lax.dynamic_slice_in_dim(rows, wg * head_bytes, head_bytes, axis=1), kind)
 
   def _decode(self, head, kind: str):
@@ -666,9 +704,10 @@ class _InterpretTile:
     l_new = l * alpha + jnp.sum(p, axis=0)
     return p.astype(jnp.float16), m_new, l_new, jnp.broadcast_to(alpha[None, :], (bt, self.n))
 
-  def pv(self, o, vbuf, pt, info, wg):
+  def pv(self, o, vbufs, pt, info, wg):
     lay = self.layout
-    v = self._head(vbuf, lay.v_row_bytes, lay.v_head_bytes, lay.v_type, wg)
+    tile = jnp.concatenate([b[...].reshape(-1) for b in vbufs])     # the two half-tile slots
+    v = self._head(tile, lay.v_row_bytes, lay.v_head_bytes, lay.v_type, wg)
     ok = self._tokens(info[0], (BLOCK_TOKENS, 1)) < info[1]
     vt = vt_in_magic_order(jnp.where(ok, v, jnp.float16(0)).T)      # [256, 64], vt_dims rows
     upd = jnp.dot(vt.astype(jnp.float32), pt[...].T.astype(jnp.float32),
@@ -695,10 +734,11 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
                     krows_ref,
                     ml_out, o_out,                                    # outputs
                     kbufs, vbuf, kbars, vbar, kfree, vfree, qt_s, pt_s, red_s, info_s, ml_s,
-                    in_bar,                                           # scratch
+                    in_bar, tab_s,                                    # scratch
                     *, layout: PageLayout, block_pages: int, num_phys: int, num_table: int,
                     num_tokens: int, group: int, n: int, scale_log2: float, interpret: bool,
-                    split: bool, acc_refs: bool, perm: bool, k_heads: bool):
+                    split: bool, acc_refs: bool, perm: bool, k_heads: bool, table_smem: bool,
+                    late_k: bool, own_k: bool):
   # kv_len, tile_begin, tile_end [1] i32 (as the caller gave them: no XLA op stacks them);
   # tab [T] i32; qpos [S] i32; qt [G, N, 256] f16 (Q, head dims in ggml_dims order)
   # lines [P, page_bytes / L, L] u8 (L = line_bytes: 256 at the 27B shape)
@@ -706,10 +746,13 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
   # -> ml_out [G, parts, 2, N] f32 (m natural-log domain, l), o_out [G, parts, 256, N] f32
   #    (O^T, rows in vt_dims order)
   # scratch: kbufs [2, G, 64, k_head_bytes / 4] i32 (k_heads: head-major) or [2, k_lines, L] u8
-  # (token-major), vbuf [v_lines, L] u8, kbars (2), vbar, kfree (2),
-  # vfree (arrivals: G), qt_s [G, N, 256] f16, pt_s [G, N, 64] f16 (Q and P
+  # (token-major), vbuf [v_slots, chunk lines, L] u8 (the V ring: 1 slot of a whole tile, or 3
+  # of half a tile: chunk j, part j % 2 of tile j // 2, in slot j % 3), kbars (2), vbar
+  # (v_slots), kfree (2), vfree (v_slots; arrivals: G), qt_s [G, N, 256] f16, pt_s [G, N, 64] f16 (Q and P
   # N-major: wgmma reads them through transposed views as Q^T and P^T), red_s [G, 2, 4, N] f32,
-  # info_s [G, INFO + N] i32, ml_s [G, 2, N] f32, in_bar
+  # info_s [G, INFO + N] i32, ml_s [G, 2, N] f32, in_bar, tab_s [G, block_pages] i32
+  # (table_smem: the partition's physical pages, read once from GMEM by each warpgroup into its
+  # row; else unused). own_k: kbars are [slots x G] (one a slot and head), kfree unused
   g_heads = layout.num_kv_heads
   # compiled: one warpgroup a KV head (Pallas threads); interpreted: one thread serves every head
   # in turn (the interpreter runs each Pallas thread's code as an XLA computation whose barrier
@@ -721,7 +764,11 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
   bt, pt = BLOCK_TOKENS, layout.page_tokens
   tiles = (_InterpretTile(layout, n, scale_log2, perm, k_heads) if interpret
            else _CompiledTile(layout, n, scale_log2, split, perm, k_heads))
-  k_slots, k_lines, v_lines = kbufs.shape[0], kbufs.shape[1], vbuf.shape[0]
+  k_slots, k_lines = kbufs.shape[0], kbufs.shape[1]
+  v_slots = vbuf.shape[0]
+  v_parts = 1 if v_slots == 1 else 2          # V chunks a tile: the whole tile, or halves
+  chunk_lines = vbuf.shape[1]
+  v_lines = v_parts * chunk_lines
   line = lines_ref.shape[-1]
   v_first = layout.v_offset // line
 
@@ -743,24 +790,54 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
     else:
       fn()
 
-  def copy(plane: str, i, dst, bar):
+  def copy(plane: str, i, dst, bar, head=None, part: int = 0):
     """TMA copies of key tile i into dst, all arriving on bar: K with k_heads one box a head
-    ([64 rows, head words] of the K-row view into dst [G, 64, head words]); else the all-heads
-    K or V span into dst [lines, L], in boxes of <= 256 lines."""
+    ([64 rows, head words] of the K-row view into dst [G, 64, head words]; head given: that
+    head's box only, into dst [64, head words]); else the all-heads K or V span into dst
+    [lines, L], in boxes of <= 256 lines; V in chunks of `chunk_lines` (part p of the tile)."""
     t0 = tok_lo + i * bt
     lp = jnp.minimum(t0 // pt, n_table - 1)
-    phys = jnp.clip(tab_ref[lp], 0, num_phys - 1)
+    if table_smem:   # an SMEM load on the issuer's path instead of a GMEM one a copy
+      row = heads[0] if head is None else head
+      phys = tab_s[row, jnp.clip(lp - pp * block_pages, 0, block_pages - 1)]
+    else:
+      phys = jnp.clip(tab_ref[lp], 0, num_phys - 1)
     r = (t0 - lp * pt) // bt
     if plane == "k" and k_heads:
       row0 = phys * layout.k_rows_per_page + r * bt
+      if head is not None:
+        plgpu.copy_gmem_to_smem(krows_ref.at[pl.ds(row0, bt), head], dst, bar)
+        return
       for h in range(g_heads):
         plgpu.copy_gmem_to_smem(krows_ref.at[pl.ds(row0, bt), h], dst.at[h], bar)
       return
-    first, lines = ((r * k_lines, k_lines) if plane == "k" else (v_first + r * v_lines, v_lines))
+    first, lines = ((r * k_lines, k_lines) if plane == "k"
+                    else (v_first + r * v_lines + part * chunk_lines, chunk_lines))
     for c0 in range(0, lines, BOX):
       cnt = min(BOX, lines - c0)
       plgpu.copy_gmem_to_smem(lines_ref.at[phys, pl.ds(first + c0, cnt)],
                               dst.at[pl.ds(c0, cnt)], bar)
+
+  if table_smem:     # each warpgroup its row (own_k: each issues its head's K copies)
+    for h in heads:
+      for j in range(block_pages):
+        tab_s[h, j] = jnp.clip(tab_ref[jnp.minimum(pp * block_pages + j, n_table - 1)], 0,
+                               num_phys - 1)
+
+  def kbar(slot, h):   # own_k: one barrier a slot and head
+    return kbars.at[slot * g_heads + h] if own_k else kbars.at[slot]
+
+  def copy_own_k(i, slot):
+    for h in heads:
+      copy("k", i, kbufs.at[slot, h], kbar(slot, h), head=h)
+
+  if own_k:
+    pl.when(n_tiles > 0)(lambda: copy_own_k(0, 0))
+    if k_slots > 1:
+      pl.when(n_tiles > 1)(lambda: copy_own_k(1, 1))
+
+  def copy_v(j: int):   # the ring's first chunks: chunk j into slot j
+    return lambda: copy("v", j // v_parts, vbuf.at[j], vbar.at[j], part=j % v_parts)
 
   @by_issuer
   def _():
@@ -768,10 +845,13 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
 
     @pl.when(n_tiles > 0)
     def _():
-      copy("k", 0, kbufs.at[0], kbars.at[0])
-      copy("v", 0, vbuf, vbar)
+      if not own_k:
+        copy("k", 0, kbufs.at[0], kbars.at[0])
 
-    if k_slots > 1:
+    for j in range(v_slots):     # the V ring's first chunks
+      pl.when(j < v_parts * n_tiles)(copy_v(j))
+
+    if k_slots > 1 and not own_k:
       pl.when(n_tiles > 1)(lambda: copy("k", 1, kbufs.at[1], kbars.at[1]))
 
   # a head's info words: [0] the tile's first token, [1] the token end, [INFO + c] the key limit
@@ -789,16 +869,25 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
     ks = i % k_slots
     for h in heads:
       info_s.at[h][0] = tok_lo + i * bt
-    plgpu.barrier_wait(kbars.at[ks])
+    for h in (heads if own_k else heads[:1]):
+      plgpu.barrier_wait(kbar(ks, h))
     scores = [tiles.scores(kbufs.at[ks], qt_s.at[h], h) for h in heads]
-    if multi:
+    if own_k:    # this warpgroup's K slot is consumed (its wgmma waited for): refill it
+      pl.when(i + k_slots < n_tiles)(lambda: copy_own_k(i + k_slots, ks))
+    elif multi:
       plgpu.barrier_arrive(kfree.at[ks])
 
-    @by_issuer
-    def _():   # every completion of a "consumed" barrier is waited for (the interpreter checks)
-      if multi:
+    def issue_k():   # every completion of a "consumed" barrier is waited for (the interpreter
+      if multi:      # checks)
         plgpu.barrier_wait(kfree.at[ks])
       pl.when(i + k_slots < n_tiles)(lambda: copy("k", i + k_slots, kbufs.at[ks], kbars.at[ks]))
+
+    # late_k (2 K slots): K(i + 2) is issued after tile i's PV, beside V(i + 1), so the issuer
+    # meets the other warpgroups once a tile instead of twice; with 1 slot it would leave
+    # tile i + 1's K wholly exposed, so it is issued here as soon as the slot is consumed
+    k_late = late_k and k_slots > 1 and not own_k
+    if not (k_late or own_k):
+      by_issuer(issue_k)
 
     stepped = []
     for h, s, (m, l, o) in zip(heads, scores, carry):
@@ -811,22 +900,36 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
           r[...] = r[...] * alpha
       stepped.append((m, l, o))
     plgpu.commit_smem()
-    plgpu.barrier_wait(vbar)
+    # tile i's V chunks: the one whole-tile slot (static: as before session 14), or two halves in
+    # a ring of 3 (two dynamic half-slot pointers in the conversion, S14-2)
+    tile_slots = ([0] if v_slots == 1 else [(2 * i + b) % v_slots for b in range(2)])
+    for vs in tile_slots:
+      plgpu.barrier_wait(vbar.at[vs])
+    vbufs = tuple(vbuf.at[vs] for vs in tile_slots)
     carry = []
     for h, (m, l, o) in zip(heads, stepped):
       if o_refs is not None:
-        tiles.pv_refs(o_refs, vbuf, pt_s.at[h], info_s.at[h])
+        tiles.pv_refs(o_refs, vbufs, pt_s.at[h], info_s.at[h])
       else:
-        o = tiles.pv(o, vbuf, pt_s.at[h], info_s.at[h], h)
+        o = tiles.pv(o, vbufs, pt_s.at[h], info_s.at[h], h)
       carry.append((m, l, o))
     if multi:
-      plgpu.barrier_arrive(vfree)
+      for vs in tile_slots:
+        plgpu.barrier_arrive(vfree.at[vs])
 
     @by_issuer
     def _():
-      if multi:
-        plgpu.barrier_wait(vfree)
-      pl.when(i + 1 < n_tiles)(lambda: copy("v", i + 1, vbuf, vbar))
+      # the freed slots take chunks v_parts i + v_slots + b: tile i + 1 (one whole-tile slot);
+      # with 3 half slots, tile i + 1's second half and tile i + 2's first (a tile ahead)
+      for b, vs in enumerate(tile_slots):
+        if multi:
+          plgpu.barrier_wait(vfree.at[vs])
+        j = v_slots + b                # chunk v_parts i + j: tile i + j // v_parts
+        pl.when(v_parts * i + j < v_parts * n_tiles)(
+            lambda j=j, vs=vs: copy("v", i + j // v_parts, vbuf.at[vs], vbar.at[vs],
+                                    part=j % v_parts))
+      if k_late:
+        issue_k()
 
     return tuple(carry)
 
@@ -871,7 +974,9 @@ def query_n_major(q_shd, num_kv_heads: int, n: int):
 def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos_s, *,
                layout: PageLayout, block_pages: int, n_parts: int, sm_scale: float,
                interpret: bool, split: bool = False, acc_refs: bool = False,
-               wgmma_n: Optional[int] = None, perm_tokens: bool = True, k_heads: bool = True):
+               wgmma_n: Optional[int] = None, perm_tokens: bool = True, k_heads: bool = True,
+               table_smem: bool = False, late_k: bool = False, own_k: bool = False,
+               v_halves: Optional[int] = None):
   """The kernel call (kv_len, tile_begin, tile_end: i32 scalars; tile_end is clipped to the
   active pages and the table in the kernel): -> (ml [G, parts, 2, N], O^T [G, parts, 256, N] in
   vt_dims rows) f32."""
@@ -891,6 +996,8 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
                                                    4), jnp.int32)
   k_lines, v_lines = bt * layout.k_row_bytes // line, bt * layout.v_row_bytes // line
   k_slots = choose_k_slots(layout, n)
+  v_halves = choose_v_halves(layout, n, k_slots, v_halves)
+  v_slots, v_parts = (1, 1) if v_halves == 2 else (v_halves, 2)   # whole-tile slot, or halves
   # Q and P N-major in (8, 64) tiles, 128-byte swizzle: the transposed wgmma rhs of any N % 8 == 0
   rhs = lambda shape: plgpu.SMEM(shape, jnp.float16, transforms=(
       plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
@@ -898,23 +1005,26 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
   scratch = [
       (plgpu.SMEM((k_slots, g, bt, kw_head), jnp.int32) if k_heads      # kbufs
        else plgpu.SMEM((k_slots, k_lines, line), jnp.uint8)),
-      plgpu.SMEM((v_lines, line), jnp.uint8),                          # vbuf
-      plgpu.Barrier(num_arrivals=g if k_heads else boxes(k_lines), num_barriers=k_slots),  # kbars
-      plgpu.Barrier(num_arrivals=boxes(v_lines)),                      # vbar
+      plgpu.SMEM((v_slots, v_lines // v_parts, line), jnp.uint8),      # vbuf
+      (plgpu.Barrier(num_arrivals=1, num_barriers=k_slots * g) if own_k      # kbars
+       else plgpu.Barrier(num_arrivals=g if k_heads else boxes(k_lines), num_barriers=k_slots)),
+      plgpu.Barrier(num_arrivals=boxes(v_lines // v_parts), num_barriers=v_slots),  # vbar
       plgpu.Barrier(num_arrivals=g, num_barriers=k_slots),             # kfree
-      plgpu.Barrier(num_arrivals=g),                                   # vfree
+      plgpu.Barrier(num_arrivals=g, num_barriers=v_slots),             # vfree
       rhs((g, n, d)),                                                  # qt_s
       rhs((g, n, bt)),                                                 # pt_s
       plgpu.SMEM((g, 2, 4, n), jnp.float32),                           # red_s
       plgpu.SMEM((g, INFO + n), jnp.int32),                            # info_s
       plgpu.SMEM((g, 2, n), jnp.float32),                              # ml_s
       plgpu.Barrier(num_arrivals=1),                                   # in_bar
+      plgpu.SMEM((g, block_pages) if table_smem else (1, 1), jnp.int32),  # tab_s
   ]
   body = functools.partial(_span_kernel_v2, layout=layout, block_pages=block_pages,
                            num_phys=num_phys, num_table=page_table_t.shape[0],
                            num_tokens=s_tok, group=r, n=n,
                            scale_log2=float(sm_scale) * _LOG2E, interpret=interpret,
-                           split=split, acc_refs=acc_refs, perm=perm_tokens, k_heads=k_heads)
+                           split=split, acc_refs=acc_refs, perm=perm_tokens, k_heads=k_heads,
+                           table_smem=table_smem, late_k=late_k, own_k=own_k)
   kw = dict(num_threads=g, thread_name="wg") if g > 1 and not interpret else {}
   kern = plgpu.kernel(
       body,
@@ -966,7 +1076,7 @@ def combine_plan(n: int, num_parts: int, head_dim: int = HEAD_DIM,
 @functools.partial(jax.jit, static_argnames=(
     "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "split", "acc_refs",
     "wgmma_n", "combine_cols", "combine_warps", "combine_unroll", "combine_rows",
-    "perm_tokens", "k_heads"))
+    "perm_tokens", "k_heads", "table_smem", "late_k", "own_k", "v_halves"))
 def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                    carry: Optional[_ref.Carry], tile_begin, tile_end, *,
                                    layout: PageLayout, num_q_heads: int, block_pages: int = 1,
@@ -977,7 +1087,10 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
                                    combine_warps: Optional[int] = None,
                                    combine_unroll: Optional[int] = None,
                                    combine_rows: Optional[int] = None,
-                                   perm_tokens: bool = True, k_heads: bool = True) -> _ref.Carry:
+                                   perm_tokens: bool = True, k_heads: bool = True,
+                                   table_smem: bool = False, late_k: bool = False,
+                                   own_k: bool = False,
+                                   v_halves: Optional[int] = None) -> _ref.Carry:
   """Mosaic GPU v2 version of `reference.span_attention_partial_reference` (same contract;
   carry=None: the empty carry). The partitions are folded in logical order by the Triton
   kernel's pipelined combine (`kernel_triton.combine_call`), O^T's rows taken as its columns in
@@ -993,7 +1106,17 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
   conflicts; False: tokens in order, as before session 12).
   k_heads: K copied head-major (one TMA box a head from the pool's K-row view: a row stride of
   one head's 272 B, no bank conflicts in the K conversion's loads); False: the all-heads span
-  token-major as before session 13 (1088-byte rows, 4-way conflicts). Same bits."""
+  token-major as before session 13 (1088-byte rows, 4-way conflicts). Same bits.
+  table_smem: the issuer reads the partition's page-table entries from GMEM once, into SMEM,
+  instead of one GMEM load a copy (2 a tile, on the issuing warpgroup's path). late_k: with 2 K
+  slots, K(i + 2) is issued after tile i's PV beside V(i + 1) (one wait on the other warpgroups
+  a tile instead of two). own_k (needs k_heads): each warpgroup issues its own head's K box on
+  its own barrier as soon as its wgmma has read the slot (no "consumed" barrier for K: the
+  warpgroups meet only on V). v_halves: the V ring in half tiles (None / 2: one whole-tile slot,
+  V(i + 1) copied after tile i's PV, as before session 14; 3: three half-tile slots, V(i + 1)'s
+  first half copied a tile earlier; `choose_v_halves`). None of these options changes a bit."""
+  if own_k and not k_heads:
+    raise ValueError("own_k needs k_heads=True (one K box a head)")
   # pylint: disable=import-outside-toplevel
   from kvjax_pallas.span_attention import kernel_mosaic as _v1
   from kvjax_pallas.span_attention import kernel_triton as _triton
@@ -1012,7 +1135,9 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
                           tile_end, q_pos_s,
                           layout=layout, block_pages=block_pages, n_parts=n_parts,
                           sm_scale=scale, interpret=interpret, split=split, acc_refs=acc_refs,
-                          wgmma_n=wgmma_n, perm_tokens=perm_tokens, k_heads=k_heads)
+                          wgmma_n=wgmma_n, perm_tokens=perm_tokens, k_heads=k_heads,
+                          table_smem=table_smem, late_k=late_k, own_k=own_k,
+                          v_halves=v_halves)
   # ml_p [G, parts, 2, N] and O^T [G, parts, vt rows, N] go to the combine as the kernel wrote them
   return _triton.combine_call(ml_p, None, ot_p, carry, rows=rows, acc_transposed=True,
                               v_cols=magic_ptx.vt_dims(d), head_dim=d, interpret=interpret,

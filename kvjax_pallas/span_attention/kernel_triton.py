@@ -93,11 +93,15 @@ DEFAULT_PRECISION = "f16"
 READS = ("gather", "windows", "words")  # how head rows are read, see `row_pieces`
 DEFAULT_READS = "gather"       # measured faster (docs/PERFORMANCE.md, S3-6)
 BLOCK = 32                 # head-dim values per decoded block (the ggml quant block)
-# combine_unroll="auto": the most partitions (32, 16 or 8) the combine loads at once whose tiles
+# combine_unroll="auto": the most partitions (16 or 8) the combine loads at once whose tiles
 # hold at most this many floats (unroll x row block x column block). Measured on the H200 (session
 # 6, S6-1): 32 x 8 x 32 = 8,192 at S=1 took the combine from 19.9 to 15.7 us; 32 x 64 x 32 at S=6
-# spilled (871 vs 393 us a call); 8 x 64 x 32 = 16,384 was the old default everywhere.
+# spilled (871 vs 393 us a call); 8 x 64 x 32 = 16,384 was the old default everywhere. Session 14
+# (S14-1, the v2 call at 128K, 128 partitions): 16 a group against 32 compiled in 6.5 s instead of
+# 38.7 (S=1) and 7.0 instead of 34.8 (S=4), and ran faster (call 96.7 vs 98.8 us, 128.0 vs 133.1);
+# 8: 2.4 s but 107.7 / 139.7 us. So 16 at most.
 COMBINE_TILE_FLOATS = 16384
+COMBINE_UNROLL_MAX = 16
 
 # kind -> (halfwords per 32-value block, has an f16 scale in front)
 _BLOCK_HW = {"q8_0": (17, True), "q4_0": (9, True), "f16": (32, False), "bf16": (32, False)}
@@ -858,11 +862,14 @@ def _combine_kernel(*refs, block_rows: int, block_cols: int, num_parts: int, unr
 
 
 def combine_unroll_for(block_rows: int, block_cols: int, num_parts: int) -> int:
-  """combine_unroll="auto": the largest of 32, 16, 8 whose group of partition tiles holds at most
-  COMBINE_TILE_FLOATS floats (8 at least), and no larger than `num_parts` rounded up to a multiple
-  of 8 (the partitions are padded to a whole number of groups with empty ones)."""
+  """combine_unroll="auto": the largest of 16 (COMBINE_UNROLL_MAX) and 8 whose group of partition
+  tiles holds at most COMBINE_TILE_FLOATS floats (8 at least), and no larger than `num_parts`
+  rounded up to a multiple of 8 (the partitions are padded to a whole number of groups with empty
+  ones)."""
   need = max(8, -(-int(num_parts) // 8) * 8)
   for unroll in (32, 16):
+    if unroll > COMBINE_UNROLL_MAX:
+      continue
     if unroll * block_rows * block_cols <= COMBINE_TILE_FLOATS:
       return min(unroll, need)
   return 8
@@ -955,9 +962,10 @@ def span_attention_partial_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
   row block; combine_warps None: one warp a 64 elements of the tile, 1 to 4. The tiling changes no
   bit (the fold is elementwise per row, in logical order).
   combine_unroll: partitions the combine loads at once, one group ahead of the fold: a multiple of
-  8, or "auto" (`combine_unroll_for`: 32 for decode, fewer where the row block is larger). Larger
+  8, or "auto" (`combine_unroll_for`: 16 for decode, fewer where the row block is larger). Larger
   groups hide more of the load latency of its serial chain (S6-1: 19.9 -> 15.7 us at 128
-  partitions). The fold order is the same; the interpreter gives the same bits for 8, 16 and 32
+  partitions) but compile superlinearly longer (S14-1: 32 took ~35 s more than 16 and ran no
+  faster). The fold order is the same; the interpreter gives the same bits for 8, 16 and 32
   but not for 1 (its compiler contracts the merge's multiply-adds differently in that loop body).
   fused_prep: the span kernel folds, pads and splits the query and repeats its positions itself,
   and clips the page range, instead of 6 small XLA fusions before it (S6-1: together with the
