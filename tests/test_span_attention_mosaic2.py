@@ -77,6 +77,21 @@ def test_smem_plan_and_partitions():
       8, 8, 8, 16, 16, 32, 32, 32, 40, 40]
 
 
+def test_rejects_bad_kernel_options():
+  """The session-14 options refuse what they cannot do, by name."""
+  layout = _layout(REAL)
+  q = jnp.zeros((1, 24, 256), jnp.float32)
+  pool = jnp.zeros((3, layout.page_bytes), jnp.uint8)
+  table = jnp.arange(2, dtype=jnp.int32)
+  for kw, msg in ((dict(heads_per_wg=3), "heads_per_wg must be 1 or 2 and divide the 4 KV heads"),
+                  (dict(heads_per_wg=2, acc_refs=True), "acc_refs .* needs heads_per_wg=1"),
+                  (dict(own_k=True, k_heads=False), "own_k needs k_heads=True"),
+                  (dict(v_halves=4), r"v_halves must be one of \(2, 3\)")):
+    with pytest.raises(ValueError, match=msg):
+      km2.span_attention_mosaic2(q, pool, table, 300, jnp.asarray([299], jnp.int32),
+                                 layout=layout, block_pages=1, **kw)
+
+
 def test_rejects_unsupported_arguments():
   q = jnp.zeros((1, 24, 256), jnp.float32)
   table = jnp.arange(2, dtype=jnp.int32)
@@ -119,13 +134,16 @@ def test_wgmma_n_choice():
 # ----------------------------------------------------------------------------- lowering (CPU)
 
 
-@pytest.mark.parametrize("s_tok,wgmma_n", [(1, None), (2, None), (4, None), (5, None), (6, None),
-                                            (1, 16), (4, 24)])
-def test_lowers_for_cuda_at_real_shape(s_tok, wgmma_n):
+@pytest.mark.parametrize("s_tok,wgmma_n,opts", [
+    (1, None, {}), (2, None, {}), (4, None, {}), (5, None, {}), (6, None, {}), (1, 16, {}),
+    (4, 24, {}), (1, None, dict(heads_per_wg=2)), (4, None, dict(heads_per_wg=2, own_k=True)),
+    (1, None, dict(v_halves=3, table_smem=True, late_k=True))])
+def test_lowers_for_cuda_at_real_shape(s_tok, wgmma_n, opts):
   """The Pallas -> Mosaic GPU lowering accepts the kernel: inline PTX / MLIR of the conversions
   and the softmax, TMA boxes, the K ring (2 slots at N=8 / 16, 1 from N=24), wgmma shapes with
   the N-major Q and P read transposed, the transposed P store; also a forced wgmma N (N=16 for
-  decode, N=24 for S=4: 3 Q / P tiles of 8)."""
+  decode, N=24 for S=4: 3 Q / P tiles of 8); and the session-14 options (2 warpgroups of 2
+  heads each; own K copies; a V ring of half tiles; the page table in SMEM; late K copies)."""
   layout = _layout(REAL)
   q = jnp.zeros((s_tok, REAL["q_heads"], REAL["head_dim"]), jnp.float32)
   pool = jnp.zeros((7, layout.page_bytes), jnp.uint8)
@@ -134,7 +152,7 @@ def test_lowers_for_cuda_at_real_shape(s_tok, wgmma_n):
 
   def f(q, pool, table, kv_len, q_pos):
     return km2.span_attention_mosaic2(q, pool, table, kv_len, q_pos, layout=layout, block_pages=2,
-                                      wgmma_n=wgmma_n)
+                                      wgmma_n=wgmma_n, **opts)
 
   lowered = jax.jit(f).trace(q, pool, table, jnp.int32(1100), q_pos).lower(
       lowering_platforms=("cuda",))
@@ -237,7 +255,8 @@ def test_interpret_k_layouts_same_bits():
   and token-major (the all-heads span in lines, as before session 13) give the same bits: the
   same bytes reach the same conversion, only their SMEM addresses differ. So do the issue
   options (the page table read once into SMEM; K issued after the PV; each head's K issued by
-  its own warpgroup on its own barrier; a V ring of 3 half-tile slots instead of 2): the same
+  its own warpgroup on its own barrier; a V ring of 3 half-tile slots instead of 2; 2 heads a
+  warpgroup, in the interpreter the same walk over the heads): the same
   copies in another order, every barrier completion still waited for (the interpreter
   checks)."""
   layout = _layout(SMALL)
@@ -248,7 +267,8 @@ def test_interpret_k_layouts_same_bits():
   outs = [np.asarray(km2.span_attention_mosaic2(q, pool, table, tokens, q_pos, layout=layout,
                                                 block_pages=2, interpret=True, **kw))
           for kw in (dict(), dict(k_heads=False), dict(table_smem=True, late_k=True),
-                     dict(table_smem=True, own_k=True), dict(v_halves=3))]
+                     dict(table_smem=True, own_k=True), dict(v_halves=3),
+                     dict(heads_per_wg=2))]
   for out in outs[1:]:
     np.testing.assert_array_equal(outs[0], out)
   check_against_reference(jnp.asarray(outs[0]), hist, q, pool, table, q_pos, block_pages=2,
@@ -332,7 +352,7 @@ if ON_GPU:
   @pytest.mark.parametrize("s_tok", [1, 4, 6])
   def test_gpu_k_layouts_and_combines(s_tok):
     """Compiled: head-major K (the default) gives the bits of token-major K, and so do the issue
-    options (table_smem, late_k, own_k, v_halves=3); other combine
+    options (table_smem, late_k, own_k, v_halves=3, heads_per_wg=2); other combine
     tiles (the default before session 13, and one warp a 8 x 8 tile loading 8 partitions at a
     time) stay on the reference."""
     layout = _layout(REAL)
@@ -348,6 +368,7 @@ if ON_GPU:
     np.testing.assert_array_equal(base, run(late_k=True))
     np.testing.assert_array_equal(base, run(own_k=True, table_smem=True))
     np.testing.assert_array_equal(base, run(v_halves=3))
+    np.testing.assert_array_equal(base, run(heads_per_wg=2))
     for kw in (dict(combine_cols=32, combine_rows=8), dict(combine_unroll=8)):
       check_against_reference(jnp.asarray(run(**kw)), hist, q, pool, table, q_pos,
                               block_pages=2, tol=2e-3)

@@ -46,7 +46,7 @@ def timed(fn, *args, iters=50):
 
 
 KERNEL_OPTIONS = ("split", "acc_refs", "wgmma_n", "perm_tokens", "k_heads", "table_smem",
-                  "late_k", "own_k", "v_halves")                                       # the rest: the combine's
+                  "late_k", "own_k", "v_halves", "heads_per_wg")                                       # the rest: the combine's
 FLAG_OPTIONS = ("perm_tokens", "split", "acc_refs", "k_heads", "table_smem", "late_k",
                 "own_k")
 

@@ -575,48 +575,65 @@ class _CompiledTile:
   """The tile math of the compiled kernel: magic conversions in registers, inline softmax."""
 
   def __init__(self, layout: PageLayout, n: int, scale_log2: float, split: bool = False,
-               perm: bool = False, k_heads: bool = True):
+               perm: bool = False, k_heads: bool = True, heads_per_wg: int = 1):
     g = layout.num_kv_heads
+    n_wg = g // heads_per_wg          # warpgroups: head = warpgroup + j * n_wg, j < heads_per_wg
     self.n = n
     # split: the K lhs in two halves of the head dims and V^T in two pairs of M-blocks, each
     # waited for before the next is built (the whole lhs at once spilled registers: ncu S10-3)
-    k_lhs = functools.partial(ggml_k_lhs, layout.k_type, layout, 0, g, scaled=True, perm=perm,
-                              heads_major=k_heads)
-    self.k_parts = [k_lhs(part=p) for p in (0, 1)] if split else [k_lhs()]
-    # V^T from one whole-tile ref (a 2-slot V ring: static slots) or from two half-tile refs
-    self.vt_parts = {halves: ([ggml_vt_lhs(layout, 0, g, masked=True, blocks=b, perm=perm,
-                                           halves=halves) for b in ((0, 1), (2, 3))] if split
-                              else [ggml_vt_lhs(layout, 0, g, masked=True, perm=perm,
-                                                halves=halves)])
+    # [j][part]: the conversions of the warpgroup's j-th head
+    k_lhs = functools.partial(ggml_k_lhs, layout.k_type, layout, 0, n_wg, scaled=True,
+                              perm=perm, heads_major=k_heads)
+    self.k_parts = [[k_lhs(j=j, part=p) for p in (0, 1)] if split else [k_lhs(j=j)]
+                    for j in range(heads_per_wg)]
+    # V^T from one whole-tile ref (a 2-slot V ring: static slots) or from two half-tile refs;
+    # [halves][j][part]
+    self.vt_parts = {halves: [([ggml_vt_lhs(layout, 0, n_wg, j, masked=True, blocks=b, perm=perm,
+                                            halves=halves) for b in ((0, 1), (2, 3))] if split
+                               else [ggml_vt_lhs(layout, 0, n_wg, j, masked=True, perm=perm,
+                                                 halves=halves)])
+                              for j in range(heads_per_wg)]
                      for halves in (False, True)}
     self.softmax = _softmax_tile(n, scale_log2, perm)
     self.col_sums = _column_sums(n)
 
-  def scores(self, kbuf, qt, head=None):
-    del head     # the conversion takes its head from the warpgroup index
-    rows = HEAD_DIM // len(self.k_parts)
+  def scores_heads(self, kbuf, qts, heads=None):
+    """S^T [64, N] of each of the warpgroup's heads (qts: their Q refs, in j order). With 2
+    heads, head 1's K conversion runs while head 0's wgmma does (one wait for both)."""
+    del heads    # the conversions take their head from the warpgroup index and j
+    n_parts = len(self.k_parts[0])
+    rows = HEAD_DIM // n_parts
 
-    def qk(acc):
-      for p, conv in enumerate(self.k_parts):
-        q_part = qt.at[:, pl.ds(p * rows, rows)] if len(self.k_parts) > 1 else qt
-        plgpu.wgmma(acc, conv(kbuf), plgpu.transpose_ref(q_part, (1, 0)))   # Q^T [256, N]
+    def qk(*accs):
+      for p in range(n_parts):
+        for j, (acc, qt) in enumerate(zip(accs, qts)):
+          q_part = qt.at[:, pl.ds(p * rows, rows)] if n_parts > 1 else qt
+          plgpu.wgmma(acc, self.k_parts[j][p](kbuf),
+                      plgpu.transpose_ref(q_part, (1, 0)))                 # Q^T [256, N]
         plgpu.wgmma_wait(0)
-      return acc[...]
-    return pl.run_scoped(qk, plgpu.ACC((BLOCK_TOKENS, self.n), jnp.float32))
+      return tuple(acc[...] for acc in accs)
+    return pl.run_scoped(qk, *[plgpu.ACC((BLOCK_TOKENS, self.n), jnp.float32)] * len(qts))
 
-  def pv(self, o, vbufs, pt, info, head=None):
-    del head
-    return pl.run_state(lambda accs: self.pv_refs(accs, vbufs, pt, info))(
-        tuple(plgpu.ACC.init(x) for x in o))
+  def pv_heads(self, os, vbufs, pts, infos, heads=None):
+    """O^T += V^T P^T for each of the warpgroup's heads (os: their 4 accumulator values each);
+    with 2 heads, head 1's V conversion runs while head 0's wgmmas do."""
+    del heads
+    flat = pl.run_state(lambda accs: self.pv_refs(accs, vbufs, pts, infos))(
+        tuple(plgpu.ACC.init(x) for o in os for x in o))
+    return [tuple(flat[4 * j:4 * j + 4]) for j in range(len(os))]
 
-  def pv_refs(self, o_refs, vbufs, pt, info):
-    """O^T += V^T P^T into the 4 accumulator refs (O held in refs for the whole loop); vbufs:
-    (the whole tile's V) or the tile's two half-tile V slots."""
-    k = 0
-    for conv in self.vt_parts[len(vbufs) == 2]:
-      for vt in conv(*vbufs, info):
-        plgpu.wgmma(o_refs[k], vt, plgpu.transpose_ref(pt, (1, 0)))       # P^T [64, N]
-        k += 1
+  def pv_refs(self, o_refs, vbufs, pts, infos):
+    """O^T += V^T P^T into the accumulator refs (4 a head, heads in j order; O held in refs
+    for the whole loop with acc_refs); vbufs: (the whole tile's V) or the tile's two half-tile V
+    slots; pts / infos: each head's P ref and info words."""
+    convs = self.vt_parts[len(vbufs) == 2]
+    n_parts = len(convs[0])
+    k = [0] * len(pts)
+    for p in range(n_parts):
+      for j, (pt, info) in enumerate(zip(pts, infos)):
+        for vt in convs[j][p](*vbufs, info):
+          plgpu.wgmma(o_refs[4 * j + k[j]], vt, plgpu.transpose_ref(pt, (1, 0)))   # P^T [64, N]
+          k[j] += 1
       plgpu.wgmma_wait(0)
 
   def store_p(self, p_ref, p16):
@@ -704,6 +721,12 @@ class _InterpretTile:
     l_new = l * alpha + jnp.sum(p, axis=0)
     return p.astype(jnp.float16), m_new, l_new, jnp.broadcast_to(alpha[None, :], (bt, self.n))
 
+  def scores_heads(self, kbuf, qts, heads):
+    return tuple(self.scores(kbuf, qt, h) for qt, h in zip(qts, heads))
+
+  def pv_heads(self, os, vbufs, pts, infos, heads):
+    return [self.pv(o, vbufs, pt, info, h) for o, pt, info, h in zip(os, pts, infos, heads)]
+
   def pv(self, o, vbufs, pt, info, wg):
     lay = self.layout
     tile = jnp.concatenate([b[...].reshape(-1) for b in vbufs])     # the two half-tile slots
@@ -738,7 +761,7 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
                     *, layout: PageLayout, block_pages: int, num_phys: int, num_table: int,
                     num_tokens: int, group: int, n: int, scale_log2: float, interpret: bool,
                     split: bool, acc_refs: bool, perm: bool, k_heads: bool, table_smem: bool,
-                    late_k: bool, own_k: bool):
+                    late_k: bool, own_k: bool, heads_per_wg: int):
   # kv_len, tile_begin, tile_end [1] i32 (as the caller gave them: no XLA op stacks them);
   # tab [T] i32; qpos [S] i32; qt [G, N, 256] f16 (Q, head dims in ggml_dims order)
   # lines [P, page_bytes / L, L] u8 (L = line_bytes: 256 at the 27B shape)
@@ -757,13 +780,18 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
   # compiled: one warpgroup a KV head (Pallas threads); interpreted: one thread serves every head
   # in turn (the interpreter runs each Pallas thread's code as an XLA computation whose barrier
   # waits are host callbacks; several blocking at once could starve each other on a 2-core CPU)
-  multi = g_heads > 1 and not interpret
-  heads = [lax.axis_index("wg") if multi else 0] if not interpret else list(range(g_heads))
+  # heads_per_wg 2: warpgroup w serves heads w and w + G / 2 (`_CompiledTile`'s j)
+  n_wg = g_heads // heads_per_wg
+  multi = n_wg > 1 and not interpret
+  if multi:
+    heads = [lax.axis_index("wg") + j * n_wg for j in range(heads_per_wg)]
+  else:
+    heads = list(range(g_heads))
   issuer = heads[0] if multi else None
   pp = lax.axis_index("p")
   bt, pt = BLOCK_TOKENS, layout.page_tokens
   tiles = (_InterpretTile(layout, n, scale_log2, perm, k_heads) if interpret
-           else _CompiledTile(layout, n, scale_log2, split, perm, k_heads))
+           else _CompiledTile(layout, n, scale_log2, split, perm, k_heads, heads_per_wg))
   k_slots, k_lines = kbufs.shape[0], kbufs.shape[1]
   v_slots = vbuf.shape[0]
   v_parts = 1 if v_slots == 1 else 2          # V chunks a tile: the whole tile, or halves
@@ -871,7 +899,7 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
       info_s.at[h][0] = tok_lo + i * bt
     for h in (heads if own_k else heads[:1]):
       plgpu.barrier_wait(kbar(ks, h))
-    scores = [tiles.scores(kbufs.at[ks], qt_s.at[h], h) for h in heads]
+    scores = tiles.scores_heads(kbufs.at[ks], [qt_s.at[h] for h in heads], heads)
     if own_k:    # this warpgroup's K slot is consumed (its wgmma waited for): refill it
       pl.when(i + k_slots < n_tiles)(lambda: copy_own_k(i + k_slots, ks))
     elif multi:
@@ -906,13 +934,13 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
     for vs in tile_slots:
       plgpu.barrier_wait(vbar.at[vs])
     vbufs = tuple(vbuf.at[vs] for vs in tile_slots)
-    carry = []
-    for h, (m, l, o) in zip(heads, stepped):
-      if o_refs is not None:
-        tiles.pv_refs(o_refs, vbufs, pt_s.at[h], info_s.at[h])
-      else:
-        o = tiles.pv(o, vbufs, pt_s.at[h], info_s.at[h], h)
-      carry.append((m, l, o))
+    pts, infos = [pt_s.at[h] for h in heads], [info_s.at[h] for h in heads]
+    if o_refs is not None:           # acc_refs: one head a warpgroup
+      tiles.pv_refs(o_refs, vbufs, pts, infos)
+      carry = stepped
+    else:
+      new_o = tiles.pv_heads([o for _, _, o in stepped], vbufs, pts, infos, heads)
+      carry = [(m, l, o) for (m, l, _), o in zip(stepped, new_o)]
     if multi:
       for vs in tile_slots:
         plgpu.barrier_arrive(vfree.at[vs])
@@ -976,7 +1004,7 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
                interpret: bool, split: bool = False, acc_refs: bool = False,
                wgmma_n: Optional[int] = None, perm_tokens: bool = True, k_heads: bool = True,
                table_smem: bool = False, late_k: bool = False, own_k: bool = False,
-               v_halves: Optional[int] = None):
+               v_halves: Optional[int] = None, heads_per_wg: int = 1):
   """The kernel call (kv_len, tile_begin, tile_end: i32 scalars; tile_end is clipped to the
   active pages and the table in the kernel): -> (ml [G, parts, 2, N], O^T [G, parts, 256, N] in
   vt_dims rows) f32."""
@@ -1009,8 +1037,8 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
       (plgpu.Barrier(num_arrivals=1, num_barriers=k_slots * g) if own_k      # kbars
        else plgpu.Barrier(num_arrivals=g if k_heads else boxes(k_lines), num_barriers=k_slots)),
       plgpu.Barrier(num_arrivals=boxes(v_lines // v_parts), num_barriers=v_slots),  # vbar
-      plgpu.Barrier(num_arrivals=g, num_barriers=k_slots),             # kfree
-      plgpu.Barrier(num_arrivals=g, num_barriers=v_slots),             # vfree
+      plgpu.Barrier(num_arrivals=g // heads_per_wg, num_barriers=k_slots),  # kfree (a warpgroup
+      plgpu.Barrier(num_arrivals=g // heads_per_wg, num_barriers=v_slots),  # vfree  each)
       rhs((g, n, d)),                                                  # qt_s
       rhs((g, n, bt)),                                                 # pt_s
       plgpu.SMEM((g, 2, 4, n), jnp.float32),                           # red_s
@@ -1024,8 +1052,10 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
                            num_tokens=s_tok, group=r, n=n,
                            scale_log2=float(sm_scale) * _LOG2E, interpret=interpret,
                            split=split, acc_refs=acc_refs, perm=perm_tokens, k_heads=k_heads,
-                           table_smem=table_smem, late_k=late_k, own_k=own_k)
-  kw = dict(num_threads=g, thread_name="wg") if g > 1 and not interpret else {}
+                           table_smem=table_smem, late_k=late_k, own_k=own_k,
+                           heads_per_wg=heads_per_wg)
+  n_wg = g // heads_per_wg
+  kw = dict(num_threads=n_wg, thread_name="wg") if n_wg > 1 and not interpret else {}
   kern = plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((g, n_parts, 2, n), jnp.float32),
@@ -1076,7 +1106,7 @@ def combine_plan(n: int, num_parts: int, head_dim: int = HEAD_DIM,
 @functools.partial(jax.jit, static_argnames=(
     "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "split", "acc_refs",
     "wgmma_n", "combine_cols", "combine_warps", "combine_unroll", "combine_rows",
-    "perm_tokens", "k_heads", "table_smem", "late_k", "own_k", "v_halves"))
+    "perm_tokens", "k_heads", "table_smem", "late_k", "own_k", "v_halves", "heads_per_wg"))
 def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                    carry: Optional[_ref.Carry], tile_begin, tile_end, *,
                                    layout: PageLayout, num_q_heads: int, block_pages: int = 1,
@@ -1090,7 +1120,8 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
                                    perm_tokens: bool = True, k_heads: bool = True,
                                    table_smem: bool = False, late_k: bool = False,
                                    own_k: bool = False,
-                                   v_halves: Optional[int] = None) -> _ref.Carry:
+                                   v_halves: Optional[int] = None,
+                                   heads_per_wg: int = 1) -> _ref.Carry:
   """Mosaic GPU v2 version of `reference.span_attention_partial_reference` (same contract;
   carry=None: the empty carry). The partitions are folded in logical order by the Triton
   kernel's pipelined combine (`kernel_triton.combine_call`), O^T's rows taken as its columns in
@@ -1114,9 +1145,17 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
   its own barrier as soon as its wgmma has read the slot (no "consumed" barrier for K: the
   warpgroups meet only on V). v_halves: the V ring in half tiles (None / 2: one whole-tile slot,
   V(i + 1) copied after tile i's PV, as before session 14; 3: three half-tile slots, V(i + 1)'s
-  first half copied a tile earlier; `choose_v_halves`). None of these options changes a bit."""
+  first half copied a tile earlier; `choose_v_halves`). heads_per_wg: KV heads a warpgroup (1;
+  2: half the warpgroups, each serving heads w and w + G / 2 with twice the registers, head 1's
+  conversions issued while head 0's wgmmas run). None of these options changes a bit."""
   if own_k and not k_heads:
     raise ValueError("own_k needs k_heads=True (one K box a head)")
+  g_heads = layout.num_kv_heads
+  if heads_per_wg not in (1, 2) or g_heads % heads_per_wg:
+    raise ValueError(f"heads_per_wg must be 1 or 2 and divide the {g_heads} KV heads, got "
+                     f"{heads_per_wg}")
+  if acc_refs and heads_per_wg > 1:
+    raise ValueError("acc_refs keeps one head's O^T in refs: it needs heads_per_wg=1")
   # pylint: disable=import-outside-toplevel
   from kvjax_pallas.span_attention import kernel_mosaic as _v1
   from kvjax_pallas.span_attention import kernel_triton as _triton
@@ -1137,7 +1176,7 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
                           sm_scale=scale, interpret=interpret, split=split, acc_refs=acc_refs,
                           wgmma_n=wgmma_n, perm_tokens=perm_tokens, k_heads=k_heads,
                           table_smem=table_smem, late_k=late_k, own_k=own_k,
-                          v_halves=v_halves)
+                          v_halves=v_halves, heads_per_wg=heads_per_wg)
   # ml_p [G, parts, 2, N] and O^T [G, parts, vt rows, N] go to the combine as the kernel wrote them
   return _triton.combine_call(ml_p, None, ot_p, carry, rows=rows, acc_transposed=True,
                               v_cols=magic_ptx.vt_dims(d), head_dim=d, interpret=interpret,
