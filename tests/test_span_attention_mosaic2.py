@@ -61,6 +61,7 @@ def test_smem_plan_and_partitions():
   """K slots, the most that fit; the V half-tile slots that fit beside them; a V ring asked for
   past the SMEM limit is refused with the shortfall."""
   lay = _layout(REAL)
+  assert (km2.consumer_regs(2), km2.consumer_regs(4)) == (232, 112)   # beside a producer at 40
   for n, slots, halves in ((8, 2, 3), (16, 2, 2), (24, 1, 3), (32, 1, 3), (40, 1, 2)):
     assert km2.choose_k_slots(lay, n) == slots, n
     assert km2.max_v_halves(lay, n, slots) == halves, n
@@ -86,7 +87,8 @@ def test_rejects_bad_kernel_options():
   for kw, msg in ((dict(heads_per_wg=3), "heads_per_wg must be 1 or 2 and divide the 4 KV heads"),
                   (dict(heads_per_wg=2, acc_refs=True), "acc_refs .* needs heads_per_wg=1"),
                   (dict(own_k=True, k_heads=False), "own_k needs k_heads=True"),
-                  (dict(v_halves=4), r"v_halves must be one of \(2, 3\)")):
+                  (dict(v_halves=4), r"v_halves must be one of \(2, 3\)"),
+                  (dict(producer=True, own_k=True), "producer issues every copy itself")):
     with pytest.raises(ValueError, match=msg):
       km2.span_attention_mosaic2(q, pool, table, 300, jnp.asarray([299], jnp.int32),
                                  layout=layout, block_pages=1, **kw)
@@ -137,13 +139,15 @@ def test_wgmma_n_choice():
 @pytest.mark.parametrize("s_tok,wgmma_n,opts", [
     (1, None, {}), (2, None, {}), (4, None, {}), (5, None, {}), (6, None, {}), (1, 16, {}),
     (4, 24, {}), (1, None, dict(heads_per_wg=2)), (4, None, dict(heads_per_wg=2, own_k=True)),
-    (1, None, dict(v_halves=3, table_smem=True, late_k=True))])
+    (1, None, dict(v_halves=3, table_smem=True, late_k=True)),
+    (1, None, dict(heads_per_wg=2, producer=True)), (4, None, dict(producer=True))])
 def test_lowers_for_cuda_at_real_shape(s_tok, wgmma_n, opts):
   """The Pallas -> Mosaic GPU lowering accepts the kernel: inline PTX / MLIR of the conversions
   and the softmax, TMA boxes, the K ring (2 slots at N=8 / 16, 1 from N=24), wgmma shapes with
   the N-major Q and P read transposed, the transposed P store; also a forced wgmma N (N=16 for
   decode, N=24 for S=4: 3 Q / P tiles of 8); and the session-14 options (2 warpgroups of 2
-  heads each; own K copies; a V ring of half tiles; the page table in SMEM; late K copies)."""
+  heads each; own K copies; a V ring of half tiles; the page table in SMEM; late K copies; a
+  producer warpgroup with setmaxnreg)."""
   layout = _layout(REAL)
   q = jnp.zeros((s_tok, REAL["q_heads"], REAL["head_dim"]), jnp.float32)
   pool = jnp.zeros((7, layout.page_bytes), jnp.uint8)
@@ -352,7 +356,7 @@ if ON_GPU:
   @pytest.mark.parametrize("s_tok", [1, 4, 6])
   def test_gpu_k_layouts_and_combines(s_tok):
     """Compiled: head-major K (the default) gives the bits of token-major K, and so do the issue
-    options (table_smem, late_k, own_k, v_halves=3, heads_per_wg=2); other combine
+    options (table_smem, late_k, own_k, v_halves=3, heads_per_wg=2, producer); other combine
     tiles (the default before session 13, and one warp a 8 x 8 tile loading 8 partitions at a
     time) stay on the reference."""
     layout = _layout(REAL)
@@ -369,6 +373,7 @@ if ON_GPU:
     np.testing.assert_array_equal(base, run(own_k=True, table_smem=True))
     np.testing.assert_array_equal(base, run(v_halves=3))
     np.testing.assert_array_equal(base, run(heads_per_wg=2))
+    np.testing.assert_array_equal(base, run(heads_per_wg=2, producer=True))
     for kw in (dict(combine_cols=32, combine_rows=8), dict(combine_unroll=8)):
       check_against_reference(jnp.asarray(run(**kw)), hist, q, pool, table, q_pos,
                               block_pages=2, tol=2e-3)

@@ -46,9 +46,9 @@ def timed(fn, *args, iters=50):
 
 
 KERNEL_OPTIONS = ("split", "acc_refs", "wgmma_n", "perm_tokens", "k_heads", "table_smem",
-                  "late_k", "own_k", "v_halves", "heads_per_wg")                                       # the rest: the combine's
+                  "late_k", "own_k", "v_halves", "heads_per_wg", "producer")                                       # the rest: the combine's
 FLAG_OPTIONS = ("perm_tokens", "split", "acc_refs", "k_heads", "table_smem", "late_k",
-                "own_k")
+                "own_k", "producer")
 
 
 def variant_options(variant: str) -> dict:

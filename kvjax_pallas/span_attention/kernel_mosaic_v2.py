@@ -100,6 +100,8 @@ K_SLOTS = (2, 1)           # K ring slots, most first: the most that fit
 V_HALVES = (2, 3)          # V ring slots of half a tile (32 tokens); 2 (the default: one whole tile
                            # in static slots) or 3 where it fits (measured slower, S14-2)
 INFO = 8                   # per-warpgroup SMEM i32 words before the column limits
+REGISTERS = 65_536         # 32-bit registers of an SM (the H200's)
+PRODUCER_REGS = 40         # registers a thread of the producer warpgroup keeps (`producer`)
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 SMEM_LIMIT = 232_448       # bytes of shared memory a CTA may use on the H200
@@ -211,6 +213,13 @@ def choose_v_halves(layout: PageLayout, n: int, k_slots: int,
     raise ValueError(f"v_halves={v_halves} needs {need:,} B of shared memory at N={n}, "
                      f"{need - SMEM_LIMIT:,} B more than the {SMEM_LIMIT:,} B of a CTA")
   return v_halves
+
+
+def consumer_regs(n_consumers: int) -> int:
+  """Registers a consumer thread may take beside a producer warpgroup at PRODUCER_REGS
+  (`setmaxnreg`: a multiple of 8 up to 256): 2 consumer warpgroups 232, 4 of them 112."""
+  regs = (REGISTERS - 128 * PRODUCER_REGS) // (128 * n_consumers) // 8 * 8
+  return min(256, regs)
 
 
 def choose_block_pages(num_pages: int, num_sms: int = 132) -> int:
@@ -761,7 +770,7 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
                     *, layout: PageLayout, block_pages: int, num_phys: int, num_table: int,
                     num_tokens: int, group: int, n: int, scale_log2: float, interpret: bool,
                     split: bool, acc_refs: bool, perm: bool, k_heads: bool, table_smem: bool,
-                    late_k: bool, own_k: bool, heads_per_wg: int):
+                    late_k: bool, own_k: bool, heads_per_wg: int, producer: bool):
   # kv_len, tile_begin, tile_end [1] i32 (as the caller gave them: no XLA op stacks them);
   # tab [T] i32; qpos [S] i32; qt [G, N, 256] f16 (Q, head dims in ggml_dims order)
   # lines [P, page_bytes / L, L] u8 (L = line_bytes: 256 at the 27B shape)
@@ -781,8 +790,9 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
   # in turn (the interpreter runs each Pallas thread's code as an XLA computation whose barrier
   # waits are host callbacks; several blocking at once could starve each other on a 2-core CPU)
   # heads_per_wg 2: warpgroup w serves heads w and w + G / 2 (`_CompiledTile`'s j)
-  n_wg = g_heads // heads_per_wg
-  multi = n_wg > 1 and not interpret
+  n_wg = g_heads // heads_per_wg      # consumer warpgroups (+ 1 producer with `producer`)
+  producer = producer and not interpret
+  multi = (n_wg > 1 or producer) and not interpret
   if multi:
     heads = [lax.axis_index("wg") + j * n_wg for j in range(heads_per_wg)]
   else:
@@ -813,6 +823,8 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
   n_tiles = jnp.maximum(tok_hi - tok_lo + bt - 1, 0) // bt
 
   def by_issuer(fn):
+    if producer:     # the producer warpgroup issues every copy
+      return
     if multi:
       pl.when(issuer == 0)(fn)
     else:
@@ -846,141 +858,171 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
       plgpu.copy_gmem_to_smem(lines_ref.at[phys, pl.ds(first + c0, cnt)],
                               dst.at[pl.ds(c0, cnt)], bar)
 
-  if table_smem:     # each warpgroup its row (own_k: each issues its head's K copies)
-    for h in heads:
-      for j in range(block_pages):
-        tab_s[h, j] = jnp.clip(tab_ref[jnp.minimum(pp * block_pages + j, n_table - 1)], 0,
-                               num_phys - 1)
+  def consumer():
+    """A consumer warpgroup (every warpgroup without `producer`): its heads' tiles, and the
+    copies where it is the issuer."""
+    if table_smem:     # each warpgroup its row (own_k: each issues its head's K copies)
+      for h in heads:
+        for j in range(block_pages):
+          tab_s[h, j] = jnp.clip(tab_ref[jnp.minimum(pp * block_pages + j, n_table - 1)], 0,
+                                 num_phys - 1)
 
-  def kbar(slot, h):   # own_k: one barrier a slot and head
-    return kbars.at[slot * g_heads + h] if own_k else kbars.at[slot]
+    def kbar(slot, h):   # own_k: one barrier a slot and head
+      return kbars.at[slot * g_heads + h] if own_k else kbars.at[slot]
 
-  def copy_own_k(i, slot):
-    for h in heads:
-      copy("k", i, kbufs.at[slot, h], kbar(slot, h), head=h)
+    def copy_own_k(i, slot):
+      for h in heads:
+        copy("k", i, kbufs.at[slot, h], kbar(slot, h), head=h)
 
-  if own_k:
-    pl.when(n_tiles > 0)(lambda: copy_own_k(0, 0))
-    if k_slots > 1:
-      pl.when(n_tiles > 1)(lambda: copy_own_k(1, 1))
+    if own_k:
+      pl.when(n_tiles > 0)(lambda: copy_own_k(0, 0))
+      if k_slots > 1:
+        pl.when(n_tiles > 1)(lambda: copy_own_k(1, 1))
 
-  def copy_v(j: int):   # the ring's first chunks: chunk j into slot j
-    return lambda: copy("v", j // v_parts, vbuf.at[j], vbar.at[j], part=j % v_parts)
-
-  @by_issuer
-  def _():
-    plgpu.copy_gmem_to_smem(qt_ref, qt_s, in_bar)
-
-    @pl.when(n_tiles > 0)
-    def _():
-      if not own_k:
-        copy("k", 0, kbufs.at[0], kbars.at[0])
-
-    for j in range(v_slots):     # the V ring's first chunks
-      pl.when(j < v_parts * n_tiles)(copy_v(j))
-
-    if k_slots > 1 and not own_k:
-      pl.when(n_tiles > 1)(lambda: copy("k", 1, kbufs.at[1], kbars.at[1]))
-
-  # a head's info words: [0] the tile's first token, [1] the token end, [INFO + c] the key limit
-  # of column c: min(token end, q_pos of its query token + 1); padding columns none
-  for h in heads:
-    info = info_s.at[h]
-    info[1] = tok_end
-    for col in range(n):
-      info[INFO + col] = (jnp.minimum(tok_end, qpos_ref[col // group] + 1)
-                          if col < num_tokens * group else jnp.int32(-1))
-  plgpu.barrier_wait(in_bar)
-
-  def body(i, carry, o_refs=None):
-    """Tile i for every head this thread serves; carry: per head (m, l, O^T values or none)."""
-    ks = i % k_slots
-    for h in heads:
-      info_s.at[h][0] = tok_lo + i * bt
-    for h in (heads if own_k else heads[:1]):
-      plgpu.barrier_wait(kbar(ks, h))
-    scores = tiles.scores_heads(kbufs.at[ks], [qt_s.at[h] for h in heads], heads)
-    if own_k:    # this warpgroup's K slot is consumed (its wgmma waited for): refill it
-      pl.when(i + k_slots < n_tiles)(lambda: copy_own_k(i + k_slots, ks))
-    elif multi:
-      plgpu.barrier_arrive(kfree.at[ks])
-
-    def issue_k():   # every completion of a "consumed" barrier is waited for (the interpreter
-      if multi:      # checks)
-        plgpu.barrier_wait(kfree.at[ks])
-      pl.when(i + k_slots < n_tiles)(lambda: copy("k", i + k_slots, kbufs.at[ks], kbars.at[ks]))
-
-    # late_k (2 K slots): K(i + 2) is issued after tile i's PV, beside V(i + 1), so the issuer
-    # meets the other warpgroups once a tile instead of twice; with 1 slot it would leave
-    # tile i + 1's K wholly exposed, so it is issued here as soon as the slot is consumed
-    k_late = late_k and k_slots > 1 and not own_k
-    if not (k_late or own_k):
-      by_issuer(issue_k)
-
-    stepped = []
-    for h, s, (m, l, o) in zip(heads, scores, carry):
-      p16, m, l, alpha = tiles.softmax(s, m, l, info_s.at[h], red_s.at[h, i % 2])
-      tiles.store_p(pt_s.at[h], p16)
-      if o_refs is None:
-        o = tuple(x * alpha for x in o)
-      else:
-        for r in o_refs:
-          r[...] = r[...] * alpha
-      stepped.append((m, l, o))
-    plgpu.commit_smem()
-    # tile i's V chunks: the one whole-tile slot (static: as before session 14), or two halves in
-    # a ring of 3 (two dynamic half-slot pointers in the conversion, S14-2)
-    tile_slots = ([0] if v_slots == 1 else [(2 * i + b) % v_slots for b in range(2)])
-    for vs in tile_slots:
-      plgpu.barrier_wait(vbar.at[vs])
-    vbufs = tuple(vbuf.at[vs] for vs in tile_slots)
-    pts, infos = [pt_s.at[h] for h in heads], [info_s.at[h] for h in heads]
-    if o_refs is not None:           # acc_refs: one head a warpgroup
-      tiles.pv_refs(o_refs, vbufs, pts, infos)
-      carry = stepped
-    else:
-      new_o = tiles.pv_heads([o for _, _, o in stepped], vbufs, pts, infos, heads)
-      carry = [(m, l, o) for (m, l, _), o in zip(stepped, new_o)]
-    if multi:
-      for vs in tile_slots:
-        plgpu.barrier_arrive(vfree.at[vs])
+    def copy_v(j: int):   # the ring's first chunks: chunk j into slot j
+      return lambda: copy("v", j // v_parts, vbuf.at[j], vbar.at[j], part=j % v_parts)
 
     @by_issuer
     def _():
-      # the freed slots take chunks v_parts i + v_slots + b: tile i + 1 (one whole-tile slot);
-      # with 3 half slots, tile i + 1's second half and tile i + 2's first (a tile ahead)
-      for b, vs in enumerate(tile_slots):
-        if multi:
-          plgpu.barrier_wait(vfree.at[vs])
-        j = v_slots + b                # chunk v_parts i + j: tile i + j // v_parts
-        pl.when(v_parts * i + j < v_parts * n_tiles)(
-            lambda j=j, vs=vs: copy("v", i + j // v_parts, vbuf.at[vs], vbar.at[vs],
-                                    part=j % v_parts))
-      if k_late:
-        issue_k()
+      plgpu.copy_gmem_to_smem(qt_ref, qt_s, in_bar)
 
-    return tuple(carry)
+      @pl.when(n_tiles > 0)
+      def _():
+        if not own_k:
+          copy("k", 0, kbufs.at[0], kbars.at[0])
 
-  if acc_refs and not interpret:   # O^T in 4 accumulator refs for the whole loop (as the probes)
-    def scoped(*o_refs):
-      m0, l0, _ = tiles.zeros()
-      (m_f, l_f, _), = lax.fori_loop(0, n_tiles, functools.partial(body, o_refs=o_refs),
-                                     ((m0, l0, None),))
-      return ((m_f, l_f, tuple(r[...] for r in o_refs)),)
-    final = pl.run_scoped(scoped, *[plgpu.ACC((bt, n), jnp.float32)] * 4)
-  else:                            # O^T as loop-carried values, updated through ACC.init
-    final = lax.fori_loop(0, n_tiles, body, tuple(tiles.zeros() for _ in heads))
-  for h, (m, l, o) in zip(heads, final):
-    l = tiles.col_sums(l, red_s.at[h, 0])
-    ml = ml_s.at[h]
-    ml[0, :] = jnp.where(m == -jnp.inf, m, m * jnp.float32(_LN2))
-    ml[1, :] = l
-  plgpu.commit_smem()
-  for h, (_, _, o) in zip(heads, final):
-    plgpu.copy_smem_to_gmem(ml_s.at[h], ml_out.at[h, pp])
-    for mb in range(4):
-      o_out[h, pp, pl.ds(64 * mb, 64)] = o[mb]
-  plgpu.wait_smem_to_gmem(0)
+      for j in range(v_slots):     # the V ring's first chunks
+        pl.when(j < v_parts * n_tiles)(copy_v(j))
+
+      if k_slots > 1 and not own_k:
+        pl.when(n_tiles > 1)(lambda: copy("k", 1, kbufs.at[1], kbars.at[1]))
+
+    # a head's info words: [0] the tile's first token, [1] the token end, [INFO + c] the key limit
+    # of column c: min(token end, q_pos of its query token + 1); padding columns none
+    for h in heads:
+      info = info_s.at[h]
+      info[1] = tok_end
+      for col in range(n):
+        info[INFO + col] = (jnp.minimum(tok_end, qpos_ref[col // group] + 1)
+                            if col < num_tokens * group else jnp.int32(-1))
+    plgpu.barrier_wait(in_bar)
+
+    def body(i, carry, o_refs=None):
+      """Tile i for every head this thread serves; carry: per head (m, l, O^T values or none)."""
+      ks = i % k_slots
+      for h in heads:
+        info_s.at[h][0] = tok_lo + i * bt
+      for h in (heads if own_k else heads[:1]):
+        plgpu.barrier_wait(kbar(ks, h))
+      scores = tiles.scores_heads(kbufs.at[ks], [qt_s.at[h] for h in heads], heads)
+      if own_k:    # this warpgroup's K slot is consumed (its wgmma waited for): refill it
+        pl.when(i + k_slots < n_tiles)(lambda: copy_own_k(i + k_slots, ks))
+      elif multi:
+        plgpu.barrier_arrive(kfree.at[ks])
+
+      def issue_k():   # every completion of a "consumed" barrier is waited for (the interpreter
+        if multi:      # checks)
+          plgpu.barrier_wait(kfree.at[ks])
+        pl.when(i + k_slots < n_tiles)(lambda: copy("k", i + k_slots, kbufs.at[ks], kbars.at[ks]))
+
+      # late_k (2 K slots): K(i + 2) is issued after tile i's PV, beside V(i + 1), so the issuer
+      # meets the other warpgroups once a tile instead of twice; with 1 slot it would leave
+      # tile i + 1's K wholly exposed, so it is issued here as soon as the slot is consumed
+      k_late = late_k and k_slots > 1 and not own_k
+      if not (k_late or own_k):
+        by_issuer(issue_k)
+
+      stepped = []
+      for h, s, (m, l, o) in zip(heads, scores, carry):
+        p16, m, l, alpha = tiles.softmax(s, m, l, info_s.at[h], red_s.at[h, i % 2])
+        tiles.store_p(pt_s.at[h], p16)
+        if o_refs is None:
+          o = tuple(x * alpha for x in o)
+        else:
+          for r in o_refs:
+            r[...] = r[...] * alpha
+        stepped.append((m, l, o))
+      plgpu.commit_smem()
+      # tile i's V chunks: the one whole-tile slot (static: as before session 14), or two halves in
+      # a ring of 3 (two dynamic half-slot pointers in the conversion, S14-2)
+      tile_slots = ([0] if v_slots == 1 else [(2 * i + b) % v_slots for b in range(2)])
+      for vs in tile_slots:
+        plgpu.barrier_wait(vbar.at[vs])
+      vbufs = tuple(vbuf.at[vs] for vs in tile_slots)
+      pts, infos = [pt_s.at[h] for h in heads], [info_s.at[h] for h in heads]
+      if o_refs is not None:           # acc_refs: one head a warpgroup
+        tiles.pv_refs(o_refs, vbufs, pts, infos)
+        carry = stepped
+      else:
+        new_o = tiles.pv_heads([o for _, _, o in stepped], vbufs, pts, infos, heads)
+        carry = [(m, l, o) for (m, l, _), o in zip(stepped, new_o)]
+      if multi:
+        for vs in tile_slots:
+          plgpu.barrier_arrive(vfree.at[vs])
+
+      @by_issuer
+      def _():
+        # the freed slots take chunks v_parts i + v_slots + b: tile i + 1 (one whole-tile slot);
+        # with 3 half slots, tile i + 1's second half and tile i + 2's first (a tile ahead)
+        for b, vs in enumerate(tile_slots):
+          if multi:
+            plgpu.barrier_wait(vfree.at[vs])
+          j = v_slots + b                # chunk v_parts i + j: tile i + j // v_parts
+          pl.when(v_parts * i + j < v_parts * n_tiles)(
+              lambda j=j, vs=vs: copy("v", i + j // v_parts, vbuf.at[vs], vbar.at[vs],
+                                      part=j % v_parts))
+        if k_late:
+          issue_k()
+
+      return tuple(carry)
+
+    if acc_refs and not interpret:   # O^T in 4 accumulator refs for the whole loop (as the probes)
+      def scoped(*o_refs):
+        m0, l0, _ = tiles.zeros()
+        (m_f, l_f, _), = lax.fori_loop(0, n_tiles, functools.partial(body, o_refs=o_refs),
+                                       ((m0, l0, None),))
+        return ((m_f, l_f, tuple(r[...] for r in o_refs)),)
+      final = pl.run_scoped(scoped, *[plgpu.ACC((bt, n), jnp.float32)] * 4)
+    else:                            # O^T as loop-carried values, updated through ACC.init
+      final = lax.fori_loop(0, n_tiles, body, tuple(tiles.zeros() for _ in heads))
+    for h, (m, l, o) in zip(heads, final):
+      l = tiles.col_sums(l, red_s.at[h, 0])
+      ml = ml_s.at[h]
+      ml[0, :] = jnp.where(m == -jnp.inf, m, m * jnp.float32(_LN2))
+      ml[1, :] = l
+    plgpu.commit_smem()
+    for h, (_, _, o) in zip(heads, final):
+      plgpu.copy_smem_to_gmem(ml_s.at[h], ml_out.at[h, pp])
+      for mb in range(4):
+        o_out[h, pp, pl.ds(64 * mb, 64)] = o[mb]
+    plgpu.wait_smem_to_gmem(0)
+
+  if not producer:
+    consumer()
+    return
+
+  @pl.when(lax.axis_index("wg") == n_wg)
+  def _():
+    # the producer warpgroup: every TMA copy, each slot refilled once all consumers freed it
+    plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+    plgpu.copy_gmem_to_smem(qt_ref, qt_s, in_bar)
+    for slot in range(k_slots):
+      pl.when(slot < n_tiles)(lambda slot=slot: copy("k", slot, kbufs.at[slot], kbars.at[slot]))
+    pl.when(n_tiles > 0)(lambda: copy("v", 0, vbuf.at[0], vbar.at[0]))
+
+    def refill(i, c):
+      ks = i % k_slots
+      plgpu.barrier_wait(kfree.at[ks])
+      pl.when(i + k_slots < n_tiles)(lambda: copy("k", i + k_slots, kbufs.at[ks], kbars.at[ks]))
+      plgpu.barrier_wait(vfree.at[0])
+      pl.when(i + 1 < n_tiles)(lambda: copy("v", i + 1, vbuf.at[0], vbar.at[0]))
+      return c
+    lax.fori_loop(0, n_tiles, refill, 0)
+
+  @pl.when(lax.axis_index("wg") < n_wg)
+  def _():
+    plgpu.set_max_registers(consumer_regs(n_wg), action="increase")
+    consumer()
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -1004,7 +1046,8 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
                interpret: bool, split: bool = False, acc_refs: bool = False,
                wgmma_n: Optional[int] = None, perm_tokens: bool = True, k_heads: bool = True,
                table_smem: bool = False, late_k: bool = False, own_k: bool = False,
-               v_halves: Optional[int] = None, heads_per_wg: int = 1):
+               v_halves: Optional[int] = None, heads_per_wg: int = 1,
+               producer: bool = False):
   """The kernel call (kv_len, tile_begin, tile_end: i32 scalars; tile_end is clipped to the
   active pages and the table in the kernel): -> (ml [G, parts, 2, N], O^T [G, parts, 256, N] in
   vt_dims rows) f32."""
@@ -1053,9 +1096,9 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
                            scale_log2=float(sm_scale) * _LOG2E, interpret=interpret,
                            split=split, acc_refs=acc_refs, perm=perm_tokens, k_heads=k_heads,
                            table_smem=table_smem, late_k=late_k, own_k=own_k,
-                           heads_per_wg=heads_per_wg)
-  n_wg = g // heads_per_wg
-  kw = dict(num_threads=n_wg, thread_name="wg") if n_wg > 1 and not interpret else {}
+                           heads_per_wg=heads_per_wg, producer=producer)
+  n_threads = g // heads_per_wg + int(producer)
+  kw = dict(num_threads=n_threads, thread_name="wg") if n_threads > 1 and not interpret else {}
   kern = plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((g, n_parts, 2, n), jnp.float32),
@@ -1106,7 +1149,8 @@ def combine_plan(n: int, num_parts: int, head_dim: int = HEAD_DIM,
 @functools.partial(jax.jit, static_argnames=(
     "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "split", "acc_refs",
     "wgmma_n", "combine_cols", "combine_warps", "combine_unroll", "combine_rows",
-    "perm_tokens", "k_heads", "table_smem", "late_k", "own_k", "v_halves", "heads_per_wg"))
+    "perm_tokens", "k_heads", "table_smem", "late_k", "own_k", "v_halves", "heads_per_wg",
+    "producer"))
 def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                    carry: Optional[_ref.Carry], tile_begin, tile_end, *,
                                    layout: PageLayout, num_q_heads: int, block_pages: int = 1,
@@ -1121,7 +1165,8 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
                                    table_smem: bool = False, late_k: bool = False,
                                    own_k: bool = False,
                                    v_halves: Optional[int] = None,
-                                   heads_per_wg: int = 1) -> _ref.Carry:
+                                   heads_per_wg: int = 1,
+                                   producer: bool = False) -> _ref.Carry:
   """Mosaic GPU v2 version of `reference.span_attention_partial_reference` (same contract;
   carry=None: the empty carry). The partitions are folded in logical order by the Triton
   kernel's pipelined combine (`kernel_triton.combine_call`), O^T's rows taken as its columns in
@@ -1147,7 +1192,11 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
   V(i + 1) copied after tile i's PV, as before session 14; 3: three half-tile slots, V(i + 1)'s
   first half copied a tile earlier; `choose_v_halves`). heads_per_wg: KV heads a warpgroup (1;
   2: half the warpgroups, each serving heads w and w + G / 2 with twice the registers, head 1's
-  conversions issued while head 0's wgmmas run). None of these options changes a bit."""
+  conversions issued while head 0's wgmmas run). producer: one more warpgroup issues every TMA
+  copy and waits on the "consumed" barriers (`setmaxnreg`: it keeps PRODUCER_REGS registers,
+  the consumers take `consumer_regs`: 232 with heads_per_wg=2, 112 with 1); the consumers never
+  wait for each other. Compiled only (the interpreter keeps its one thread). None of these
+  options changes a bit."""
   if own_k and not k_heads:
     raise ValueError("own_k needs k_heads=True (one K box a head)")
   g_heads = layout.num_kv_heads
@@ -1156,6 +1205,9 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
                      f"{heads_per_wg}")
   if acc_refs and heads_per_wg > 1:
     raise ValueError("acc_refs keeps one head's O^T in refs: it needs heads_per_wg=1")
+  if producer and (table_smem or late_k or own_k or v_halves not in (None, 2)):
+    raise ValueError("producer issues every copy itself: it takes none of table_smem, late_k, "
+                     "own_k, v_halves=3")
   # pylint: disable=import-outside-toplevel
   from kvjax_pallas.span_attention import kernel_mosaic as _v1
   from kvjax_pallas.span_attention import kernel_triton as _triton
@@ -1176,7 +1228,7 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
                           sm_scale=scale, interpret=interpret, split=split, acc_refs=acc_refs,
                           wgmma_n=wgmma_n, perm_tokens=perm_tokens, k_heads=k_heads,
                           table_smem=table_smem, late_k=late_k, own_k=own_k,
-                          v_halves=v_halves, heads_per_wg=heads_per_wg)
+                          v_halves=v_halves, heads_per_wg=heads_per_wg, producer=producer)
   # ml_p [G, parts, 2, N] and O^T [G, parts, vt rows, N] go to the combine as the kernel wrote them
   return _triton.combine_call(ml_p, None, ot_p, carry, rows=rows, acc_transposed=True,
                               v_cols=magic_ptx.vt_dims(d), head_dim=d, interpret=interpret,
