@@ -413,9 +413,9 @@ def ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int = 0, maske
     regs = [np.empty(fa.WGMMA_LAYOUT.registers_shape((bt, bt)), dtype=object) for _ in blocks]
     for g in range(bt // 8):                           # 8-token column groups
       words, scales = [], []
-      b = g * n_refs // (bt // 8)                      # the buffer of this group
+      b, g_in = divmod(g, bt // 8 // n_refs)           # this group's buffer, its group there
       for e in range(2):
-        row = base + 8 * (g - b * (bt // 8) // n_refs) * row_bytes
+        row = base + 8 * g_in * row_bytes
         w0, w1 = (load(tq[b][e], row + 4 * k, i32, 4) for k in range(2))
         words.append(llvm.inline_asm(i32, [w0, w1, sel], magic_ptx.PRMT_PTX, "=r,r,r,r"))
         sc = arith.extui(i32, load(ts[b][e], row, i16, 2))
@@ -697,9 +697,9 @@ class _InterpretTile:
     return first + (token_perm(i) if self.perm else i)
 
   def _head(self, buf, row_bytes: int, head_bytes: int, kind: str, wg):
-    """Head wg's bytes [64, head bytes] of a token-major tile buffer (all heads' rows), decoded
+    """Head wg's bytes [64, head bytes] of a token-major tile's bytes (all heads' rows), decoded
     to f16 in the tile's row order."""
-    rows = (buf if isinstance(buf, jax.Array) else buf[...]).reshape(BLOCK_TOKENS, row_bytes)
+    rows = buf.reshape(BLOCK_TOKENS, row_bytes)
     return self._decode(lax.dynamic_slice_in_dim(rows, wg * head_bytes, head_bytes, axis=1), kind)
 
   def _decode(self, head, kind: str):
@@ -713,7 +713,8 @@ class _InterpretTile:
       head = lax.bitcast_convert_type(words, jnp.uint8).reshape(BLOCK_TOKENS, lay.k_head_bytes)
       k = k_in_ggml_order(self._decode(head, lay.k_type))
     else:
-      k = k_in_ggml_order(self._head(kbuf, lay.k_row_bytes, lay.k_head_bytes, lay.k_type, wg))
+      k = k_in_ggml_order(self._head(kbuf[...], lay.k_row_bytes, lay.k_head_bytes, lay.k_type,
+                                     wg))
     return jnp.dot(k.astype(jnp.float32), qt[...].T.astype(jnp.float32),
                    precision=lax.Precision.HIGHEST)
 
@@ -858,6 +859,42 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
       plgpu.copy_gmem_to_smem(lines_ref.at[phys, pl.ds(first + c0, cnt)],
                               dst.at[pl.ds(c0, cnt)], bar)
 
+  def copy_v(j: int):   # the ring's first chunks: chunk j into slot j
+    return lambda: copy("v", j // v_parts, vbuf.at[j], vbar.at[j], part=j % v_parts)
+
+  def first_copies(k_too: bool = True):
+    """The Q copy and the rings' first tiles (K too unless each warpgroup copies its own)."""
+    plgpu.copy_gmem_to_smem(qt_ref, qt_s, in_bar)
+
+    @pl.when(n_tiles > 0)
+    def _():
+      if k_too:
+        copy("k", 0, kbufs.at[0], kbars.at[0])
+
+    for j in range(v_slots):     # the V ring's first chunks
+      pl.when(j < v_parts * n_tiles)(copy_v(j))
+
+    if k_slots > 1 and k_too:
+      pl.when(n_tiles > 1)(lambda: copy("k", 1, kbufs.at[1], kbars.at[1]))
+
+  def refill_k(i, ks):
+    """K slot ks, once every consumer has freed it (every completion of a "consumed" barrier is
+    waited for: the interpreter checks), takes K(i + k_slots)."""
+    if multi:
+      plgpu.barrier_wait(kfree.at[ks])
+    pl.when(i + k_slots < n_tiles)(lambda: copy("k", i + k_slots, kbufs.at[ks], kbars.at[ks]))
+
+  def refill_v(i, tile_slots):
+    """Tile i's freed V slots take chunks v_parts i + v_slots + b: tile i + 1 (one whole-tile
+    slot); with 3 half slots, tile i + 1's second half and tile i + 2's first (a tile ahead)."""
+    for b, vs in enumerate(tile_slots):
+      if multi:
+        plgpu.barrier_wait(vfree.at[vs])
+      j = v_slots + b                # chunk v_parts i + j: tile i + j // v_parts
+      pl.when(v_parts * i + j < v_parts * n_tiles)(
+          lambda j=j, vs=vs: copy("v", i + j // v_parts, vbuf.at[vs], vbar.at[vs],
+                                  part=j % v_parts))
+
   def consumer():
     """A consumer warpgroup (every warpgroup without `producer`): its heads' tiles, and the
     copies where it is the issuer."""
@@ -879,23 +916,7 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
       if k_slots > 1:
         pl.when(n_tiles > 1)(lambda: copy_own_k(1, 1))
 
-    def copy_v(j: int):   # the ring's first chunks: chunk j into slot j
-      return lambda: copy("v", j // v_parts, vbuf.at[j], vbar.at[j], part=j % v_parts)
-
-    @by_issuer
-    def _():
-      plgpu.copy_gmem_to_smem(qt_ref, qt_s, in_bar)
-
-      @pl.when(n_tiles > 0)
-      def _():
-        if not own_k:
-          copy("k", 0, kbufs.at[0], kbars.at[0])
-
-      for j in range(v_slots):     # the V ring's first chunks
-        pl.when(j < v_parts * n_tiles)(copy_v(j))
-
-      if k_slots > 1 and not own_k:
-        pl.when(n_tiles > 1)(lambda: copy("k", 1, kbufs.at[1], kbars.at[1]))
+    by_issuer(lambda: first_copies(k_too=not own_k))
 
     # a head's info words: [0] the tile's first token, [1] the token end, [INFO + c] the key limit
     # of column c: min(token end, q_pos of its query token + 1); padding columns none
@@ -920,17 +941,12 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
       elif multi:
         plgpu.barrier_arrive(kfree.at[ks])
 
-      def issue_k():   # every completion of a "consumed" barrier is waited for (the interpreter
-        if multi:      # checks)
-          plgpu.barrier_wait(kfree.at[ks])
-        pl.when(i + k_slots < n_tiles)(lambda: copy("k", i + k_slots, kbufs.at[ks], kbars.at[ks]))
-
       # late_k (2 K slots): K(i + 2) is issued after tile i's PV, beside V(i + 1), so the issuer
       # meets the other warpgroups once a tile instead of twice; with 1 slot it would leave
       # tile i + 1's K wholly exposed, so it is issued here as soon as the slot is consumed
       k_late = late_k and k_slots > 1 and not own_k
       if not (k_late or own_k):
-        by_issuer(issue_k)
+        by_issuer(lambda: refill_k(i, ks))
 
       stepped = []
       for h, s, (m, l, o) in zip(heads, scores, carry):
@@ -962,17 +978,9 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
 
       @by_issuer
       def _():
-        # the freed slots take chunks v_parts i + v_slots + b: tile i + 1 (one whole-tile slot);
-        # with 3 half slots, tile i + 1's second half and tile i + 2's first (a tile ahead)
-        for b, vs in enumerate(tile_slots):
-          if multi:
-            plgpu.barrier_wait(vfree.at[vs])
-          j = v_slots + b                # chunk v_parts i + j: tile i + j // v_parts
-          pl.when(v_parts * i + j < v_parts * n_tiles)(
-              lambda j=j, vs=vs: copy("v", i + j // v_parts, vbuf.at[vs], vbar.at[vs],
-                                      part=j % v_parts))
+        refill_v(i, tile_slots)
         if k_late:
-          issue_k()
+          refill_k(i, ks)
 
       return tuple(carry)
 
@@ -1005,17 +1013,11 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
   def _():
     # the producer warpgroup: every TMA copy, each slot refilled once all consumers freed it
     plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
-    plgpu.copy_gmem_to_smem(qt_ref, qt_s, in_bar)
-    for slot in range(k_slots):
-      pl.when(slot < n_tiles)(lambda slot=slot: copy("k", slot, kbufs.at[slot], kbars.at[slot]))
-    pl.when(n_tiles > 0)(lambda: copy("v", 0, vbuf.at[0], vbar.at[0]))
+    first_copies()
 
     def refill(i, c):
-      ks = i % k_slots
-      plgpu.barrier_wait(kfree.at[ks])
-      pl.when(i + k_slots < n_tiles)(lambda: copy("k", i + k_slots, kbufs.at[ks], kbars.at[ks]))
-      plgpu.barrier_wait(vfree.at[0])
-      pl.when(i + 1 < n_tiles)(lambda: copy("v", i + 1, vbuf.at[0], vbar.at[0]))
+      refill_k(i, i % k_slots)
+      refill_v(i, [0])
       return c
     lax.fori_loop(0, n_tiles, refill, 0)
 
