@@ -46,9 +46,10 @@ def timed(fn, *args, iters=50):
 
 
 KERNEL_OPTIONS = ("split", "acc_refs", "wgmma_n", "perm_tokens", "k_heads", "table_smem",
-                  "late_k", "own_k", "v_halves", "heads_per_wg", "producer")                                       # the rest: the combine's
+                  "late_k", "own_k", "v_halves", "heads_per_wg", "producer",
+                  "rhs_per_tile")                                       # the rest: the combine's
 FLAG_OPTIONS = ("perm_tokens", "split", "acc_refs", "k_heads", "table_smem", "late_k",
-                "own_k", "producer")
+                "own_k", "producer", "rhs_per_tile")
 
 
 def variant_options(variant: str) -> dict:

@@ -100,6 +100,7 @@ K_SLOTS = (2, 1)           # K ring slots, most first: the most that fit
 V_HALVES = (2, 3)          # V ring slots of half a tile (32 tokens); 2 (the default: one whole tile
                            # in static slots) or 3 where it fits (measured slower, S14-2)
 INFO = 8                   # per-warpgroup SMEM i32 words before the column limits
+ZERO = 2                   # the info word that holds 0 (rhs_per_tile's loop-variant zero)
 REGISTERS = 65_536         # 32-bit registers of an SM (the H200's)
 PRODUCER_REGS = 40         # registers a thread of the producer warpgroup keeps (`producer`)
 _LOG2E = math.log2(math.e)
@@ -771,7 +772,8 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
                     *, layout: PageLayout, block_pages: int, num_phys: int, num_table: int,
                     num_tokens: int, group: int, n: int, scale_log2: float, interpret: bool,
                     split: bool, acc_refs: bool, perm: bool, k_heads: bool, table_smem: bool,
-                    late_k: bool, own_k: bool, heads_per_wg: int, producer: bool):
+                    late_k: bool, own_k: bool, heads_per_wg: int, producer: bool,
+                    rhs_per_tile: bool):
   # kv_len, tile_begin, tile_end [1] i32 (as the caller gave them: no XLA op stacks them);
   # tab [T] i32; qpos [S] i32; qt [G, N, 256] f16 (Q, head dims in ggml_dims order)
   # lines [P, page_bytes / L, L] u8 (L = line_bytes: 256 at the 27B shape)
@@ -786,6 +788,8 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
   # info_s [G, INFO + N] i32, ml_s [G, 2, N] f32, in_bar, tab_s [G, block_pages] i32
   # (table_smem: the partition's physical pages, read once from GMEM by each warpgroup into its
   # row; else unused). own_k: kbars are [slots x G] (one a slot and head), kfree unused
+  # rhs_per_tile: Q^T and P^T indexed by head + a zero read from info word ZERO each tile, so the
+  # wgmma descriptors of their k-steps are built in the tile loop, not hoisted out of it
   g_heads = layout.num_kv_heads
   # compiled: one warpgroup a KV head (Pallas threads); interpreted: one thread serves every head
   # in turn (the interpreter runs each Pallas thread's code as an XLA computation whose barrier
@@ -923,6 +927,7 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
     for h in heads:
       info = info_s.at[h]
       info[1] = tok_end
+      info[ZERO] = jnp.int32(0)
       for col in range(n):
         info[INFO + col] = (jnp.minimum(tok_end, qpos_ref[col // group] + 1)
                             if col < num_tokens * group else jnp.int32(-1))
@@ -933,9 +938,12 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
       ks = i % k_slots
       for h in heads:
         info_s.at[h][0] = tok_lo + i * bt
+      # the rows of qt_s / pt_s this tile's wgmmas read: a loop-variant index with rhs_per_tile
+      z = info_s[heads[0], ZERO] if rhs_per_tile else 0
+      rh = [h + z for h in heads]
       for h in (heads if own_k else heads[:1]):
         plgpu.barrier_wait(kbar(ks, h))
-      scores = tiles.scores_heads(kbufs.at[ks], [qt_s.at[h] for h in heads], heads)
+      scores = tiles.scores_heads(kbufs.at[ks], [qt_s.at[r] for r in rh], heads)
       if own_k:    # this warpgroup's K slot is consumed (its wgmma waited for): refill it
         pl.when(i + k_slots < n_tiles)(lambda: copy_own_k(i + k_slots, ks))
       elif multi:
@@ -949,9 +957,9 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
         by_issuer(lambda: refill_k(i, ks))
 
       stepped = []
-      for h, s, (m, l, o) in zip(heads, scores, carry):
+      for h, r, s, (m, l, o) in zip(heads, rh, scores, carry):
         p16, m, l, alpha = tiles.softmax(s, m, l, info_s.at[h], red_s.at[h, i % 2])
-        tiles.store_p(pt_s.at[h], p16)
+        tiles.store_p(pt_s.at[r], p16)
         if o_refs is None:
           o = tuple(x * alpha for x in o)
         else:
@@ -965,7 +973,7 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
       for vs in tile_slots:
         plgpu.barrier_wait(vbar.at[vs])
       vbufs = tuple(vbuf.at[vs] for vs in tile_slots)
-      pts, infos = [pt_s.at[h] for h in heads], [info_s.at[h] for h in heads]
+      pts, infos = [pt_s.at[r] for r in rh], [info_s.at[h] for h in heads]
       if o_refs is not None:           # acc_refs: one head a warpgroup
         tiles.pv_refs(o_refs, vbufs, pts, infos)
         carry = stepped
@@ -1049,7 +1057,7 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
                wgmma_n: Optional[int] = None, perm_tokens: bool = True, k_heads: bool = True,
                table_smem: bool = False, late_k: bool = False, own_k: bool = False,
                v_halves: Optional[int] = None, heads_per_wg: int = 1,
-               producer: bool = False):
+               producer: bool = False, rhs_per_tile: bool = True):
   """The kernel call (kv_len, tile_begin, tile_end: i32 scalars; tile_end is clipped to the
   active pages and the table in the kernel): -> (ml [G, parts, 2, N], O^T [G, parts, 256, N] in
   vt_dims rows) f32."""
@@ -1098,7 +1106,8 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
                            scale_log2=float(sm_scale) * _LOG2E, interpret=interpret,
                            split=split, acc_refs=acc_refs, perm=perm_tokens, k_heads=k_heads,
                            table_smem=table_smem, late_k=late_k, own_k=own_k,
-                           heads_per_wg=heads_per_wg, producer=producer)
+                           heads_per_wg=heads_per_wg, producer=producer,
+                           rhs_per_tile=rhs_per_tile)
   n_threads = g // heads_per_wg + int(producer)
   kw = dict(num_threads=n_threads, thread_name="wg") if n_threads > 1 and not interpret else {}
   kern = plgpu.kernel(
@@ -1152,7 +1161,7 @@ def combine_plan(n: int, num_parts: int, head_dim: int = HEAD_DIM,
     "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "split", "acc_refs",
     "wgmma_n", "combine_cols", "combine_warps", "combine_unroll", "combine_rows",
     "perm_tokens", "k_heads", "table_smem", "late_k", "own_k", "v_halves", "heads_per_wg",
-    "producer"))
+    "producer", "rhs_per_tile"))
 def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                    carry: Optional[_ref.Carry], tile_begin, tile_end, *,
                                    layout: PageLayout, num_q_heads: int, block_pages: int = 1,
@@ -1168,7 +1177,8 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
                                    own_k: bool = False,
                                    v_halves: Optional[int] = None,
                                    heads_per_wg: int = 1,
-                                   producer: bool = False) -> _ref.Carry:
+                                   producer: bool = False,
+                                   rhs_per_tile: bool = True) -> _ref.Carry:
   """Mosaic GPU v2 version of `reference.span_attention_partial_reference` (same contract;
   carry=None: the empty carry). The partitions are folded in logical order by the Triton
   kernel's pipelined combine (`kernel_triton.combine_call`), O^T's rows taken as its columns in
@@ -1197,8 +1207,12 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
   conversions issued while head 0's wgmmas run). producer: one more warpgroup issues every TMA
   copy and waits on the "consumed" barriers (`setmaxnreg`: it keeps PRODUCER_REGS registers,
   the consumers take `consumer_regs`: 232 with heads_per_wg=2, 112 with 1); the consumers never
-  wait for each other. Compiled only (the interpreter keeps its one thread). None of these
-  options changes a bit."""
+  wait for each other. Compiled only (the interpreter keeps its one thread). rhs_per_tile (the
+  default since session 15): the wgmma right-hand sides (Q^T, P^T) indexed by the head plus a
+  zero read from SMEM each tile, so ptxas builds their k-steps' descriptors inside the tile loop
+  instead of hoisting them out of it; hoisted (False, as before), they are the 64-bit values
+  ptxas spilled and reloaded after each K wait (S15-1: 80 B of spills at N = 8 -> 0; the kernel
+  at 128K S=1 73.8 us vs 85.7-104 us). None of these options changes a bit."""
   if own_k and not k_heads:
     raise ValueError("own_k needs k_heads=True (one K box a head)")
   g_heads = layout.num_kv_heads
@@ -1230,7 +1244,8 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
                           sm_scale=scale, interpret=interpret, split=split, acc_refs=acc_refs,
                           wgmma_n=wgmma_n, perm_tokens=perm_tokens, k_heads=k_heads,
                           table_smem=table_smem, late_k=late_k, own_k=own_k,
-                          v_halves=v_halves, heads_per_wg=heads_per_wg, producer=producer)
+                          v_halves=v_halves, heads_per_wg=heads_per_wg, producer=producer,
+                          rhs_per_tile=rhs_per_tile)
   # ml_p [G, parts, 2, N] and O^T [G, parts, vt rows, N] go to the combine as the kernel wrote them
   return _triton.combine_call(ml_p, None, ot_p, carry, rows=rows, acc_transposed=True,
                               v_cols=magic_ptx.vt_dims(d), head_dim=d, interpret=interpret,
