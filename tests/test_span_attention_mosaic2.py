@@ -59,7 +59,7 @@ def test_jnp_orders_are_the_conversions_orders():
 
 def test_smem_plan_and_partitions():
   """K slots, the most that fit; the V half-tile slots that fit beside them; a V ring asked for
-  past the SMEM limit is refused with the shortfall."""
+  past the SMEM limit is refused with the shortfall; whole V tiles (v_tiles) leave K 1 slot."""
   lay = _layout(REAL)
   assert (km2.consumer_regs(2), km2.consumer_regs(4)) == (232, 112)   # beside a producer at 40
   for n, slots, halves in ((8, 2, 3), (16, 2, 2), (24, 1, 3), (32, 1, 3), (40, 1, 2)):
@@ -72,6 +72,11 @@ def test_smem_plan_and_partitions():
   over = km2.smem_bytes(lay, 40, 1, 3) - km2.SMEM_LIMIT
   with pytest.raises(ValueError, match=f"v_halves=3 needs .* {over:,} B more than"):
     km2.choose_v_halves(lay, 40, 1, 3)
+  # whole V tiles first (v_tiles = half tiles / 2), K the rest: 1 K slot beside 2 or 3 at N = 8
+  assert [km2.choose_k_slots(lay, 8, 2 * t) for t in (1, 2, 3)] == [2, 1, 1]
+  over = km2.smem_bytes(lay, 32, 1, 4) - km2.SMEM_LIMIT
+  with pytest.raises(ValueError, match=f"at N=32 with 4 KV heads and 2 V tiles, {over:,} B more"):
+    km2.choose_k_slots(lay, 32, 4)
   assert [km2.choose_block_pages(p, 132) for p in (1, 132, 133, 512, 640, 1024)] == [
       1, 1, 2, 4, 5, 8]
   assert [km2.rows_padded(r) for r in (1, 6, 8, 9, 16, 17, 24, 30, 36, 40)] == [
@@ -88,7 +93,10 @@ def test_rejects_bad_kernel_options():
                   (dict(heads_per_wg=2, acc_refs=True), "acc_refs .* needs heads_per_wg=1"),
                   (dict(own_k=True, k_heads=False), "own_k needs k_heads=True"),
                   (dict(v_halves=4), r"v_halves must be one of \(2, 3\)"),
-                  (dict(producer=True, own_k=True), "producer issues every copy itself")):
+                  (dict(producer=True, own_k=True), "producer issues every copy itself"),
+                  (dict(v_tiles=4), r"v_tiles must be one of \(1, 2, 3\)"),
+                  (dict(v_tiles=2, v_halves=3), "are two V rings: give one"),
+                  (dict(v_tiles=2, producer=True), "producer issues every copy itself")):
     with pytest.raises(ValueError, match=msg):
       km2.span_attention_mosaic2(q, pool, table, 300, jnp.asarray([299], jnp.int32),
                                  layout=layout, block_pages=1, **kw)
@@ -141,7 +149,8 @@ def test_wgmma_n_choice():
     (4, 24, {}), (1, None, dict(heads_per_wg=2)), (4, None, dict(heads_per_wg=2, own_k=True)),
     (1, None, dict(v_halves=3, table_smem=True, late_k=True)),
     (1, None, dict(heads_per_wg=2, producer=True)), (4, None, dict(producer=True)),
-    (1, None, dict(rhs_per_tile=False)), (4, None, dict(rhs_per_tile=False, heads_per_wg=2))])
+    (1, None, dict(rhs_per_tile=False)), (4, None, dict(rhs_per_tile=False, heads_per_wg=2)),
+    (1, None, dict(v_tiles=2)), (1, None, dict(v_tiles=3))])
 def test_lowers_for_cuda_at_real_shape(s_tok, wgmma_n, opts):
   """The Pallas -> Mosaic GPU lowering accepts the kernel: inline PTX / MLIR of the conversions
   and the softmax, TMA boxes, the K ring (2 slots at N=8 / 16, 1 from N=24), wgmma shapes with
@@ -273,7 +282,8 @@ def test_interpret_k_layouts_same_bits():
                                                 block_pages=2, interpret=True, **kw))
           for kw in (dict(), dict(k_heads=False), dict(table_smem=True, late_k=True),
                      dict(table_smem=True, own_k=True), dict(v_halves=3),
-                     dict(heads_per_wg=2), dict(rhs_per_tile=False))]
+                     dict(heads_per_wg=2), dict(rhs_per_tile=False), dict(v_tiles=2),
+                     dict(v_tiles=3, late_k=True))]
   for out in outs[1:]:
     np.testing.assert_array_equal(outs[0], out)
   check_against_reference(jnp.asarray(outs[0]), hist, q, pool, table, q_pos, block_pages=2,
@@ -358,7 +368,7 @@ if ON_GPU:
   def test_gpu_k_layouts_and_combines(s_tok):
     """Compiled: head-major K (the default) gives the bits of token-major K, and so do the issue
     options (table_smem, late_k, own_k, v_halves=3, heads_per_wg=2, producer, rhs_per_tile=False:
-    the session-14 default); other combine
+    the session-14 default; v_tiles=2 where it fits); other combine
     tiles (the default before session 13, and one warp a 8 x 8 tile loading 8 partitions at a
     time) stay on the reference."""
     layout = _layout(REAL)
@@ -378,6 +388,8 @@ if ON_GPU:
       np.testing.assert_array_equal(base, run(v_halves=3))     # S=6 (N=40): no SMEM for 3
     np.testing.assert_array_equal(base, run(heads_per_wg=2))
     np.testing.assert_array_equal(base, run(rhs_per_tile=False))
+    if km2.smem_bytes(layout, km2.choose_n(s_tok * 6), 1, 4) <= km2.SMEM_LIMIT:
+      np.testing.assert_array_equal(base, run(v_tiles=2))      # S=1 only: 2 V tiles + 1 K slot
     np.testing.assert_array_equal(base, run(heads_per_wg=2, producer=True))
     for kw in (dict(combine_cols=32, combine_rows=8), dict(combine_unroll=8)):
       check_against_reference(jnp.asarray(run(**kw)), hist, q, pool, table, q_pos,

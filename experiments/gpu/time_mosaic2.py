@@ -47,7 +47,7 @@ def timed(fn, *args, iters=50):
 
 KERNEL_OPTIONS = ("split", "acc_refs", "wgmma_n", "perm_tokens", "k_heads", "table_smem",
                   "late_k", "own_k", "v_halves", "heads_per_wg", "producer",
-                  "rhs_per_tile")                                       # the rest: the combine's
+                  "rhs_per_tile", "v_tiles")                                       # the rest: the combine's
 FLAG_OPTIONS = ("perm_tokens", "split", "acc_refs", "k_heads", "table_smem", "late_k",
                 "own_k", "producer", "rhs_per_tile")
 

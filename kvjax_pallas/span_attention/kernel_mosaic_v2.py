@@ -18,16 +18,19 @@ one in session 9 with `experiments/probe_tma_reads.py`):
    106.5 KB a tile; at N = 32 only 1 K slot fits: `choose_k_slots`); warpgroup 0 issues, every
    warpgroup arrives on a slot's "consumed" barrier. A head-major row is 272 B, so the 8 rows a
    K load reads fall on 8 bank groups (token-major 1088-byte rows: 2, 4-way conflicts).
-   Session 14 tried four other issue schedules, each an option with the same bits and none
-   faster (`table_smem`, `late_k`, `own_k`, `v_halves=3`: see `span_attention_partial_mosaic2`;
-   docs/DESIGN.md, "Span attention v2, session 14").
+   Sessions 14 and 15 tried other issue schedules and rings, each an option with the same bits
+   and none faster (`table_smem`, `late_k`, `own_k`, `v_halves=3`, `v_tiles`, `heads_per_wg=2`,
+   `producer`: see `span_attention_partial_mosaic2`; docs/DESIGN.md, "Span attention v2,
+   session 14" and "session 15").
 2. K: `ggml_k_lhs` turns each lane's 4-byte words of the ggml blocks into f16 registers of a
    WGMMA-layout lhs with the magic-number PTX (`magic_ptx`), scaled (one mul.rn.f16x2: the "f16"
    decode), head dims in `magic_ptx.ggml_dims` order; S^T [64, N] = K Q^T by wgmma with Q^T's
    rows in the same order (N = folded query rows padded to 8 / 16 / 32 / 40: Q and P sit in SMEM
    N-major and reach wgmma through transposed views, so N needs no power of two). Every SMEM
    access is a per-thread pointer plus a constant (`_thread_ptr`): whole addresses per access
-   were hoisted out of the loop by LLVM and spilled.
+   were hoisted out of the loop by LLVM and spilled. For the same reason Q^T and P^T are indexed
+   through a zero read from SMEM at each tile (`rhs_per_tile`, session 15): ptxas had hoisted
+   their wgmma descriptors out of the tile loop and spilled them (no spills at N = 8 since).
 3. Online softmax of S^T along the tokens (`_softmax_tile`, inline Mosaic GPU code): the scores
    scaled into the log2 domain, masked (keys at or past a column's limit: the partition end, the
    causal bound of its query token; padding columns everything), the max across the warpgroup by
@@ -99,6 +102,7 @@ BOX = 256                  # TMA box limit a dimension
 K_SLOTS = (2, 1)           # K ring slots, most first: the most that fit
 V_HALVES = (2, 3)          # V ring slots of half a tile (32 tokens); 2 (the default: one whole tile
                            # in static slots) or 3 where it fits (measured slower, S14-2)
+V_TILES = (1, 2, 3)        # V ring slots of a whole tile (`v_tiles`; K takes the SMEM left)
 INFO = 8                   # per-warpgroup SMEM i32 words before the column limits
 ZERO = 2                   # the info word that holds 0 (rhs_per_tile's loop-variant zero)
 REGISTERS = 65_536         # 32-bit registers of an SM (the H200's)
@@ -106,6 +110,8 @@ PRODUCER_REGS = 40         # registers a thread of the producer warpgroup keeps 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 SMEM_LIMIT = 232_448       # bytes of shared memory a CTA may use on the H200
+SMEM_RESERVE = 2_048       # bytes for barriers and buffer alignment beyond the buffers (Mosaic's
+                           # total at N = 32, 1 K slot, 2 V tiles: 232,504 B, 1,464 over them)
 COMBINE_ROWS = 8           # the Triton combine's default row block (N is a multiple of 8)
 COMBINE_COLS = 8           # the Triton combine's default column block: 2 elements a thread at
                            # every N (S13-2, 128K calls: S=1 96.1 us against 108.0 with 32
@@ -175,22 +181,23 @@ def line_bytes(layout: PageLayout) -> int:
 
 def smem_bytes(layout: PageLayout, n: int, k_slots: int, v_halves: int = 2) -> int:
   """Shared memory of one CTA: the K ring, the V ring (half tiles), Q^T and P^T per head, the
-  reduction slots, the info words and the (m, l) staging."""
+  reduction slots, the info words and the (m, l) staging, plus SMEM_RESERVE."""
   g, bt = layout.num_kv_heads, BLOCK_TOKENS
-  return (k_slots * bt * layout.k_row_bytes + v_halves * bt // 2 * layout.v_row_bytes
+  return SMEM_RESERVE + (k_slots * bt * layout.k_row_bytes + v_halves * bt // 2 * layout.v_row_bytes
           + g * (HEAD_DIM + bt) * n * 2 + g * 2 * 4 * n * 4 + g * (INFO + n) * 4 + g * 2 * n * 4)
 
 
-def choose_k_slots(layout: PageLayout, n: int) -> int:
-  """K ring slots of the call: 2 where they fit in SMEM (decode, N = 16), else 1 (N = 32 at the
-  27B shape: 2 slots need 263,808 B); raises where not even 1 fits, naming the shortfall."""
+def choose_k_slots(layout: PageLayout, n: int, v_halves: int = 2) -> int:
+  """K ring slots of the call beside a V ring of `v_halves` half tiles (2: one whole tile): 2
+  where they fit in SMEM (decode, N = 16), else 1 (N = 32 at the 27B shape: 2 slots need
+  263,808 B; N = 8 beside 2 whole V tiles); raises where not even 1 fits, naming the shortfall."""
   for k_slots in K_SLOTS:
-    if smem_bytes(layout, n, k_slots) <= SMEM_LIMIT:
+    if smem_bytes(layout, n, k_slots, v_halves) <= SMEM_LIMIT:
       return k_slots
-  need = smem_bytes(layout, n, K_SLOTS[-1])
+  need = smem_bytes(layout, n, K_SLOTS[-1], v_halves)
   raise ValueError(f"the v2 kernel needs {need:,} B of shared memory at N={n} with "
-                   f"{layout.num_kv_heads} KV heads, {need - SMEM_LIMIT:,} B more than the "
-                   f"{SMEM_LIMIT:,} B of a CTA")
+                   f"{layout.num_kv_heads} KV heads and {v_halves / 2:g} V tiles, "
+                   f"{need - SMEM_LIMIT:,} B more than the {SMEM_LIMIT:,} B of a CTA")
 
 
 def max_v_halves(layout: PageLayout, n: int, k_slots: int) -> int:
@@ -781,7 +788,8 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
   # -> ml_out [G, parts, 2, N] f32 (m natural-log domain, l), o_out [G, parts, 256, N] f32
   #    (O^T, rows in vt_dims order)
   # scratch: kbufs [2, G, 64, k_head_bytes / 4] i32 (k_heads: head-major) or [2, k_lines, L] u8
-  # (token-major), vbuf [v_slots, chunk lines, L] u8 (the V ring: 1 slot of a whole tile, or 3
+  # (token-major), vbuf [v_slots, chunk lines, L] u8 (the V ring: 1-3 slots of a whole tile
+  # (`v_tiles`), or 3
   # of half a tile: chunk j, part j % 2 of tile j // 2, in slot j % 3), kbars (2), vbar
   # (v_slots), kfree (2), vfree (v_slots; arrivals: G), qt_s [G, N, 256] f16, pt_s [G, N, 64] f16 (Q and P
   # N-major: wgmma reads them through transposed views as Q^T and P^T), red_s [G, 2, 4, N] f32,
@@ -809,10 +817,10 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
            else _CompiledTile(layout, n, scale_log2, split, perm, k_heads, heads_per_wg))
   k_slots, k_lines = kbufs.shape[0], kbufs.shape[1]
   v_slots = vbuf.shape[0]
-  v_parts = 1 if v_slots == 1 else 2          # V chunks a tile: the whole tile, or halves
-  chunk_lines = vbuf.shape[1]
-  v_lines = v_parts * chunk_lines
   line = lines_ref.shape[-1]
+  chunk_lines = vbuf.shape[1]
+  v_lines = bt * layout.v_row_bytes // line
+  v_parts = v_lines // chunk_lines     # V chunks a tile: 1 (whole-tile slots) or 2 (half tiles)
   v_first = layout.v_offset // line
 
   kv_len, tile_begin = kv_ref[0], tb_ref[0]
@@ -888,9 +896,17 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
       plgpu.barrier_wait(kfree.at[ks])
     pl.when(i + k_slots < n_tiles)(lambda: copy("k", i + k_slots, kbufs.at[ks], kbars.at[ks]))
 
+  def v_tile_slots(i):
+    """The V slots holding tile i's chunks (chunk c sits in slot c % v_slots): the one
+    whole-tile slot (static), slot i % v_tiles, or 2 of the 3 half-tile slots."""
+    if v_slots == 1:
+      return [0]
+    return [(v_parts * i + b) % v_slots for b in range(v_parts)]
+
   def refill_v(i, tile_slots):
     """Tile i's freed V slots take chunks v_parts i + v_slots + b: tile i + 1 (one whole-tile
-    slot); with 3 half slots, tile i + 1's second half and tile i + 2's first (a tile ahead)."""
+    slot); tile i + v_tiles (whole-tile slots); with 3 half slots, tile i + 1's second half and
+    tile i + 2's first (a tile ahead)."""
     for b, vs in enumerate(tile_slots):
       if multi:
         plgpu.barrier_wait(vfree.at[vs])
@@ -969,7 +985,7 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
       plgpu.commit_smem()
       # tile i's V chunks: the one whole-tile slot (static: as before session 14), or two halves in
       # a ring of 3 (two dynamic half-slot pointers in the conversion, S14-2)
-      tile_slots = ([0] if v_slots == 1 else [(2 * i + b) % v_slots for b in range(2)])
+      tile_slots = v_tile_slots(i)
       for vs in tile_slots:
         plgpu.barrier_wait(vbar.at[vs])
       vbufs = tuple(vbuf.at[vs] for vs in tile_slots)
@@ -1057,7 +1073,8 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
                wgmma_n: Optional[int] = None, perm_tokens: bool = True, k_heads: bool = True,
                table_smem: bool = False, late_k: bool = False, own_k: bool = False,
                v_halves: Optional[int] = None, heads_per_wg: int = 1,
-               producer: bool = False, rhs_per_tile: bool = True):
+               producer: bool = False, rhs_per_tile: bool = True,
+               v_tiles: Optional[int] = None):
   """The kernel call (kv_len, tile_begin, tile_end: i32 scalars; tile_end is clipped to the
   active pages and the table in the kernel): -> (ml [G, parts, 2, N], O^T [G, parts, 256, N] in
   vt_dims rows) f32."""
@@ -1076,9 +1093,13 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
   krows = lax.bitcast_convert_type(pool_u8.reshape(num_phys * layout.k_rows_per_page, g, kw_head,
                                                    4), jnp.int32)
   k_lines, v_lines = bt * layout.k_row_bytes // line, bt * layout.v_row_bytes // line
-  k_slots = choose_k_slots(layout, n)
-  v_halves = choose_v_halves(layout, n, k_slots, v_halves)
-  v_slots, v_parts = (1, 1) if v_halves == 2 else (v_halves, 2)   # whole-tile slot, or halves
+  if v_tiles not in (None, 1):      # whole V tiles first, K takes the SMEM left (1 slot at N = 8)
+    k_slots = choose_k_slots(layout, n, 2 * v_tiles)
+    v_slots, v_parts = v_tiles, 1
+  else:
+    k_slots = choose_k_slots(layout, n)
+    v_halves = choose_v_halves(layout, n, k_slots, v_halves)
+    v_slots, v_parts = (1, 1) if v_halves == 2 else (v_halves, 2)   # whole-tile slot, or halves
   # Q and P N-major in (8, 64) tiles, 128-byte swizzle: the transposed wgmma rhs of any N % 8 == 0
   rhs = lambda shape: plgpu.SMEM(shape, jnp.float16, transforms=(
       plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
@@ -1161,7 +1182,7 @@ def combine_plan(n: int, num_parts: int, head_dim: int = HEAD_DIM,
     "layout", "num_q_heads", "block_pages", "sm_scale", "interpret", "split", "acc_refs",
     "wgmma_n", "combine_cols", "combine_warps", "combine_unroll", "combine_rows",
     "perm_tokens", "k_heads", "table_smem", "late_k", "own_k", "v_halves", "heads_per_wg",
-    "producer", "rhs_per_tile"))
+    "producer", "rhs_per_tile", "v_tiles"))
 def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                    carry: Optional[_ref.Carry], tile_begin, tile_end, *,
                                    layout: PageLayout, num_q_heads: int, block_pages: int = 1,
@@ -1178,7 +1199,8 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
                                    v_halves: Optional[int] = None,
                                    heads_per_wg: int = 1,
                                    producer: bool = False,
-                                   rhs_per_tile: bool = True) -> _ref.Carry:
+                                   rhs_per_tile: bool = True,
+                                   v_tiles: Optional[int] = None) -> _ref.Carry:
   """Mosaic GPU v2 version of `reference.span_attention_partial_reference` (same contract;
   carry=None: the empty carry). The partitions are folded in logical order by the Triton
   kernel's pipelined combine (`kernel_triton.combine_call`), O^T's rows taken as its columns in
@@ -1212,7 +1234,10 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
   zero read from SMEM each tile, so ptxas builds their k-steps' descriptors inside the tile loop
   instead of hoisting them out of it; hoisted (False, as before), they are the 64-bit values
   ptxas spilled and reloaded after each K wait (S15-1: 80 B of spills at N = 8 -> 0; the kernel
-  at 128K S=1 73.8 us vs 85.7-104 us). None of these options changes a bit."""
+  at 128K S=1 73.8 us vs 85.7-104 us). v_tiles: a V ring of that many whole-tile slots (None / 1:
+  the default one; 2 or 3: V(i + v_tiles) copied as soon as tile i's PV frees its slot), the K ring
+  taking the SMEM left (`choose_k_slots`: 1 slot at N = 8). None of these options changes a
+  bit."""
   if own_k and not k_heads:
     raise ValueError("own_k needs k_heads=True (one K box a head)")
   g_heads = layout.num_kv_heads
@@ -1221,9 +1246,15 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
                      f"{heads_per_wg}")
   if acc_refs and heads_per_wg > 1:
     raise ValueError("acc_refs keeps one head's O^T in refs: it needs heads_per_wg=1")
-  if producer and (table_smem or late_k or own_k or v_halves not in (None, 2)):
+  if v_tiles not in (None,) + V_TILES:
+    raise ValueError(f"v_tiles must be one of {V_TILES}, got {v_tiles}")
+  if v_tiles not in (None, 1) and v_halves not in (None, 2):
+    raise ValueError(f"v_tiles={v_tiles} (whole-tile V slots) and v_halves={v_halves} (half-tile "
+                     f"V slots) are two V rings: give one")
+  if producer and (table_smem or late_k or own_k or v_halves not in (None, 2)
+                   or v_tiles not in (None, 1)):
     raise ValueError("producer issues every copy itself: it takes none of table_smem, late_k, "
-                     "own_k, v_halves=3")
+                     "own_k, v_halves=3, v_tiles > 1")
   # pylint: disable=import-outside-toplevel
   from kvjax_pallas.span_attention import kernel_mosaic as _v1
   from kvjax_pallas.span_attention import kernel_triton as _triton
@@ -1245,7 +1276,7 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
                           wgmma_n=wgmma_n, perm_tokens=perm_tokens, k_heads=k_heads,
                           table_smem=table_smem, late_k=late_k, own_k=own_k,
                           v_halves=v_halves, heads_per_wg=heads_per_wg, producer=producer,
-                          rhs_per_tile=rhs_per_tile)
+                          rhs_per_tile=rhs_per_tile, v_tiles=v_tiles)
   # ml_p [G, parts, 2, N] and O^T [G, parts, vt rows, N] go to the combine as the kernel wrote them
   return _triton.combine_call(ml_p, None, ot_p, carry, rows=rows, acc_transposed=True,
                               v_cols=magic_ptx.vt_dims(d), head_dim=d, interpret=interpret,
