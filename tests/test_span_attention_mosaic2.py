@@ -96,6 +96,7 @@ def test_rejects_bad_kernel_options():
                   (dict(producer=True, own_k=True), "producer issues every copy itself"),
                   (dict(v_tiles=4), r"v_tiles must be one of \(1, 2, 3\)"),
                   (dict(v_tiles=2, v_halves=3), "are two V rings: give one"),
+                  (dict(v_tiles=1, v_halves=3), "are two V rings: give one"),
                   (dict(v_tiles=2, producer=True), "producer issues every copy itself")):
     with pytest.raises(ValueError, match=msg):
       km2.span_attention_mosaic2(q, pool, table, 300, jnp.asarray([299], jnp.int32),
@@ -271,8 +272,9 @@ def test_interpret_k_layouts_same_bits():
   options (the page table read once into SMEM; K issued after the PV; each head's K issued by
   its own warpgroup on its own barrier; a V ring of 3 half-tile slots instead of 2; 2 heads a
   warpgroup, in the interpreter the same walk over the heads; Q^T / P^T indexed by the head
-  alone instead of through the default's zero read each tile): the same copies in another order, every barrier completion still waited for
-  (the interpreter checks)."""
+  alone instead of through the default's zero read each tile; V rings of 2 or 3 whole tiles):
+  the same copies in another order, every barrier completion still waited for (the interpreter
+  checks)."""
   layout = _layout(SMALL)
   tokens = 4 * 64 - 21
   hist = History(layout, tokens, seed=13)

@@ -789,8 +789,7 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
   #    (O^T, rows in vt_dims order)
   # scratch: kbufs [2, G, 64, k_head_bytes / 4] i32 (k_heads: head-major) or [2, k_lines, L] u8
   # (token-major), vbuf [v_slots, chunk lines, L] u8 (the V ring: 1-3 slots of a whole tile
-  # (`v_tiles`), or 3
-  # of half a tile: chunk j, part j % 2 of tile j // 2, in slot j % 3), kbars (2), vbar
+  # (`v_tiles`), or 3 of half a tile: chunk j, part j % 2 of tile j // 2, in slot j % 3), kbars (2), vbar
   # (v_slots), kfree (2), vfree (v_slots; arrivals: G), qt_s [G, N, 256] f16, pt_s [G, N, 64] f16 (Q and P
   # N-major: wgmma reads them through transposed views as Q^T and P^T), red_s [G, 2, 4, N] f32,
   # info_s [G, INFO + N] i32, ml_s [G, 2, N] f32, in_bar, tab_s [G, block_pages] i32
@@ -1093,7 +1092,7 @@ def _span_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos
   krows = lax.bitcast_convert_type(pool_u8.reshape(num_phys * layout.k_rows_per_page, g, kw_head,
                                                    4), jnp.int32)
   k_lines, v_lines = bt * layout.k_row_bytes // line, bt * layout.v_row_bytes // line
-  if v_tiles not in (None, 1):      # whole V tiles first, K takes the SMEM left (1 slot at N = 8)
+  if v_tiles is not None:           # whole V tiles first, K takes the SMEM left (1 slot at N = 8)
     k_slots = choose_k_slots(layout, n, 2 * v_tiles)
     v_slots, v_parts = v_tiles, 1
   else:
@@ -1248,7 +1247,7 @@ def span_attention_partial_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s
     raise ValueError("acc_refs keeps one head's O^T in refs: it needs heads_per_wg=1")
   if v_tiles not in (None,) + V_TILES:
     raise ValueError(f"v_tiles must be one of {V_TILES}, got {v_tiles}")
-  if v_tiles not in (None, 1) and v_halves not in (None, 2):
+  if v_tiles is not None and v_halves not in (None, 2):
     raise ValueError(f"v_tiles={v_tiles} (whole-tile V slots) and v_halves={v_halves} (half-tile "
                      f"V slots) are two V rings: give one")
   if producer and (table_smem or late_k or own_k or v_halves not in (None, 2)
