@@ -978,12 +978,11 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
         if o_refs is None:
           o = tuple(x * alpha for x in o)
         else:
-          for r in o_refs:
-            r[...] = r[...] * alpha
+          for ref in o_refs:
+            ref[...] = ref[...] * alpha
         stepped.append((m, l, o))
       plgpu.commit_smem()
-      # tile i's V chunks: the one whole-tile slot (static: as before session 14), or two halves in
-      # a ring of 3 (two dynamic half-slot pointers in the conversion, S14-2)
+      # tile i's V chunks (`v_tile_slots`: static with the default one slot)
       tile_slots = v_tile_slots(i)
       for vs in tile_slots:
         plgpu.barrier_wait(vbar.at[vs])
@@ -1040,7 +1039,7 @@ def _span_kernel_v2(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref
 
     def refill(i, c):
       refill_k(i, i % k_slots)
-      refill_v(i, [0])
+      refill_v(i, v_tile_slots(i))
       return c
     lax.fori_loop(0, n_tiles, refill, 0)
 
