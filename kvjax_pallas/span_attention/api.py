@@ -11,7 +11,10 @@ implementations:
                "f16" only. Correct on the H200 (3.7e-4 vs the float32 reference)
                but 4.9x slower than "triton" at 128K (docs/PERFORMANCE.md), so
                "auto" never picks it. `interpret=True` runs the Mosaic GPU interpreter.
-  "mosaic2"    Pallas kernel v2, Mosaic GPU (`kernel_mosaic_v2.py`): TMA copies of the
+  "mosaic2"    Pallas kernels, Mosaic GPU: calls of up to 40 folded query rows (decode, verify) on
+               v2 below; longer ones (prefill chunks of up to 256 tokens) on the prefill kernel
+               (`kernel_mosaic_prefill.py`: query rows as the wgmma M, K and V converted to f16
+               tiles in SMEM; same contract, same combine). v2 (`kernel_mosaic_v2.py`): TMA copies of the
                tiles (K head-major from the pool's K-row view), the magic-number conversion of
                the ggml quants straight into wgmma registers, one warpgroup a KV head.
                Q8_0/Q4_0 pages, head_dim 256, 1-4 KV heads, <= 40 folded query rows,
@@ -19,8 +22,9 @@ implementations:
                H200 at 160K decode 1.73x faster than XLA bf16 (S13-3) and 1.76x faster than
                "triton" (S12-4); docs/PERFORMANCE.md.
   "auto"       on an NVIDIA GPU "mosaic2" where it takes the call (`mosaic2_takes`: decode and
-               verify of the 27B geometry) and "triton" elsewhere (prefill chunks, other K/V
-               pairs, precisions or paths); "reference" without a GPU.
+               verify of the 27B geometry; prefill chunks only with `AUTO_MOSAIC_PREFILL`) and
+               "triton" elsewhere (other K/V pairs, precisions or paths); "reference" without a
+               GPU.
 
 Kernel-only keyword arguments (ignored by "reference"):
   precision  how the kernel's dots meet the tensor cores (`kernel_triton.PRECISIONS`):
@@ -52,21 +56,39 @@ from kvjax_pallas.span_attention import reference as _ref
 from kvjax_pallas.span_attention import kernel_triton as _triton
 from kvjax_pallas.span_attention import kernel_mosaic as _mosaic
 from kvjax_pallas.span_attention import kernel_mosaic_v2 as _mosaic2
+from kvjax_pallas.span_attention import kernel_mosaic_prefill as _prefill
 
 IMPLEMENTATIONS = ("reference", "triton", "mosaic", "mosaic2")
+# "auto" sends prefill chunks (more than v2's MAX_ROWS folded rows) to the Mosaic GPU prefill
+# kernel only where it was measured faster than the Triton one (docs/PERFORMANCE.md)
+AUTO_MOSAIC_PREFILL = False
 # the implementations that take every K/V pair, path and precision of the contract
 FULL_IMPLEMENTATIONS = ("reference", "triton")
 
 
+def uses_prefill_kernel(layout: PageLayout, rows: int) -> bool:
+  """Whether "mosaic2" runs a call with the prefill kernel (`kernel_mosaic_prefill`): more than
+  the v2 kernel's `MAX_ROWS` folded query rows."""
+  del layout
+  return rows > _mosaic2.MAX_ROWS
+
+
 def mosaic2_takes(layout: PageLayout, head_dim: int, rows: int, precision: str = "f16",
-                  path: Optional[str] = None) -> bool:
-  """Whether the v2 kernel takes a call: its K/V pair, head_dim, KV heads and page geometry
-  (`kernel_mosaic_v2.check_layout`), at most `MAX_ROWS` folded query rows, precision "f16" and
-  no forced path."""
-  if precision != "f16" or path is not None or not 1 <= rows <= _mosaic2.MAX_ROWS:
+                  path: Optional[str] = None, num_tokens: Optional[int] = None,
+                  prefill: Optional[bool] = None) -> bool:
+  """Whether "auto" gives a call to the Mosaic GPU kernels: their K/V pair, head_dim, KV heads
+  and page geometry (`kernel_mosaic_v2.check_layout`), precision "f16", no forced path, and
+  either at most v2's `MAX_ROWS` folded query rows or (prefill, default `AUTO_MOSAIC_PREFILL`) a
+  chunk the prefill kernel takes (`kernel_mosaic_prefill.check_call`: num_tokens query tokens)."""
+  prefill = AUTO_MOSAIC_PREFILL if prefill is None else prefill
+  if precision != "f16" or path is not None or rows < 1:
     return False
   try:
     _mosaic2.check_layout(layout, head_dim)
+    if rows > _mosaic2.MAX_ROWS:
+      if not prefill or num_tokens is None:
+        return False
+      _prefill.check_call(layout, head_dim, num_tokens)
   except ValueError:
     return False
   return True
@@ -83,7 +105,7 @@ def resolve_implementation(implementation: str, *, layout: Optional[PageLayout] 
       return "reference"
     if layout is not None and q_shape is not None:
       s, h, d = q_shape
-      if mosaic2_takes(layout, d, s * (h // layout.num_kv_heads), precision, path):
+      if mosaic2_takes(layout, d, s * (h // layout.num_kv_heads), precision, path, s):
         return "mosaic2"
     return "triton"
   _check(implementation)
@@ -119,6 +141,9 @@ def resolve_block_pages(block_pages: Union[int, str], num_table_pages: int, num_
     if block_pages != "auto":
       raise ValueError(f"block_pages must be an int >= 1 or 'auto', got {block_pages!r}")
     if implementation == "mosaic2":
+      rows = num_tokens * max(1, num_q_heads // layout.num_kv_heads)
+      if uses_prefill_kernel(layout, rows):
+        return _prefill.choose_block_pages(num_table_pages, rows, layout.num_kv_heads, num_sms())
       return _mosaic2.choose_block_pages(num_table_pages, num_sms())
     return _triton.choose_block_pages(num_table_pages, layout.num_kv_heads, num_tokens,
                                       max(1, num_q_heads // layout.num_kv_heads), num_sms(), path)
@@ -179,6 +204,11 @@ def span_attention(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: Pag
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len)
   if implementation == "mosaic2":
     _check_mosaic_options(precision)
+    s, h = q_shd.shape[:2]
+    if uses_prefill_kernel(layout, s * (h // layout.num_kv_heads)):
+      return _prefill.span_attention_mosaic_prefill(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
+                                                    layout=layout, block_pages=block_pages,
+                                                    sm_scale=sm_scale, interpret=interpret)
     return _mosaic2.span_attention_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                            layout=layout, block_pages=block_pages,
                                            sm_scale=sm_scale, interpret=interpret)
@@ -214,6 +244,11 @@ def span_attention_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry,
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len, tile_begin, tile_end)
   if implementation == "mosaic2":
     _check_mosaic_options(precision)
+    if uses_prefill_kernel(layout, q_shd.shape[0] * (num_q_heads // layout.num_kv_heads)):
+      return _prefill.span_attention_partial_mosaic_prefill(
+          q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end,
+          layout=layout, num_q_heads=num_q_heads, block_pages=block_pages, sm_scale=sm_scale,
+          interpret=interpret)
     return _mosaic2.span_attention_partial_mosaic2(
         q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end, layout=layout,
         num_q_heads=num_q_heads, block_pages=block_pages, sm_scale=sm_scale, interpret=interpret)

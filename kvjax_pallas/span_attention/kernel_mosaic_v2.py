@@ -361,7 +361,8 @@ def ggml_k_lhs(kind: str, layout: PageLayout, base: int, consumers: int, j: int 
 
 
 def ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int = 0, masked: bool = False,
-                blocks=(0, 1, 2, 3), perm: bool = False, halves: bool = False):
+                blocks=(0, 1, 2, 3), perm: bool = False, halves: bool = False,
+                head_word: Optional[int] = None):
   """Q4_0 V of a 64-token tile as the lhs of O^T = V^T P^T: SMEM tile buffer [lines, L] u8 (V row
   t at byte base + t * v row bytes) -> 4 f16 [64, 64] WGMMA-layout arrays (M-blocks of 64 head
   dims in `magic_ptx.vt_dims` order, tokens as columns), scaled, of head wg + j * consumers.
@@ -377,7 +378,11 @@ def ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int = 0, maske
   each call loads the quant words again). perm: lhs column i is the tile's token
   `token_perm(i)` (odd quads read their token pairs swapped: 2-way instead of 4-way bank
   conflicts). halves: the function takes two tile refs before the info ref, tokens 0-31 and
-  32-63 (the V ring's half-tile slots); each holds its 32 rows from byte base."""
+  32-63 (the V ring's half-tile slots); each holds its 32 rows from byte base.
+  head_word (needs masked): the head is info word head_word (a run-time value: the prefill
+  kernel's KV head, one a CTA), not the warpgroup's."""
+  if head_word is not None and not masked:
+    raise ValueError("head_word reads the head from the info ref: it needs masked=True")
   row_bytes, head_bytes = layout.v_row_bytes, layout.v_head_bytes
   bt = BLOCK_TOKENS
   ret = plgpu.ShapeDtypeStruct((bt, bt), jnp.float16, plgpu.Layout.WGMMA)
@@ -391,6 +396,8 @@ def ggml_vt_lhs(layout: PageLayout, base: int, consumers: int, j: int = 0, maske
     ir, arith, llvm, _, fa, mu, mgpu = _mlir()
     i32, i16, i8 = (ir.IntegerType.get_signless(b) for b in (32, 16, 8))
     c, lane, warp, head = _lane_ids(consumers, j)
+    if head_word is not None:
+      head = llvm.load(i32, mu.getelementptr(mu.memref_ptr(info[0]), [head_word], i32))
     quad, r = arith.andi(lane, c(3)), arith.shrui(lane, c(2))
     beta = arith.muli(arith.addi(arith.muli(warp, c(8)), r), c(4))   # first quant byte
     blk = arith.shrui(beta, c(4))

@@ -1,0 +1,81 @@
+"""Times span-attention prefill chunks at the 27B geometry (contiguous pages, dispatch timing):
+the Mosaic GPU prefill kernel (`kernel_mosaic_prefill`, through `api.span_attention(
+implementation="mosaic2")`) against the Triton kernel's prefill path, the same inputs.
+
+  python3 experiments/gpu/time_prefill.py 32768,131072 256,64 [block_pages: auto,64]
+
+Prints one line per context, query tokens and block_pages: microseconds a call, TFLOP/s (4 x
+query rows x keys x head dim: QK^T and PV; causal keys counted), GB/s on the quantized pages,
+the first call's seconds (trace + compile + run), and the two outputs' relative difference.
+"""
+import functools
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from kvjax_pallas.page_layout import PageLayout  # noqa: E402
+from kvjax_pallas.span_attention import api  # noqa: E402
+
+
+def timed(fn, *args, iters=20):
+  """Median microseconds a call of `iters` calls queued from Python."""
+  jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(5):
+    t = time.perf_counter()
+    for _ in range(iters):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    ts.append((time.perf_counter() - t) / iters)
+  return float(np.median(ts)) * 1e6
+
+
+def main():
+  contexts = [int(x) for x in sys.argv[1].split(",")]
+  tokens = [int(x) for x in sys.argv[2].split(",")]
+  bps = (sys.argv[3] if len(sys.argv) > 3 else "auto").split(",")
+  lay = PageLayout(4, 256, "q8_0", "q4_0", 256)
+  print(f"{'ctx':>7} {'S':>4} {'bp':>5} {'impl':>8} | {'call us':>9} {'TFLOP/s':>7} {'GB/s':>6} | "
+        f"{'first s':>7} | rel diff vs triton")
+  for ctx in contexts:
+    n_pages = ctx // lay.page_tokens
+    pool = jax.random.randint(jax.random.PRNGKey(0), (n_pages + 8, lay.page_bytes), 0, 256,
+                              jnp.int32).astype(jnp.uint8)
+    pool = pool & jnp.uint8(0x3B)          # finite f16 scales
+    table = jnp.arange(n_pages, dtype=jnp.int32)
+    for s in tokens:
+      q = jax.random.normal(jax.random.PRNGKey(s), (s, 24, 256), jnp.float32)
+      q_pos = jnp.arange(ctx - s, ctx, dtype=jnp.int32)
+      keys = float(np.sum(np.asarray(q_pos) + 1))       # causal keys of the query tokens
+      flops = 4.0 * 24 * keys * 256
+      base = None
+      for impl, bp in [("triton", "auto")] + [("mosaic2", b) for b in bps]:
+        bpv = bp if bp == "auto" else int(bp)
+        fn = functools.partial(api.span_attention, layout=lay, block_pages=bpv,
+                               implementation=impl)
+        call = jax.jit(lambda q, pool, table, fn=fn, q_pos=q_pos, ctx=ctx: fn(
+            q, pool, table, ctx, q_pos))
+        try:
+          t_first = time.perf_counter()
+          out = np.asarray(call(q, pool, table))
+          t_first = time.perf_counter() - t_first
+        except Exception as e:  # pylint: disable=broad-except
+          print(f"{ctx:>7} {s:>4} {bp:>5} {impl:>8} | failed: {str(e)[:400]}", flush=True)
+          continue
+        if base is None:
+          base = out
+        diff = float(np.linalg.norm(out - base) / np.linalg.norm(base))
+        us = timed(call, q, pool, table)
+        print(f"{ctx:>7} {s:>4} {bp:>5} {impl:>8} | {us:9.1f} {flops / us / 1e6:7.1f} "
+              f"{ctx * lay.token_bytes / us / 1e3:6.0f} | {t_first:7.1f} | {diff:.3g}"
+              f"{'' if np.isfinite(out).all() else ' NOT FINITE'}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
