@@ -5,8 +5,8 @@ against the jnp reference on the same Q8_0 K / Q4_0 V cache.
 CPU: the v2 kernel interpreted (2 KV heads, 6 query heads, 64-token pages), and which kernel
 "auto" picks for a call (a pure function of the shapes and the backend).
 GPU (`KVJAX_TEST_GPU=1 JAX_PLATFORMS=cuda,cpu`): compiled at the 27B attention geometry (4 KV
-heads, 24 query heads, 256-token pages); "auto" gives the bits of "mosaic2" for decode and
-verify and of "triton" for a 256-row prefill chunk.
+heads, 24 query heads, 256-token pages); "auto" gives the bits of "mosaic2" for decode, verify
+and a 256-token prefill chunk (the Mosaic GPU prefill kernel), within the reference's rounding.
 """
 
 from __future__ import annotations
@@ -63,14 +63,15 @@ def _forward(model, layout, opts, kv, states, tokens, pos: int, rows: int):
 
 
 def test_auto_picks_mosaic2_where_it_takes_the_call():
-  """"auto" on a GPU: "mosaic2" for decode / verify of the 27B geometry (<= 40 folded rows,
-  Q8_0 / Q4_0, D=256, "f16", no forced path), "triton" for wider calls, other pairs, precisions
-  or paths; "reference" without a GPU."""
+  """"auto" on a GPU: "mosaic2" for decode / verify (<= 40 folded rows: v2) and prefill chunks
+  of up to 256 tokens (the prefill kernel, `AUTO_MOSAIC_PREFILL`) of the 27B geometry (Q8_0 /
+  Q4_0, D=256, "f16", no forced path), "triton" for longer chunks, other pairs, precisions or
+  paths; "reference" without a GPU."""
   lay = PageLayout(4, 256, "q8_0", "q4_0", 256)
   pick = lambda shape, layout=lay, **kw: api.resolve_implementation(
       "auto", layout=layout, q_shape=shape, backend="gpu", **kw)
-  assert [pick((s, 24, 256)) for s in (1, 4, 6, 7, 256)] == [
-      "mosaic2", "mosaic2", "mosaic2", "triton", "triton"]
+  assert [pick((s, 24, 256)) for s in (1, 4, 6, 7, 256, 257)] == [
+      "mosaic2", "mosaic2", "mosaic2", "mosaic2", "mosaic2", "triton"]
   assert pick((1, 24, 256), PageLayout(4, 256, "q8_0", "q8_0", 256)) == "triton"
   assert pick((1, 24, 256), precision="f16x3") == "triton"
   assert pick((1, 24, 256), path="vector") == "triton"
@@ -84,7 +85,7 @@ def test_interpreted_v2_in_the_model_matches_the_reference():
   """Decode and verify forwards through the interpreted v2 kernel: the logits within the f16
   operand rounding of the reference's, the first attention layer's cache rows identical."""
   _, model, layout, kv, states, tokens = _setup(2, 6, 64, prompt=150, ubatch=64)
-  for pos, rows in ((150, 1), (150, 4)):
+  for pos, rows in ((150, 1), (150, 4), (150, 40)):    # 40 tokens: 120 rows, the prefill kernel
     want, pool_ref = _forward(model, layout, AttentionOptions("reference"), kv, states, tokens,
                               pos, rows)
     got, pool = _forward(model, layout, AttentionOptions("mosaic2", interpret=True), kv, states,
@@ -116,16 +117,18 @@ if ON_GPU:
     assert rel(got, want) <= LOGITS_TOL, rel(got, want)
     np.testing.assert_array_equal(auto, got)
 
-  def test_gpu_auto_prefill_is_triton(real):
-    """A 256-row prefill chunk: "auto" gives the Triton kernel's bits."""
+  def test_gpu_auto_prefill_is_mosaic2(real):
+    """A 256-token prefill chunk: "auto" gives the bits of "mosaic2" (the prefill kernel), within
+    the rounding of the Triton kernel's logits."""
     cfg, model, layout, kv, states, tokens = real
     kv0 = engine.PlainKV(cfg, layout, max_tokens=512)
     chunk = np.asarray(tokens[:256], np.int32)
     outs = []
-    for impl in ("auto", "triton"):
+    for impl in ("auto", "mosaic2", "triton"):
       runner = engine.Runner(model, layout, AttentionOptions(impl))
       kv = copy.copy(kv0)
       kv.pool_pn = jnp.copy(kv0.pool_pn)
       outs.append(np.asarray(runner.forward(chunk, 0, 256, runner.zero_states(), kv).logits_rv))
     np.testing.assert_array_equal(outs[0], outs[1])
     assert jnp.isfinite(outs[0]).all()
+    assert rel(outs[1], outs[2]) <= LOGITS_TOL, rel(outs[1], outs[2])

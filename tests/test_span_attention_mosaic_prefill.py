@@ -52,11 +52,14 @@ def test_plan_and_row_limits():
   lay = _layout(REAL)
   assert kp.smem_bytes(lay) <= kp.SMEM_LIMIT
   assert [kp.row_blocks(r) for r in (1, 128, 129, 1536)] == [1, 1, 2, 12]
-  # 256 tokens x 6 heads = 12 row blocks x 4 heads = 48 CTAs: 2 partitions fill 132 SMs
-  assert kp.choose_block_pages(512, 1536, 4, 132) == 256
-  assert kp.choose_block_pages(512, 60, 4, 132) == 16           # 4 CTAs: 33 partitions
+  # 256 tokens x 6 heads = 12 row blocks x 4 heads = 48 CTAs a partition: 11 partitions of 47
+  # pages are 528 CTAs, 4 whole waves of 132 (2 partitions: one wave 73 % full)
+  assert kp.choose_block_pages(512, 1536, 4, 132) == 47
+  assert kp.choose_block_pages(512, 60, 4, 132) == 16           # 4 CTAs: 32 partitions, 97 %
   assert kp.choose_block_pages(3, 60, 4, 132) == 1
-  assert kp.choose_block_pages(512, 1536, 4, 40) == 512         # more CTAs than SMs: 1 partition
+  assert kp.choose_block_pages(8, 1536, 4, 132) == 1            # 384 CTAs: 3 waves, 97 %
+  # 48 CTAs on 40 SMs: 3 partitions (144 CTAs, 4 waves 90 % full) before 5+ waves
+  assert kp.choose_block_pages(512, 1536, 4, 40) == 171
   lim = np.asarray(kp.row_limits(jnp.asarray([5, 9, 30], jnp.int32), 20, 9, 3, 16))
   np.testing.assert_array_equal(lim, [6] * 3 + [10] * 3 + [20] * 3 + [-1] * 7)
 
@@ -167,6 +170,21 @@ def test_interpret_placement_invariance_and_waves_bit_exact():
   _placement_and_waves(True, SMALL, 5 * 64 - 9, 2, 16)
 
 
+def test_interpret_schedules_same_bits():
+  """The overlapped schedule (the default: next tile's conversions beside the other warpgroup's
+  work) and the serial one read the same tiles in the same order: the same bits."""
+  layout = _layout(SMALL)
+  tokens = 4 * 64 - 21
+  hist = History(layout, tokens, seed=13)
+  pool, table = hist.shuffled(seed=3)
+  q, q_pos = _query(13, 15, SMALL["q_heads"], SMALL["head_dim"], tokens)
+  outs = [np.asarray(kp.span_attention_mosaic_prefill(q, pool, table, tokens, q_pos,
+                                                      layout=layout, block_pages=2,
+                                                      interpret=True, overlap=o))
+          for o in (True, False)]
+  np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_api_routes_prefill_chunks():
   """implementation="mosaic2" with more than v2's 40 folded rows is the prefill kernel, bit for
   bit, with its own "auto" partitions; "auto" gives prefill chunks to it only with
@@ -207,6 +225,9 @@ if ON_GPU:
     out = kp.span_attention_mosaic_prefill(q, pool, table, tokens, q_pos, layout=layout,
                                            block_pages=4)
     check_against_reference(out, hist, q, pool, table, q_pos, block_pages=4, tol=2e-3)
+    serial = kp.span_attention_mosaic_prefill(q, pool, table, tokens, q_pos, layout=layout,
+                                              block_pages=4, overlap=False)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(serial))
 
   def test_gpu_placement_invariance_and_waves_bit_exact():
     _placement_and_waves(False, REAL, 7 * 256 - 11, 2, 64)

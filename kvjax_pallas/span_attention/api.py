@@ -61,7 +61,7 @@ from kvjax_pallas.span_attention import kernel_mosaic_prefill as _prefill
 IMPLEMENTATIONS = ("reference", "triton", "mosaic", "mosaic2")
 # "auto" sends prefill chunks (more than v2's MAX_ROWS folded rows) to the Mosaic GPU prefill
 # kernel only where it was measured faster than the Triton one (docs/PERFORMANCE.md)
-AUTO_MOSAIC_PREFILL = False
+AUTO_MOSAIC_PREFILL = True
 # the implementations that take every K/V pair, path and precision of the contract
 FULL_IMPLEMENTATIONS = ("reference", "triton")
 
