@@ -39,6 +39,7 @@ from kvjax_pallas.page_layout import PageLayout  # noqa: E402
 from kvjax_pallas.span_attention import api as span_api  # noqa: E402
 from kvjax_pallas.span_attention import kernel_mosaic as km  # noqa: E402
 from kvjax_pallas.span_attention import kernel_mosaic_v2 as km2  # noqa: E402
+from kvjax_pallas.span_attention import kernel_mosaic_prefill as kp  # noqa: E402
 from kvjax_pallas.span_attention import kernel_triton as kt  # noqa: E402
 from kvjax_pallas.span_attention import reference as ref  # noqa: E402
 
@@ -79,8 +80,9 @@ flags.DEFINE_bool("mosaic", False, "also time the Mosaic GPU kernel (kernel_mosa
                   "the main table and check it in the correctness check")
 flags.DEFINE_bool("triton", True, "time the Triton kernel (kernel_contiguous / kernel_ring) in "
                   "the main table (false: v2 and the baselines only, fewer compiles)")
-flags.DEFINE_bool("mosaic2", False, "also time the Mosaic GPU v2 kernel (kernel_mosaic_v2: magic "
-                  "conversion + wgmma) on the contiguous and the ring placement, and check it")
+flags.DEFINE_bool("mosaic2", False, "also time the Mosaic GPU kernels (kernel_mosaic_v2: magic "
+                  "conversion + wgmma, up to 40 folded rows; kernel_mosaic_prefill past that) on "
+                  "the contiguous and the ring placement, and check them")
 flags.DEFINE_string("mosaic2_block_pages", "auto", "v2's pages a partition: an int or auto "
                     "(kernel_mosaic_v2.choose_block_pages: one wave of CTAs)")
 flags.DEFINE_integer("copy_probe_mib", 2048, "size of the device copy-bandwidth probe (0: skip)")
@@ -292,7 +294,16 @@ def main(argv):
     return us
 
   def kernel_fn(pool, table, kv_len, q_pos, **kw):
-    if kw.pop("mosaic2", False):  # Mosaic GPU v2: its own one-wave partition size
+    if kw.pop("mosaic2", False):  # Mosaic GPU v2 / prefill: their own partition sizes
+      rows2 = q_pos.shape[0] * (FLAGS.q_heads // layout.num_kv_heads)
+      if rows2 > km2.MAX_ROWS:      # a prefill chunk: `kernel_mosaic_prefill`
+        bp2 = (kp.choose_block_pages(table.shape[0], rows2, layout.num_kv_heads,
+                                     span_api.num_sms())
+               if FLAGS.mosaic2_block_pages == "auto" else int(FLAGS.mosaic2_block_pages))
+        bp2 = kw.pop("block_pages", bp2)
+        return lambda q: kp.span_attention_mosaic_prefill(
+            q, pool, table, kv_len, q_pos, layout=layout, block_pages=bp2,
+            interpret=kw.get("interpret", FLAGS.interpret))
       bp2 = (km2.choose_block_pages(table.shape[0], span_api.num_sms())
              if FLAGS.mosaic2_block_pages == "auto" else int(FLAGS.mosaic2_block_pages))
       bp2 = kw.pop("block_pages", bp2)
@@ -364,7 +375,7 @@ def main(argv):
       checks = [dict(precision=p) for p in (FLAGS.check_precisions if s == 1 else (FLAGS.precision,))]
       if FLAGS.mosaic:
         checks += [dict(mosaic=True), dict(mosaic=True, overlap=True)]
-      if FLAGS.mosaic2 and s * h // layout.num_kv_heads <= km2.MAX_ROWS:
+      if FLAGS.mosaic2 and s <= kp.MAX_TOKENS:
         checks += [dict(mosaic2=True)]
       for kw in checks:
         try:
@@ -432,7 +443,7 @@ def main(argv):
                       ctx * kv_token))
         cases.append(("mosaic_overlap", kernel_fn(pool, contiguous, ctx, q_pos, mosaic=True,
                                                   overlap=True), ctx * kv_token))
-      if FLAGS.mosaic2 and s * h // layout.num_kv_heads <= km2.MAX_ROWS:
+      if FLAGS.mosaic2 and s <= kp.MAX_TOKENS:
         cases.append(("mosaic2_contiguous", kernel_fn(pool, contiguous, ctx, q_pos, mosaic2=True),
                       ctx * kv_token))
         cases.append(("mosaic2_ring", kernel_fn(pool, scattered, ctx, q_pos, mosaic2=True),
