@@ -68,6 +68,10 @@ def test_rejects_unsupported_arguments():
   lay = _layout(REAL)
   pool = jnp.zeros((3, lay.page_bytes), jnp.uint8)
   table = jnp.arange(2, dtype=jnp.int32)
+  with pytest.raises(ValueError, match="balanced splits the serial schedule's conversions"):
+    kp.span_attention_mosaic_prefill(jnp.zeros((16, 24, 256)), pool, table, 300,
+                                     jnp.arange(16, dtype=jnp.int32), layout=lay, overlap=True,
+                                     balanced=True)
   with pytest.raises(ValueError, match="1-256 query tokens a call, got 257"):
     kp.span_attention_mosaic_prefill(jnp.zeros((257, 24, 256)), pool, table, 300,
                                      jnp.arange(257, dtype=jnp.int32), layout=lay)
@@ -81,11 +85,12 @@ def test_rejects_unsupported_arguments():
 # ----------------------------------------------------------------------------- lowering (CPU)
 
 
-@pytest.mark.parametrize("s_tok", [7, 41, 256])
-def test_lowers_for_cuda_at_real_shape(s_tok):
+@pytest.mark.parametrize("s_tok,opts", [(7, {}), (41, {}), (256, {}),
+                                         (256, dict(overlap=True)), (41, dict(balanced=True))])
+def test_lowers_for_cuda_at_real_shape(s_tok, opts):
   """The Pallas -> Mosaic GPU lowering accepts the kernel: the magic conversions stored to
   swizzled f16 tiles, wgmma with Q from SMEM and K^T / V through transposed views, P from
-  registers, the inline mask, 1 / 2 / 12 row blocks."""
+  registers, the inline mask, 1 / 2 / 12 row blocks; the overlapped and balanced schedules."""
   layout = _layout(REAL)
   q = jnp.zeros((s_tok, REAL["q_heads"], REAL["head_dim"]), jnp.float32)
   pool = jnp.zeros((7, layout.page_bytes), jnp.uint8)
@@ -94,7 +99,7 @@ def test_lowers_for_cuda_at_real_shape(s_tok):
 
   def f(q, pool, table, kv_len, q_pos):
     return kp.span_attention_mosaic_prefill(q, pool, table, kv_len, q_pos, layout=layout,
-                                            block_pages=2)
+                                            block_pages=2, **opts)
 
   lowered = jax.jit(f).trace(q, pool, table, jnp.int32(1300), q_pos).lower(
       lowering_platforms=("cuda",))
@@ -228,6 +233,10 @@ if ON_GPU:
     serial = kp.span_attention_mosaic_prefill(q, pool, table, tokens, q_pos, layout=layout,
                                               block_pages=4, overlap=False)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(serial))
+    for kw in (dict(overlap=True), dict(balanced=True)):
+      other = kp.span_attention_mosaic_prefill(q, pool, table, tokens, q_pos, layout=layout,
+                                               block_pages=4, **kw)
+      np.testing.assert_array_equal(np.asarray(out), np.asarray(other))
 
   def test_gpu_placement_invariance_and_waves_bit_exact():
     _placement_and_waves(False, REAL, 7 * 256 - 11, 2, 64)

@@ -179,17 +179,18 @@ class _CompiledPrefill:
                                         head_word=HEAD_WORD)) for b in ((0, 1), (2, 3))]
     self.mask = _mask_rows(scale_log2)
 
-  def convert_k(self, kraw, kf, head):
-    """kraw [64, head words] i32 (this head's K rows) -> kf [64, 256] f16, ggml_dims columns."""
+  def convert_k(self, kraw, kf, head, parts=(0, 1)):
+    """kraw [64, head words] i32 (this head's K rows) -> kf [64, 256] f16, ggml_dims columns
+    (parts: the column halves built)."""
     del head
-    for p, conv in enumerate(self.k_parts):
-      kf.at[:, pl.ds(128 * p, 128)][...] = conv(kraw)
+    for p in parts:
+      kf.at[:, pl.ds(128 * p, 128)][...] = self.k_parts[p](kraw)
 
-  def convert_v(self, vraw, vtf, info, head):
+  def convert_v(self, vraw, vtf, info, head, halves=(0, 1)):
     """vraw [lines, L] u8 (the tile's all-heads V span) -> vtf [256, 64] f16 (V^T, vt_dims rows;
-    tokens at or past info[1] zero)."""
+    tokens at or past info[1] zero; halves: the pairs of 64-row M-blocks built)."""
     del head
-    for blocks, conv in self.v_parts:
+    for blocks, conv in (self.v_parts[h] for h in halves):
       for mb, vt in zip(blocks, conv(vraw, info)):
         vtf.at[pl.ds(64 * mb, 64)][...] = vt
 
@@ -227,13 +228,15 @@ class _InterpretPrefill:
     return ggml_codec.decode_rows(head_bytes, kind, 1).reshape(BLOCK_TOKENS, HEAD_DIM).astype(
         jnp.float16)
 
-  def convert_k(self, kraw, kf, head):
+  def convert_k(self, kraw, kf, head, parts=(0, 1)):
     del head
+    assert tuple(parts) == (0, 1), parts      # the interpreter converts whole tiles
     lay = self.layout
     k = lax.bitcast_convert_type(kraw[...], jnp.uint8).reshape(BLOCK_TOKENS, lay.k_head_bytes)
     kf[...] = _v2.k_in_ggml_order(self._decode(k, lay.k_type))
 
-  def convert_v(self, vraw, vtf, info, head):
+  def convert_v(self, vraw, vtf, info, head, halves=(0, 1)):
+    assert tuple(halves) == (0, 1), halves
     lay = self.layout
     rows = vraw[...].reshape(BLOCK_TOKENS, lay.v_row_bytes)
     v = self._decode(lax.dynamic_slice_in_dim(rows, head * lay.v_head_bytes, lay.v_head_bytes,
@@ -270,7 +273,7 @@ def _prefill_kernel(kv_ref, tb_ref, te_ref, cend_ref, tab_ref, lim_ref, q_ref, l
                     q_s, kf, vtf, kraw, vraw, lim_s, info_s, ml_s, kbar, vbar, qbar, ready,
                     done, k_ready, k_done, v_ready, v_done,            # scratch
                     *, layout: PageLayout, block_pages: int, num_phys: int, num_table: int,
-                    scale_log2: float, interpret: bool, overlap: bool):
+                    scale_log2: float, interpret: bool, overlap: bool, balanced: bool):
   # kv_len, tile_begin, tile_end [1] i32; cend [RB] i32 (a row block's last key + 1: its largest
   # row limit); tab [T] i32; lim [RB * 128] i32 (row r's key limit min(kv_len, q_pos + 1), -1
   # for padding rows); q [G, RB * 128, 256] f16 (folded rows, head dims in ggml_dims order);
@@ -282,6 +285,7 @@ def _prefill_kernel(kv_ref, tb_ref, te_ref, cend_ref, tab_ref, lim_ref, q_ref, l
   # kbar (K_SLOTS), vbar, qbar (2: Q and limits of a warpgroup), ready / done / k_done / v_done
   # (both warpgroups arrive), k_ready (warpgroup 0: K(i) in kf), v_ready (warpgroup 1: V^T(i))
   multi = not interpret      # compiled: one Pallas thread a warpgroup; interpreted: one for both
+  balanced = balanced and multi   # (the interpreter's one thread converts whole tiles)
   wgs = [lax.axis_index("wg")] if multi else list(range(CONSUMERS))
   head, rb, pp = lax.axis_index("g"), lax.axis_index("rb"), lax.axis_index("p")
   bt, pt = BLOCK_TOKENS, layout.page_tokens
@@ -433,15 +437,24 @@ def _prefill_kernel(kv_ref, tb_ref, te_ref, cend_ref, tab_ref, lim_ref, q_ref, l
     for w in wgs:
       info_s[w, 0] = t0
 
-    @functools.partial(on, 0)
-    def _():
-      plgpu.barrier_wait(kbar.at[slot])
-      tiles.convert_k(kraw.at[slot], kf, head)
+    if balanced:                 # each warpgroup half of K and half of V^T
+      for half in range(CONSUMERS):
+        @functools.partial(on, half)
+        def _(half=half):
+          plgpu.barrier_wait(kbar.at[slot])
+          tiles.convert_k(kraw.at[slot], kf, head, parts=(half,))
+          plgpu.barrier_wait(vbar)
+          tiles.convert_v(vraw, vtf, info_s.at[half], head, halves=(half,))
+    else:                        # warpgroup 0 K, warpgroup 1 V^T
+      @functools.partial(on, 0)
+      def _():
+        plgpu.barrier_wait(kbar.at[slot])
+        tiles.convert_k(kraw.at[slot], kf, head)
 
-    @functools.partial(on, 1)
-    def _():
-      plgpu.barrier_wait(vbar)
-      tiles.convert_v(vraw, vtf, info_s.at[1], head)
+      @functools.partial(on, 1)
+      def _():
+        plgpu.barrier_wait(vbar)
+        tiles.convert_v(vraw, vtf, info_s.at[1], head)
 
     plgpu.commit_smem()          # the generic-proxy stores, before wgmma reads them
     sync(ready)
@@ -488,7 +501,7 @@ def row_limits(q_pos_s, kv_len, rows: int, group: int, rows_pad: int):
 
 def _prefill_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos_s, *,
                   layout: PageLayout, block_pages: int, n_parts: int, sm_scale: float,
-                  interpret: bool, overlap: bool = False):
+                  interpret: bool, overlap: bool = False, balanced: bool = False):
   """The kernel call -> (ml [G, parts, 2, rows_pad], O [G, parts, rows_pad, 256] in vt_dims
   columns) f32."""
   s_tok, h, d = q_shd.shape
@@ -533,7 +546,7 @@ def _prefill_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_
   body = functools.partial(_prefill_kernel, layout=layout, block_pages=block_pages,
                            num_phys=num_phys, num_table=page_table_t.shape[0],
                            scale_log2=float(sm_scale) * _LOG2E, interpret=interpret,
-                           overlap=overlap)
+                           overlap=overlap, balanced=balanced)
   kw = dict(num_threads=CONSUMERS, thread_name="wg") if not interpret else {}
   kern = plgpu.kernel(
       body,
@@ -549,26 +562,31 @@ def _prefill_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "num_q_heads", "block_pages", "sm_scale",
-                                             "interpret", "overlap"))
+                                             "interpret", "overlap", "balanced"))
 def span_attention_partial_mosaic_prefill(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                           carry: Optional[_ref.Carry], tile_begin, tile_end, *,
                                           layout: PageLayout, num_q_heads: int,
                                           block_pages: int = 1, sm_scale: Optional[float] = None,
                                           interpret: bool = False,
-                                          overlap: bool = False) -> _ref.Carry:
+                                          overlap: bool = False,
+                                          balanced: bool = False) -> _ref.Carry:
   """Mosaic GPU prefill version of `reference.span_attention_partial_reference` (same contract;
   carry=None: the empty carry): the kernel's partitions folded in logical order by the shared
   combine (`kernel_triton.combine_call`, O's columns in `magic_ptx.vt_dims` order).
   overlap: each tile's conversions for the next tile run beside the other warpgroup's work
   (`body_overlap`: 4 one-sided barriers a tile); False (the default): both conversions, then
   both warpgroups' QK, softmax and PV, with two CTA barriers a tile (`body_serial`). Same bits;
-  the overlapped schedule measured 10-13 % slower on the H200 (S16-3)."""
+  the overlapped schedule measured 10-13 % slower on the H200 (S16-3). balanced (serial
+  schedule, compiled only): each warpgroup converts half of K and half of V^T instead of one
+  plane each. Same bits."""
   # pylint: disable=import-outside-toplevel
   from kvjax_pallas.span_attention import kernel_mosaic as _v1
   from kvjax_pallas.span_attention import kernel_triton as _triton
   _triton.check_call(q_shd, pool_pn, layout, num_q_heads, block_pages, _v2.check_layout)
   s_tok, h, d = q_shd.shape
   check_call(layout, d, s_tok)
+  if overlap and balanced:
+    raise ValueError("balanced splits the serial schedule's conversions: not with overlap")
   rows = s_tok * (h // layout.num_kv_heads)
   scale = (1.0 / d ** 0.5) if sm_scale is None else sm_scale
   plan = _v2.combine_plan(row_blocks(rows) * CTA_ROWS,
@@ -577,7 +595,7 @@ def span_attention_partial_mosaic_prefill(q_shd, pool_pn, page_table_t, kv_len, 
   ml_p, o_p = _prefill_call(q_shd, _v1.byte_view(pool_pn), page_table_t, kv_len, tile_begin,
                             tile_end, jnp.asarray(q_pos_s, jnp.int32), layout=layout,
                             block_pages=block_pages, n_parts=n_parts, sm_scale=scale,
-                            interpret=interpret, overlap=overlap)
+                            interpret=interpret, overlap=overlap, balanced=balanced)
   return _triton.combine_call(ml_p, None, o_p, carry, rows=rows, v_cols=magic_ptx.vt_dims(d),
                               head_dim=d, interpret=interpret, **plan)
 
