@@ -76,3 +76,44 @@ def check_against_reference(out, hist: History, q, pool, table, q_pos, *, block_
   assert rel_error(out, want) <= tol, rel_error(out, want)
   oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, np.asarray(q_pos), hist.tokens)
   assert rel_error(out, oracle) <= tol, rel_error(out, oracle)
+
+
+# The span-kernel tests' shapes: the 27B attention geometry and a small one for the interpreters.
+REAL_SHAPE = dict(kv_heads=4, q_heads=24, head_dim=256, page_tokens=256)
+SMALL_SHAPE = dict(kv_heads=2, q_heads=6, head_dim=256, page_tokens=64)
+
+
+def shape_layout(shape, pair=("q8_0", "q4_0")) -> PageLayout:
+  """The PageLayout of a test shape (kv_heads, head_dim, page_tokens) and K/V pair."""
+  return PageLayout(shape["kv_heads"], shape["head_dim"], pair[0], pair[1], shape["page_tokens"])
+
+
+def random_query(seed: int, s: int, h: int, d: int, kv_len: int):
+  """(q [s, h, d] float32 normal, q_pos [s]: the last s positions before kv_len)."""
+  q = np.random.default_rng(seed).standard_normal((s, h, d)).astype(np.float32)
+  return jnp.asarray(q), jnp.asarray(np.arange(kv_len - s, kv_len, dtype=np.int32))
+
+
+def check_placement_and_waves(call, partial, hist: History, q, q_pos):
+  """call(q, pool, table, kv_len, q_pos) -> o over three placements of `hist` (contiguous,
+  shuffled, resident + ring with wraps) gives the same bits, and so do three waves of
+  partial(q, pool, table, kv_len, q_pos, carry, tile_begin, tile_end) over the shuffled one
+  (boundaries at multiples of `block_pages`: partial.keywords["block_pages"]). -> the output."""
+  # pylint: disable=import-outside-toplevel
+  from kvjax_pallas.span_attention import reference as ref
+  layout, tokens = hist.layout, hist.tokens
+  s_tok, h, d = q.shape
+  bp = partial.keywords["block_pages"]
+  pool_a, table_a = hist.contiguous()
+  pool_b, table_b = hist.shuffled(seed=5)
+  pool_c, table_c = hist.resident_ring(resident=1, ring_base=hist.num_pages + 2, ring_slots=3,
+                                       wrap=2)
+  one = np.asarray(call(q, pool_a, table_a, tokens, q_pos))
+  for pool, table in ((pool_b, table_b), (pool_c, table_c)):
+    np.testing.assert_array_equal(one, np.asarray(call(q, pool, table, tokens, q_pos)))
+  carry = ref.init_carry(layout.num_kv_heads, s_tok * h // layout.num_kv_heads, d)
+  for a, b in ((0, bp), (bp, 2 * bp), (2 * bp, table_b.shape[0])):
+    carry = partial(q, pool_b, table_b, jnp.int32(tokens), q_pos, carry, jnp.int32(a),
+                    jnp.int32(b))
+  np.testing.assert_array_equal(one, np.asarray(ref.finalize(carry, h)))
+  return one

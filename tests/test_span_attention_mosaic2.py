@@ -17,6 +17,7 @@ bit for bit on the GPU).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -28,22 +29,17 @@ from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import kernel_mosaic_v2 as km2
 from kvjax_pallas.span_attention import magic_ptx
 from kvjax_pallas.span_attention import reference as ref
-from span_history import History, check_against_reference, rel_error
+from span_history import (REAL_SHAPE, SMALL_SHAPE, History, check_against_reference,
+                          check_placement_and_waves, random_query, rel_error, shape_layout)
 
 ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"
 
-REAL = dict(kv_heads=4, q_heads=24, head_dim=256, page_tokens=256)
-SMALL = dict(kv_heads=2, q_heads=6, head_dim=256, page_tokens=64)   # interpreter sizes
-
-
-def _layout(shape, pair=("q8_0", "q4_0")) -> PageLayout:
-  return PageLayout(shape["kv_heads"], shape["head_dim"], pair[0], pair[1], shape["page_tokens"])
+REAL, SMALL = REAL_SHAPE, SMALL_SHAPE   # the 27B attention geometry; interpreter sizes
+_layout = shape_layout
 
 
 def _query(seed, s, h, d, kv_len):
-  rng = np.random.default_rng(seed + 1000)
-  q = rng.standard_normal((s, h, d)).astype(np.float32)
-  return jnp.asarray(q), jnp.asarray(np.arange(kv_len - s, kv_len, dtype=np.int32))
+  return random_query(seed + 1000, s, h, d, kv_len)
 
 
 # ----------------------------------------------------------------------------- plain functions
@@ -244,20 +240,9 @@ def _placement_and_waves(interpret: bool, shape, tokens: int, bp: int, s_tok: in
   hist = History(layout, tokens, seed=11)
   q, q_pos = _query(11, s_tok, h, shape["head_dim"], tokens)
   kw = dict(layout=layout, block_pages=bp, interpret=interpret, **opts)
-  pool_a, table_a = hist.contiguous()
-  pool_b, table_b = hist.shuffled(seed=5)
-  pool_c, table_c = hist.resident_ring(resident=1, ring_base=hist.num_pages + 2, ring_slots=3,
-                                       wrap=2)
-  one = np.asarray(km2.span_attention_mosaic2(q, pool_a, table_a, tokens, q_pos, **kw))
-  for pool, table in ((pool_b, table_b), (pool_c, table_c)):
-    np.testing.assert_array_equal(
-        one, np.asarray(km2.span_attention_mosaic2(q, pool, table, tokens, q_pos, **kw)))
-  carry = ref.init_carry(layout.num_kv_heads, s_tok * h // layout.num_kv_heads, shape["head_dim"])
-  for a, b in ((0, bp), (bp, 2 * bp), (2 * bp, table_b.shape[0])):
-    carry = km2.span_attention_partial_mosaic2(q, pool_b, table_b, jnp.int32(tokens), q_pos,
-                                               carry, jnp.int32(a), jnp.int32(b), num_q_heads=h,
-                                               **kw)
-  np.testing.assert_array_equal(one, np.asarray(ref.finalize(carry, h)))
+  one = check_placement_and_waves(
+      functools.partial(km2.span_attention_mosaic2, **kw),
+      functools.partial(km2.span_attention_partial_mosaic2, num_q_heads=h, **kw), hist, q, q_pos)
   return one, hist, q, q_pos
 
 

@@ -13,6 +13,7 @@ waves bit for bit on the GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -20,33 +21,27 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import api
 from kvjax_pallas.span_attention import kernel_mosaic_prefill as kp
 from kvjax_pallas.span_attention import reference as ref
-from span_history import History, check_against_reference, rel_error
+from span_history import (REAL_SHAPE, SMALL_SHAPE, History, check_against_reference,
+                          check_placement_and_waves, random_query, rel_error, shape_layout)
 
 ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"
 
-REAL = dict(kv_heads=4, q_heads=24, head_dim=256, page_tokens=256)
-SMALL = dict(kv_heads=2, q_heads=6, head_dim=256, page_tokens=64)   # interpreter sizes
-
-
-def _layout(shape, pair=("q8_0", "q4_0")) -> PageLayout:
-  return PageLayout(shape["kv_heads"], shape["head_dim"], pair[0], pair[1], shape["page_tokens"])
+REAL, SMALL = REAL_SHAPE, SMALL_SHAPE   # the 27B attention geometry; interpreter sizes
+_layout = shape_layout
 
 
 def _query(seed, s, h, d, kv_len):
-  rng = np.random.default_rng(seed + 2000)
-  q = rng.standard_normal((s, h, d)).astype(np.float32)
-  return jnp.asarray(q), jnp.asarray(np.arange(kv_len - s, kv_len, dtype=np.int32))
+  return random_query(seed + 2000, s, h, d, kv_len)
 
 
 # ----------------------------------------------------------------------------- plain functions
 
 
 def test_plan_and_row_limits():
-  """SMEM of a CTA under the limit at the 27B shape; partitions that fill one wave of CTAs (KV
+  """SMEM of a CTA under the limit at the 27B shape; partitions that fill whole waves of CTAs (KV
   heads x row blocks x partitions); each folded row's key limit min(kv_len, q_pos + 1), padding
   rows -1."""
   lay = _layout(REAL)
@@ -153,21 +148,12 @@ def _placement_and_waves(interpret: bool, shape, tokens: int, bp: int, s_tok: in
   hist = History(layout, tokens, seed=11)
   q, q_pos = _query(11, s_tok, h, shape["head_dim"], tokens)
   kw = dict(layout=layout, block_pages=bp, interpret=interpret)
-  pool_a, table_a = hist.contiguous()
-  pool_b, table_b = hist.shuffled(seed=5)
-  pool_c, table_c = hist.resident_ring(resident=1, ring_base=hist.num_pages + 2, ring_slots=3,
-                                       wrap=2)
-  one = np.asarray(kp.span_attention_mosaic_prefill(q, pool_a, table_a, tokens, q_pos, **kw))
-  for pool, table in ((pool_b, table_b), (pool_c, table_c)):
-    np.testing.assert_array_equal(
-        one, np.asarray(kp.span_attention_mosaic_prefill(q, pool, table, tokens, q_pos, **kw)))
-  carry = ref.init_carry(layout.num_kv_heads, s_tok * h // layout.num_kv_heads, shape["head_dim"])
-  for a, b in ((0, bp), (bp, 2 * bp), (2 * bp, table_b.shape[0])):
-    carry = kp.span_attention_partial_mosaic_prefill(q, pool_b, table_b, jnp.int32(tokens), q_pos,
-                                                     carry, jnp.int32(a), jnp.int32(b),
-                                                     num_q_heads=h, **kw)
-  np.testing.assert_array_equal(one, np.asarray(ref.finalize(carry, h)))
-  check_against_reference(jnp.asarray(one), hist, q, pool_a, table_a, q_pos, block_pages=bp,
+  one = check_placement_and_waves(
+      functools.partial(kp.span_attention_mosaic_prefill, **kw),
+      functools.partial(kp.span_attention_partial_mosaic_prefill, num_q_heads=h, **kw), hist, q,
+      q_pos)
+  pool, table = hist.contiguous()
+  check_against_reference(jnp.asarray(one), hist, q, pool, table, q_pos, block_pages=bp,
                           tol=2e-3)
 
 

@@ -1,13 +1,15 @@
 """Times span-attention prefill chunks at the 27B geometry (contiguous pages, dispatch timing):
-the Mosaic GPU prefill kernel (`kernel_mosaic_prefill`, through `api.span_attention(
-implementation="mosaic2")`) against the Triton kernel's prefill path, the same inputs.
+the Mosaic GPU prefill kernel (`kernel_mosaic_prefill.span_attention_mosaic_prefill`, the
+kernel "mosaic2" and "auto" run for these calls) against the Triton kernel's prefill path
+(`api.span_attention(implementation="triton")`), the same inputs.
 
   python3 experiments/gpu/time_prefill.py 32768,131072 256,64 [variants: auto,47,47+overlap=0]
 
 A variant: the prefill kernel's block_pages ("auto": `api.resolve_block_pages`, or an int)
 and its options as k=v (0 / 1 for flags), joined by "+".
 
-Prints one line per context, query tokens and block_pages: microseconds a call, TFLOP/s (4 x
+Prints one line per context, query tokens and variant: microseconds a call (median of 5 rounds
+of 20 queued calls), TFLOP/s (4 x
 query rows x keys x head dim: QK^T and PV; causal keys counted), GB/s on the quantized pages,
 the first call's seconds (trace + compile + run), and the two outputs' relative difference.
 """
@@ -25,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from kvjax_pallas.page_layout import PageLayout  # noqa: E402
 from kvjax_pallas.span_attention import api  # noqa: E402
 from kvjax_pallas.span_attention import kernel_mosaic_prefill as kp  # noqa: E402
+from time_mosaic2 import timed  # noqa: E402  (this script's folder is on sys.path)
 
 
 def variant(text: str, num_pages: int, s: int, lay: PageLayout):
@@ -39,19 +42,6 @@ def variant(text: str, num_pages: int, s: int, lay: PageLayout):
   if bp == "auto":
     bp = api.resolve_block_pages("auto", num_pages, s, 24, lay, implementation="mosaic2")
   return int(bp), kw
-
-
-def timed(fn, *args, iters=20):
-  """Median microseconds a call of `iters` calls queued from Python."""
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(5):
-    t = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    ts.append((time.perf_counter() - t) / iters)
-  return float(np.median(ts)) * 1e6
 
 
 def main():
@@ -93,7 +83,7 @@ def main():
         if base is None:
           base = out
         diff = float(np.linalg.norm(out - base) / np.linalg.norm(base))
-        us = timed(call, q, pool, table)
+        us = timed(call, q, pool, table, iters=20)
         print(f"{ctx:>7} {s:>4} {bp:>14} {impl:>8} | {us:9.1f} {flops / us / 1e6:7.1f} "
               f"{ctx * lay.token_bytes / us / 1e3:6.0f} | {t_first:7.1f} | {diff:.3g}"
               f"{'' if np.isfinite(out).all() else ' NOT FINITE'}", flush=True)
