@@ -314,22 +314,25 @@ def _prefill_kernel(kv_ref, tb_ref, te_ref, cend_ref, tab_ref, lim_ref, q_ref, l
   def on(w: int, fn):
     """fn by warpgroup w (compiled) or now (the interpreter's one thread)."""
     if multi:
-      pl.when(wgs[0] == w)(lambda: (fn(), None)[1])
+      @pl.when(wgs[0] == w)
+      def _():
+        fn()
     else:
       fn()
 
-  def where(i):
+  def page_of(i):
+    """Tile i's physical page and its 64-row block in the page."""
     t0 = tok_lo + i * bt
     lp = jnp.minimum(t0 // pt, num_table - 1)
     return jnp.clip(tab_ref[lp], 0, num_phys - 1), (t0 - lp * pt) // bt
 
   def copy_k(i, slot):
-    phys, r = where(i)
+    phys, r = page_of(i)
     plgpu.copy_gmem_to_smem(krows_ref.at[pl.ds(phys * layout.k_rows_per_page + r * bt, bt), head],
                             kraw.at[slot], kbar.at[slot])
 
   def copy_v(i):
-    phys, r = where(i)
+    phys, r = page_of(i)
     first = v_first + r * v_lines
     for c0 in range(0, v_lines, _v2.BOX):
       cnt = min(_v2.BOX, v_lines - c0)
