@@ -45,6 +45,14 @@ def timed(fn, *args, iters=50):
   return float(np.median(ts)) * 1e6
 
 
+def synthetic_pool(lay: PageLayout, n_pages: int):
+  """(pool [n_pages + 8, page_bytes] u8 of random bytes with finite f16 scales, the contiguous
+  table [n_pages]): every scale's high byte below 0x3c (each byte masked with 0x3B)."""
+  pool = jax.random.randint(jax.random.PRNGKey(0), (n_pages + 8, lay.page_bytes), 0, 256,
+                            jnp.int32).astype(jnp.uint8)
+  return pool & jnp.uint8(0x3B), jnp.arange(n_pages, dtype=jnp.int32)
+
+
 KERNEL_OPTIONS = ("split", "acc_refs", "wgmma_n", "perm_tokens", "k_heads", "table_smem",
                   "late_k", "own_k", "v_halves", "heads_per_wg", "producer",
                   "rhs_per_tile", "v_tiles")                                       # the rest: the combine's
@@ -75,11 +83,7 @@ def main():
         f"{'call us':>8} {'GB/s':>6} | {'first s':>7} | max|diff| vs default")
   for ctx in contexts:
     n_pages = ctx // lay.page_tokens
-    pool = jax.random.randint(jax.random.PRNGKey(0), (n_pages + 8, lay.page_bytes), 0, 256,
-                              jnp.int32).astype(jnp.uint8)
-    # finite scales: every f16 scale byte pair below 0x3c00 (the high byte of each block < 0x3c)
-    pool = pool & jnp.uint8(0x3B)
-    table = jnp.arange(n_pages, dtype=jnp.int32)
+    pool, table = synthetic_pool(lay, n_pages)
     bp = km2.choose_block_pages(n_pages)
     base, kernel_us = {}, {}
     for s, variant in [(s, v) for s in rows for v in variants]:

@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from kvjax_pallas.page_layout import PageLayout  # noqa: E402
 from kvjax_pallas.span_attention import api  # noqa: E402
 from kvjax_pallas.span_attention import kernel_mosaic_prefill as kp  # noqa: E402
-from time_mosaic2 import timed  # noqa: E402  (this script's folder is on sys.path)
+from time_mosaic2 import synthetic_pool, timed  # noqa: E402  (this script's folder is on sys.path)
 
 
 def variant(text: str, num_pages: int, s: int, lay: PageLayout):
@@ -53,10 +53,7 @@ def main():
         f"{'first s':>7} | rel diff vs triton")
   for ctx in contexts:
     n_pages = ctx // lay.page_tokens
-    pool = jax.random.randint(jax.random.PRNGKey(0), (n_pages + 8, lay.page_bytes), 0, 256,
-                              jnp.int32).astype(jnp.uint8)
-    pool = pool & jnp.uint8(0x3B)          # finite f16 scales
-    table = jnp.arange(n_pages, dtype=jnp.int32)
+    pool, table = synthetic_pool(lay, n_pages)
     for s in tokens:
       q = jax.random.normal(jax.random.PRNGKey(s), (s, 24, 256), jnp.float32)
       q_pos = jnp.arange(ctx - s, ctx, dtype=jnp.int32)
