@@ -20,7 +20,7 @@ def get_config():
   # Decode-phase workspace inside the arena: an input assumption (the
   # reference's 2,240 MiB arena granted ~2,228 MiB of KV without MTP, i.e.
   # ~12 MiB of decode workspace). Replace it with a measurement from
-  # kvjax.arena.workspace_bytes_from_compiled for kvjax's own executables.
+  # kvjax.streaming.arena.workspace_bytes_from_compiled for kvjax's own executables.
   c.decode_workspace_mib = 12.0
   c.stage_in_arena = True
   return c

@@ -12,12 +12,12 @@ and derives the share of copy time hidden behind compute,
 `weight bytes / HBM bandwidth + streamed bytes / 52.6 GB/s`.
 
 Long histories are synthetic (validly encoded random pages; see
-`kvjax.streaming.synthetic`): the cost of attention and copies is that of
+`experiments.lib.synthetic`): the cost of attention and copies is that of
 real content, without a 128K-token prefill. A short real prefill + decode
 checks the plain path end to end first.
 
-  python experiments/bench_decode.py --model=qwen38_27b --contexts=32768,131072 --arena_mib=2240
-  python experiments/bench_decode.py --model=tiny --contexts=2048 --arena_mib=1 --page_tokens=64   # CPU smoke
+  python -m experiments.bench_decode --model=qwen38_27b --contexts=32768,131072 --arena_mib=2240
+  python -m experiments.bench_decode --model=tiny --contexts=2048 --arena_mib=1 --page_tokens=64   # CPU smoke
 """
 
 from __future__ import annotations
@@ -63,10 +63,11 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from kvjax import arena, cli, config, engine, generate, weights
+  from kvjax import cli, config, engine, generate, weights
+  from kvjax.streaming import arena
   from kvjax.model import AttentionOptions
   from kvjax.streaming import StreamedKV, fixed_split
-  from kvjax.streaming import synthetic
+  from experiments.lib import synthetic
   from kvjax_pallas.page_layout import PageLayout
 
   os.makedirs(FLAGS.out, exist_ok=True)
@@ -225,7 +226,7 @@ def _diagnose_copies(kv, runner):
   """Split the copy-only time: host->device uploads, in-pool placements, and planning."""
   import jax
   import numpy as np
-  from kvjax.streaming import runtime as rt
+  from kvjax.streaming import provider as rt
   layers = tuple(a for a in runner.attn_index if a is not None)
   pos = int(kv.histories["target"].tokens[0])
   out = {}

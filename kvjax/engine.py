@@ -330,7 +330,7 @@ def group_step_workspace_bytes(runner: "Runner", rows: int, max_tokens: Optional
   table is sized for `max_tokens`; the pool argument is donated (aliased to the output), so the
   pool size does not enter.
   """
-  from kvjax.arena import workspace_bytes_from_compiled
+  from kvjax.streaming.arena import workspace_bytes_from_compiled
   cfg, layout = runner.cfg, runner.layout
   k = next((i for i, a in enumerate(runner.attn_index) if a is not None), 0)
   gd, gs = runner.groups[k]

@@ -62,7 +62,7 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
     mtp_depth: draft depth N (rollback snapshots and stage scale with it).
     page_tokens: token positions per KV page.
     decode_workspace_mib: the decode phase's workspace inside the arena (an
-      input: measure it with `kvjax.arena.workspace_bytes_from_compiled`).
+      input: measure it with `kvjax.streaming.arena.workspace_bytes_from_compiled`).
     stage_in_arena: whether the two-slot stage is carved out of the arena.
   """
   if context_tokens < 1:

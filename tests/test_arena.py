@@ -1,11 +1,13 @@
-"""Tests for kvjax.arena: transactional layouts, views, leases, fences, phases."""
+"""Tests for kvjax.streaming.arena: transactional layouts, views, leases, fences, phases."""
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from kvjax import arena as A
-from kvjax.arena import (Arena, ArenaInvalidError, CapacityError, ManualFence, PhaseConsumer,
-                         PhaseCoordinator, RegionBusyError, RegionSpec, StaleLeaseError,
-                         StaleViewError, TransitionError)
+from kvjax.streaming import arena as A
+from kvjax.streaming.arena import (Arena, ArenaInvalidError, CapacityError, ManualFence, PhaseConsumer,
+                                   PhaseCoordinator, RegionBusyError, RegionSpec, StaleLeaseError,
+                                   StaleViewError, TransitionError)
 
 
 def committed(arena, spec):
@@ -400,7 +402,7 @@ def test_jax_adapter_fence_and_buffer():
 
   a = Arena(4096)
   committed(a, {"r": (300, False)})
-  buf = A.JaxArenaBuffer(a)
+  buf = JaxArenaBuffer(a)
   v = a.view("r")
   buf.write(v.slice(0, 4), np.array([1, 2, 3, 4], np.uint8))
   out = buf.read(v)
@@ -415,3 +417,28 @@ def test_jax_adapter_fence_and_buffer():
     buf.read(v)
   with pytest.raises(ValueError, match="write of 3 B"):
     buf.write(a.view("r"), np.zeros(3, np.uint8))
+
+
+class JaxArenaBuffer:  # a test double: the arena over one jax buffer
+  """Holds the parent buffer as one `uint8[capacity_bytes]` jax array.
+
+  `read(view)` returns the view's bytes; `write(view, data)` returns nothing
+  and replaces the parent with an updated array (functional update). Both
+  check the view first, so a stale view cannot touch the bytes.
+  """
+
+  def __init__(self, arena, device=None):
+    self.arena = arena
+    buf = jnp.zeros((arena.capacity_bytes,), jnp.uint8)
+    self.parent_n = jax.device_put(buf, device) if device is not None else buf
+
+  def read(self, view):
+    view.check()
+    return self.parent_n[view.offset:view.offset + view.size]
+
+  def write(self, view, data_n) -> None:
+    view.check()
+    data_n = jnp.asarray(data_n, jnp.uint8).reshape(-1)
+    if data_n.shape[0] != view.size:
+      raise ValueError(f"write of {data_n.shape[0]} B into view {view.name!r} of {view.size} B")
+    self.parent_n = self.parent_n.at[view.offset:view.offset + view.size].set(data_n)

@@ -102,9 +102,9 @@ def test_sweep_fixed_span(tmp_path):
 def test_bench_decode_smoke(tmp_path):
   """The GPU decode benchmark runs end to end at tiny scale and its table is self-consistent."""
   out = str(tmp_path / "bd")
-  p = _run([os.path.join(REPO, "experiments", "bench_decode.py"), "--model=tiny", "--dtype=float32",
+  p = _run(["-m", "experiments.bench_decode", "--model=tiny", "--dtype=float32",
             "--contexts=4096", "--arena_mib=1.5", "--page_tokens=64", "--copy_pages=4", "--prompt=64",
-            "--decode_steps=2", "--block_pages=4", "--diagnose", f"--out={out}"], cwd=str(tmp_path))
+            "--decode_steps=2", "--block_pages=4", "--diagnose", f"--out={out}"], cwd=REPO)
   log = json.load(open(os.path.join(out, "bench_decode.json")))
   (row,) = log["rows"]
   assert row["context"] == 4096 and row["resident_ms"] > 0 and row["streamed_ms"] > 0

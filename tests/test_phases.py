@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvjax import arena as arena_lib
+from kvjax.streaming import arena as arena_lib
 from kvjax import engine, generate
 from kvjax.streaming import StreamedKV, fixed_split, staging_reserve_pages
 from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV

@@ -1,4 +1,4 @@
-"""Tests for kvjax.policy: every rule on chosen inputs, plus properties."""
+"""Tests for kvjax.streaming.policy: every rule on chosen inputs, plus properties."""
 
 import dataclasses
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvjax import policy as P
-from kvjax.policy import (COUNTER_MAX, Feedback, FeedbackWindow, Observation, PolicyConfig,
+from kvjax.streaming import policy as P
+from kvjax.streaming.policy import (COUNTER_MAX, Feedback, FeedbackWindow, Observation, PolicyConfig,
                           PolicyError, initialize, layout, overlap_target, step)
 
 PT = P.PAGE_TOKENS

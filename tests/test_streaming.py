@@ -11,7 +11,7 @@ from kvjax import engine, generate
 from kvjax.streaming import (HostHistory, Span, SpanPlanError, StreamBudgetError, StreamConfig, StreamedKV,
                              fit_split, fixed_split, make_plan, page_table, staging_reserve_pages,
                              adaptive_staging_reserve_pages, fit_adaptive_pool)
-from kvjax.streaming.runtime import staging_pages
+from kvjax.streaming.budget import staging_pages
 from kvjax.streaming.span_plan import SpanPlan, validate_plan
 from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import reference as ref_attn

@@ -1,6 +1,6 @@
 """The phase arena wired to the streamed KV, and the adaptive resident/ring split.
 
-`PhasedKV` owns one fixed arena budget (`kvjax.arena.Arena`) with two layouts:
+`PhasedKV` owns one fixed arena budget (`kvjax.streaming.arena.Arena`) with two layouts:
 prefill (a workspace sized for the micro-batch step, smaller KV pool) and
 decode (a workspace sized for the one-row step, larger KV pool). Both
 workspaces come from the compiled group steps' own memory analysis. A phase
@@ -15,7 +15,7 @@ workspace region is a ledger entry (reserved by accounting, sized from
 region. The bookkeeping (transactions, leases, fences, stale views) is the
 reference design's.
 
-`AdaptiveStreamedKV` asks `kvjax.policy.step` before every forward and applies
+`AdaptiveStreamedKV` asks `kvjax.streaming.policy.step` before every forward and applies
 its resident pages per layer (uniform placement: every layer keeps the same
 resident prefix; the policy's concentrated placement needs a page-granular
 resident allocator, not built yet). Its feedback comes from a
@@ -30,9 +30,10 @@ from __future__ import annotations
 from typing import Optional
 
 
-from kvjax import arena as arena_lib
-from kvjax import policy as policy_lib
-from kvjax.streaming.runtime import StreamBudgetError, StreamConfig, StreamedKV
+from kvjax.streaming import arena as arena_lib
+from kvjax.streaming import policy as policy_lib
+from kvjax.streaming.budget import StreamBudgetError, StreamConfig
+from kvjax.streaming.provider import StreamedKV
 
 
 class _KVConsumer(arena_lib.PhaseConsumer):
@@ -85,7 +86,7 @@ class PhasedKV:
   def split_for(self, region_pages: int) -> StreamConfig:
     """The split of a KV region of `region_pages` pages: the pool plus the staging reserve of its
     in-flight uploads (`fit_split`)."""
-    from kvjax.streaming.runtime import fit_split
+    from kvjax.streaming.budget import fit_split
     return fit_split(region_pages, self.kv.n_layers, self.max_tokens, self.kv.layout,
                      self.kv.stream.copy_pages, self.kv.prefetch_depth)
 
@@ -127,7 +128,7 @@ class PhasedKV:
 
 
 class AdaptiveStreamedKV(StreamedKV):
-  """StreamedKV whose resident/ring split follows `kvjax.policy` (uniform placement)."""
+  """StreamedKV whose resident/ring split follows `kvjax.streaming.policy` (uniform placement)."""
 
   def __init__(self, cfg, layout, max_tokens, pool_pages: int, copy_pages: int = 32,
                policy_config: Optional[policy_lib.PolicyConfig] = None, pinned=None):

@@ -4,7 +4,8 @@ Prefill wants a large workspace and a small KV pool, decode the reverse. The
 arena is one parent allocation of `capacity_bytes`; a *layout* names regions
 (offset, size) inside it, and a phase change commits a different layout of
 the same bytes. This module is backend-neutral bookkeeping (no jax import at
-module load); `JaxArenaBuffer` and `JaxFence` are thin optional adapters.
+module load); `JaxFence` is a thin optional adapter
+(a fence over queued jax work).
 
 Objects:
 
@@ -704,33 +705,3 @@ def workspace_bytes_from_compiled(compiled) -> int:
   if ma is None:
     raise ValueError(f"{compiled!r} has no memory analysis on this backend")
   return int(ma.temp_size_in_bytes) + int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes)
-
-
-# ---- optional jax adapter ----------------------------------------------------------
-
-class JaxArenaBuffer:
-  """Holds the parent buffer as one `uint8[capacity_bytes]` jax array.
-
-  `read(view)` returns the view's bytes; `write(view, data)` returns nothing
-  and replaces the parent with an updated array (functional update). Both
-  check the view first, so a stale view cannot touch the bytes.
-  """
-
-  def __init__(self, arena: Arena, device=None):
-    import jax  # pylint: disable=import-outside-toplevel
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    self.arena = arena
-    buf = jnp.zeros((arena.capacity_bytes,), jnp.uint8)
-    self.parent_n = jax.device_put(buf, device) if device is not None else buf
-
-  def read(self, view: View):
-    view.check()
-    return self.parent_n[view.offset:view.offset + view.size]
-
-  def write(self, view: View, data_n) -> None:
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    view.check()
-    data_n = jnp.asarray(data_n, jnp.uint8).reshape(-1)
-    if data_n.shape[0] != view.size:
-      raise ValueError(f"write of {data_n.shape[0]} B into view {view.name!r} of {view.size} B")
-    self.parent_n = self.parent_n.at[view.offset:view.offset + view.size].set(data_n)

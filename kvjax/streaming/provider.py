@@ -43,13 +43,10 @@ import numpy as np
 
 from kvjax.config import ModelConfig
 from kvjax.model import KVRows
-from kvjax.streaming.host_history import HostHistory, pinned_available
+from kvjax.streaming.budget import StreamBudgetError, StreamConfig, staging_unit_pages
+from kvjax.streaming.host_history import HostHistory
 from kvjax.streaming.span_plan import SpanPlan, make_plan, page_table, spans_from_pages
 from kvjax_pallas.page_layout import PageLayout
-
-
-class StreamBudgetError(ValueError):
-  """The device pool cannot hold what a forward needs (the message says how much is missing)."""
 
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("pieces",))
@@ -79,158 +76,6 @@ def _to_device(src):
   if isinstance(src, jax.Array):
     return jax.device_put(src, src.sharding.with_memory_kind("device"))
   return jax.device_put(src, jax.devices()[0])
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamConfig:
-  """Physical split of the device pool (fixed here; `kvjax.policy` proposes adaptive splits)."""
-  pool_pages: int
-  resident_pages_per_layer: Tuple[int, ...]   # capacity of each cache layer's resident region
-  copy_pages: int = 32                          # host copy unit (power of two)
-
-  @property
-  def resident_total(self) -> int:
-    return sum(self.resident_pages_per_layer)
-
-  @property
-  def ring_slots(self) -> int:
-    return self.pool_pages - self.resident_total
-
-
-def fixed_split(pool_pages: int, n_layers: int, max_tokens: int, layout: PageLayout,
-                copy_pages: int = 32) -> StreamConfig:
-  """Uniform resident pages per layer chosen so the ring can hold one layer's streamed pages
-  at `max_tokens`: r = min(A, floor((P - A) / (L - 1))) with A = pages at max_tokens."""
-  a = layout.pages_for(max_tokens)
-  if n_layers > 1:
-    r = min(a, max((pool_pages - a) // (n_layers - 1), 0))
-  else:
-    r = min(a, pool_pages - 1)
-  r = max(0, min(r, (pool_pages - 1) // n_layers))  # keep at least one ring slot
-  ring = pool_pages - r * n_layers
-  need = a - r
-  if ring < need:
-    missing = need - ring
-    raise StreamBudgetError(
-        f"KV pool too small: {pool_pages} pages ({pool_pages * layout.page_bytes / 2**20:.1f} MiB) cannot "
-        f"stream {n_layers} layers at {max_tokens} tokens; the ring needs {need} slots and would have "
-        f"{ring}: {missing} more pages ({missing * layout.page_bytes / 2**20:.1f} MiB) needed")
-  return StreamConfig(pool_pages, (r,) * n_layers, copy_pages)
-
-
-def staging_pages(streamed_pages: int, copy_pages: int, pinned: bool) -> int:
-  """Upper bound of the device pages that the uploads of `streamed_pages` consecutive logical
-  pages occupy while in flight (`StreamedKV._upload`).
-
-  pinned: every copy unit the range touches uploads whole (a range that is not unit-aligned
-  touches one unit more), plus one pageable tail padded to a power of two <= copy_pages.
-  pageable (no pinned host memory, e.g. CPU): one piece per unit, each padded to a power of two;
-  only the first and the last piece can be partial, so at most 2 x min(n, copy_pages) extra.
-  """
-  n, c = int(streamed_pages), int(copy_pages)
-  if n <= 0:
-    return 0
-  if pinned:
-    return c * ((n - 1) // c + 2) + c
-  return min(2 * n, n + 2 * min(n, c))
-
-
-def staging_unit_pages(stream: StreamConfig, max_tokens: int, layout: PageLayout,
-                       pinned: bool) -> int:
-  """Staging of one layer in flight: the most-streamed layer's uploads at `max_tokens`, and at
-  least one unit-aligned refill piece of resident pages (`StreamedKV._fill_resident` refills in
-  aligned pieces that fit this): one copy unit plus a pageable tail when pinned, one padded
-  piece of at most min(copy_pages, history) pages when pageable."""
-  a = layout.pages_for(max_tokens)
-  worst = max(min(a - r, stream.ring_slots) for r in stream.resident_pages_per_layer)
-  c = stream.copy_pages
-  floor = 2 * c if pinned else min(c, 2 * min(c, a))
-  return max(staging_pages(worst, c, pinned), floor)
-
-
-def staging_reserve_pages(stream: StreamConfig, max_tokens: int, layout: PageLayout,
-                          prefetch_depth: int = 1, pinned: Optional[bool] = None) -> int:
-  """Device pages the staging buffers of in-flight uploads can hold at once: the layer being
-  placed plus `prefetch_depth` layers whose copies are in flight (`StreamedKV` keeps its live
-  staging at or under this: counter `staging_peak_bytes`). pinned=None: whether this backend
-  has pinned host memory (`host_history.pinned_available`)."""
-  if pinned is None:
-    pinned = pinned_available()
-  return (prefetch_depth + 1) * staging_unit_pages(stream, max_tokens, layout, pinned)
-
-
-def adaptive_staging_reserve_pages(pool_pages: int, max_tokens: int, layout: PageLayout,
-                                   copy_pages: int = 32, prefetch_depth: int = 1,
-                                   pinned: Optional[bool] = None) -> int:
-  """A staging reserve that holds for EVERY split of a `pool_pages` pool (the adaptive policy
-  changes the split at run time): the all-streamed split (no resident pages, the ring is the whole
-  pool) streams the most pages a layer, and `staging_pages` only grows with them."""
-  all_streamed = StreamConfig(int(pool_pages), (0,), copy_pages)
-  return staging_reserve_pages(all_streamed, max_tokens, layout, prefetch_depth, pinned)
-
-
-def fit_adaptive_pool(available_pages: int, max_tokens: int, layout: PageLayout,
-                      copy_pages: int = 32, prefetch_depth: int = 1,
-                      pinned: Optional[bool] = None) -> int:
-  """The largest pool whose pages plus `adaptive_staging_reserve_pages` fit in `available_pages`
-  (pool + reserve grows with the pool, so a bisection finds it)."""
-  if pinned is None:
-    pinned = pinned_available()
-  need = lambda pool: pool + adaptive_staging_reserve_pages(pool, max_tokens, layout, copy_pages,
-                                                            prefetch_depth, pinned)
-  if need(1) > available_pages:
-    raise StreamBudgetError(
-        f"{available_pages} pages hold no adaptive pool: the smallest is 1 pool page + "
-        f"{need(1) - 1} staging pages; {need(1) - available_pages} more pages needed")
-  lo, hi = 1, int(available_pages)
-  while lo < hi:
-    mid = (lo + hi + 1) // 2
-    if need(mid) <= available_pages:
-      lo = mid
-    else:
-      hi = mid - 1
-  return lo
-
-
-def fit_split(available_pages: int, n_layers: int, max_tokens: int, layout: PageLayout,
-              copy_pages: int = 32, prefetch_depth: int = 1,
-              pinned: Optional[bool] = None) -> StreamConfig:
-  """The largest `fixed_split` pool whose pages plus its staging reserve fit in `available_pages`
-  (the staging buffers of in-flight uploads live in the same arena as the pool)."""
-  if pinned is None:
-    pinned = pinned_available()
-
-  def need(pool):
-    split = fixed_split(pool, n_layers, max_tokens, layout, copy_pages)
-    return split, pool + staging_reserve_pages(split, max_tokens, layout, prefetch_depth, pinned)
-
-  pool = int(available_pages)
-  while pool >= 1:
-    try:
-      split, total = need(pool)
-    except StreamBudgetError:
-      break                                   # smaller pools cannot stream either
-    if total <= available_pages:
-      return split
-    pool = min(pool - 1, available_pages - (total - pool))
-  # report what is missing: the pool size whose pool + staging is smallest (more resident pages
-  # stream fewer pages, so a larger pool can need less in all)
-  everything = layout.pages_for(max_tokens) * n_layers + 1          # all resident: always streams
-  lo, hi = 1, everything
-  while lo < hi:                                                       # smallest pool that streams
-    mid = (lo + hi) // 2
-    try:
-      need(mid)
-      hi = mid
-    except StreamBudgetError:
-      lo = mid + 1
-  total, hi = min((need(q)[1], q) for q in range(lo, everything + 1))
-  missing = total - available_pages
-  raise StreamBudgetError(
-      f"KV budget too small: {available_pages} pages ({available_pages * layout.page_bytes / 2**20:.1f} "
-      f"MiB) cannot hold a pool that streams {n_layers} layers at {max_tokens} tokens plus the staging "
-      f"of its in-flight uploads: the smallest is {hi} pool pages + {total - hi} staging pages; "
-      f"{missing} more pages ({missing * layout.page_bytes / 2**20:.1f} MiB) needed")
 
 
 class StreamedKV:
@@ -528,24 +373,3 @@ class StreamedKV:
              ring_slots=self.stream.ring_slots, pool_pages=self.stream.pool_pages,
              pool_mib=self.stream.pool_pages * self.layout.page_bytes / 2**20)
     return m
-
-
-def stream_config_from_budget(cfg: ModelConfig, layout: PageLayout, max_tokens: int, *,
-                              arena_bytes: Optional[int] = None, pool_pages: Optional[int] = None,
-                              workspace_bytes: int = 0, copy_pages: int = 32,
-                              prefetch_depth: int = 1) -> StreamConfig:
-  """The fixed split for `--kv-stream-arena-mib` (arena minus the decode workspace, in whole pages,
-  minus the staging reserve of in-flight uploads: `fit_split`) or `--kv-stream-pool-pages` (the
-  pool directly; its staging comes on top, see `staging_reserve_pages`)."""
-  if (arena_bytes is None) == (pool_pages is None):
-    raise ValueError("give exactly one of arena_bytes or pool_pages")
-  n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
-  if pool_pages is None:
-    left = arena_bytes - workspace_bytes
-    if left < layout.page_bytes:
-      raise StreamBudgetError(
-          f"arena of {arena_bytes / 2**20:.1f} MiB leaves {left / 2**20:.1f} MiB after the "
-          f"{workspace_bytes / 2**20:.1f} MiB workspace: not one {layout.page_bytes} B page")
-    return fit_split(left // layout.page_bytes, n_layers, max_tokens, layout, copy_pages,
-                     prefetch_depth)
-  return fixed_split(int(pool_pages), n_layers, max_tokens, layout, copy_pages)
