@@ -1,15 +1,20 @@
 """Decode cost of the hybrid target, plain and streamed, at given contexts.
 
 One script, one table. For each context it measures, per decode forward
-(one token, greedy, synchronised per token as a real decode loop is):
+(one token, greedy, synchronised per token as a real decode loop is; ms a token):
 
 * `resident`  every page on the device (PlainKV: the compute-only cost);
 * `streamed`  a fixed resident/ring split inside `--arena_mib` (StreamedKV);
 * `copy`      the streamed run's uploads alone (no compute) -> upload GB/s;
 
 and derives the share of copy time hidden behind compute,
-`hidden = (copy + resident - streamed) / copy`, and the floor per forward
-`weight bytes / HBM bandwidth + streamed bytes / 52.6 GB/s`.
+`hidden = (copy + resident - streamed) / copy`, the provider's host time per
+forward (`host ms`), the share of deadline samples that missed (`misses`), and
+the floor `weight bytes / HBM bandwidth + streamed bytes / 52.6 GB/s`. Before
+timing, `--check_steps` greedy decode steps run through both caches from the
+same context and their logits are compared bit for bit (`exact`: steps that
+matched; a difference stops the run). `--profile` adds the device timeline of
+two streamed forwards (copy/kernel overlap as the GPU saw it, `timeline_*.txt`).
 
 Long histories are synthetic (validly encoded random pages; see
 `experiments.lib.synthetic`): the cost of attention and copies is that of
@@ -43,8 +48,8 @@ flags.DEFINE_string("v_type", "q4_0", "V cache type")
 flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_decode"), "output folder")
 flags.DEFINE_float("hbm_gbs", 4800.0, "HBM bandwidth for the floor (GB/s)")
 flags.DEFINE_float("h2d_gbs", 52.6, "host-to-device bandwidth for the floor (GB/s)")
-flags.DEFINE_list("prefetch_depths", ["1"], "layers of copies in flight ahead of compute (one run each)")
-flags.DEFINE_bool("diagnose", False, "time uploads, placements and planning separately")
+flags.DEFINE_integer("check_steps", 64, "decode steps compared bit for bit, streamed against resident (0: none)")
+flags.DEFINE_bool("profile", False, "device timeline of two streamed forwards per context (experiments.lib.timeline)")
 FLAGS = flags.FLAGS
 
 
@@ -120,7 +125,8 @@ def main(argv):
   st = runner.zero_states()[0]
   pool_probe = jnp.zeros((4, layout.page_bytes), jnp.uint8)
   comp = engine._group_step.lower(gd, gs, jnp.zeros((1, cfg.hidden_size), dtype), st, pool_probe,
-                                  jnp.zeros((4,), jnp.int32), jnp.int32(0), jnp.int32(1), layout=layout,
+                                  jnp.zeros((4,), jnp.int32), jnp.int32(0), jnp.int32(1), (), None,
+                                  layout=layout,
                                   opts=opts, chunked=False).compile()
   workspace = arena.workspace_bytes_from_compiled(comp)
   log["decode_workspace_mib"] = workspace / 2**20
@@ -135,29 +141,29 @@ def main(argv):
     pk = engine.PlainKV(cfg, layout, max_tokens)
     synthetic.fill_plain(pk, ctx)
     row["resident_ms"], _ = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg)
-    del pk
     print(json.dumps(row, default=float), flush=True)
     # streamed within the arena (target layers only: the MTP layer is not used by plain decode)
     n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
     split = fixed_split(pool_pages, n_layers, max_tokens, layout, FLAGS.copy_pages)
-    for depth in [int(d) for d in FLAGS.prefetch_depths[1:]]:
-      sk = StreamedKV(cfg, layout, max_tokens, split, prefetch_depth=depth)
-      synthetic.fill_streamed(sk, ctx)
-      row[f"streamed_ms_depth{depth}"], _ = _time_decode(runner, sk, ctx, FLAGS.decode_steps, cfg)
-      print(json.dumps(row, default=float), flush=True)
-      del sk
-    sk = StreamedKV(cfg, layout, max_tokens, split, prefetch_depth=int(FLAGS.prefetch_depths[0]))
+    sk = StreamedKV(cfg, layout, max_tokens, split)
     synthetic.fill_streamed(sk, ctx)
+    if FLAGS.check_steps:
+      row["bit_exact_steps"] = _check_bit_exact(runner, pk, sk, ctx, FLAGS.check_steps)
+    del pk
     row["streamed_ms"], per_fwd = _time_decode(runner, sk, ctx, FLAGS.decode_steps, cfg)
     h2d = per_fwd["h2d_bytes"]
     row["streamed_mib_per_forward"] = h2d / 2**20
     row["h2d_calls_per_forward"] = per_fwd["h2d_calls"]
-    row["readiness_misses_per_forward"] = per_fwd["readiness_misses"]
+    row["host_ms_per_forward"] = per_fwd["host_ms"]
+    row["layout_changes"] = per_fwd["layout_changes"] * FLAGS.decode_steps
     row["resident_pages_per_layer"] = split.resident_pages_per_layer[0]
     row["ring_slots"] = split.ring_slots
+    samples = sk.counters["deadline_samples"]
+    row["deadline_samples"] = samples
+    row["readiness_miss_share"] = sk.counters["readiness_misses"] / samples if samples else 0.0
+    if FLAGS.profile:
+      row.update(_profile_forwards(runner, sk, ctx, cfg))
     row["copy_ms"] = _time_copies(sk, ctx, FLAGS.decode_steps, runner)
-    if FLAGS.diagnose:
-      row.update(_diagnose_copies(sk, runner))
     row["upload_gbs"] = h2d / 1e9 / (row["copy_ms"] / 1e3) if row["copy_ms"] > 0 and h2d else 0.0
     hidden = (row["copy_ms"] + row["resident_ms"] - row["streamed_ms"]) / row["copy_ms"] if h2d else 1.0
     row["hidden_share"] = float(min(max(hidden, 0.0), 1.0))
@@ -170,13 +176,13 @@ def main(argv):
   with open(os.path.join(FLAGS.out, "bench_decode.json"), "w") as f:
     json.dump(log, f, indent=1, default=float)
   print(json.dumps({k: v for k, v in log.items() if k != "rows"}, default=float))
-  hdr = f"{'context':>8} {'resident ms':>11} {'streamed ms':>11} {'copy ms':>8} {'MiB/fwd':>8} {'GB/s':>6} " \
-        f"{'hidden':>6} {'floor ms':>8} {'r/layer':>7} {'ring':>5}"
-  print(hdr)
+  print(f"{'context':>8} {'resident':>9} {'streamed':>9} {'copy':>7} {'hidden':>6} {'GB/s':>6} "
+        f"{'MiB/fwd':>8} {'host ms':>7} {'misses':>6} {'exact':>5} {'r/layer':>7} {'ring':>5}")
   for r in rows:
-    print(f"{r['context']:>8} {r['resident_ms']:>11.2f} {r['streamed_ms']:>11.2f} {r['copy_ms']:>8.2f} "
-          f"{r['streamed_mib_per_forward']:>8.1f} {r['upload_gbs']:>6.1f} {r['hidden_share']:>6.2f} "
-          f"{r['floor_ms']:>8.2f} {r['resident_pages_per_layer']:>7} {r['ring_slots']:>5}")
+    print(f"{r['context']:>8} {r['resident_ms']:>9.2f} {r['streamed_ms']:>9.2f} {r['copy_ms']:>7.2f} "
+          f"{r['hidden_share']:>6.2f} {r['upload_gbs']:>6.1f} {r['streamed_mib_per_forward']:>8.1f} "
+          f"{r['host_ms_per_forward']:>7.2f} {r['readiness_miss_share']:>6.2f} "
+          f"{r.get('bit_exact_steps', 0):>5} {r['resident_pages_per_layer']:>7} {r['ring_slots']:>5}")
 
 
 def nnx_state(module):
@@ -204,78 +210,76 @@ def _time_decode(runner, kv, ctx, steps, cfg):
   return 1e3 * float(np.median(times)), per_fwd
 
 
+def _profile_forwards(runner, kv, ctx, cfg):
+  """Two streamed decode forwards under the profiler: the device timeline's overlap numbers, and
+  the merged segments written to the output folder."""
+  import jax.numpy as jnp
+  from experiments.lib import timeline
+  from kvjax import generate
+  seq = generate.SequenceState(runner, kv)
+  seq.pos = int(kv.histories["target"].tokens[0])
+
+  def two():
+    tok = 1
+    for _ in range(2):
+      tok = int(jnp.argmax(seq.forward([tok])))
+
+  events, trace_dir = timeline.profile(two)
+  summ = timeline.summarize(events)
+  calls = timeline.host_calls(trace_dir)
+  summ["host_call_ms"] = sum(ms for _, ms in calls.values()) / 2
+  summ["place_ms"] = sum(e.dur_ns for e in events if "dynamic_update_slice" in e.name) / 2e6
+  with open(os.path.join(FLAGS.out, f"timeline_{ctx}.txt"), "w") as f:
+    f.write(json.dumps(summ, indent=1) + "\n")
+    for name, (n, ms) in sorted(calls.items(), key=lambda kv: -kv[1][1]):
+      f.write(f"host {ms:9.3f} ms {n:5d} calls  {name}\n")
+    f.write(timeline.format_segments(timeline.segments(events), limit=100000) + "\n")
+  print(f"timeline {ctx}: " + json.dumps(summ), flush=True)
+  print(timeline.format_segments(timeline.segments(events), limit=40), flush=True)
+  return {"timeline_" + k: v for k, v in summ.items() if "[" not in k}
+
+
 def _time_copies(kv, ctx, steps, runner):
-  """The streamed uploads of one decode forward, without compute (and without publishing rows)."""
+  """The streamed uploads of one decode forward without compute: every layer's stage copied to the
+  device as a forward issues it (`jax.device_put` of the same host arrays), waited for at the end."""
   import jax
   import numpy as np
+  from kvjax.streaming.provider import _to_device
   layers = tuple(a for a in runner.attn_index if a is not None)
   pos = int(kv.histories["target"].tokens[0])
+  kv.begin_forward(pos, 1, layers)
+  sources = [kv._stage_sources(a) for a in layers]
+  kv._stage = {}
   times = []
-  for _ in range(max(steps // 2, 2)):
+  for _ in range(max(steps // 2, 2) + 1):
     t = time.perf_counter()
-    kv.begin_forward(pos, 1, layers)
-    for a in layers:
-      pool, _ = kv.layer_kv(a)
-      kv.pool_pn = pool
-    jax.block_until_ready(kv.pool_pn)
+    out = [_to_device(x) for s in sources for x in s]
+    jax.block_until_ready(out)
     times.append(time.perf_counter() - t)
+    del out
   return 1e3 * float(np.median(times[1:]))
 
 
-def _diagnose_copies(kv, runner):
-  """Split the copy-only time: host->device uploads, in-pool placements, and planning."""
-  import jax
+def _check_bit_exact(runner, plain_kv, streamed_kv, ctx, steps):
+  """Greedy decode from the same context through both caches: the logits of every step must be the
+  same bits. -> the number of steps compared (raises on the first difference)."""
+  import jax.numpy as jnp
   import numpy as np
-  from kvjax.streaming import provider as rt
-  layers = tuple(a for a in runner.attn_index if a is not None)
-  pos = int(kv.histories["target"].tokens[0])
-  out = {}
-  kv.begin_forward(pos, 1, layers)
-  staged = {}
-  for a in layers:
-    if a not in kv._staged:
-      kv._prefetch(a)
-    staged[a] = kv._staged[a]
-  jax.block_until_ready([st.array for v in staged.values() for st in v])
-  # uploads only
-  t = time.perf_counter()
-  arrs = []
-  for a in layers:
-    hist, l = kv.history_of(a)
-    live, _ = kv._split(a, kv._active)
-    arrs += [st.array for st in kv._upload(hist, l, live, min(kv._active, kv._content))]
-  jax.block_until_ready(arrs)
-  out["diag_upload_ms"] = 1e3 * (time.perf_counter() - t)
-  # placements only (already staged)
-  t = time.perf_counter()
-  pool = kv.pool_pn
-  for a in layers:
-    live, _ = kv._split(a, kv._active)
-    slots = kv._slots[a]
-    pool = kv._place(pool, staged[a], lambda p, s=slots, lv=live: kv.ring_base + int(s[p - lv]))
-  jax.block_until_ready(pool)
-  kv.pool_pn = pool
-  out["diag_place_ms"] = 1e3 * (time.perf_counter() - t)
-  # planning only
-  t = time.perf_counter()
-  for a in layers:
-    kv._table(a)
-  out["diag_plan_ms"] = 1e3 * (time.perf_counter() - t)
-  # one placement call, synchronised
-  if not staged[layers[0]]:
-    print(json.dumps(out), flush=True)
-    return out
-  st = staged[layers[0]][0]
-  ts = []
-  for _ in range(5):
-    t = time.perf_counter()
-    pool = rt._place_run(pool, (st.array,), kv.ring_base, pieces=((st.offset, st.count),))
-    jax.block_until_ready(pool)
-    ts.append(time.perf_counter() - t)
-  kv.pool_pn = pool
-  out["diag_one_place_ms"] = 1e3 * float(np.median(ts))
-  print(json.dumps(out), flush=True)
-  return out
+  from kvjax import generate
+  outs = []
+  for kv in (plain_kv, streamed_kv):
+    seq = generate.SequenceState(runner, kv)
+    seq.pos = ctx
+    tok, logits = 1, []
+    for _ in range(steps):
+      lg = np.asarray(seq.forward([tok]))
+      logits.append(lg)
+      tok = int(jnp.argmax(lg))
+    outs.append(logits)
+  for i, (a, b) in enumerate(zip(*outs)):
+    if not np.array_equal(a, b):
+      raise AssertionError(f"context {ctx}: streamed logits differ from resident at decode step {i}")
+  return steps
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from flax import nnx
 
 from kvjax.config import MTP_OPTIONAL, ModelConfig, gguf_tensor_shapes
 from kvjax.model import AttentionOptions, KVRows, Qwen38, layer_groups, output_head, \
-    param_path, rms_norm, zero_recurrent_state
+    param_path, place_pages, rms_norm, zero_recurrent_state
 from kvjax_pallas.page_layout import PageLayout
 
 
@@ -110,9 +110,19 @@ def model_tensors(model: Qwen38) -> Dict[str, np.ndarray]:
 # KV providers
 # ---------------------------------------------------------------------------
 
+class LayerKV(NamedTuple):
+  """What one attention layer's compiled step takes from a KV provider: the pool and the layer's
+  page table, and optionally staged pages that the step places into the pool first
+  (`kvjax.model.place_pages`; a provider that streams nothing leaves them empty)."""
+  pool_pn: jax.Array                    # [P, page_bytes] uint8 (donated to the step)
+  table_t: jax.Array                    # [table pages] int32: logical page -> pool page
+  stage: Tuple[jax.Array, ...] = ()     # [n_i, page_bytes] uint8 device arrays
+  pieces: Optional[jax.Array] = None    # [len(stage), k, 3] int32: (base, lo, hi) per run
+
+
 class KVProvider(Protocol):
   def begin_forward(self, pos: int, n_tokens: int, cache_layers: Tuple[int, ...]) -> None: ...
-  def layer_kv(self, cache_layer: int) -> Tuple[jax.Array, jax.Array]: ...
+  def layer_kv(self, cache_layer: int) -> LayerKV: ...
   def end_layer(self, cache_layer: int, pool_pn: jax.Array, rows: KVRows) -> None: ...
   def end_forward(self) -> None: ...
   def truncate(self, cache: str, tokens: int) -> None: ...
@@ -143,7 +153,7 @@ class PlainKV:
                        f"({pos + n_tokens - self.max_tokens} more; raise --ctx-size)")
 
   def layer_kv(self, cache_layer):
-    return self.pool_pn, self.tables_lt[cache_layer]
+    return LayerKV(self.pool_pn, self.tables_lt[cache_layer])
 
   def end_layer(self, cache_layer, pool_pn, rows):
     self.pool_pn = pool_pn
@@ -205,10 +215,13 @@ def merge_static(structure: StaticStructure, leaves):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout", "opts", "chunked", "capture"),
                    donate_argnames=("pool_pn",))
-def _group_step(graphdef, state, x_se, rec_states, pool_pn, table_t, pos, n_valid, *, layout, opts,
-                chunked, capture=False):
-  """One LayerGroup. `graphdef` is a `StaticStructure`, `state` its flat leaves."""
+def _group_step(graphdef, state, x_se, rec_states, pool_pn, table_t, pos, n_valid, stage, pieces, *,
+                layout, opts, chunked, capture=False):
+  """One LayerGroup. `graphdef` is a `StaticStructure`, `state` its flat leaves. Staged pages are
+  placed into the pool first (`LayerKV`)."""
   group = merge_static(graphdef, state)
+  if stage:
+    pool_pn = place_pages(pool_pn, stage, pieces)
   return group(x_se, rec_states, pool_pn, table_t, pos, n_valid, layout, opts, chunked, capture)
 
 
@@ -226,8 +239,10 @@ def _head_step(output_norm_e, output_ve, x_se, rows_r, *, eps):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout", "opts"), donate_argnames=("pool_pn",))
 def _mtp_step(graphdef, state, token_embd_ve, output_norm_e, output_ve, hn_se, next_tokens_s, pool_pn,
-              table_t, pos, n_valid, *, layout, opts):
+              table_t, pos, n_valid, stage, pieces, *, layout, opts):
   mtp = merge_static(graphdef, state)
+  if stage:
+    pool_pn = place_pages(pool_pn, stage, pieces)
   return mtp(hn_se, token_embd_ve[next_tokens_s], output_norm_e, output_ve, pool_pn, table_t, pos, n_valid,
              layout, opts)
 
@@ -283,13 +298,10 @@ class Runner:
     pos_a, nv_a = jnp.int32(pos), jnp.int32(n_valid)
     new_states = []
     for (gdef, gstate), st, a in zip(self.groups, rec_states, self.attn_index):
-      if a is not None:
-        pool_pn, table_t = kv.layer_kv(a)
-      else:
-        pool_pn, table_t = _DUMMY_POOL, _DUMMY_TABLE
-      x, st, pool_pn, rows = _group_step(gdef, gstate, x, st, pool_pn, table_t, pos_a, nv_a,
-                                         layout=self.layout, opts=self.opts, chunked=chunked,
-                                         capture=capture_states)
+      lkv = kv.layer_kv(a) if a is not None else LayerKV(None, None)
+      x, st, pool_pn, rows = _group_step(gdef, gstate, x, st, lkv.pool_pn, lkv.table_t, pos_a, nv_a,
+                                         lkv.stage, lkv.pieces, layout=self.layout, opts=self.opts,
+                                         chunked=chunked, capture=capture_states)
       if a is not None:
         kv.end_layer(a, pool_pn, rows)
       new_states.append(st)
@@ -308,19 +320,16 @@ class Runner:
     if self.mtp_layer is None:
       raise ValueError("this model has no MTP head (nextn_predict_layers = 0)")
     kv.begin_forward(pos, n_valid, (self.mtp_layer,))
-    pool_pn, table_t = kv.layer_kv(self.mtp_layer)
+    lkv = kv.layer_kv(self.mtp_layer)
     logits, hm, pool_pn, rows = _mtp_step(self.mtp[0], self.mtp[1], self.token_embd, self.output_norm,
                                           self.output, hn_se,
-                                          jnp.asarray(next_tokens_s, jnp.int32), pool_pn, table_t,
-                                          jnp.int32(pos), jnp.int32(n_valid), layout=self.layout,
-                                          opts=self.opts)
+                                          jnp.asarray(next_tokens_s, jnp.int32), lkv.pool_pn, lkv.table_t,
+                                          jnp.int32(pos), jnp.int32(n_valid), lkv.stage, lkv.pieces,
+                                          layout=self.layout, opts=self.opts)
     kv.end_layer(self.mtp_layer, pool_pn, rows)
     kv.end_forward()
     return logits, hm
 
-
-_DUMMY_POOL = None
-_DUMMY_TABLE = None
 
 
 def group_step_workspace_bytes(runner: "Runner", rows: int, max_tokens: Optional[int] = None) -> int:
@@ -339,5 +348,6 @@ def group_step_workspace_bytes(runner: "Runner", rows: int, max_tokens: Optional
   compiled = _group_step.lower(
       gd, gs, jnp.zeros((rows, cfg.hidden_size), runner.token_embd.dtype), st,
       jnp.zeros((min(pages, 4), layout.page_bytes), jnp.uint8), jnp.zeros((pages,), jnp.int32),
-      jnp.int32(0), jnp.int32(rows), layout=layout, opts=runner.opts, chunked=rows > 1).compile()
+      jnp.int32(0), jnp.int32(rows), (), None, layout=layout, opts=runner.opts,
+      chunked=rows > 1).compile()
   return workspace_bytes_from_compiled(compiled)

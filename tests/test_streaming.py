@@ -73,10 +73,10 @@ def test_refused_forward_leaves_provider_intact(tiny_runner):
   seq = generate.SequenceState(runner, kv)
   prompt = list(range(1, 3 * 256 + 1))
   generate.prefill(seq, prompt[:256 * 3 + 0], ubatch=256)  # 3 pages: 2 streamed per layer, ring 3
-  before = (kv.ring_head, dict(kv.counters), kv.histories["target"].tokens.copy())
+  before = (dict(kv.plans), dict(kv.counters), kv.histories["target"].tokens.copy())
   with pytest.raises(StreamBudgetError, match=r"ring too small: cache layer 0 streams 4 pages .*\(1 more pages"):
     seq.forward(list(range(512)), pad_to=512)  # would need 4 streamed pages > 3 ring slots
-  assert (kv.ring_head, kv.counters, list(kv.histories["target"].tokens)) == \
+  assert (kv.plans, kv.counters, list(kv.histories["target"].tokens)) == \
       (before[0], before[1], list(before[2]))
   logits = seq.forward([5])  # still usable for a forward that fits
   assert np.all(np.isfinite(np.asarray(logits)))
@@ -223,14 +223,14 @@ def test_pinned_chunks_stream_identically():
 
 @pytest.mark.parametrize("pinned", [False, True])
 def test_staging_reserve_bounds_uploads_in_flight(pinned):
-  """Two layers of copies in flight ahead of the compute, resident pages refilled after a rebind:
+  """Copies in flight beside the step being run, resident pages refilled after a rebind:
   the staging the provider holds never exceeds `staging_reserve_pages`, and the tokens match."""
   cfg, runner, layout = build_tiny_runner(1, page_tokens=16)
   prompt = list(np.random.default_rng(4).integers(0, cfg.vocab_size, 200))
   max_tokens = 200 + 30
   plain = generate.generate(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 30, ubatch=64)
   stream = fixed_split(pool_pages=20, n_layers=3, max_tokens=max_tokens, layout=layout, copy_pages=2)
-  kv = StreamedKV(cfg, layout, max_tokens, stream, pinned=pinned, prefetch_depth=2)
+  kv = StreamedKV(cfg, layout, max_tokens, stream, pinned=pinned)
   wider = fixed_split(pool_pages=26, n_layers=3, max_tokens=max_tokens, layout=layout, copy_pages=2)
 
   def on_phase(phase):   # a repartition between prefill and decode: resident pages refill from host
@@ -240,7 +240,7 @@ def test_staging_reserve_bounds_uploads_in_flight(pinned):
   tokens = generate.generate(runner, kv, prompt, 30, ubatch=64, on_phase=on_phase).tokens
   assert tokens == plain.tokens and kv.counters["rebinds"] == 1
   for split in (stream, kv.stream):
-    reserve = staging_reserve_pages(split, max_tokens, layout, 2, pinned=pinned)
+    reserve = staging_reserve_pages(split, max_tokens, layout, 1, pinned=pinned)
     assert kv.counters["staging_peak_bytes"] <= reserve * layout.page_bytes
   assert kv.counters["staging_peak_bytes"] > 0
 
@@ -249,12 +249,12 @@ def test_staging_pages_and_fit_split():
   """Staging bounds by hand; fit_split takes the largest pool whose staging still fits, and a budget
   that fits no pool is refused with the pages missing (pool + staging of the cheapest pool)."""
   assert staging_pages(0, 4, True) == staging_pages(0, 4, False) == 0
-  assert staging_pages(1, 4, True) == 12        # 2 units (unaligned start) + a pageable tail unit
-  assert staging_pages(5, 4, True) == 16
-  assert staging_pages(3, 4, False) == 6        # one piece padded to a power of two
-  assert staging_pages(20, 4, False) == 28      # full units exact; first and last pieces padded
+  assert staging_pages(1, 4, True) == 9         # 2 units (unaligned start) + the partial last page
+  assert staging_pages(5, 4, True) == staging_pages(5, 4, False) == 13
+  assert staging_pages(4, 4, False) == 9
+  assert staging_pages(20, 4, False) == 25
   layout = PageLayout(2, 64, "q8_0", "q4_0", 16)
-  for available in (52, 57, 90, 200):
+  for available in (54, 57, 90, 200):
     split = fit_split(available, 3, 256, layout, 2, prefetch_depth=1, pinned=False)
     reserve = staging_reserve_pages(split, 256, layout, 1, pinned=False)
     assert split.pool_pages + reserve <= available

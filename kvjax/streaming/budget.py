@@ -65,20 +65,15 @@ def fixed_split(pool_pages: int, n_layers: int, max_tokens: int, layout: PageLay
 
 
 def staging_pages(streamed_pages: int, copy_pages: int, pinned: bool) -> int:
-  """Upper bound of the device pages that the uploads of `streamed_pages` consecutive logical
-  pages occupy while in flight (`StreamedKV._upload`).
-
-  pinned: every copy unit the range touches uploads whole (a range that is not unit-aligned
-  touches one unit more), plus one pageable tail padded to a power of two <= copy_pages.
-  pageable (no pinned host memory, e.g. CPU): one piece per unit, each padded to a power of two;
-  only the first and the last piece can be partial, so at most 2 x min(n, copy_pages) extra.
-  """
+  """Upper bound of the device pages that the stage of `streamed_pages` consecutive logical pages
+  occupies (`StreamedKV`): every copy unit the range touches comes whole (a range that is not
+  unit-aligned touches one unit more), plus the partial last page, uploaded on its own. The same
+  with or without pinned host memory (`pinned` is accepted for the callers' symmetry)."""
+  del pinned
   n, c = int(streamed_pages), int(copy_pages)
   if n <= 0:
     return 0
-  if pinned:
-    return c * ((n - 1) // c + 2) + c
-  return min(2 * n, n + 2 * min(n, c))
+  return c * ((n - 1) // c + 2) + 1
 
 
 def staging_unit_pages(stream: StreamConfig, max_tokens: int, layout: PageLayout,

@@ -54,6 +54,7 @@ class HostHistory:
     self.generation = 0
     self.pinned = pinned_available() if pinned is None else pinned
     self._pinned_chunks: Dict[Tuple[int, int], jax.Array] = {}
+    self._pinned_blocks: Dict[int, Tuple[int, int, jax.Array]] = {}   # layer -> (lo, hi, array)
     self.d2h_bytes = 0
 
   @property
@@ -98,6 +99,9 @@ class HostHistory:
     for key in [k for k, (_, valid) in self._pinned_chunks.items()
                 if k[0] == layer and (k[1] * c + valid) * pt > from_token]:
       del self._pinned_chunks[key]
+    block = self._pinned_blocks.get(layer)
+    if block is not None and block[1] * pt > from_token:
+      del self._pinned_blocks[layer]
 
   def rows(self, layer: int, tokens: int) -> Tuple[np.ndarray, np.ndarray]:
     """(K bytes [tokens, k_row_bytes], V bytes [tokens, v_row_bytes]) of the first `tokens` rows."""
@@ -138,3 +142,22 @@ class HostHistory:
     arr = jax.device_put(host, sharding)
     self._pinned_chunks[key] = (arr, valid)
     return arr, valid
+
+  def pinned_block(self, layer: int, lo: int, hi: int):
+    """pinned_host array [hi - lo, page_bytes] of full pages [lo, hi) of one layer: the sealed part
+    of a streamed range as one copy. One block is kept per layer (the last asked for); it is made
+    again when the range changes (a repartition, or `copy_pages` more pages sealed)."""
+    if not self.pinned:
+      raise ValueError(f"{self.name}: no pinned host memory on this backend")
+    pt = self.layout.page_tokens
+    if not 0 <= lo < hi <= int(self.tokens[layer]) // pt:
+      raise ValueError(f"{self.name} layer {layer}: block [{lo}, {hi}) is not within the "
+                       f"{int(self.tokens[layer]) // pt} full pages")
+    cached = self._pinned_blocks.get(layer)
+    if cached is not None and cached[:2] == (lo, hi):
+      return cached[2]
+    self._pinned_blocks.pop(layer, None)      # free the old block first
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    arr = jax.device_put(self.pages_lpn[layer, lo:hi], sharding)
+    self._pinned_blocks[layer] = (lo, hi, arr)
+    return arr

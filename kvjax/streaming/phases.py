@@ -169,14 +169,13 @@ class AdaptiveStreamedKV(StreamedKV):
     self.counters["ring_peak_slots"] = 0   # per-forward peak for the window
 
   def end_forward(self):
-    n_layers = len(self._order)
     super().end_forward()
     c, last = self.counters, self._last
     d = {k: c[k] - last[k] for k in ("elapsed_ms", "timed_copy_ms", "h2d_bytes", "timed_bytes",
-                                      "readiness_misses")}
+                                      "readiness_misses", "deadline_samples")}
     self.window.add(elapsed_ms=max(d["elapsed_ms"], 1e-6), copy_ms=d["timed_copy_ms"],
                     bytes=int(d["h2d_bytes"]), timed_bytes=int(min(d["timed_bytes"], d["h2d_bytes"])),
-                    samples=n_layers, misses=int(min(d["readiness_misses"], n_layers)),
+                    samples=int(d["deadline_samples"]), misses=int(d["readiness_misses"]),
                     peak_slots=int(c["ring_peak_slots"]))
     c["ring_peak_slots"] = max(c["ring_peak_slots"], self._ring_peak_before)
     self._last = dict(c)

@@ -7,27 +7,43 @@ Physical pool (one device buffer, `pool_pn [pool_pages, page_bytes]` uint8):
 Cache layers are the target's attention layers followed by the MTP layer
 (separate logical caches with their own host histories, sharing the pool).
 Cache layer `a` keeps its first `capacity[a]` logical pages resident; its
-later pages stream through the ring. The ring is circular and shared by all
-layers: each layer's streamed pages take the next slots after the previous
-layer's, wrapping at the end (so a layer's history has at most three spans:
-resident, ring before the wrap, ring after the wrap).
+later pages stream through the ring. Within a forward the ring is circular and
+shared by all layers: each layer's streamed pages take the next slots after the
+previous layer's (from slot 0 at every forward), and a run that would pass the
+end restarts at slot 0 (or, with `split_at_wrap`, continues there: then a
+layer's history has three spans, resident, ring before the wrap, ring after).
 
-Per forward and attention layer (`KVProvider` protocol of `kvjax.engine`):
+How a forward streams (`KVProvider` protocol of `kvjax.engine`). Each layer's
+streamed pages that hold tokens come as at most three host arrays: the sealed
+full pages as one pinned block (made again only every `copy_pages` pages), the
+open copy unit, and the partial last page. Their host-to-device copies are
+issued one layer ahead: when the step of attention layer a is dispatched, the
+copies of layer a+1 are already queued, so they run beside layer a's compute.
+The step places the staged pages into their ring slots itself (an in-place
+update of the donated pool, `kvjax.model.place_pages`). Few, large copies
+matter: a `jax.device_put` issued while several others are in flight holds the
+host until one completes, which delays the dispatch of the compute it should
+hide behind (docs/PERFORMANCE.md, "Host-to-device copies").
 
 * `begin_forward` checks that every layer's streamed pages fit in the ring and
-  that the histories have room — before anything changes (a refused forward
-  leaves the provider as it was).
-* `layer_kv(a)` places layer a's staged pages into their ring slots (donated,
-  in-place `dynamic_update_slice`), uploads any resident page that is not yet
-  valid on the device, **issues the next layer's host-to-device copies** (into
-  staging buffers: they overlap this layer's compute), builds and validates
-  the span plan, and returns `(pool, page_table)`.
-* `end_layer` keeps the updated pool and the rows written (the KV writer's tail).
+  that the histories have room, before anything changes (a refused forward
+  leaves the provider as it was); it lays out every layer's ring slots, span
+  plan, page table and placement pieces (cached on the device while the page
+  count and the split stay the same) and issues the first layer's copies.
+* `layer_kv(a)` issues layer a+1's copies, refills resident pages the device
+  does not hold yet (first forwards, after a rebind) and returns the layer's
+  `LayerKV`: pool, page table, staged pages and their pieces.
+* `end_layer` keeps the updated pool and the rows written.
 * `end_forward` publishes the new rows to the host histories (device -> host:
   only the changed tail).
 
-Counters: h2d bytes and calls, d2h bytes, ring wraps, streamed pages,
-readiness misses (a staged copy not complete when its consumer was enqueued).
+Counters: h2d bytes and copies, d2h bytes, ring wraps, streamed pages, host
+time per forward (the provider's own Python work, including any wait inside
+`jax.device_put`). Deadline samples, per cache layer and in total: one for each
+streamed layer of every forward after the first layer, a readiness miss when
+its staged pages were not yet on the device when its step was enqueued. Every
+`timing_interval`-th forward the first layer's copies are timed alone: the copy
+rate behind the copy-busy ratio.
 """
 
 from __future__ import annotations
@@ -42,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig
+from kvjax.engine import LayerKV
 from kvjax.model import KVRows
 from kvjax.streaming.budget import StreamBudgetError, StreamConfig, staging_unit_pages
 from kvjax.streaming.host_history import HostHistory
@@ -53,10 +70,8 @@ from kvjax_pallas.page_layout import PageLayout
 def _place_run(pool_pn, arrays, dst_page, *, pieces: Tuple[Tuple[int, int], ...]):
   """pool[dst : dst + total] = concat(array[offset : offset + count] for each piece).
 
-  One call per contiguous destination run. Measured on the H200 (jax 0.11.2):
-  a donated dynamic_update_slice into the 2.2 GB pool costs about 0.4 ms
-  whatever the update size (XLA copies the buffer), so the number of calls,
-  not the bytes, is what matters here.
+  One call per contiguous destination run; used for resident refills only (the streamed pages of
+  a forward are placed inside the compiled steps).
   """
   parts = [jax.lax.slice_in_dim(a, off, off + cnt, axis=0) for a, (off, cnt) in zip(arrays, pieces)]
   run = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
@@ -78,16 +93,28 @@ def _to_device(src):
   return jax.device_put(src, jax.devices()[0])
 
 
+class _LayerPlan(NamedTuple):
+  """One cache layer's part of a forward: cached on the device while the forward's shape holds."""
+  plan: SpanPlan
+  table_t: jax.Array                 # device [max_pages] int32
+  pieces: Optional[jax.Array]        # device [len(units) + tail, k, 3] int32, None when nothing stages
+  units: Tuple[Tuple[str, int, int], ...]  # the stage's host sources, in order (`_stage_layout`)
+  tail_page: int                     # a partial page uploaded from pageable memory, or -1
+  streamed: int
+  wraps: int
+
+
+PIPELINE_DEPTH = 1   # layers whose copies are in flight beside the step being run
+
+
 class StreamedKV:
   """KV provider over host-authoritative histories, resident pages and one shared ring."""
 
   def __init__(self, cfg: ModelConfig, layout: PageLayout, max_tokens: int, stream: StreamConfig,
-               pinned: Optional[bool] = None, split_at_wrap: bool = False, prefetch_depth: int = 1):
+               pinned: Optional[bool] = None, split_at_wrap: bool = False):
     self.cfg, self.layout, self.stream = cfg, layout, stream
     self.split_at_wrap = split_at_wrap
-    if prefetch_depth < 1:
-      raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
-    self.prefetch_depth = prefetch_depth  # layers whose copies are in flight ahead of the compute
+    self.prefetch_depth = PIPELINE_DEPTH
     n_target = cfg.num_attention_layers
     self.n_layers = n_target + (1 if cfg.has_mtp else 0)
     self._check_stream(stream)
@@ -96,23 +123,26 @@ class StreamedKV:
     self.histories = {"target": HostHistory("target", layout, n_target, max_pages, stream.copy_pages, pinned)}
     if cfg.has_mtp:
       self.histories["mtp"] = HostHistory("mtp", layout, 1, max_pages, stream.copy_pages, pinned)
+    self.pinned = self.histories["target"].pinned
     self.max_pages = max_pages
     self.pool_pn = None
     self.resident_valid = np.zeros((self.n_layers,), np.int64)  # valid prefix pages on the device
     self.plans: Dict[int, SpanPlan] = {}
+    self._bind_generation = 0
     self._bind(stream)
     self._pending: Dict[int, KVRows] = {}
-    self._staged: Dict[int, List[Tuple[int, jax.Array]]] = {}
-    self._slots: Dict[int, np.ndarray] = {}
+    self._stage: Dict[int, Tuple[jax.Array, ...]] = {}
     self._order: Tuple[int, ...] = ()
-    self._ring_in_use = 0          # ring slots allocated to layers not yet consumed this forward
-    self._layer_streamed: Dict[int, int] = {}
-    self.timing_interval = 16      # every N-th forward, one upload is timed (synchronised) for copy-busy
-    self._staging_live = 0         # bytes of staging buffers the provider holds (uploads not placed)
+    self._layer_plans: Dict[int, _LayerPlan] = {}
+    self._shape_key = None
+    self.timing_interval = 16      # every N-th forward is a deadline sample (0: never)
+    self._staging_live = 0         # bytes of staging buffers the provider holds
+    self.deadline_samples = np.zeros((self.n_layers,), np.int64)
+    self.deadline_misses = np.zeros((self.n_layers,), np.int64)
     self.counters = dict(h2d_bytes=0, h2d_calls=0, ring_wraps=0, streamed_pages=0, readiness_misses=0,
-                         forwards=0, copy_issue_ms=0.0, max_spans=0,
-                         ring_peak_slots=0, timed_copy_ms=0.0, timed_bytes=0, elapsed_ms=0.0,
-                         staging_peak_bytes=0)
+                         forwards=0, host_ms=0.0, max_spans=0, ring_peak_slots=0, timed_copy_ms=0.0,
+                         timed_bytes=0, elapsed_ms=0.0, staging_peak_bytes=0, deadline_samples=0,
+                         layout_changes=0)
 
   # -- re-layout (phase change, policy repartition, new request) ---------------------
   def rebind(self, stream: StreamConfig) -> None:
@@ -138,14 +168,18 @@ class StreamedKV:
       self.pool_pn = None  # free the old buffer before taking the new one
       self.pool_pn = jnp.zeros((stream.pool_pages, self.layout.page_bytes), jnp.uint8)
     self.stream = stream
-    self.staging_unit = staging_unit_pages(stream, self.max_tokens, self.layout,
-                                           self.histories["target"].pinned)
+    self.staging_unit = staging_unit_pages(stream, self.max_tokens, self.layout, self.pinned)
     caps = stream.resident_pages_per_layer
     self.resident_base = np.concatenate([[0], np.cumsum(caps)[:-1]]).astype(np.int64)
     self.ring_base = stream.resident_total
-    self.ring_head = 0
     self.resident_valid[:] = 0
+    self._forget_layout()
+    self._bind_generation += 1
+
+  def _forget_layout(self) -> None:
     self.plans.clear()
+    self._shape_key = None
+    self._stage = {}
 
   def truncate(self, cache: str, tokens: int) -> None:
     """Forget rows >= tokens of logical cache "target" or "mtp" (rejected speculative rows): the host
@@ -153,14 +187,14 @@ class StreamedKV:
     if cache not in self.histories:
       raise ValueError(f"unknown logical cache {cache!r}; caches: {sorted(self.histories)}")
     self.histories[cache].truncate(tokens)
+    self._shape_key = None
 
   def reset(self) -> None:
     """Start a new request: forget every token (host and device)."""
     for h in self.histories.values():
       h.truncate(0)
     self.resident_valid[:] = 0
-    self.ring_head = 0
-    self.plans.clear()
+    self._forget_layout()
 
   # -- mapping -----------------------------------------------------------------
   def history_of(self, cache_layer: int) -> Tuple[HostHistory, int]:
@@ -176,6 +210,7 @@ class StreamedKV:
 
   # -- KVProvider ----------------------------------------------------------------
   def begin_forward(self, pos: int, n_tokens: int, cache_layers: Tuple[int, ...]) -> None:
+    t_host = time.perf_counter()
     lay = self.layout
     end = pos + n_tokens
     if end > self.max_tokens:
@@ -196,51 +231,201 @@ class StreamedKV:
             f"{missing * lay.page_bytes / 2**20:.1f} MiB needed)")
     self._pos, self._n, self._active = pos, n_tokens, active
     self._content = lay.pages_for(pos)  # pages that already hold tokens
+    self._full = pos // lay.page_tokens  # pages whose every token is committed
     self._order = tuple(cache_layers)
     self._pending.clear()
-    self._staged.clear()
-    self._slots.clear()
-    self._ring_in_use = 0
-    self._layer_streamed.clear()
+    self._stage = {}
+    key = (self._bind_generation, self._full, self._content, active, self._order)
+    if key != self._shape_key:
+      self._lay_out_forward()
+      self._shape_key = key
+    for a in self._order:
+      lp = self._layer_plans[a]
+      self.counters["streamed_pages"] += lp.streamed
+      self.counters["ring_wraps"] += lp.wraps
+      self.plans[a] = lp.plan
     self._t_begin = time.perf_counter()
-    self._time_next_copy = self.timing_interval > 0 and self.counters["forwards"] % self.timing_interval == 0
-    for a in self._order[:self.prefetch_depth]:
-      self._prefetch(a)
+    c = self.counters
+    self._sampling = self.timing_interval > 0 and c["forwards"] % self.timing_interval == 1 % self.timing_interval
+    c["host_ms"] += (self._t_begin - t_host) * 1e3
+    first = self._order[0] if self._order else None
+    if first is not None:
+      t0 = time.perf_counter()
+      nbytes = self._issue(first)
+      c["host_ms"] += (time.perf_counter() - t0) * 1e3
+      if self._sampling and nbytes:   # the first layer's copies run alone: the copy rate
+        jax.block_until_ready(self._stage[first])
+        c["timed_copy_ms"] += (time.perf_counter() - t0) * 1e3
+        c["timed_bytes"] += nbytes
 
-  def _prefetch(self, a: int) -> None:
-    """Allocate ring slots for layer a and issue its host->device copies (staging buffers)."""
+  def _issue(self, a: int) -> int:
+    """Queue the host-to-device copies of layer a's stage (-> bytes)."""
+    sources = self._stage_sources(a)
+    if not sources:
+      self._stage[a] = ()
+      return 0
+    self._stage[a] = tuple(_to_device(x) for x in sources)
+    nbytes = sum(int(x.nbytes) for x in sources)
+    self.counters["h2d_bytes"] += nbytes
+    self.counters["h2d_calls"] += len(sources)
+    return nbytes
+
+  def _lay_out_forward(self) -> None:
+    """Ring slots, span plan, page table and placement pieces of every layer of this forward."""
+    self.counters["layout_changes"] += 1
+    ring, head = self.stream.ring_slots, 0
+    plans = {}
+    for a in self._order:
+      live, streamed = self._split(a, self._active)
+      wraps = 0
+      if streamed and head + streamed > ring:
+        # the ring wraps: with split_at_wrap the layer's pages continue at slot 0 (two ring spans);
+        # otherwise the whole run restarts at slot 0 (one span)
+        wraps = 1
+        if not self.split_at_wrap:
+          head = 0
+      slots = (head + np.arange(streamed)) % ring
+      head = (head + streamed) % ring
+      self.counters["ring_peak_slots"] = max(self.counters["ring_peak_slots"], min(streamed, ring))
+      plan, table = self._plan_and_table(a, live, slots)
+      units, pieces, tail = self._stage_layout(a, live, slots)
+      plans[a] = _LayerPlan(plan, jnp.asarray(table), None if pieces is None else jnp.asarray(pieces),
+                            units, tail, streamed, wraps)
+      self.counters["max_spans"] = max(self.counters["max_spans"], len(plan.spans))
+    self._layer_plans = plans
+
+  def _plan_and_table(self, a: int, live: int, slots: np.ndarray):
+    streamed = len(slots)
+    runs = [(int(self.resident_base[a]), live, "resident")]
+    if streamed:
+      wrap = int(np.argmax(slots[1:] < slots[:-1]) + 1) if streamed > 1 and np.any(slots[1:] < slots[:-1]) \
+          else streamed
+      runs.append((self.ring_base + int(slots[0]), wrap, "ring"))
+      if wrap < streamed:
+        runs.append((self.ring_base + int(slots[wrap]), streamed - wrap, "ring_wrapped"))
+    kv_len = self._pos + self._n
+    spans, kinds = spans_from_pages(self.layout, "pool", runs, kv_len)
+    plan = make_plan(self.layout, {"pool": self.stream.pool_pages * self.layout.page_bytes}, spans,
+                     kv_len, self._n, kinds)
+    return plan, page_table(plan, self.layout, self.max_pages, buffer="pool")
+
+  def _stage_layout(self, a: int, live: int, slots: np.ndarray):
+    """-> (sources, pieces [n, k, 3] int32 or None, tail page or -1): which host arrays carry
+    layer a's streamed pages that hold committed tokens, and where their rows go.
+
+    Sources are ("block", lo, hi): the sealed full pages [lo, hi) as one array (up to the last
+    copy-unit boundary, so it is made again only every `copy_pages` pages); and ("unit", u, 0):
+    the open copy unit u, whole (pinned memory mirrors full pages only). A partial last page that
+    streams is uploaded on its own (`tail`). One large copy and one unit per layer: XLA keeps at
+    most two asynchronous copies of a step in flight, so fewer copies overlap compute better."""
+    c = self.stream.copy_pages
+    slot_of = lambda p: self.ring_base + int(slots[p - live])
+    need = min(self._active, self._content)       # streamed pages holding committed tokens: [live, need)
+    full = min(need, self._full)
+    sources, rows = [], []
+
+    def runs(first, end, row0):                   # contiguous destination runs (a wrap splits them)
+      out, p = [], first
+      while p < end:
+        q = p + 1
+        while q < end and slot_of(q) == slot_of(p) + (q - p):
+          q += 1
+        out.append((slot_of(p) - (p - row0), p - row0, q - row0))
+        p = q
+      return out
+
+    sealed = max(live, full // c * c)
+    if sealed > live:
+      sources.append(("block", live, sealed))
+      rows.append(runs(live, sealed, live))
+    if full > sealed:
+      unit = sealed // c
+      sources.append(("unit", unit, 0))
+      rows.append(runs(sealed, full, unit * c))
+    tail = full if need > full and full >= live else -1
+    if tail >= 0:
+      rows.append([(slot_of(tail), 0, 1)])
+    if not rows:
+      return (), None, -1
+    k = 2 if self.split_at_wrap else 1
+    if max(len(r) for r in rows) > k:
+      raise AssertionError("a ring run that does not split at the wrap crossed it")
+    pieces = np.zeros((len(rows), k, 3), np.int32)
+    for i, r in enumerate(rows):
+      pieces[i, :len(r)] = r
+    return tuple(sources), pieces, tail
+
+  def _stage_sources(self, a: int) -> Tuple:
+    """The host arrays of layer a's stage, in the order of its pieces: pinned_host arrays (numpy
+    pages without pinned memory), then the partial last page (numpy)."""
     hist, l = self.history_of(a)
-    live, streamed = self._split(a, self._active)
-    ring = self.stream.ring_slots
-    head = self.ring_head
-    if streamed and head + streamed > ring:
-      # the ring wraps: with split_at_wrap the layer's pages continue at slot 0 (two ring spans);
-      # otherwise the whole run restarts at slot 0 (one span, one in-pool copy)
-      self.counters["ring_wraps"] += 1
-      if not self.split_at_wrap:
-        head = 0
-    slots = (head + np.arange(streamed)) % ring
-    self.ring_head = (head + streamed) % ring
-    self._slots[a] = slots
-    self.counters["streamed_pages"] += streamed
-    self._layer_streamed[a] = streamed
-    self._ring_in_use += streamed
-    self.counters["ring_peak_slots"] = max(self.counters["ring_peak_slots"], min(self._ring_in_use, ring))
-    # upload pages that hold committed tokens; pages past them are only written this forward
+    c = self.stream.copy_pages
+    lp = self._layer_plans[a]
+    out = []
+    for kind, lo, hi in lp.units:
+      if kind == "block":
+        arr = hist.pinned_block(l, lo, hi) if self.pinned else hist.pages_lpn[l, lo:hi]
+      elif self.pinned:
+        arr, _ = hist.pinned_chunk(l, lo)
+        if arr is None:
+          raise AssertionError(f"copy unit {lo} of cache layer {a} has no full page")
+      else:
+        arr = hist.pages_lpn[l, lo * c:(lo + 1) * c]
+        if arr.shape[0] < c:
+          arr = np.concatenate([arr, np.zeros((c - arr.shape[0], arr.shape[1]), np.uint8)])
+      out.append(arr)
+    if lp.tail_page >= 0:
+      out.append(hist.pages_lpn[l, lp.tail_page:lp.tail_page + 1].copy())
+    return tuple(out)
+
+  def layer_kv(self, cache_layer: int):
     t0 = time.perf_counter()
-    self._staged[a] = staged = self._upload(hist, l, live, min(self._active, self._content))
-    self.counters["copy_issue_ms"] += (time.perf_counter() - t0) * 1e3
-    if self._time_next_copy and staged:
-      # copy-busy sampling: time this layer's uploads to completion (they were just issued)
-      jax.block_until_ready([st.array for st in staged])
-      self.counters["timed_copy_ms"] += (time.perf_counter() - t0) * 1e3
-      self.counters["timed_bytes"] += sum(int(st.array.nbytes) for st in staged)
-      self._time_next_copy = False
+    a = cache_layer
+    if a not in self._layer_plans or a not in self._order:
+      raise RuntimeError(f"cache layer {a} was not announced to begin_forward ({self._order})")
+    lp = self._layer_plans[a]
+    idx = self._order.index(a)
+    if idx + 1 < len(self._order):      # the next layer's copies go out before this layer's step
+      self._issue(self._order[idx + 1])
+    pool = self._fill_resident(a, self.pool_pn)
+    stage = self._stage.pop(a, None)
+    if stage is None:
+      raise RuntimeError(f"cache layer {a}: no staged pages (layers must run in the order given to "
+                         f"begin_forward: {self._order})")
+    live_bytes = sum(int(s.nbytes) for v in self._stage.values() for s in v) + \
+        sum(int(s.nbytes) for s in stage)
+    self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live_bytes)
+    if stage and idx > 0:       # a deadline sample: were this layer's pages there when enqueued?
+      self.deadline_samples[a] += 1
+      self.counters["deadline_samples"] += 1
+      if not all(s.is_ready() for s in stage):
+        self.deadline_misses[a] += 1
+        self.counters["readiness_misses"] += 1
+    self.pool_pn = pool
+    self.counters["host_ms"] += (time.perf_counter() - t0) * 1e3
+    return LayerKV(pool, lp.table_t, stage, lp.pieces if stage else None)
+
+  def _fill_resident(self, a: int, pool):
+    """Upload resident pages holding committed tokens that the device does not hold yet
+    (first forwards, and after a rebind: the resident mirror is rebuilt from the host), in
+    unit-aligned pieces whose staging fits one staging unit (`staging_unit_pages`)."""
+    hist, l = self.history_of(a)
+    live, _ = self._split(a, self._active)
+    need = min(live, self._content)
+    first = int(self.resident_valid[a])
+    base = int(self.resident_base[a])
+    c = self.stream.copy_pages
+    piece = max(c, (self.staging_unit - c) // c * c)   # unit-aligned pieces: staging <= one unit
+    while first < need:
+      end = min(need, (first // piece + 1) * piece)
+      pool = self._place(pool, self._upload(hist, l, first, end), lambda p: base + p)
+      first = end
+    return pool
 
   def _upload(self, hist: HostHistory, l: int, lo: int, hi: int) -> List[_Staged]:
-    """Issue host->device copies of logical pages [lo, hi): whole pinned copy units where the
-    history has them (large, fast copies), pageable numpy only for the partial tail page(s).
-    Pageable pieces are padded to a power of two so the set of compiled shapes stays small."""
+    """Host->device copies of logical pages [lo, hi) outside the compiled steps (resident refills):
+    whole pinned copy units where the history has them, pageable numpy for the partial tail page(s),
+    padded to a power of two so the set of compiled shapes stays small."""
     c, pb = hist.copy_pages, self.layout.page_bytes
     staged = []
     page = lo
@@ -268,12 +453,9 @@ class StreamedKV:
     return staged
 
   def _place(self, pool, staged: List[_Staged], dst: Callable[[int], int]):
-    """Copy staged pages into the pool at `dst(logical page)`: one call per contiguous
-    destination run (a ring allocation never splits a layer's run, see `_prefetch`)."""
+    """Copy staged pages into the pool at `dst(logical page)`: one call per contiguous run."""
     run_arrays, run_pieces, run_dst, next_dst = [], [], None, None
     for st in staged:
-      if hasattr(st.array, "is_ready") and not st.array.is_ready():
-        self.counters["readiness_misses"] += 1
       i = 0
       while i < st.count:
         d = dst(st.first + i)
@@ -294,73 +476,23 @@ class StreamedKV:
     self._staging_live -= sum(int(st.array.nbytes) for st in staged)   # placed: buffers let go
     return pool
 
-  def layer_kv(self, cache_layer: int):
-    a = cache_layer
-    if a not in self._staged:
-      raise RuntimeError(f"cache layer {a} was not announced to begin_forward ({self._order})")
-    # the next layers' copies go out before this layer's compute is dispatched
-    idx = self._order.index(a)
-    for nxt in self._order[idx + 1:idx + 1 + self.prefetch_depth]:
-      if nxt not in self._staged and nxt not in self._slots:
-        self._prefetch(nxt)
-    live, _ = self._split(a, self._active)
-    slots = self._slots[a]
-    pool = self._place(self.pool_pn, self._staged.pop(a),
-                       lambda p: self.ring_base + int(slots[p - live]))
-    pool = self._fill_resident(a, pool)
-    self.pool_pn = pool
-    table = self._table(a)
-    return pool, jnp.asarray(table)
-
-  def _fill_resident(self, a: int, pool):
-    """Upload resident pages holding committed tokens that the device does not hold yet
-    (first forwards, and after a rebind: the resident mirror is rebuilt from the host), in
-    unit-aligned pieces whose staging fits one staging unit (`staging_unit_pages`)."""
-    hist, l = self.history_of(a)
-    live, _ = self._split(a, self._active)
-    need = min(live, self._content)
-    first = int(self.resident_valid[a])
-    base = int(self.resident_base[a])
-    c = self.stream.copy_pages
-    piece = max(c, (self.staging_unit - c) // c * c)   # unit-aligned pieces: staging <= one unit
-    while first < need:
-      end = min(need, (first // piece + 1) * piece)
-      pool = self._place(pool, self._upload(hist, l, first, end), lambda p: base + p)
-      first = end
-    return pool
-
-  def _table(self, a: int) -> np.ndarray:
-    live, streamed = self._split(a, self._active)
-    slots = self._slots[a]
-    runs = [(int(self.resident_base[a]), live, "resident")]
-    if streamed:
-      wrap = int(np.argmax(slots[1:] < slots[:-1]) + 1) if streamed > 1 and np.any(slots[1:] < slots[:-1]) \
-          else streamed
-      runs.append((self.ring_base + int(slots[0]), wrap, "ring"))
-      if wrap < streamed:
-        runs.append((self.ring_base + int(slots[wrap]), streamed - wrap, "ring_wrapped"))
-    spans, kinds = spans_from_pages(self.layout, "pool", runs, self._pos + self._n)
-    plan = make_plan(self.layout, {"pool": self.stream.pool_pages * self.layout.page_bytes}, spans,
-                     self._pos + self._n, self._n, kinds)
-    self.plans[a] = plan
-    self.counters["max_spans"] = max(self.counters["max_spans"], len(plan.spans))
-    return page_table(plan, self.layout, self.max_pages, buffer="pool")
-
   def end_layer(self, cache_layer: int, pool_pn, rows: KVRows) -> None:
     self.pool_pn = pool_pn
     self._pending[cache_layer] = rows
-    self._ring_in_use -= self._layer_streamed.get(cache_layer, 0)
 
   def end_forward(self) -> None:
     rows = jax.device_get(self._pending)   # one D2H of every layer's new rows
+    t0 = time.perf_counter()
     for a, r in rows.items():
       hist, l = self.history_of(a)
       hist.write_rows(l, self._pos, np.asarray(r.k_sn)[:self._n], np.asarray(r.v_sn)[:self._n])
       live, _ = self._split(a, self._active)
       self.resident_valid[a] = live
     self._pending.clear()
-    self.counters["forwards"] += 1
-    self.counters["elapsed_ms"] += (time.perf_counter() - self._t_begin) * 1e3
+    c = self.counters
+    c["forwards"] += 1
+    c["host_ms"] += (time.perf_counter() - t0) * 1e3
+    c["elapsed_ms"] += (time.perf_counter() - self._t_begin) * 1e3
 
   # -- reporting -------------------------------------------------------------------
   @property
