@@ -1,24 +1,26 @@
-"""Span attention prefill, Pallas Mosaic GPU (Hopper): query chunks of up to 256 tokens.
+"""Span attention for prefill chunks, Pallas Mosaic GPU (Hopper): query chunks of up to 256
+tokens.
 
-`implementation="mosaic2"` hands calls of more than `kernel_mosaic_v2.MAX_ROWS` folded query rows
-(prefill chunks against the history) to this kernel. Q8_0 K / Q4_0 V pages, head_dim 256, page
-tokens a multiple of 64, precision "f16". Same contract as `reference.py`: split-K over fixed
-LOGICAL partitions of `block_pages` pages, then the in-order fold of the partitions into the carry
-(the combine `kernel_triton.combine_call` shared with the Triton and v2 kernels), so the bits do
-not depend on where the pages lie.
+`implementation="mosaic"` hands calls of more than `mosaic_decode.MAX_ROWS` folded query rows
+(prefill chunks against the history) to this kernel. The layouts of `mosaic_common.check_layout`
+(Q8_0 K / Q4_0 V pages, head_dim 256, page tokens a multiple of 64), precision "f16". Same
+contract as `reference.py`: split-K over fixed LOGICAL partitions of `block_pages` pages, then
+the in-order fold of the partitions into the carry (`combine.combine_call`), so the bits do not
+depend on where the pages lie.
 
-The decode / verify kernel (v2) puts the keys on the wgmma M side (S^T = K Q^T with K converted
-straight into registers), which holds O^T as 2 N registers a thread and stops at N = 40 rows.
-Here the query rows are M, as in FlashAttention on Hopper:
+The decode kernel puts the keys on the wgmma M side (S^T = K Q^T with K converted straight into
+registers), which holds O^T as 2 N registers a thread and stops at N = 40 rows. Here the query
+rows are M, as in FlashAttention on Hopper:
 
 * grid (KV head, block of 128 folded rows, logical partition); 2 warpgroups a CTA, 64 rows each
   (Q [64, 256] f16 in SMEM, O [64, 256] f32 in 128 registers a thread);
 * a key tile of 64 tokens: warpgroup 0 copies it by TMA (this head's K box [64 rows, 272 B] from
   the pool's K-row view, 2 slots; the all-heads V span, 1 slot), then converts K to f16 SMEM
-  [64 tokens, 256] with the magic-number conversion of v2 (`ggml_k_lhs`, scaled, head dims in
-  `magic_ptx.ggml_dims` order, Q's columns in the same order) while warpgroup 1 converts V^T to
-  f16 SMEM [256, 64] (`ggml_vt_lhs` with the head read from an info word, scales of tokens past
-  the partition end zeroed: junk bytes never make NaN); both meet on a barrier;
+  [64 tokens, 256] with the magic-number conversion (`mosaic_common.ggml_k_lhs`, scaled, head
+  dims in `magic_ptx.ggml_dims` order, Q's columns in the same order) while warpgroup 1 converts
+  V^T to f16 SMEM [256, 64] (`mosaic_common.ggml_vt_lhs` with the head read from an info word,
+  scales of tokens past the partition end zeroed: junk bytes never make NaN); both meet on a
+  barrier;
 * each warpgroup: S = Q K^T (wgmma, K^T through a transposed view), the mask (keys at or past its
   row's limit min(kv_len, q_pos + 1): `_mask_rows`, inline), online softmax in the log2 domain
   (jnp on the WGMMA layout), O = O alpha + P V (P from registers, V through a transposed view of
@@ -26,10 +28,7 @@ Here the query rows are M, as in FlashAttention on Hopper:
 * m (natural log), l and O (columns in `magic_ptx.vt_dims` order) of each partition to GMEM.
 
 Partitions: `choose_block_pages` picks the count whose CTAs fill whole waves (one CTA an SM).
-Options, same bits, not defaults: `overlap` (the next tile's conversions beside the other
-warpgroup's work; 10-13 % slower) and `balanced` (each warpgroup half of each plane; within 4 %).
-Measured on the H200 (docs/PERFORMANCE.md, session 16): 2,601 us a call at 128K with 256 query
-tokens (317 TFLOP/s), 2.06x faster than the Triton kernel; 1.18x-2.21x at 8K-256K, 16-256 tokens.
+Speed on the H200: docs/PERFORMANCE.md, 'Span attention kernels'.
 
 Interpret mode (`interpret=True`) runs the same kernel body (page walk, TMA copies, barriers,
 masks, outputs) in the Mosaic GPU interpreter with the tile math in jnp (`_InterpretPrefill`: the
@@ -40,7 +39,6 @@ both warpgroups' rows in turn.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import numpy as np
@@ -52,12 +50,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kvjax_pallas import ggml_codec
 from kvjax_pallas.page_layout import PageLayout
-from kvjax_pallas.span_attention import kernel_mosaic_v2 as _v2
+from kvjax_pallas.span_attention import combine as _combine
+from kvjax_pallas.span_attention import common as _common
 from kvjax_pallas.span_attention import magic_ptx
+from kvjax_pallas.span_attention import mosaic_common as _mc
+from kvjax_pallas.span_attention import partitions as _partitions
 from kvjax_pallas.span_attention import reference as _ref
 
-HEAD_DIM = _v2.HEAD_DIM
-BLOCK_TOKENS = _v2.BLOCK_TOKENS   # keys a tile
+HEAD_DIM = _mc.HEAD_DIM
+BLOCK_TOKENS = _mc.BLOCK_TOKENS   # keys a tile
 BLOCK_Q = 64                      # folded query rows a warpgroup (the wgmma M)
 CONSUMERS = 2                     # warpgroups a CTA
 CTA_ROWS = BLOCK_Q * CONSUMERS    # folded query rows a CTA
@@ -65,10 +66,7 @@ MAX_TOKENS = 256                  # query tokens a call (a prefill micro-batch)
 K_SLOTS = 2                       # raw K tile slots (one tile ahead)
 INFO = 4                          # info words a warpgroup: [0] tile's first token, [1] the
 HEAD_WORD = 2                     # partition's token end, [HEAD_WORD] the KV head
-SMEM_LIMIT = _v2.SMEM_LIMIT
-SMEM_RESERVE = _v2.SMEM_RESERVE
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
+MAX_WAVES = 4                     # waves of CTAs `choose_block_pages` considers
 _COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                         approx_math=True)
 
@@ -82,46 +80,32 @@ def smem_bytes(layout: PageLayout) -> int:
   """Shared memory of one CTA: Q of both warpgroups, the f16 K and V^T tiles, the raw K ring and
   V slot, the row limits, info words and (m, l) staging, plus SMEM_RESERVE."""
   bt = BLOCK_TOKENS
-  return (SMEM_RESERVE + CONSUMERS * BLOCK_Q * HEAD_DIM * 2 + 2 * bt * HEAD_DIM * 2
+  return (_mc.SMEM_RESERVE + CONSUMERS * BLOCK_Q * HEAD_DIM * 2 + 2 * bt * HEAD_DIM * 2
           + K_SLOTS * bt * layout.k_head_bytes + bt * layout.v_row_bytes
           + CONSUMERS * (BLOCK_Q + INFO + 2 * BLOCK_Q) * 4)
 
 
 def check_call(layout: PageLayout, head_dim: int, num_tokens: int):
-  """The v2 layout checks, at most MAX_TOKENS query tokens, and the SMEM plan."""
-  _v2.check_layout(layout, head_dim)
+  """The Mosaic GPU layout checks, at most MAX_TOKENS query tokens, and the SMEM plan."""
+  _mc.check_layout(layout, head_dim)
   if not 1 <= num_tokens <= MAX_TOKENS:
     raise ValueError(f"the Mosaic GPU prefill kernel takes 1-{MAX_TOKENS} query tokens a call, got "
                      f"{num_tokens} (split the chunk)")
   need = smem_bytes(layout)
-  if need > SMEM_LIMIT:
+  if need > _mc.SMEM_LIMIT:
     raise ValueError(f"the prefill kernel needs {need:,} B of shared memory with "
-                     f"{layout.num_kv_heads} KV heads, {need - SMEM_LIMIT:,} B more than the "
-                     f"{SMEM_LIMIT:,} B of a CTA")
+                     f"{layout.num_kv_heads} KV heads, {need - _mc.SMEM_LIMIT:,} B more than the "
+                     f"{_mc.SMEM_LIMIT:,} B of a CTA")
 
 
-MAX_WAVES = 4                     # waves of CTAs `choose_block_pages` considers
-
-
-def choose_block_pages(num_pages: int, rows: int, num_kv_heads: int, num_sms: int = 132) -> int:
+def choose_block_pages(num_pages: int, rows: int, num_kv_heads: int,
+                       num_sms: int = _partitions.DEFAULT_NUM_SMS) -> int:
   """Pages a logical partition: the partition count whose KV heads x row blocks x partitions
   CTAs (one an SM: its SMEM) fill their waves of `num_sms` best, up to MAX_WAVES waves, the
-  fewest partitions among equals. At 128K with 256 query tokens (48 CTAs a partition) that is
-  11 partitions of 47 pages, 4 whole waves: 2,964 us a call against 3,930 with 2 partitions
-  (96 CTAs, one wave 73 % full; S16-3). A pure function of the static shapes."""
-  num_pages = max(1, int(num_pages))
-  ctas = num_kv_heads * row_blocks(rows)
-  best_bp, best_fill = num_pages, 0.0
-  for parts in range(1, num_pages + 1):
-    bp = -(-num_pages // parts)
-    real = -(-num_pages // bp)                 # the partitions that bp gives
-    waves = -(-ctas * real // num_sms)
-    if waves > MAX_WAVES:
-      break
-    fill = ctas * real / (waves * num_sms)
-    if fill > best_fill + 1e-9:
-      best_bp, best_fill = bp, fill
-  return best_bp
+  fewest partitions among equals (`partitions.fullest_waves`; at 128K with 256 query tokens, 48
+  CTAs a partition: 11 partitions of 47 pages, 4 whole waves). A pure function of the static
+  shapes."""
+  return _partitions.fullest_waves(num_pages, num_kv_heads * row_blocks(rows), num_sms, MAX_WAVES)
 
 
 # ----------------------------------------------------------------------------- inline pieces
@@ -138,13 +122,13 @@ def _mask_rows(scale_log2: float):
   @plgpu.inline_mgpu(arg_types=(wgmma, plgpu.RefType(), plgpu.RefType()), return_type=ret)
   def mask(ctx, s, info, lim):
     del ctx
-    ir, arith, llvm, vector, fa, mu, mgpu = _v2._mlir()  # pylint: disable=protected-access
+    ir, arith, llvm, vector, fa, mu, mgpu = _mc.mlir_modules()
     f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
-    _, _, _, neg_inf = _v2._f32_ops()  # pylint: disable=protected-access
-    c, lane, warp, _ = _v2._lane_ids(1)  # pylint: disable=protected-access
+    _, _, _, neg_inf = _mc.f32_ops()
+    c, lane, warp, _ = _mc.lane_ids(1)
     quad2 = arith.muli(arith.andi(lane, c(3)), c(2))
     row0 = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
-    t_lim = _v2._thread_ptr(lim, row0, i32)  # pylint: disable=protected-access
+    t_lim = _mc.thread_ptr(lim, row0, i32)
     lims = [llvm.load(i32, mu.getelementptr(t_lim, [8 * h], i32)) for h in range(2)]
     first = llvm.load(i32, mu.memref_ptr(info))
     tok0 = arith.addi(first, quad2)
@@ -165,13 +149,6 @@ def _mask_rows(scale_log2: float):
   return mask
 
 
-@plgpu.inline_mgpu()
-def _wg_sync(ctx):
-  """The warpgroup's named barrier (inline, GPU only): every thread's earlier SMEM loads done."""
-  del ctx
-  _v2._mlir()[5].warpgroup_barrier()  # pylint: disable=protected-access
-
-
 # ----------------------------------------------------------------------------- tile math
 
 
@@ -179,29 +156,26 @@ class _CompiledPrefill:
   """Tile math of the compiled kernel: magic conversions to f16 SMEM, wgmma, inline mask."""
 
   def __init__(self, layout: PageLayout, scale_log2: float):
-    self.k_parts = [_v2.ggml_k_lhs(layout.k_type, layout, 0, 1, 0, scaled=True, part=p,
+    self.k_parts = [_mc.ggml_k_lhs(layout.k_type, layout, 0, 1, 0, scaled=True, part=p,
                                    heads_major=True) for p in (0, 1)]
-    self.v_parts = [(b, _v2.ggml_vt_lhs(layout, 0, 1, 0, masked=True, blocks=b,
+    self.v_parts = [(b, _mc.ggml_vt_lhs(layout, 0, 1, 0, masked=True, blocks=b,
                                         head_word=HEAD_WORD)) for b in ((0, 1), (2, 3))]
     self.mask = _mask_rows(scale_log2)
 
-  def convert_k(self, kraw, kf, head, parts=(0, 1)):
-    """kraw [64, head words] i32 (this head's K rows) -> kf [64, 256] f16, ggml_dims columns
-    (parts: the column halves built)."""
+  def convert_k(self, kraw, kf, head):
+    """kraw [64, head words] i32 (this head's K rows) -> kf [64, 256] f16, ggml_dims columns, in
+    two column halves (half the registers live at once)."""
     del head
-    for p in parts:
-      kf.at[:, pl.ds(128 * p, 128)][...] = self.k_parts[p](kraw)
+    for p, conv in enumerate(self.k_parts):
+      kf.at[:, pl.ds(128 * p, 128)][...] = conv(kraw)
 
-  def convert_v(self, vraw, vtf, info, head, halves=(0, 1)):
+  def convert_v(self, vraw, vtf, info, head):
     """vraw [lines, L] u8 (the tile's all-heads V span) -> vtf [256, 64] f16 (V^T, vt_dims rows;
-    tokens at or past info[1] zero; halves: the pairs of 64-row M-blocks built)."""
+    tokens at or past info[1] zero), in two pairs of 64-row M-blocks."""
     del head
-    for blocks, conv in (self.v_parts[h] for h in halves):
+    for blocks, conv in self.v_parts:
       for mb, vt in zip(blocks, conv(vraw, info)):
         vtf.at[pl.ds(64 * mb, 64)][...] = vt
-
-  def wg_sync(self):
-    _wg_sync()
 
   def scores(self, q, kf):
     def qk(acc):
@@ -234,24 +208,19 @@ class _InterpretPrefill:
     return ggml_codec.decode_rows(head_bytes, kind, 1).reshape(BLOCK_TOKENS, HEAD_DIM).astype(
         jnp.float16)
 
-  def convert_k(self, kraw, kf, head, parts=(0, 1)):
+  def convert_k(self, kraw, kf, head):
     del head
-    assert tuple(parts) == (0, 1), parts      # the interpreter converts whole tiles
     lay = self.layout
     k = lax.bitcast_convert_type(kraw[...], jnp.uint8).reshape(BLOCK_TOKENS, lay.k_head_bytes)
-    kf[...] = _v2.k_in_ggml_order(self._decode(k, lay.k_type))
+    kf[...] = _mc.k_in_ggml_order(self._decode(k, lay.k_type))
 
-  def convert_v(self, vraw, vtf, info, head, halves=(0, 1)):
-    assert tuple(halves) == (0, 1), halves
+  def convert_v(self, vraw, vtf, info, head):
     lay = self.layout
     rows = vraw[...].reshape(BLOCK_TOKENS, lay.v_row_bytes)
     v = self._decode(lax.dynamic_slice_in_dim(rows, head * lay.v_head_bytes, lay.v_head_bytes,
                                               axis=1), lay.v_type)
     tok = info[0] + lax.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, 1), 0)
-    vtf[...] = _v2.vt_in_magic_order(jnp.where(tok < info[1], v, jnp.float16(0)).T)
-
-  def wg_sync(self):
-    pass
+    vtf[...] = _mc.vt_in_magic_order(jnp.where(tok < info[1], v, jnp.float16(0)).T)
 
   def mask(self, s, info, lim):
     tok = info[0] + lax.broadcasted_iota(jnp.int32, s.shape, 1)
@@ -279,7 +248,7 @@ def _prefill_kernel(kv_ref, tb_ref, te_ref, cend_ref, tab_ref, lim_ref, q_ref, l
                     q_s, kf, vtf, kraw, vraw, lim_s, info_s, ml_s, kbar, vbar, qbar, ready,
                     done, k_ready, k_done, v_ready, v_done,            # scratch
                     *, layout: PageLayout, block_pages: int, num_phys: int, num_table: int,
-                    scale_log2: float, interpret: bool, overlap: bool, balanced: bool):
+                    scale_log2: float, interpret: bool):
   # kv_len, tile_begin, tile_end [1] i32; cend [RB] i32 (a row block's last key + 1: its largest
   # row limit); tab [T] i32; lim [RB * 128] i32 (row r's key limit min(kv_len, q_pos + 1), -1
   # for padding rows); q [G, RB * 128, 256] f16 (folded rows, head dims in ggml_dims order);
@@ -288,10 +257,10 @@ def _prefill_kernel(kv_ref, tb_ref, te_ref, cend_ref, tab_ref, lim_ref, q_ref, l
   #    256] f32 (vt_dims columns)
   # scratch: q_s [2, 64, 256] f16, kf [64, 256] f16, vtf [256, 64] f16, kraw [K_SLOTS, 64, head
   # words] i32, vraw [v lines, L] u8, lim_s [2, 64] i32, info_s [2, INFO] i32, ml_s [2, 2, 64] f32,
-  # kbar (K_SLOTS), vbar, qbar (2: Q and limits of a warpgroup), ready / done / k_done / v_done
-  # (both warpgroups arrive), k_ready (warpgroup 0: K(i) in kf), v_ready (warpgroup 1: V^T(i))
+  # kbar (K_SLOTS), vbar, qbar (2: Q and limits of a warpgroup), ready / done (both warpgroups
+  # arrive); k_ready, k_done, v_ready, v_done unused
+  del k_ready, k_done, v_ready, v_done
   multi = not interpret      # compiled: one Pallas thread a warpgroup; interpreted: one for both
-  balanced = balanced and multi   # (the interpreter's one thread converts whole tiles)
   wgs = [lax.axis_index("wg")] if multi else list(range(CONSUMERS))
   head, rb, pp = lax.axis_index("g"), lax.axis_index("rb"), lax.axis_index("p")
   bt, pt = BLOCK_TOKENS, layout.page_tokens
@@ -333,11 +302,7 @@ def _prefill_kernel(kv_ref, tb_ref, te_ref, cend_ref, tab_ref, lim_ref, q_ref, l
 
   def copy_v(i):
     phys, r = page_of(i)
-    first = v_first + r * v_lines
-    for c0 in range(0, v_lines, _v2.BOX):
-      cnt = min(_v2.BOX, v_lines - c0)
-      plgpu.copy_gmem_to_smem(lines_ref.at[phys, pl.ds(first + c0, cnt)],
-                              vraw.at[pl.ds(c0, cnt)], vbar)
+    _mc.copy_lines(lines_ref, phys, v_first + r * v_lines, v_lines, vraw, vbar)
 
   row0 = [rb * CTA_ROWS + w * BLOCK_Q for w in wgs]
   for w, r0 in zip(wgs, row0):
@@ -360,21 +325,13 @@ def _prefill_kernel(kv_ref, tb_ref, te_ref, cend_ref, tab_ref, lim_ref, q_ref, l
     plgpu.barrier_wait(qbar.at[w])
 
   def sync(bar):
+    """Both warpgroups arrive on bar and wait for each other (compiled only)."""
     if multi:
       plgpu.barrier_arrive(bar)
       plgpu.barrier_wait(bar)
 
-  def arrive(bar):
-    if multi:
-      plgpu.barrier_arrive(bar)
-
-  def wait(bar):
-    if multi:
-      plgpu.barrier_wait(bar)
-
-  def softmax_pv(carry_w, s, w, vtf_ready=lambda: None):
-    """Mask, online softmax and O = O alpha + P V of warpgroup w's scores s; vtf_ready() runs
-    before the PV wgmma reads V^T."""
+  def softmax_pv(carry_w, s, w):
+    """Mask, online softmax and O = O alpha + P V of warpgroup w's scores s."""
     m, l, o = carry_w
     x = tiles.mask(s, info_s.at[w], lim_s.at[w])
     m_new = jnp.maximum(m, jnp.max(x, axis=1))
@@ -383,87 +340,25 @@ def _prefill_kernel(kv_ref, tb_ref, te_ref, cend_ref, tab_ref, lim_ref, q_ref, l
     p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [0]))
     l = l * alpha + jnp.sum(p, axis=1)
     o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-    vtf_ready()
     return m_new, l, tiles.pv(o, p.astype(jnp.float16), vtf)
 
-  def conv_k(j):
-    """K(j) from its raw slot into kf; the slot then takes K(j + K_SLOTS)."""
-    slot = lax.rem(j, K_SLOTS)
-    plgpu.barrier_wait(kbar.at[slot])
-    tiles.convert_k(kraw.at[slot], kf, head)
-    tiles.wg_sync()              # every thread's loads of the slot done before the copy lands
-    pl.when(j + K_SLOTS < n_tiles)(lambda: copy_k(j + K_SLOTS, slot))
-    plgpu.commit_smem()          # the generic-proxy stores, before wgmma reads them
-
-  def conv_v(j):
-    """V(j) from the raw slot into vtf; the slot then takes V(j + 1)."""
-    info_s[1, 0] = tok_lo + j * bt
-    plgpu.barrier_wait(vbar)
-    tiles.convert_v(vraw, vtf, info_s.at[1], head)
-    tiles.wg_sync()
-    pl.when(j + 1 < n_tiles)(lambda: copy_v(j + 1))
-    plgpu.commit_smem()
-
-  def body_overlap(i, carry):
-    """Tile i, the conversions of tile i + 1 overlapping the other warpgroup's work: warpgroup 0
-    converts K(i + 1) once both have read K(i) (QK done: k_done), warpgroup 1 converts V(i + 1)
-    once both have read V^T(i) (PV done: v_done); each announces its tile on k_ready / v_ready,
-    which only the other warpgroup waits for."""
-    t0 = tok_lo + i * bt
-    for w in wgs:
-      info_s[w, 0] = t0
-    on(1, lambda: wait(k_ready))
-    scores = [tiles.scores(q_s.at[w], kf) for w in wgs]
-    arrive(k_done)
-
-    @functools.partial(on, 0)
-    def _():
-      wait(k_done)
-
-      @pl.when(i + 1 < n_tiles)
-      def _():
-        conv_k(i + 1)
-        arrive(k_ready)
-
-    out = [softmax_pv(c, s, w, lambda: on(0, lambda: wait(v_ready)))
-           for w, c, s in zip(wgs, carry, scores)]
-    arrive(v_done)
-
-    @functools.partial(on, 1)
-    def _():
-      wait(v_done)
-
-      @pl.when(i + 1 < n_tiles)
-      def _():
-        conv_v(i + 1)
-        arrive(v_ready)
-    return tuple(out)
-
-  def body_serial(i, carry):
-    """Tile i: both conversions, a barrier, both warpgroups' QK, softmax and PV, a barrier."""
+  def body(i, carry):
+    """Tile i: warpgroup 0 converts K, warpgroup 1 V^T; a barrier; both warpgroups' QK, softmax
+    and PV; a barrier."""
     slot = lax.rem(i, K_SLOTS)
     t0 = tok_lo + i * bt
     for w in wgs:
       info_s[w, 0] = t0
 
-    if balanced:                 # each warpgroup half of K and half of V^T
-      for half in range(CONSUMERS):
-        @functools.partial(on, half)
-        def _(half=half):
-          plgpu.barrier_wait(kbar.at[slot])
-          tiles.convert_k(kraw.at[slot], kf, head, parts=(half,))
-          plgpu.barrier_wait(vbar)
-          tiles.convert_v(vraw, vtf, info_s.at[half], head, halves=(half,))
-    else:                        # warpgroup 0 K, warpgroup 1 V^T
-      @functools.partial(on, 0)
-      def _():
-        plgpu.barrier_wait(kbar.at[slot])
-        tiles.convert_k(kraw.at[slot], kf, head)
+    @functools.partial(on, 0)
+    def _():
+      plgpu.barrier_wait(kbar.at[slot])
+      tiles.convert_k(kraw.at[slot], kf, head)
 
-      @functools.partial(on, 1)
-      def _():
-        plgpu.barrier_wait(vbar)
-        tiles.convert_v(vraw, vtf, info_s.at[1], head)
+    @functools.partial(on, 1)
+    def _():
+      plgpu.barrier_wait(vbar)
+      tiles.convert_v(vraw, vtf, info_s.at[1], head)
 
     plgpu.commit_smem()          # the generic-proxy stores, before wgmma reads them
     sync(ready)
@@ -477,17 +372,10 @@ def _prefill_kernel(kv_ref, tb_ref, te_ref, cend_ref, tab_ref, lim_ref, q_ref, l
     sync(done)                   # K and V^T read by both before the next tile overwrites them
     return tuple(out)
 
-  if overlap:                    # tile 0's conversions before the loop
-    @pl.when(n_tiles > 0)
-    def _():
-      on(0, lambda: (conv_k(0), arrive(k_ready)))
-      on(1, lambda: (conv_v(0), arrive(v_ready)))
-
-  final = lax.fori_loop(0, n_tiles, body_overlap if overlap else body_serial,
-                        tuple(tiles.zeros() for _ in wgs))
+  final = lax.fori_loop(0, n_tiles, body, tuple(tiles.zeros() for _ in wgs))
   for w, (m, l, _) in zip(wgs, final):
     ml = ml_s.at[w]
-    ml[0, :] = jnp.where(m == -jnp.inf, m, m * jnp.float32(_LN2))
+    ml[0, :] = jnp.where(m == -jnp.inf, m, m * jnp.float32(_mc.LN2))
     ml[1, :] = l
   plgpu.commit_smem()
   for w, r0, (_, _, o) in zip(wgs, row0, final):
@@ -510,7 +398,7 @@ def row_limits(q_pos_s, kv_len, rows: int, group: int, rows_pad: int):
 
 def _prefill_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos_s, *,
                   layout: PageLayout, block_pages: int, n_parts: int, sm_scale: float,
-                  interpret: bool, overlap: bool = False, balanced: bool = False):
+                  interpret: bool):
   """The kernel call -> (ml [G, parts, 2, rows_pad], O [G, parts, rows_pad, 256] in vt_dims
   columns) f32."""
   s_tok, h, d = q_shd.shape
@@ -521,15 +409,11 @@ def _prefill_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_
   rows_pad = n_rb * CTA_ROWS
   bt = BLOCK_TOKENS
   num_phys = pool_u8.shape[0]
-  qf = _v2.k_in_ggml_order(_ref.fold_query(q_shd.astype(jnp.float16), g))    # [G, rows, D]
-  qf = jnp.pad(qf, ((0, 0), (0, rows_pad - rows), (0, 0)))
+  qf = _mc.fold_query_ggml(q_shd, g, rows_pad)                       # [G, rows_pad, D]
   lim = row_limits(q_pos_s, kv_len, rows, group, rows_pad)
   cend = jnp.max(lim.reshape(n_rb, CTA_ROWS), axis=1)
-  line = _v2.line_bytes(layout)
-  lines = pool_u8.reshape(num_phys, layout.page_bytes // line, line)
-  kw_head = layout.k_head_bytes // 4
-  krows = lax.bitcast_convert_type(pool_u8.reshape(num_phys * layout.k_rows_per_page, g, kw_head,
-                                                   4), jnp.int32)
+  lines, krows = _mc.pool_views(pool_u8, layout)
+  line = lines.shape[-1]
   v_lines = bt * layout.v_row_bytes // line
   mma = lambda shape: plgpu.SMEM(shape, jnp.float16, transforms=(
       plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
@@ -537,13 +421,13 @@ def _prefill_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_
       mma((CONSUMERS, BLOCK_Q, d)),                                   # q_s
       mma((bt, d)),                                                   # kf
       mma((d, bt)),                                                   # vtf
-      plgpu.SMEM((K_SLOTS, bt, kw_head), jnp.int32),                  # kraw
+      plgpu.SMEM((K_SLOTS, bt, layout.k_head_bytes // 4), jnp.int32),  # kraw
       plgpu.SMEM((v_lines, line), jnp.uint8),                         # vraw (lim_s after it: the
       plgpu.SMEM((CONSUMERS, BLOCK_Q), jnp.int32),                    # lim_s  V conversion reads
       plgpu.SMEM((CONSUMERS, INFO), jnp.int32),                       # info_s  4 B past the span)
       plgpu.SMEM((CONSUMERS, 2, BLOCK_Q), jnp.float32),               # ml_s
       plgpu.Barrier(num_arrivals=1, num_barriers=K_SLOTS),            # kbar
-      plgpu.Barrier(num_arrivals=-(-v_lines // _v2.BOX)),             # vbar
+      plgpu.Barrier(num_arrivals=-(-v_lines // _mc.BOX)),             # vbar
       plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),          # qbar
       plgpu.Barrier(num_arrivals=CONSUMERS),                          # ready
       plgpu.Barrier(num_arrivals=CONSUMERS),                          # done
@@ -554,8 +438,7 @@ def _prefill_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_
   ]
   body = functools.partial(_prefill_kernel, layout=layout, block_pages=block_pages,
                            num_phys=num_phys, num_table=page_table_t.shape[0],
-                           scale_log2=float(sm_scale) * _LOG2E, interpret=interpret,
-                           overlap=overlap, balanced=balanced)
+                           scale_log2=float(sm_scale) * _mc.LOG2E, interpret=interpret)
   kw = dict(num_threads=CONSUMERS, thread_name="wg") if not interpret else {}
   kern = plgpu.kernel(
       body,
@@ -563,61 +446,42 @@ def _prefill_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_
                 jax.ShapeDtypeStruct((g, n_parts, rows_pad, d), jnp.float32)),
       scratch_types=scratch, grid=(g, n_rb, n_parts), grid_names=("g", "rb", "p"),
       compiler_params=_COMPILER_PARAMS,
-      interpret=_v2._interpret_params() if interpret else None,  # pylint: disable=protected-access
-      **kw)
+      interpret=_mc.interpret_params() if interpret else None, **kw)
   scalar = lambda x: jnp.reshape(jnp.asarray(x, jnp.int32), (1,))
   return kern(scalar(kv_len), scalar(tile_begin), scalar(tile_end), cend,
               page_table_t.astype(jnp.int32), lim, qf, lines, krows)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "num_q_heads", "block_pages", "sm_scale",
-                                             "interpret", "overlap", "balanced"))
+                                             "interpret"))
 def span_attention_partial_mosaic_prefill(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
                                           carry: Optional[_ref.Carry], tile_begin, tile_end, *,
                                           layout: PageLayout, num_q_heads: int,
                                           block_pages: int = 1, sm_scale: Optional[float] = None,
-                                          interpret: bool = False,
-                                          overlap: bool = False,
-                                          balanced: bool = False) -> _ref.Carry:
+                                          interpret: bool = False) -> _ref.Carry:
   """Mosaic GPU prefill version of `reference.span_attention_partial_reference` (same contract;
   carry=None: the empty carry): the kernel's partitions folded in logical order by the shared
-  combine (`kernel_triton.combine_call`, O's columns in `magic_ptx.vt_dims` order).
-  overlap: each tile's conversions for the next tile run beside the other warpgroup's work
-  (`body_overlap`: 4 one-sided barriers a tile); False (the default): both conversions, then
-  both warpgroups' QK, softmax and PV, with two CTA barriers a tile (`body_serial`). Same bits;
-  the overlapped schedule measured 10-13 % slower on the H200 (S16-3). balanced (serial
-  schedule, compiled only): each warpgroup converts half of K and half of V^T instead of one
-  plane each. Same bits."""
-  # pylint: disable=import-outside-toplevel
-  from kvjax_pallas.span_attention import kernel_mosaic as _v1
-  from kvjax_pallas.span_attention import kernel_triton as _triton
-  _triton.check_call(q_shd, pool_pn, layout, num_q_heads, block_pages, _v2.check_layout)
+  combine (`combine.combine_call`, O's columns in `magic_ptx.vt_dims` order)."""
+  _common.check_call(q_shd, pool_pn, layout, num_q_heads, block_pages, _mc.check_layout)
   s_tok, h, d = q_shd.shape
   check_call(layout, d, s_tok)
-  if overlap and balanced:
-    raise ValueError("balanced splits the serial schedule's conversions: not with overlap")
   rows = s_tok * (h // layout.num_kv_heads)
   scale = (1.0 / d ** 0.5) if sm_scale is None else sm_scale
-  plan = _v2.combine_plan(row_blocks(rows) * CTA_ROWS,
-                          -(-max(page_table_t.shape[0], 1) // block_pages), d)
-  n_parts = plan.pop("parts")
-  ml_p, o_p = _prefill_call(q_shd, _v1.byte_view(pool_pn), page_table_t, kv_len, tile_begin,
+  num_parts = -(-max(page_table_t.shape[0], 1) // block_pages)
+  tiles = _mc.combine_tiles(row_blocks(rows) * CTA_ROWS, num_parts)
+  ml_p, o_p = _prefill_call(q_shd, _common.byte_view(pool_pn), page_table_t, kv_len, tile_begin,
                             tile_end, jnp.asarray(q_pos_s, jnp.int32), layout=layout,
-                            block_pages=block_pages, n_parts=n_parts, sm_scale=scale,
-                            interpret=interpret, overlap=overlap, balanced=balanced)
-  return _triton.combine_call(ml_p, None, o_p, carry, rows=rows, v_cols=magic_ptx.vt_dims(d),
-                              head_dim=d, interpret=interpret, **plan)
+                            block_pages=block_pages, n_parts=tiles.padded_parts(num_parts),
+                            sm_scale=scale, interpret=interpret)
+  return _combine.combine_call(ml_p, None, o_p, carry, rows=rows, tiles=tiles,
+                               v_cols=magic_ptx.vt_dims(d), head_dim=d, interpret=interpret)
 
 
 def span_attention_mosaic_prefill(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *,
                                   layout: PageLayout, block_pages: int = 1,
-                                  sm_scale: Optional[float] = None, interpret: bool = False,
-                                  **kw):
+                                  sm_scale: Optional[float] = None, interpret: bool = False):
   """o_shd [S, H, D] float32 over all active pages (Mosaic GPU prefill version of the
-  reference); kw: the options of `span_attention_partial_mosaic_prefill`."""
-  h = q_shd.shape[1]
-  carry = span_attention_partial_mosaic_prefill(
-      q_shd, pool_pn, page_table_t, jnp.asarray(kv_len, jnp.int32), q_pos_s, None, jnp.int32(0),
-      jnp.int32(page_table_t.shape[0]), layout=layout, num_q_heads=h, block_pages=block_pages,
-      sm_scale=sm_scale, interpret=interpret, **kw)
-  return _ref.finalize(carry, h)
+  reference)."""
+  return _common.whole_span(span_attention_partial_mosaic_prefill, q_shd, pool_pn, page_table_t,
+                            kv_len, q_pos_s, layout=layout, block_pages=block_pages,
+                            sm_scale=sm_scale, interpret=interpret)
