@@ -378,7 +378,7 @@ class _InterpretTile:
 def _decode_kernel(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref, krows_ref,  # in
                    ml_out, o_out,                                                        # out
                    kbufs, vbuf, kbars, vbar, kfree, vfree, qt_s, pt_s, red_s, info_s, ml_s,
-                   in_bar, tab_s,                                                        # scratch
+                   in_bar,                                                               # scratch
                    *, layout: PageLayout, block_pages: int, num_phys: int, num_table: int,
                    num_tokens: int, group: int, n: int, scale_log2: float, interpret: bool):
   # kv_len, tile_begin, tile_end [1] i32 (as the caller gave them: no XLA op stacks them);
@@ -391,14 +391,13 @@ def _decode_kernel(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref,
   # lines, L] u8 (the V ring: one whole-tile slot), kbars / kfree (K slots), vbar / vfree (1;
   # "free" barriers: one arrival a warpgroup), qt_s [G, N, 256] f16, pt_s [G, N, 64] f16 (Q and
   # P N-major: wgmma reads them through transposed views as Q^T and P^T), red_s [G, 2, 4, N] f32,
-  # info_s [G, INFO + N] i32, ml_s [G, 2, N] f32, in_bar, tab_s [1, 1] i32 (unused)
-  del tab_s
+  # info_s [G, INFO + N] i32, ml_s [G, 2, N] f32, in_bar
   g_heads = layout.num_kv_heads
   # compiled: one warpgroup a KV head (Pallas threads); interpreted: one thread serves every head
   # in turn (the interpreter runs each Pallas thread's code as an XLA computation whose barrier
   # waits are host callbacks; several blocking at once could starve each other on a small CPU)
   multi = g_heads > 1 and not interpret
-  heads = [lax.axis_index("wg") + 0] if multi else list(range(g_heads))
+  heads = [lax.axis_index("wg")] if multi else list(range(g_heads))
   pp = lax.axis_index("p")
   bt, pt = BLOCK_TOKENS, layout.page_tokens
   tiles = (_InterpretTile(layout, n, scale_log2) if interpret
@@ -444,13 +443,17 @@ def _decode_kernel(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref,
   def copy_v(i):
     """TMA copies of key tile i's all-heads V span into the V slot."""
     phys, r = page_of(i)
-    copy_lines(lines_ref, phys, v_first + r * v_lines + 0, v_lines, vbuf.at[0], vbar.at[0])
+    copy_lines(lines_ref, phys, v_first + r * v_lines, v_lines, vbuf.at[0], vbar.at[0])
 
   def first_copies():
     """The Q copy and the rings' first tiles."""
     plgpu.copy_gmem_to_smem(qt_ref, qt_s, in_bar)
-    pl.when(n_tiles > 0)(lambda: copy_k(0, 0))
-    pl.when(0 < 1 * n_tiles)(lambda: copy_v(0))
+
+    @pl.when(n_tiles > 0)
+    def _():
+      copy_k(0, 0)
+      copy_v(0)
+
     if k_slots > 1:
       pl.when(n_tiles > 1)(lambda: copy_k(1, 1))
 
@@ -464,7 +467,7 @@ def _decode_kernel(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref,
     """The V slot, once every warpgroup has freed it, takes V(i + 1)."""
     if multi:
       plgpu.barrier_wait(vfree.at[0])
-    pl.when(1 * i + 1 < 1 * n_tiles)(lambda: copy_v(i + 1))
+    pl.when(i + 1 < n_tiles)(lambda: copy_v(i + 1))
 
   by_issuer(first_copies)
 
@@ -557,7 +560,6 @@ def _decode_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_p
       plgpu.SMEM((g, INFO + n), jnp.int32),                              # info_s
       plgpu.SMEM((g, 2, n), jnp.float32),                                # ml_s
       plgpu.Barrier(num_arrivals=1),                                     # in_bar
-      plgpu.SMEM((1, 1), jnp.int32),                                     # tab_s
   ]
   body = functools.partial(_decode_kernel, layout=layout, block_pages=block_pages,
                            num_phys=num_phys, num_table=page_table_t.shape[0],

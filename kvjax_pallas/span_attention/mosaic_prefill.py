@@ -246,7 +246,7 @@ def _prefill_kernel(kv_ref, tb_ref, te_ref, cend_ref, tab_ref, lim_ref, q_ref, l
                     krows_ref,                                        # inputs
                     ml_out, o_out,                                    # outputs
                     q_s, kf, vtf, kraw, vraw, lim_s, info_s, ml_s, kbar, vbar, qbar, ready,
-                    done, k_ready, k_done, v_ready, v_done,            # scratch
+                    done,                                             # scratch
                     *, layout: PageLayout, block_pages: int, num_phys: int, num_table: int,
                     scale_log2: float, interpret: bool):
   # kv_len, tile_begin, tile_end [1] i32; cend [RB] i32 (a row block's last key + 1: its largest
@@ -258,8 +258,7 @@ def _prefill_kernel(kv_ref, tb_ref, te_ref, cend_ref, tab_ref, lim_ref, q_ref, l
   # scratch: q_s [2, 64, 256] f16, kf [64, 256] f16, vtf [256, 64] f16, kraw [K_SLOTS, 64, head
   # words] i32, vraw [v lines, L] u8, lim_s [2, 64] i32, info_s [2, INFO] i32, ml_s [2, 2, 64] f32,
   # kbar (K_SLOTS), vbar, qbar (2: Q and limits of a warpgroup), ready / done (both warpgroups
-  # arrive); k_ready, k_done, v_ready, v_done unused
-  del k_ready, k_done, v_ready, v_done
+  # arrive)
   multi = not interpret      # compiled: one Pallas thread a warpgroup; interpreted: one for both
   wgs = [lax.axis_index("wg")] if multi else list(range(CONSUMERS))
   head, rb, pp = lax.axis_index("g"), lax.axis_index("rb"), lax.axis_index("p")
@@ -431,10 +430,6 @@ def _prefill_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_
       plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),          # qbar
       plgpu.Barrier(num_arrivals=CONSUMERS),                          # ready
       plgpu.Barrier(num_arrivals=CONSUMERS),                          # done
-      plgpu.Barrier(num_arrivals=1),                                  # k_ready
-      plgpu.Barrier(num_arrivals=CONSUMERS),                          # k_done
-      plgpu.Barrier(num_arrivals=1),                                  # v_ready
-      plgpu.Barrier(num_arrivals=CONSUMERS),                          # v_done
   ]
   body = functools.partial(_prefill_kernel, layout=layout, block_pages=block_pages,
                            num_phys=num_phys, num_table=page_table_t.shape[0],

@@ -468,7 +468,6 @@ def _span_kernel(kv_ref, begin_ref, end_ref, tab_ref, qpos_ref, q_ref, pool_ref,
     lp = jnp.minimum(t0 // pt, num_table - 1)
     phys = jnp.clip(tab_ref[lp], 0, num_phys - 1)
     in_page = t0 - (t0 // pt) * pt + t_iota               # [BT, 1] token row within the page
-    _ = (t0 + t_iota) < tok_hi
     last = jnp.clip(tok_hi - 1 - (t0 // pt) * pt, 0, pt - 1)
     in_page = jnp.minimum(in_page, last)
     k_row = in_page * k_row_hw + g * k_head_hw
