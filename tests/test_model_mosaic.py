@@ -1,11 +1,11 @@
-"""The model's attention through the Mosaic GPU v2 kernel (implementation "mosaic2", and "auto"
-on a GPU): decode (1 row) and verify (4 rows) forwards of a model with 256-dim attention heads,
-against the jnp reference on the same Q8_0 K / Q4_0 V cache.
+"""The model's attention through the Mosaic GPU kernels (implementation "mosaic", and "auto" on
+a GPU): decode (1 row), verify (4 rows) and prefill (40 rows) forwards of a model with 256-dim
+attention heads, against the jnp reference on the same Q8_0 K / Q4_0 V cache.
 
-CPU: the v2 kernel interpreted (2 KV heads, 6 query heads, 64-token pages), and which kernel
+CPU: the kernels interpreted (2 KV heads, 6 query heads, 64-token pages), and which kernel
 "auto" picks for a call (a pure function of the shapes and the backend).
 GPU (`KVJAX_TEST_GPU=1 JAX_PLATFORMS=cuda,cpu`): compiled at the 27B attention geometry (4 KV
-heads, 24 query heads, 256-token pages); "auto" gives the bits of "mosaic2" for decode, verify
+heads, 24 query heads, 256-token pages); "auto" gives the bits of "mosaic" for decode, verify
 and a 256-token prefill chunk (the Mosaic GPU prefill kernel), within the reference's rounding.
 """
 
@@ -62,16 +62,16 @@ def _forward(model, layout, opts, kv, states, tokens, pos: int, rows: int):
   return np.asarray(out.logits_rv), np.asarray(kv.pool_pn)
 
 
-def test_auto_picks_mosaic2_where_it_takes_the_call():
-  """"auto" on a GPU: "mosaic2" for decode / verify (<= 40 folded rows: v2) and prefill chunks
-  of up to 256 tokens (the prefill kernel, `AUTO_MOSAIC_PREFILL`) of the 27B geometry (Q8_0 /
-  Q4_0, D=256, "f16", no forced path), "triton" for longer chunks, other pairs, precisions or
-  paths; "reference" without a GPU."""
+def test_auto_picks_mosaic_where_it_takes_the_call():
+  """"auto" on a GPU: "mosaic" for decode / verify (<= 40 folded rows: the decode kernel) and
+  prefill chunks of up to 256 tokens (the prefill kernel, `AUTO_MOSAIC_PREFILL`) of the 27B
+  geometry (Q8_0 / Q4_0, D=256, "f16", no forced path), "triton" for longer chunks, other pairs,
+  precisions or paths; "reference" without a GPU."""
   lay = PageLayout(4, 256, "q8_0", "q4_0", 256)
   pick = lambda shape, layout=lay, **kw: api.resolve_implementation(
       "auto", layout=layout, q_shape=shape, backend="gpu", **kw)
   assert [pick((s, 24, 256)) for s in (1, 4, 6, 7, 256, 257)] == [
-      "mosaic2", "mosaic2", "mosaic2", "mosaic2", "mosaic2", "triton"]
+      "mosaic", "mosaic", "mosaic", "mosaic", "mosaic", "triton"]
   assert pick((1, 24, 256), PageLayout(4, 256, "q8_0", "q8_0", 256)) == "triton"
   assert pick((1, 24, 256), precision="f16x3") == "triton"
   assert pick((1, 24, 256), path="vector") == "triton"
@@ -81,14 +81,15 @@ def test_auto_picks_mosaic2_where_it_takes_the_call():
   assert api.resolve_implementation("auto", backend="gpu") == "triton"   # shapes unknown
 
 
-def test_interpreted_v2_in_the_model_matches_the_reference():
-  """Decode and verify forwards through the interpreted v2 kernel: the logits within the f16
-  operand rounding of the reference's, the first attention layer's cache rows identical."""
+def test_interpreted_mosaic_in_the_model_matches_the_reference():
+  """Decode, verify and prefill forwards through the interpreted Mosaic GPU kernels: the logits
+  within the f16 operand rounding of the reference's, the first attention layer's cache rows
+  identical."""
   _, model, layout, kv, states, tokens = _setup(2, 6, 64, prompt=150, ubatch=64)
   for pos, rows in ((150, 1), (150, 4), (150, 40)):    # 40 tokens: 120 rows, the prefill kernel
     want, pool_ref = _forward(model, layout, AttentionOptions("reference"), kv, states, tokens,
                               pos, rows)
-    got, pool = _forward(model, layout, AttentionOptions("mosaic2", interpret=True), kv, states,
+    got, pool = _forward(model, layout, AttentionOptions("mosaic", interpret=True), kv, states,
                          tokens, pos, rows)
     # the first attention layer writes its rows before any attention ran: the same bytes (later
     # layers' rows follow the attention outputs, equal only to the rounding)
@@ -106,25 +107,25 @@ if ON_GPU:
     return _setup(4, 24, 256, prompt=3 * 256 - 40, ubatch=256)
 
   @pytest.mark.parametrize("rows", [1, 4])
-  def test_gpu_v2_in_the_model(real, rows):
-    """Compiled: mosaic2 within the reference's rounding; "auto" bit for bit mosaic2."""
+  def test_gpu_mosaic_in_the_model(real, rows):
+    """Compiled: mosaic within the reference's rounding; "auto" bit for bit mosaic."""
     _, model, layout, kv, states, tokens = real
     pos = 3 * 256 - 40
     want, _ = _forward(model, layout, AttentionOptions("reference"), kv, states, tokens, pos,
                        rows)
-    got, _ = _forward(model, layout, AttentionOptions("mosaic2"), kv, states, tokens, pos, rows)
+    got, _ = _forward(model, layout, AttentionOptions("mosaic"), kv, states, tokens, pos, rows)
     auto, _ = _forward(model, layout, AttentionOptions("auto"), kv, states, tokens, pos, rows)
     assert rel(got, want) <= LOGITS_TOL, rel(got, want)
     np.testing.assert_array_equal(auto, got)
 
-  def test_gpu_auto_prefill_is_mosaic2(real):
-    """A 256-token prefill chunk: "auto" gives the bits of "mosaic2" (the prefill kernel), within
+  def test_gpu_auto_prefill_is_mosaic(real):
+    """A 256-token prefill chunk: "auto" gives the bits of "mosaic" (the prefill kernel), within
     the rounding of the Triton kernel's logits."""
     cfg, model, layout, kv, states, tokens = real
     kv0 = engine.PlainKV(cfg, layout, max_tokens=512)
     chunk = np.asarray(tokens[:256], np.int32)
     outs = []
-    for impl in ("auto", "mosaic2", "triton"):
+    for impl in ("auto", "mosaic", "triton"):
       runner = engine.Runner(model, layout, AttentionOptions(impl))
       kv = copy.copy(kv0)
       kv.pool_pn = jnp.copy(kv0.pool_pn)
