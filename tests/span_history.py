@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 
 from kvjax_pallas import ggml_codec
@@ -92,6 +93,23 @@ def random_query(seed: int, s: int, h: int, d: int, kv_len: int):
   """(q [s, h, d] float32 normal, q_pos [s]: the last s positions before kv_len)."""
   q = np.random.default_rng(seed).standard_normal((s, h, d)).astype(np.float32)
   return jnp.asarray(q), jnp.asarray(np.arange(kv_len - s, kv_len, dtype=np.int32))
+
+
+def lowered_at_real_shape(call, s_tok: int, kv_len: int) -> str:
+  """The text of call(q, pool, table, kv_len, q_pos, layout=<the 27B layout>, block_pages=2)
+  lowered for "cuda" on zero inputs at the 27B attention geometry (REAL_SHAPE; 7 pages, a table
+  of 5, s_tok query tokens at positions 1000..)."""
+  layout = shape_layout(REAL_SHAPE)
+  q = jnp.zeros((s_tok, REAL_SHAPE["q_heads"], REAL_SHAPE["head_dim"]), jnp.float32)
+  pool = jnp.zeros((7, layout.page_bytes), jnp.uint8)
+  table = jnp.arange(5, dtype=jnp.int32)
+  q_pos = jnp.arange(s_tok, dtype=jnp.int32) + 1000
+
+  def f(q, pool, table, kv_len, q_pos):
+    return call(q, pool, table, kv_len, q_pos, layout=layout, block_pages=2)
+
+  return jax.jit(f).trace(q, pool, table, jnp.int32(kv_len), q_pos).lower(
+      lowering_platforms=("cuda",)).as_text()
 
 
 def check_placement_and_waves(call, partial, hist: History, q, q_pos):

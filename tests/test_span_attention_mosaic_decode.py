@@ -22,7 +22,6 @@ import os
 
 import numpy as np
 import pytest
-import jax
 import jax.numpy as jnp
 
 from kvjax_pallas.page_layout import PageLayout
@@ -31,7 +30,8 @@ from kvjax_pallas.span_attention import mosaic_common as mc
 from kvjax_pallas.span_attention import mosaic_decode as km
 from kvjax_pallas.span_attention import reference as ref
 from span_history import (REAL_SHAPE, SMALL_SHAPE, History, check_against_reference,
-                          check_placement_and_waves, random_query, rel_error, shape_layout)
+                          check_placement_and_waves, lowered_at_real_shape, random_query,
+                          rel_error, shape_layout)
 
 ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"
 
@@ -108,19 +108,7 @@ def test_lowers_for_cuda_at_real_shape(s_tok):
   """The Pallas -> Mosaic GPU lowering accepts the kernel: inline PTX / MLIR of the conversions
   and the softmax, TMA boxes, the K ring (2 slots at N=8 / 16, 1 from N=24), wgmma shapes with
   the N-major Q and P read transposed, the transposed P store."""
-  layout = _layout(REAL)
-  q = jnp.zeros((s_tok, REAL["q_heads"], REAL["head_dim"]), jnp.float32)
-  pool = jnp.zeros((7, layout.page_bytes), jnp.uint8)
-  table = jnp.arange(5, dtype=jnp.int32)
-  q_pos = jnp.arange(s_tok, dtype=jnp.int32) + 1000
-
-  def f(q, pool, table, kv_len, q_pos):
-    return km.span_attention_mosaic_decode(q, pool, table, kv_len, q_pos, layout=layout,
-                                           block_pages=2)
-
-  lowered = jax.jit(f).trace(q, pool, table, jnp.int32(1100), q_pos).lower(
-      lowering_platforms=("cuda",))
-  assert "mosaic_gpu" in lowered.as_text()
+  assert "mosaic_gpu" in lowered_at_real_shape(km.span_attention_mosaic_decode, s_tok, 1100)
 
 
 # ----------------------------------------------------------------------------- interpreter

@@ -3,7 +3,7 @@
 The GPU runs these strings as inline assembly; the CPU interpreter cannot. So this test executes
 the very same strings in a small numpy model of the opcodes they use (32-bit integer ops, `prmt`,
 f16x2 `sub` / `mul` with round-to-nearest) and requires the same bits as the jnp decode of the
-kernel (`_decode_blocks`, asm=False) for every halfword value and scales from subnormal to large.
+kernel (`decode_blocks`, asm=False) for every halfword value and scales from subnormal to large.
 The GPU test class checks the compiled asm against the jnp decode inside the kernel
 (tests/test_span_attention.py, `test_asm_decode_same_bits`).
 """
@@ -40,7 +40,7 @@ def test_ptx_decode_equals_jnp_decode(kind):
     scales = np.full(x.shape, sc | (sc << np.uint32(16)), np.uint32)
     # the jnp decode of the kernel, asm=False: columns halfword-major, plane-minor
     scale = jnp.full((65536, 1, 1), sc, jnp.uint16)
-    ref = np.asarray(kt._decode_blocks(data, scale, kind, f32=False)).view(np.uint16)
+    ref = np.asarray(kt.decode_blocks(data, scale, kind, f32=False)).view(np.uint16)
     ref = ref.reshape(65536, 2, n_planes)                                             # [N, hw, plane]
     for p in range(n_planes):
       out = run_ptx(kt._asm_plane(kind, p), {"$1": x, "$2": scales})

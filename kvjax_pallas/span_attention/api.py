@@ -289,8 +289,8 @@ def span_attention(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: Pag
                             interpret=interpret, precision=precision, path=path)
 
 
-def span_attention_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end,
-                           *, layout: PageLayout, num_q_heads: int,
+def span_attention_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin,
+                           tile_end, *, layout: PageLayout, num_q_heads: int,
                            block_pages: Union[int, str] = 1, sm_scale: Optional[float] = None,
                            implementation: str = "reference", interpret: bool = False,
                            precision: str = _triton.DEFAULT_PRECISION, path: Optional[str] = None):

@@ -36,7 +36,8 @@ def check_call(q_shd, pool_pn, layout: PageLayout, num_q_heads: int, block_pages
     raise ValueError(f"block_pages must be >= 1, got {block_pages}")
   if pool_pn.dtype == jnp.uint16:  # a halfword view of the pool (no bitcast in the call)
     if pool_pn.ndim != 2 or pool_pn.shape[1] * 2 != layout.page_bytes:
-      raise ValueError(f"uint16 pool must be [pages, {layout.page_bytes // 2}], got {pool_pn.shape}")
+      raise ValueError(f"uint16 pool must be [pages, {layout.page_bytes // 2}], got "
+                       f"{pool_pn.shape}")
   elif pool_pn.dtype != jnp.uint8 or pool_pn.ndim != 2 or pool_pn.shape[1] != layout.page_bytes:
     raise ValueError(f"pool must be uint8 [pages, {layout.page_bytes}] (or its uint16 view), "
                      f"got {pool_pn.dtype} {pool_pn.shape}")

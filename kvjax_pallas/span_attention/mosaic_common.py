@@ -48,8 +48,8 @@ def check_layout(layout: PageLayout, head_dim: int):
   """Raise ValueError for a page layout the Mosaic GPU kernels do not take."""
   pair = (layout.k_type, layout.v_type)
   if pair not in SUPPORTED_PAIRS:
-    raise ValueError(f"unsupported K/V pair {layout.k_type.upper()}/{layout.v_type.upper()} for the "
-                     f"Mosaic GPU kernels; they support Q8_0/Q4_0 only")
+    raise ValueError(f"unsupported K/V pair {layout.k_type.upper()}/{layout.v_type.upper()} for "
+                     f"the Mosaic GPU kernels; they support Q8_0/Q4_0 only")
   if head_dim != layout.head_dim:
     raise ValueError(f"query head_dim {head_dim} != layout head_dim {layout.head_dim}")
   if head_dim != HEAD_DIM:
@@ -107,6 +107,15 @@ def combine_tiles(rows_pad: int, num_parts: int) -> _combine.CombineTiles:
   return _combine.default_tiles(min(COMBINE_ROWS, rows_pad & -rows_pad), COMBINE_COLS, num_parts)
 
 
+def tile_page(tab_ref, tok_lo, i, *, page_tokens: int, num_table: int, num_phys: int):
+  """(physical page, 64-row block in the page) of key tile i of a partition starting at token
+  tok_lo: the table entry of its logical page (clipped to the table) clipped to the pool."""
+  bt, pt = BLOCK_TOKENS, page_tokens
+  t0 = tok_lo + i * bt
+  lp = jnp.minimum(t0 // pt, num_table - 1)
+  return jnp.clip(tab_ref[lp], 0, num_phys - 1), (t0 - lp * pt) // bt
+
+
 def copy_lines(lines_ref, phys, first, count: int, dst, bar):
   """TMA copies of `count` lines from line `first` of page `phys` into dst [count, L], in boxes
   of at most BOX lines, all arriving on bar."""
@@ -118,7 +127,8 @@ def copy_lines(lines_ref, phys, first, count: int, dst, bar):
 
 def interpret_params():
   """The Mosaic GPU interpreter's parameters (`plgpu.kernel(interpret=...)`)."""
-  from jax._src.pallas.mosaic_gpu.interpret import params as _ip  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from jax._src.pallas.mosaic_gpu.interpret import params as _ip
   return _ip.InterpretGPUParams()
 
 

@@ -48,7 +48,11 @@ same permuted orders (from `ggml_codec`), the same log2-domain softmax, dots in 
 Pallas thread serves every head in turn (no "consumed" barriers): several interpreter threads
 blocking in barrier callbacks at once can starve each other on a small CPU.
 
-Speed on the H200: docs/PERFORMANCE.md, 'Span attention kernels'.
+Speed on the H200: docs/PERFORMANCE.md, 'Span attention kernels'. Other schedules and layouts
+were measured slower or no faster and are not kept (the page table in SMEM, K issued late or by
+each warpgroup, V rings of half or several tiles, a producer warpgroup, two heads a warpgroup,
+split conversions, accumulators in refs, tokens in order, token-major K, other wgmma N and
+combine tiles): docs/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -73,8 +77,8 @@ from kvjax_pallas.span_attention import reference as _ref
 from kvjax_pallas.span_attention.mosaic_common import (
     BLOCK_TOKENS, BOX, HEAD_DIM, LN2, LOG2E, SMEM_LIMIT, SMEM_RESERVE, check_layout, combine_tiles,
     copy_lines, f32_ops, fold_query_ggml, ggml_k_lhs, ggml_vt_lhs, interpret_params,
-    k_in_ggml_order, lane_ids, mlir_modules, perm_i32, pool_views, thread_ptr, token_perm,
-    vt_in_magic_order)
+    k_in_ggml_order, lane_ids, mlir_modules, perm_i32, pool_views, thread_ptr, tile_page,
+    token_perm, vt_in_magic_order)
 
 MAX_ROWS = 40              # folded query rows a KV head (a wider N is register-bound)
 N_CHOICES = (8, 16, 32, 40)  # the wgmma N of a call (Q and P N-major: any multiple of 8 works;
@@ -425,11 +429,8 @@ def _decode_kernel(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref,
     else:
       fn()
 
-  def page_of(i):
-    """Key tile i's physical page and its 64-row block in the page."""
-    t0 = tok_lo + i * bt
-    lp = jnp.minimum(t0 // pt, num_table - 1)
-    return jnp.clip(tab_ref[lp], 0, num_phys - 1), (t0 - lp * pt) // bt
+  page_of = functools.partial(tile_page, tab_ref, tok_lo, page_tokens=pt, num_table=num_table,
+                              num_phys=num_phys)
 
   def copy_k(i, slot):
     """TMA copies of key tile i's K into K slot `slot`: one box a head ([64 rows, head words] of
@@ -527,12 +528,13 @@ def _decode_kernel(kv_ref, tb_ref, te_ref, tab_ref, qpos_ref, qt_ref, lines_ref,
 # ----------------------------------------------------------------------------- wrapper
 
 
-def _decode_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos_s, *,
+def decode_partials(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos_s, *,
                  layout: PageLayout, block_pages: int, n_parts: int, sm_scale: float,
                  interpret: bool):
-  """The kernel call (kv_len, tile_begin, tile_end: i32 scalars; tile_end is clipped to the
-  active pages and the table in the kernel): -> (ml [G, parts, 2, N], O^T [G, parts, 256, N] in
-  vt_dims rows) f32."""
+  """The kernel alone: its per-partition partials before the combine (kv_len, tile_begin,
+  tile_end: i32 scalars; tile_end is clipped to the active pages and the table in the kernel;
+  n_parts: the grid's partitions, at least the table's) -> (ml [G, parts, 2, N], O^T [G, parts,
+  256, N] in vt_dims rows) f32."""
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads
   r = h // g
@@ -594,12 +596,13 @@ def span_attention_partial_mosaic_decode(q_shd, pool_pn, page_table_t, kv_len, q
   rows = s_tok * (h // layout.num_kv_heads)
   n = rows_padded(rows)
   scale = (1.0 / d ** 0.5) if sm_scale is None else sm_scale
-  tiles = combine_tiles(n, -(-max(page_table_t.shape[0], 1) // block_pages))
-  n_parts = tiles.padded_parts(-(-max(page_table_t.shape[0], 1) // block_pages))
+  num_parts = -(-max(page_table_t.shape[0], 1) // block_pages)
+  tiles = combine_tiles(n, num_parts)
   q_pos_s = jnp.asarray(q_pos_s, jnp.int32)
-  ml_p, ot_p = _decode_call(q_shd, _common.byte_view(pool_pn), page_table_t, kv_len, tile_begin,
-                            tile_end, q_pos_s, layout=layout, block_pages=block_pages,
-                            n_parts=n_parts, sm_scale=scale, interpret=interpret)
+  ml_p, ot_p = decode_partials(q_shd, _common.byte_view(pool_pn), page_table_t, kv_len,
+                               tile_begin, tile_end, q_pos_s, layout=layout,
+                               block_pages=block_pages, n_parts=tiles.padded_parts(num_parts),
+                               sm_scale=scale, interpret=interpret)
   # ml_p [G, parts, 2, N] and O^T [G, parts, vt rows, N] go to the combine as the kernel wrote them
   return _combine.combine_call(ml_p, None, ot_p, carry, rows=rows, tiles=tiles,
                                acc_transposed=True, v_cols=magic_ptx.vt_dims(d), head_dim=d,

@@ -28,7 +28,9 @@ rows are M, as in FlashAttention on Hopper:
 * m (natural log), l and O (columns in `magic_ptx.vt_dims` order) of each partition to GMEM.
 
 Partitions: `choose_block_pages` picks the count whose CTAs fill whole waves (one CTA an SM).
-Speed on the H200: docs/PERFORMANCE.md, 'Span attention kernels'.
+Speed on the H200: docs/PERFORMANCE.md, 'Span attention kernels'. The schedules measured slower
+or no faster (the next tile's conversions beside the other warpgroup's work; each warpgroup half
+of each plane) are not kept: docs/DESIGN.md.
 
 Interpret mode (`interpret=True`) runs the same kernel body (page walk, TMA copies, barriers,
 masks, outputs) in the Mosaic GPU interpreter with the tile math in jnp (`_InterpretPrefill`: the
@@ -288,11 +290,8 @@ def _prefill_kernel(kv_ref, tb_ref, te_ref, cend_ref, tab_ref, lim_ref, q_ref, l
     else:
       fn()
 
-  def page_of(i):
-    """Tile i's physical page and its 64-row block in the page."""
-    t0 = tok_lo + i * bt
-    lp = jnp.minimum(t0 // pt, num_table - 1)
-    return jnp.clip(tab_ref[lp], 0, num_phys - 1), (t0 - lp * pt) // bt
+  page_of = functools.partial(_mc.tile_page, tab_ref, tok_lo, page_tokens=pt,
+                              num_table=num_table, num_phys=num_phys)
 
   def copy_k(i, slot):
     phys, r = page_of(i)
@@ -395,11 +394,11 @@ def row_limits(q_pos_s, kv_len, rows: int, group: int, rows_pad: int):
   return jnp.where(r < rows, lim, -1)
 
 
-def _prefill_call(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos_s, *,
+def prefill_partials(q_shd, pool_u8, page_table_t, kv_len, tile_begin, tile_end, q_pos_s, *,
                   layout: PageLayout, block_pages: int, n_parts: int, sm_scale: float,
                   interpret: bool):
-  """The kernel call -> (ml [G, parts, 2, rows_pad], O [G, parts, rows_pad, 256] in vt_dims
-  columns) f32."""
+  """The kernel alone: its per-partition partials before the combine -> (ml [G, parts, 2,
+  rows_pad], O [G, parts, rows_pad, 256] in vt_dims columns) f32."""
   s_tok, h, d = q_shd.shape
   g = layout.num_kv_heads
   group = h // g
@@ -464,10 +463,11 @@ def span_attention_partial_mosaic_prefill(q_shd, pool_pn, page_table_t, kv_len, 
   scale = (1.0 / d ** 0.5) if sm_scale is None else sm_scale
   num_parts = -(-max(page_table_t.shape[0], 1) // block_pages)
   tiles = _mc.combine_tiles(row_blocks(rows) * CTA_ROWS, num_parts)
-  ml_p, o_p = _prefill_call(q_shd, _common.byte_view(pool_pn), page_table_t, kv_len, tile_begin,
-                            tile_end, jnp.asarray(q_pos_s, jnp.int32), layout=layout,
-                            block_pages=block_pages, n_parts=tiles.padded_parts(num_parts),
-                            sm_scale=scale, interpret=interpret)
+  ml_p, o_p = prefill_partials(q_shd, _common.byte_view(pool_pn), page_table_t, kv_len,
+                               tile_begin, tile_end, jnp.asarray(q_pos_s, jnp.int32),
+                               layout=layout, block_pages=block_pages,
+                               n_parts=tiles.padded_parts(num_parts), sm_scale=scale,
+                               interpret=interpret)
   return _combine.combine_call(ml_p, None, o_p, carry, rows=rows, tiles=tiles,
                                v_cols=magic_ptx.vt_dims(d), head_dim=d, interpret=interpret)
 

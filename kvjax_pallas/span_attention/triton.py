@@ -54,6 +54,9 @@ Paths (one kernel body, different tiles; see `select_path`):
 Tuning knobs (`TritonOptions`, None: the path's default, the measured choice): rows a program,
 keys a tile, warps, pipeline stages, the decode form. Partition size: `choose_block_pages` (the
 api's block_pages="auto"). Speed on the H200: docs/PERFORMANCE.md, 'Span attention kernels'.
+Reads measured slower or no faster are not kept (contiguous windows of a head row, 32-bit words
+a block pair, masked loads instead of clamped rows, software prefetch of the next tile, the
+query prepared by XLA ops): docs/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ _BLOCK_HW = {"q8_0": (17, True), "q4_0": (9, True), "f16": (32, False), "bf16": 
 _PLANES = {"q8_0": (("byte", 0), ("byte", 8)),
            "q4_0": (("nibble", 0), ("nibble", 4), ("nibble", 8), ("nibble", 12)),
            "f16": (("raw", 0),), "bf16": (("raw", 0),)}
-DECODES = ("asm", "jnp")   # how quant halfwords become f16 values, see `_decode_blocks`
+DECODES = ("asm", "jnp")   # how quant halfwords become f16 values, see `decode_blocks`
 DEFAULT_DECODE = "asm"
 
 # Packed decode (PTX, one instance per 32-bit register = 2 raw halfwords, "f16" operands only).
@@ -157,7 +160,7 @@ def column_dims(kind: str, head_dim: int) -> np.ndarray:
 class TritonOptions:
   """Tuning knobs of the Triton kernel; None takes the path's default (`tile_config`), the
   measured choice (docs/PERFORMANCE.md, 'Span attention kernels'). No knob changes the contract;
-  block_tokens and the decode form change no bit."""
+  the decode form changes no bit."""
   block_rows: Optional[int] = None    # folded query rows a program: a power of two >= 16
   block_tokens: Optional[int] = None  # keys a tile (capped at the page's power-of-two divisor)
   num_warps: Optional[int] = None
@@ -250,7 +253,8 @@ def check_layout(layout: PageLayout, head_dim: int):
   pair = (layout.k_type, layout.v_type)
   if pair not in SUPPORTED_PAIRS:
     raise ValueError(f"unsupported K/V pair {layout.k_type.upper()}/{layout.v_type.upper()}; "
-                     f"the kernels support {', '.join(k.upper() + '/' + v.upper() for k, v in SUPPORTED_PAIRS)}")
+                     f"the Triton kernel supports "
+                     f"{', '.join(k.upper() + '/' + v.upper() for k, v in SUPPORTED_PAIRS)}")
   if head_dim % 32:
     raise ValueError(f"head_dim {head_dim} is not a multiple of 32")
   if head_dim != layout.head_dim:
@@ -334,11 +338,12 @@ def _masked_load(ref, idx, mask, other):
   return pl.load(ref, idx, mask=mask, other=other)  # pragma: no cover (older jax)
 
 
-def _load_blocks(pool_ref, phys, row_hw, kind: str, head_dim: int):
-  """Raw halfwords of a tile of head rows: row_hw [BT, 1] int32 halfword offset of each token's
-  head row -> (data [BT, blocks, data halfwords] uint16, scale [BT, blocks, 1] uint16 (f16
-  bits) or None for F16 / BF16): gathers of 2-byte loads (ggml blocks of 17 / 9 halfwords start
-  at any halfword)."""
+def load_blocks(pool_ref, phys, row_hw, kind: str, head_dim: int):
+  """The kernel's load (inside a Pallas Triton kernel; `kernel_lab.probe_page_reads` times it
+  alone): raw halfwords of a tile of head rows of page `phys`, row_hw [BT, 1] int32 halfword
+  offset of each token's head row -> (data [BT, blocks, data halfwords] uint16, scale [BT,
+  blocks, 1] uint16 (f16 bits) or None for F16 / BF16): gathers of 2-byte loads (ggml blocks of
+  17 / 9 halfwords start at any halfword)."""
   per, scaled = _BLOCK_HW[kind]
   nb = head_dim // BLOCK
   rows3 = row_hw[:, :, None]                       # [BT, 1, 1]
@@ -367,9 +372,9 @@ def _magic(bits_i32, offset: float):
   h = lax.bitcast_convert_type((bits_i32 | 0x6400).astype(jnp.int16), jnp.float16)
   return h - jnp.float16(offset)
 
-def _decode_blocks(data, scale, kind: str, f32: bool, asm: bool = False):
-  """Raw halfwords [BT, n, w] u16 + scales -> values [BT, n * w * planes] (kernel columns:
-  element by element, plane by plane within an element, `_PLANES`).
+def decode_blocks(data, scale, kind: str, f32: bool, asm: bool = False):
+  """The kernel's decode: raw halfwords [BT, n, w] u16 + scales -> values [BT, n * w * planes]
+  (kernel columns: element by element, plane by plane within an element, `_PLANES`).
 
   f32=False: f16 (bf16 for BF16 pages), each value rounded once (the "f16" operand);
   f32=True: float32, exact (the source of "f16x3" heads / tails and "tf32" / "ieee").
@@ -405,10 +410,10 @@ def _decode_blocks(data, scale, kind: str, f32: bool, asm: bool = False):
 
 def _value_terms(data, scale, kind: str, plan: OperandPlan, asm: bool = False):
   if plan.dtype == jnp.float32:
-    return [_decode_blocks(data, scale, kind, True)]
+    return [decode_blocks(data, scale, kind, True)]
   if plan.kv_terms == 1:
-    return [_decode_blocks(data, scale, kind, False, asm)]
-  return _split(_decode_blocks(data, scale, kind, True), plan.kv_terms, plan.dtype)
+    return [decode_blocks(data, scale, kind, False, asm)]
+  return _split(decode_blocks(data, scale, kind, True), plan.kv_terms, plan.dtype)
 
 
 def _span_kernel(kv_ref, begin_ref, end_ref, tab_ref, qpos_ref, q_ref, pool_ref,   # inputs
@@ -472,7 +477,7 @@ def _span_kernel(kv_ref, begin_ref, end_ref, tab_ref, qpos_ref, q_ref, pool_ref,
     in_page = jnp.minimum(in_page, last)
     k_row = in_page * k_row_hw + g * k_head_hw
     v_row = v_base_hw + in_page * v_row_hw + g * v_head_hw
-    return (_load_blocks(pool_ref, phys, k_row, kk, d), _load_blocks(pool_ref, phys, v_row, vk, d))
+    return (load_blocks(pool_ref, phys, k_row, kk, d), load_blocks(pool_ref, phys, v_row, vk, d))
 
   def body(i, carry):
     m_i, l_i, acc = carry
