@@ -1,20 +1,15 @@
-"""TMA read ceiling of the page walk (Pallas Mosaic GPU): the first measurement of a v2 kernel.
+"""TMA read ceiling of the page walk (Pallas Mosaic GPU), and the magic conversions feeding wgmma.
 
-The Triton read probe (`probe_page_reads.py`, session 7) showed that the span kernel's own loads
-plus its decode stop at 1.9-2.3 TB/s, below the 2.5 TB/s goal before any attention math. This
-probe asks the same question of the path a Mosaic GPU v2 kernel would take (docs/DESIGN.md,
-"Span attention v2"): TMA bulk copies of a key tile's K and V rows into SMEM, `--stages` tiles
-in flight, one CTA a logical partition of `--block_pages` pages walking the page table in
-logical order. Nothing is computed: a tile is waited for and its slot is refilled with the
-tile `stages` ahead.
+A Mosaic GPU kernel reads a key tile's K and V rows by TMA bulk copies into SMEM; this probe
+measures that path alone: `--stages` tiles in flight, one CTA a logical partition of
+`--block_pages` pages walking the page table in logical order. Nothing is computed: a tile is
+waited for and its slot is refilled with the tile `stages` ahead (docs/DESIGN.md, the Mosaic
+GPU decode kernel).
 
 Pallas lowers no reshape of a GMEM ref for a TMA copy ("Non-indexing transforms on GMEM refs are
-not implemented"), so a single head's [tokens, 272 B] rows (token stride 1088 B) cannot be one
-box. The copies therefore move the CONTIGUOUS all-heads span of a tile (the pool viewed as
-[P, page_bytes / L, L] lines of `--line_bytes` L, boxes of <= 256 lines), as Mosaic v1 does with
-L = 16; a v2 kernel would use all heads of the span in one CTA. The line width is the box's inner
-dimension: session 8's first run (S8-1) read only 2.0-2.15 TB/s with 16-byte lines (14 boxes a
-32-token tile), hence the flag.
+not implemented"), so the copies move the CONTIGUOUS all-heads span of a tile (the pool viewed as
+[P, page_bytes / L, L] lines of `--line_bytes` L, boxes of <= 256 lines). The line width is the
+box's inner dimension: narrow lines read much slower (docs/PERFORMANCE.md).
 
 At the end each CTA copies the first max(128, L) bytes of its last tile's K span back to GMEM; the
 script checks them against the page bytes (compiled and interpreted), so a copy of the wrong page
@@ -22,67 +17,56 @@ or offset fails the run.
 
 `--work` adds consumers of the tiles, `--consumers` warpgroups a CTA (heads round robin), each
 checked on the GPU against numpy, bit for bit:
-  decode  Mosaic v1's own window decode (`kernel_mosaic.decode_windows`) summed in f16 (S8, S9).
   magic   the magic-number PTX conversion of the ggml quants as they lie
-          (`kernel_mosaic_v2.ggml_k_lhs`, `magic_ptx`): a lane loads 4-byte-aligned words of two
+          (`mosaic_common.ggml_k_lhs`, `magic_ptx`): a lane loads 4-byte-aligned words of two
           ggml blocks, realigns the 2-byte-offset one with prmt, converts to f16 WGMMA-layout
-          registers (head dims permuted) and feeds wgmma; unscaled (S9-5).
+          registers (head dims permuted) and feeds wgmma; unscaled.
   step    a decode step without the softmax: the scaled K conversion as the lhs of S^T = K Q^T
-          and the scaled, transposed V conversion (`kernel_mosaic_v2.ggml_vt_lhs`) as the lhs of
-          O^T = V^T P^T, both wgmmas (S9-6).
+          and the scaled, transposed V conversion (`mosaic_common.ggml_vt_lhs`) as the lhs of
+          O^T = V^T P^T, both wgmmas.
 
-  python experiments/probe_tma_reads.py --contexts=131072,262144 --stages=2,3,4 --block_tokens=32,64 \
-      --line_bytes=16,128,256
-  python experiments/probe_tma_reads.py --work=magic,step,decode --line_bytes=256 --stages=1,2 \
-      --consumers=4,2 --contexts=131072,262144
-  python experiments/probe_tma_reads.py --interpret --contexts=512 --page_tokens=64 --head_dim=64
+  python -m experiments.kernel_lab.probe_tma_reads --contexts=131072,262144 --stages=2,3,4 \
+      --block_tokens=32,64 --line_bytes=16,128,256
+  python -m experiments.kernel_lab.probe_tma_reads --work=magic,step --line_bytes=256 \
+      --stages=1,2 --consumers=4,2 --contexts=131072,262144
+  python -m experiments.kernel_lab.probe_tma_reads --interpret --contexts=512 --page_tokens=64 \
+      --head_dim=64
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import sys
 
 import numpy as np
 from absl import app, flags
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
-
-from kvjax_pallas import ggml_codec  # noqa: E402
-from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout  # noqa: E402
-from kvjax_pallas.span_attention import kernel_mosaic as _mosaic  # noqa: E402
-from kvjax_pallas.span_attention import kernel_mosaic_v2 as _km2  # noqa: E402
-
-from kvjax_pallas.span_attention import magic_ptx  # noqa: E402
-import probe_common  # noqa: E402
+from experiments.kernel_lab import common
+from kvjax_pallas import ggml_codec
+from kvjax_pallas.page_layout import PageLayout
+from kvjax_pallas.span_attention import magic_ptx
+from kvjax_pallas.span_attention import mosaic_common
 
 FLAGS = flags.FLAGS
-# consumers: the decode modes' warpgroups a CTA, heads round robin
-probe_common.define_flags(stages=("2", "4"), consumers=("1",))
+# consumers: the wgmma modes' warpgroups a CTA, heads round robin
+common.define_flags(stages=("2", "4"), consumers=("1",))
 flags.DEFINE_list("block_tokens", ["32", "64"], "keys a tile (all KV heads)")
 flags.DEFINE_integer("smem_limit", 227 * 1024, "SMEM a CTA may use (bytes); larger configs skipped")
 flags.DEFINE_list("line_bytes", ["16", "128", "256"],
                   "bytes a line of the pool view: the TMA box's inner dimension")
-flags.DEFINE_list("work", ["copy"], "copy: TMA only; decode: TMA + the Mosaic kernel's window "
-                  "decode of every head (64-token tiles, compiled only); magic: TMA + the "
+flags.DEFINE_list("work", ["copy"], "copy: TMA only; magic: TMA + the "
                   "magic-number PTX conversion of the ggml quants feeding wgmma (GPU only); "
                   "step: the scaled K and transposed V conversions feeding S^T = K Q^T and "
                   "O^T = V^T P^T (a decode step without the softmax, GPU only)")
 flags.DEFINE_integer("magic_n", 16,
                      "magic / step modes: N of the wgmma rhs (the folded query rows)")
-flags.DEFINE_list("unroll", ["0"], "decode mode: 0 = straight-line decode of every block; u = a "
-                  "rolled loop, u blocks a step")
-flags.DEFINE_string("out_dir", "", "where a failed decode check saves its sums (npz)")
 
 BOX = 256         # TMA box limit a dimension
-DECODE_TOKENS = 64  # the decode mode's tile: the WGMMA layout's 64 rows
+WGMMA_TOKENS = 64  # the magic / step modes' tile: the WGMMA layout's 64 rows
 CHECK_BYTES = 128  # at least this many bytes copied back a CTA
 
 
@@ -132,7 +116,7 @@ def _probe_kernel(tab_ref, lines_ref, out_ref, buf, bars, *, block_pages: int, n
 def _consume_tiles(tab_ref, lines_ref, bufs, bars, frees, consume, carry, *, block_pages: int,
                    tiles_per_page: int, k_lines: int, v_lines: int, v_first: int, stages: int,
                    consumers: int):
-  """The decode modes' pipeline: TMA copies of a partition's tiles into `stages` slots, each tile
+  """The wgmma modes' pipeline: TMA copies of a partition's tiles into `stages` slots, each tile
   consumed by every warpgroup (`consume(slot, carry) -> carry`). Every partition has
   block_pages full pages and a multiple of `stages` tiles (checked by the callers), so the slots
   are static: round j consumes tiles j * stages + s in slot s. Warpgroup 0 also issues the
@@ -175,64 +159,6 @@ def _consume_tiles(tab_ref, lines_ref, bufs, bars, frees, consume, carry, *, blo
   return lax.fori_loop(0, n_tiles // stages, body, carry)
 
 
-def _decode_probe_kernel(tab_ref, lines_ref, out_ref, *scratch, layout: PageLayout,
-                         block_pages: int, tiles_per_page: int, k_lines: int, v_lines: int,
-                         v_first: int, stages: int, consumers: int, unroll: int):
-  # tab_ref [T] i32; lines_ref [P, page_lines, L] u8; out_ref [parts, consumers, 64, 16] f16
-  # scratch: `stages` buffers [k_lines + v_lines, L] u8, `stages` TMA barriers, `stages` "slot
-  # consumed" barriers (one arrival a warpgroup), `consumers` acc buffers SMEM [64, 16] f16.
-  # Warpgroup w decodes heads w, w + consumers, ... of every tile (`_consume_tiles`).
-  bufs, bars = scratch[:stages], scratch[stages:2 * stages]
-  frees, accs = scratch[2 * stages:3 * stages], scratch[3 * stages:]
-  ops = _mosaic.ops_for(False)
-  wg = lax.axis_index("wg") if consumers > 1 else 0
-  pp = lax.axis_index("p")
-  bt = layout.page_tokens // tiles_per_page
-
-  def decode_heads(heads, slot, acc):
-    kview = bufs[slot].at[pl.ds(0, k_lines)].reshape(bt, layout.k_row_bytes)
-    vview = bufs[slot].at[pl.ds(k_lines, v_lines)].reshape(bt, layout.v_row_bytes)
-    for view, kind, head_bytes in ((kview, layout.k_type, layout.k_head_bytes),
-                                   (vview, layout.v_type, layout.v_head_bytes)):
-      if not unroll:                               # every block of every head in line
-        for h in heads:
-          for _, vals in _mosaic.decode_windows(ops, view, kind, None, h * head_bytes):
-            acc = acc + vals
-        continue
-      per = BLOCK_FORMATS[kind][1]                 # bytes a ggml block
-      steps = head_bytes // per // unroll          # steps a head
-      stride = consumers * head_bytes              # the warpgroup's next head
-
-      def step(j, acc, view=view, kind=kind, head_bytes=head_bytes, per=per, steps=steps,
-               stride=stride, first=heads[0]):
-        col = first * head_bytes + (j // steps) * stride + (j % steps) * (unroll * per)
-        for _, vals in _mosaic.decode_windows(ops, view, kind, None, col, num_blocks=unroll):
-          acc = acc + vals
-        return acc
-
-      acc = lax.fori_loop(0, len(heads) * steps, step, acc)       # a rolled loop
-    return acc
-
-  groups = [tuple(range(w, layout.num_kv_heads, consumers)) for w in range(consumers)]
-
-  def consume(s, acc):
-    if consumers == 1:
-      return decode_heads(groups[0], s, acc)
-    return lax.switch(wg, [functools.partial(decode_heads, g, s) for g in groups], acc)
-
-  acc0 = plgpu.layout_cast(jnp.zeros((bt, 16), jnp.float16), plgpu.Layout.WGMMA)
-  acc = _consume_tiles(tab_ref, lines_ref, bufs, bars, frees, consume, acc0,
-                       block_pages=block_pages, tiles_per_page=tiles_per_page, k_lines=k_lines,
-                       v_lines=v_lines, v_first=v_first, stages=stages, consumers=consumers)
-  for w in range(consumers):
-    @pl.when(wg == w)
-    def _(w=w):
-      accs[w][...] = acc
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(accs[w], out_ref.at[pp, w])
-      plgpu.wait_smem_to_gmem(0)
-
-
 def _magic_probe_kernel(tab_ref, lines_ref, rhs_ref, out_ref, *scratch, layout: PageLayout,
                         block_pages: int, tiles_per_page: int, k_lines: int, v_lines: int,
                         v_first: int, stages: int, consumers: int):
@@ -247,8 +173,8 @@ def _magic_probe_kernel(tab_ref, lines_ref, rhs_ref, out_ref, *scratch, layout: 
   wg = lax.axis_index("wg") if consumers > 1 else 0
   pp = lax.axis_index("p")
   line = lines_ref.shape[-1]
-  conv = [(_km2.ggml_k_lhs(layout.k_type, layout, 0, consumers, j),
-           _km2.ggml_k_lhs(layout.v_type, layout, k_lines * line, consumers, j))
+  conv = [(mosaic_common.ggml_k_lhs(layout.k_type, layout, 0, consumers, j),
+           mosaic_common.ggml_k_lhs(layout.v_type, layout, k_lines * line, consumers, j))
           for j in range(hpw)]
 
   def tile_mmas(accs, buf):
@@ -291,7 +217,7 @@ def _wgmma_tiles(tab_ref, lines_ref, bufs, bars, frees, copies, in_bar, tile_mma
     _consume_tiles(tab_ref, lines_ref, bufs, bars, frees, consume, jnp.int32(0), **pipeline)
     finish(accs)
 
-  pl.run_scoped(run, *[plgpu.ACC((DECODE_TOKENS, n), jnp.float32)] * n_accs)
+  pl.run_scoped(run, *[plgpu.ACC((WGMMA_TOKENS, n), jnp.float32)] * n_accs)
 
 
 def _step_probe_kernel(tab_ref, lines_ref, qt_ref, pt_ref, s_ref, o_ref, *scratch,
@@ -310,8 +236,8 @@ def _step_probe_kernel(tab_ref, lines_ref, qt_ref, pt_ref, s_ref, o_ref, *scratc
   pp = lax.axis_index("p")
   line = lines_ref.shape[-1]
 
-  conv = [(_km2.ggml_k_lhs(layout.k_type, layout, 0, consumers, j, scaled=True),
-           _km2.ggml_vt_lhs(layout, k_lines * line, consumers, j)) for j in range(hpw)]
+  conv = [(mosaic_common.ggml_k_lhs(layout.k_type, layout, 0, consumers, j, scaled=True),
+           mosaic_common.ggml_vt_lhs(layout, k_lines * line, consumers, j)) for j in range(hpw)]
 
   def tile_mmas(accs, buf):
     for j in range(hpw):
@@ -332,11 +258,11 @@ def _step_probe_kernel(tab_ref, lines_ref, qt_ref, pt_ref, s_ref, o_ref, *scratc
                stages=stages, consumers=consumers)
 
 
-def _decode_geometry(lines, table, layout: PageLayout, block_pages: int, stages: int,
-                     consumers: int):
-  """Checks shared by the decode modes; returns (parts, k_lines, v_lines, tiles a page)."""
+def _wgmma_geometry(lines, table, layout: PageLayout, block_pages: int, stages: int,
+                    consumers: int):
+  """Checks shared by the wgmma modes; returns (parts, k_lines, v_lines, tiles a page)."""
   line = lines.shape[-1]
-  bt = DECODE_TOKENS
+  bt = WGMMA_TOKENS
   if not line_fits(layout, bt, line):
     raise ValueError(f"{line}-byte lines do not tile a {bt}-token tile of {layout.describe()}")
   if layout.num_kv_heads % consumers:
@@ -344,20 +270,20 @@ def _decode_geometry(lines, table, layout: PageLayout, block_pages: int, stages:
   n_table = table.shape[0]
   tiles_per_page = layout.page_tokens // bt
   if n_table % block_pages or (block_pages * tiles_per_page) % stages:
-    raise ValueError(f"the decode probe needs whole partitions of whole stages: {n_table} pages "
+    raise ValueError(f"the wgmma probes need whole partitions of whole stages: {n_table} pages "
                      f"in partitions of {block_pages}, {block_pages * tiles_per_page} tiles a "
                      f"partition for {stages} stages")
   return (n_table // block_pages, bt * layout.k_row_bytes // line, bt * layout.v_row_bytes // line,
           tiles_per_page)
 
 
-def _decode_mode_call(kernel, lines, table, *, layout: PageLayout, block_pages: int, stages: int,
-                      consumers: int, out_type, extra_scratch, **kernel_kw):
-  """The pallas call of a decode mode (decode, magic, step): the pipeline's geometry checks,
+def _wgmma_mode_call(kernel, lines, table, *, layout: PageLayout, block_pages: int, stages: int,
+                     consumers: int, out_type, extra_scratch, **kernel_kw):
+  """The pallas call of a wgmma mode (magic, step): the pipeline's geometry checks,
   `stages` tile buffers, TMA barriers and "consumed" barriers, then `extra_scratch`; Lane
   semantics, `consumers` warpgroups. Returns the call, to be applied to (table, lines, ...)."""
-  _, k_lines, v_lines, tiles_per_page = _decode_geometry(lines, table, layout, block_pages,
-                                                         stages, consumers)
+  _, k_lines, v_lines, tiles_per_page = _wgmma_geometry(lines, table, layout, block_pages,
+                                                        stages, consumers)
   line = lines.shape[-1]
   kern = functools.partial(
       kernel, layout=layout, block_pages=block_pages, tiles_per_page=tiles_per_page,
@@ -381,34 +307,11 @@ def _rhs_smem(shape):
                     transforms=(plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw)))
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "block_pages", "stages", "consumers",
-                                             "unroll"))
-def decode_probe(lines, table, *, layout: PageLayout, block_pages: int, stages: int,
-                 consumers: int = 1, unroll: int = 0):
-  """TMA reads + the Mosaic kernel's own window decode (`kernel_mosaic.decode_windows`) of every
-  KV head's K and V rows of each 64-token tile, summed in f16 by `consumers` warpgroups (heads
-  dealt round robin; compiled only: the interpreter runs no layout loads). unroll=0: every block
-  of every head decoded in line (straight-line code, as the Mosaic kernel does); unroll=u > 0: a
-  rolled loop over a warpgroup's heads x blocks, u blocks a step at a dynamic column (less code:
-  S8-6 found 2.88 of 10.65 cycles an issue waiting for instructions).
-  lines [P, page_bytes / L, L] u8, table [T] i32 -> [parts, consumers, 64, 16] f16."""
-  if unroll < 0 or (unroll and (layout.head_dim // 32) % unroll):
-    raise ValueError(f"unroll={unroll} does not divide the {layout.head_dim // 32} blocks a head")
-  bt = DECODE_TOKENS
-  call = _decode_mode_call(
-      _decode_probe_kernel, lines, table, layout=layout, block_pages=block_pages, stages=stages,
-      consumers=consumers, unroll=unroll,
-      out_type=jax.ShapeDtypeStruct((len(table) // block_pages, consumers, bt, 16), jnp.float16),
-      extra_scratch=[plgpu.SMEM((bt, 16), jnp.float16)] * consumers)
-  return call(table, lines)
-
-
 @functools.partial(jax.jit, static_argnames=("layout", "block_pages", "stages", "consumers"))
 def magic_probe(lines, table, rhs, *, layout: PageLayout, block_pages: int, stages: int,
                 consumers: int = 1):
   """TMA reads + the magic-number conversion of the ggml pages as they are
-  (`kernel_mosaic_v2.ggml_k_lhs`,
-  PTX through `plgpu.inline_mgpu`: GPU only) feeding wgmma: each warpgroup's heads' K and V quants
+  (`mosaic_common.ggml_k_lhs`, PTX through `plgpu.inline_mgpu`: GPU only) feeding wgmma: each warpgroup's heads' K and V quants
   of each 64-token tile, as the lhs against rhs [2, D, N] f16 (rows in `magic_ptx.ggml_dims`
   order), accumulated in float32. The scales are read (they share the words) but not applied.
   lines [P, page_bytes / L, L] u8, table [T] i32 -> [parts, G, 64, N] f32."""
@@ -416,10 +319,10 @@ def magic_probe(lines, table, rhs, *, layout: PageLayout, block_pages: int, stag
     raise ValueError(f"the magic probe takes Q8_0 K / Q4_0 V pages of head dim 256, not "
                      f"{layout.describe()}")
   parts = len(table) // block_pages
-  call = _decode_mode_call(
+  call = _wgmma_mode_call(
       _magic_probe_kernel, lines, table, layout=layout, block_pages=block_pages, stages=stages,
       consumers=consumers,
-      out_type=jax.ShapeDtypeStruct((parts, layout.num_kv_heads, DECODE_TOKENS, rhs.shape[-1]),
+      out_type=jax.ShapeDtypeStruct((parts, layout.num_kv_heads, WGMMA_TOKENS, rhs.shape[-1]),
                                     jnp.float32),
       extra_scratch=[_rhs_smem(rhs.shape), plgpu.Barrier(num_arrivals=1)])
   return call(table, lines, rhs)
@@ -429,7 +332,7 @@ def expected_magic_sums(pool: np.ndarray, table: np.ndarray, layout: PageLayout,
                         block_pages: int, w) -> np.ndarray:
   """numpy: [parts, G, 64, N] of `magic_probe`: per head, sum over the partition's tiles of the
   unscaled quants (Q8_0 int8, Q4_0 nibble - 8, by head dim) times W (exact integers)."""
-  bt = DECODE_TOKENS
+  bt = WGMMA_TOKENS
   parts = len(table) // block_pages
   g, d, pt = layout.num_kv_heads, layout.head_dim, layout.page_tokens
   pages = pool[table]                                               # [T, page_bytes]
@@ -455,10 +358,10 @@ def step_probe(lines, table, qt, pt, *, layout: PageLayout, block_pages: int, st
                      f"{layout.describe()}")
   parts = len(table) // block_pages
   g, d, n = layout.num_kv_heads, layout.head_dim, qt.shape[-1]
-  call = _decode_mode_call(
+  call = _wgmma_mode_call(
       _step_probe_kernel, lines, table, layout=layout, block_pages=block_pages, stages=stages,
       consumers=consumers,
-      out_type=(jax.ShapeDtypeStruct((parts, g, DECODE_TOKENS, n), jnp.float32),
+      out_type=(jax.ShapeDtypeStruct((parts, g, WGMMA_TOKENS, n), jnp.float32),
                 jax.ShapeDtypeStruct((parts, g, d, n), jnp.float32)),
       extra_scratch=[_rhs_smem(qt.shape), _rhs_smem(pt.shape), plgpu.Barrier(num_arrivals=2)])
   return call(table, lines, qt, pt)
@@ -468,7 +371,7 @@ def step_inputs(head_dim: int, n: int):
   """(W [D, N], P^T [64, N] small integers (int64), qt = W in `magic_ptx.ggml_dims` row order
   and pt, f16) for the step probe's check."""
   w = magic_ptx.check_weights(head_dim, n)[0]
-  p = (np.arange(DECODE_TOKENS)[:, None] * 3 + np.arange(n)) % 4 - 1
+  p = (np.arange(WGMMA_TOKENS)[:, None] * 3 + np.arange(n)) % 4 - 1
   return (w, p.astype(np.int64), w[magic_ptx.ggml_dims("q8_0", head_dim)].astype(np.float16),
           p.astype(np.float16))
 
@@ -477,8 +380,8 @@ def expected_step_sums(pool: np.ndarray, table: np.ndarray, layout: PageLayout,
                        block_pages: int, w, p):
   """numpy: (S^T sums [parts, G, 64, N], O^T sums [parts, G, D, N], rows in
   `magic_ptx.vt_dims` order) of `step_probe`, from `ggml_codec`'s decode (exact on
-  `probe_common.exact_pages` pages: every product and sum is a small multiple of 2^-6)."""
-  bt = DECODE_TOKENS
+  `common.exact_pages` pages: every product and sum is a small multiple of 2^-6)."""
+  bt = WGMMA_TOKENS
   parts = len(table) // block_pages
   g, d, pt = layout.num_kv_heads, layout.head_dim, layout.page_tokens
   pages = jnp.asarray(pool[table])                                  # [T, page_bytes]
@@ -492,30 +395,6 @@ def expected_step_sums(pool: np.ndarray, table: np.ndarray, layout: PageLayout,
   s = np.einsum("ptrgd,dn->pgrn", k, w.astype(np.float64))
   o = np.einsum("ptrgd,rn->pgdn", v, p.astype(np.float64))[:, :, magic_ptx.vt_dims(d)]
   return s, o
-
-
-def expected_decode_sums(pool: np.ndarray, table: np.ndarray, layout: PageLayout,
-                         block_pages: int, consumers: int = 1) -> np.ndarray:
-  """numpy: [parts, consumers, 64, 16] f16 sums of `decode_probe`: warpgroup w adds the 16-dim
-  windows of heads w, w + consumers, ... (K and V) of every tile of its partition. The values are
-  `ggml_codec`'s decode; on `probe_common.exact_pages` pages every sum is exact, so the order of
-  the adds does not matter and float64 sums are the f16 sums."""
-  bt = DECODE_TOKENS
-  tpp = layout.page_tokens // bt
-  g = layout.num_kv_heads
-  parts = len(table) // block_pages
-  acc = np.zeros((parts, consumers, bt, 16))
-  ko, vo, vf = layout.k_row_bytes, layout.v_row_bytes, layout.v_offset
-  for i in range(block_pages * tpp):
-    pages = pool[table[np.arange(parts) * block_pages + i // tpp]]       # [parts, page_bytes]
-    t0 = (i % tpp) * bt
-    for rows, kind in ((pages[:, t0 * ko:(t0 + bt) * ko].reshape(parts, bt, ko), layout.k_type),
-                       (pages[:, vf + t0 * vo:vf + (t0 + bt) * vo].reshape(parts, bt, vo),
-                        layout.v_type)):
-      x = np.asarray(ggml_codec.decode_rows(jnp.asarray(rows), kind, g), np.float64)
-      x = x.reshape(parts, bt, g // consumers, consumers, -1, 16)   # head h = k * consumers + w
-      acc += x.sum(axis=(2, 4)).transpose(0, 2, 1, 3)
-  return acc.astype(np.float16)
 
 
 def _copies(n_lines: int) -> int:
@@ -588,10 +467,13 @@ def expected(pool: np.ndarray, table: np.ndarray, layout: PageLayout, block_page
 
 def main(argv):
   del argv
-  layout = probe_common.layout_from_flags()
+  unknown = set(FLAGS.work) - {"copy", "magic", "step"}
+  if unknown:
+    raise app.UsageError(f"--work: unknown modes {sorted(unknown)}; choose copy, magic, step")
+  layout = common.layout_from_flags()
   rows = []
-  for ctx, n_pages, num_phys, nbytes in probe_common.contexts(layout):
-    pool_np, table_np = probe_common.exact_pool(ctx, layout, num_phys, n_pages)
+  for ctx, n_pages, num_phys, nbytes in common.contexts(layout):
+    pool_np, table_np = common.exact_pool(ctx, layout, num_phys, n_pages)
     pool = jnp.asarray(pool_np)
     table = jnp.asarray(table_np)
     rand_pool, rand_lines = None, {}
@@ -602,20 +484,16 @@ def main(argv):
       lines = as_lines(pool, line)
       for work in FLAGS.work:
         if work == "copy":
-          variants = [(int(b), int(st), 1, 0) for b in FLAGS.block_tokens
+          variants = [(int(b), int(st), 1) for b in FLAGS.block_tokens
                       for st in FLAGS.stages]
         else:
-          variants = [(DECODE_TOKENS, int(st), int(c), int(u)) for st in FLAGS.stages
-                      for c in FLAGS.consumers for u in FLAGS.unroll]
-        for bt, stages, consumers, unroll in variants:
-          if work in ("magic", "step") and unroll:
-            continue                                  # the magic conversion has no unroll knob
+          variants = [(WGMMA_TOKENS, int(st), int(c)) for st in FLAGS.stages
+                      for c in FLAGS.consumers]
+        for bt, stages, consumers in variants:
           smem = stages * bt * layout.token_bytes + {
-              "decode": consumers * bt * 16 * 2,
               "magic": 2 * layout.head_dim * FLAGS.magic_n * 2,
               "step": (layout.head_dim + bt) * FLAGS.magic_n * 2}.get(work, 0)
-          name = (f"{work} line={line} block_tokens={bt} stages={stages} "
-                  f"consumers={consumers} unroll={unroll}")
+          name = f"{work} line={line} block_tokens={bt} stages={stages} consumers={consumers}"
           if layout.page_tokens % bt or smem > FLAGS.smem_limit or not line_fits(layout, bt, line):
             print(f"skip {name}: SMEM {smem} B > {FLAGS.smem_limit}, {bt} does not divide "
                   f"{layout.page_tokens}, or {line}-byte lines do not tile the tile", flush=True)
@@ -651,26 +529,10 @@ def main(argv):
               print(f"FAILED magic check at {ctx} tokens, {name}: "
                     f"{float(np.mean(got == want)):.1%} of the sums equal", flush=True)
               continue
-          else:
-            fn = functools.partial(decode_probe, lines, table, layout=layout,
-                                   block_pages=FLAGS.block_pages, stages=stages,
-                                   consumers=consumers, unroll=unroll)
-            got = np.asarray(fn())
-            want = expected_decode_sums(pool_np, table_np, layout, FLAGS.block_pages, consumers)
-            if not np.array_equal(got.view(np.uint16), want.view(np.uint16)):
-              same = float(np.mean(got.view(np.uint16) == want.view(np.uint16)))
-              if FLAGS.out_dir:
-                os.makedirs(FLAGS.out_dir, exist_ok=True)
-                np.savez(os.path.join(FLAGS.out_dir,
-                                      f"decode_{ctx}_{line}_{stages}_{consumers}_{unroll}.npz"),
-                         got=got, want=want, table=table_np)
-              print(f"FAILED decode check at {ctx} tokens, {name}: {same:.1%} of the sums "
-                    f"bit-equal (got and want saved under --out_dir)", flush=True)
-              continue
-          probe_common.timed(fn, nbytes, f"tma context={ctx} {name} smem={smem} checked",
-                             (ctx, work, line, bt, stages, consumers, unroll, smem), rows)
-  probe_common.print_table(("ctx", "work", "line", "BT", "stages", "WGs", "unroll", "SMEM B"),
-                           rows)
+          common.timed(fn, nbytes, f"tma context={ctx} {name} smem={smem} checked",
+                       (ctx, work, line, bt, stages, consumers, smem), rows)
+  common.print_table(("ctx", "work", "line", "BT", "stages", "WGs", "SMEM B"), rows)
+
 
 if __name__ == "__main__":
   app.run(main)

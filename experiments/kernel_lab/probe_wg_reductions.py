@@ -1,7 +1,7 @@
-"""Do concurrent axis-0 reductions of several Pallas warpgroups give the right answers? (session 9)
+"""Do concurrent axis-0 reductions of several Pallas warpgroups give the right answers?
 
-A v2 span kernel runs one consumer warpgroup a KV head (`num_threads=4`) and reduces S^T [64
-tokens, N] along the tokens for the online softmax. A reduction along axis 0 of the WGMMA layout
+The Mosaic GPU decode kernel runs one consumer warpgroup a KV head (`num_threads=4`) and reduces
+S^T [64 tokens, N] along the tokens for the online softmax. A reduction along axis 0 of the WGMMA layout
 crosses the 4 warps of a warpgroup; Pallas's Lane lowering gives it the module's reduction
 scratch (`reduction_scratch_bytes`), which the jax 0.10.2 source indexes by warp within the
 warpgroup, not by warpgroup. This probe makes every warpgroup reduce its own data `--iters` times
@@ -9,7 +9,7 @@ in a loop (max and sum along axis 0 of [64, N] f32 in the WGMMA layout, small in
 and compares the accumulated results with numpy. A race between warpgroups shows as a mismatch.
 Compiled only (the interpreter runs no `plgpu.load` with a layout): run it on the GPU.
 
-  python experiments/mosaic_gpu_probes/probe_wg_reductions.py --warpgroups=1,2,4 --iters=256
+  python -m experiments.kernel_lab.probe_wg_reductions --warpgroups=1,2,4 --iters=256
 
 `--axes=1` is the control: the same kernel reducing along the columns (within a warp, no
 scratch) must be right for every warpgroup count, or the probe's own indexing is wrong.

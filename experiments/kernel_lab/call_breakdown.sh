@@ -2,13 +2,13 @@
 # Per-kernel durations of one span-attention call (the span kernel, the combine and XLA's small
 # fusions around them), from ncu's gpu__time_duration of every kernel of the bench's profile
 # mode. Usage (device machine, repo root):
-#   bash experiments/gpu/call_breakdown.sh "<config k=v;k=v>" <context> <rows>
+#   bash experiments/kernel_lab/call_breakdown.sh "<config k=v;k=v>" <context> <rows>
 # Prints the kernels launched from the last span kernel launch to the end (one call + the
 # bench's q update), in launch order.
 set -u
 source "$(dirname "$0")/profile_args.sh" breakdown "$@"
 timeout 240 ncu --clock-control none --csv --metrics gpu__time_duration.sum \
-  python3 experiments/bench_span_attention.py --profile_config="$cfg" --check=false --sweep=false \
+  python3 -m experiments.bench_span_attention --profile_config="$cfg" --check=false --sweep=false \
   --sweep_contexts=$ctx --rows=$rows --out_dir=/tmp/ncu_unused --profile_calls=2 > $OUT/$name.csv 2>&1
 python3 - "$OUT/$name.csv" <<'PY'
 import csv, sys

@@ -1,7 +1,11 @@
+"""The wgmma M / N / K and swizzle limits of Pallas Mosaic GPU, by lowering kernels on the CPU.
+
+  python -m experiments.kernel_lab.probe_wgmma_shapes
+"""
 import jax, jax.numpy as jnp, numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from common import check
+from experiments.kernel_lab.common import check
 rng = np.random.default_rng(0)
 
 def tr(sw, dtype=jnp.float16):

@@ -1,6 +1,11 @@
+"""`plgpu.emit_pipeline` over pages named by a page table (`BlockSpec` index map reading the
+table): interpreter and lowering, on the CPU.
+
+  python -m experiments.kernel_lab.probe_emit_pipeline
+"""
 import jax, jax.numpy as jnp, numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from common import check
+from experiments.kernel_lab.common import check
 P, S, D = 6, 64, 128
 rng = np.random.default_rng(0)
 kv = jnp.asarray(rng.normal(size=(P, S, D)), jnp.float32)

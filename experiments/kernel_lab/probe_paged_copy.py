@@ -1,8 +1,13 @@
+"""A page-table entry read from GMEM as the dynamic index of a TMA copy (`copy_gmem_to_smem`), and
+strided head rows: in the Mosaic GPU interpreter and through the real lowering, on the CPU.
+
+  python -m experiments.kernel_lab.probe_paged_copy
+"""
 import jax, jax.numpy as jnp, numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from common import check
+from experiments.kernel_lab.common import check
 
 P, T, H, W = 6, 256, 4, 136      # K view: [pages, tokens, heads, 136 u16 = 272 B]
 BT, NT = 32, 3                   # 3 tiles of 32 tokens

@@ -2,7 +2,7 @@
 with its duration (the last `tail` launches, default 12): a call's per-kernel breakdown.
 
   ncu --csv --metrics gpu__time_duration.sum <command> > d.csv
-  python3 experiments/gpu/ncu_durations.py d.csv [tail]
+  python3 -m experiments.kernel_lab.ncu_durations d.csv [tail]
 """
 import csv
 import sys

@@ -3,25 +3,22 @@ group step: a model with the 27B attention geometry (24 query heads, 4 KV heads 
 Q4_0 V pages of 256 tokens; the rest of the model tiny, so the attention kernel is what the
 compile adds), a plain cache of `prompt` tokens.
 
-  python3 experiments/gpu/compile_time.py 1,4 triton,mosaic2 [prompt]
+  python3 -m experiments.kernel_lab.compile_time 1,4 triton,mosaic [prompt]
 
 Prints, per (rows, implementation): the first forward (trace + compile + run) and the second
 (run only) in seconds. Each implementation gets a fresh Runner, so nothing is shared.
 """
 import copy
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import numpy as np
+import jax
+import jax.numpy as jnp
 
-import numpy as np  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from kvjax import config, engine, weights  # noqa: E402
-from kvjax.model import AttentionOptions  # noqa: E402
-from kvjax_pallas.page_layout import PageLayout  # noqa: E402
+from kvjax import config, engine, weights
+from kvjax.model import AttentionOptions
+from kvjax_pallas.page_layout import PageLayout
 
 
 def main():

@@ -1,6 +1,6 @@
 """Summary of a pytest junit XML (the GPU machine loses pytest's own summary line): counts, then
 each failed or errored test with the first lines of its message.
-Usage: python3 experiments/gpu/junit_summary.py $OUT/junit.xml"""
+Usage: python3 -m experiments.kernel_lab.junit_summary $OUT/junit.xml"""
 import sys
 import xml.etree.ElementTree as ET
 

@@ -1,11 +1,14 @@
-"""Reads the ncu CSV files of the GPU scripts (opcode_mix.sh, stall_profile.sh) and prints summaries.
+"""Reads the ncu CSV files of the lab's GPU scripts (opcode_mix.sh, stall_profile.sh) and prints
+summaries.
 
-  python3 experiments/gpu/ncu_report.py opcodes <csv> <config>           # opcode mix, one launch
-  python3 experiments/gpu/ncu_report.py longest <csv>                    # name of the longest kernel
-  python3 experiments/gpu/ncu_report.py stalls <csv> <config> <kernel>   # stalls, issue, occupancy
-  python3 experiments/gpu/ncu_report.py metrics <csv>                    # every metric, one a line
-  python3 experiments/gpu/ncu_report.py sources <csv> [top]              # stall samples by SASS
-                                                                         # opcode and instruction
+  python3 -m experiments.kernel_lab.ncu_report opcodes <csv> <config>          # opcode mix
+  python3 -m experiments.kernel_lab.ncu_report longest <csv>                   # longest kernel
+  python3 -m experiments.kernel_lab.ncu_report stalls <csv> <config> <kernel>  # stalls, issue,
+                                                                               # occupancy
+  python3 -m experiments.kernel_lab.ncu_report metrics <csv>                   # every metric
+  python3 -m experiments.kernel_lab.ncu_report sources <csv> [top]             # stall samples by
+                                                                               # SASS opcode and
+                                                                               # instruction
 """
 
 import csv

@@ -1,9 +1,14 @@
+"""S^T = K[64, 256] @ Q^T[256, N] with the online-softmax max over axis 0, and a whole Q8_0 tile
+decoded into a swizzled f16 [64, 256] SMEM tile: interpreter and lowering, on the CPU.
+
+  python -m experiments.kernel_lab.probe_decode_tile
+"""
 import jax, jax.numpy as jnp, numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
-from common import interp, lower
+from experiments.kernel_lab.common import interp, lower
 rng = np.random.default_rng(0)
 MODE = {"interp": False}
 def LOAD(ref, idx, layout, **kw):   # interpreter can't run plgpu.load / layout_cast

@@ -1,8 +1,13 @@
+"""SMEM -> registers at unaligned column offsets (17 b + 1), bit operations, the u16 -> f16 bitcast
+and a scale broadcast, in the layouts Mosaic GPU offers: interpreter and lowering, on the CPU.
+
+  python -m experiments.kernel_lab.probe_smem_loads
+"""
 import jax, jax.numpy as jnp, numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from common import check
+from experiments.kernel_lab.common import check
 rng = np.random.default_rng(0)
 
 def mk(body, R, C, out_shape, out_dtype):

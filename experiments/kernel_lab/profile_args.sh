@@ -1,5 +1,5 @@
 # Sourced by the ncu scripts (call_breakdown.sh, opcode_mix.sh): environment and arguments.
-#   source experiments/gpu/profile_args.sh <prefix> "<config k=v;k=v>" <context> <rows>
+#   source experiments/kernel_lab/profile_args.sh <prefix> "<config k=v;k=v>" <context> <rows>
 # Sets cfg, ctx, rows and name (<prefix>_<config>_<context>_<rows>, a file name under $OUT).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -7,8 +7,7 @@ f16 scales as [heads, tokens, blocks] planes; 1664 bytes a token, as the ggml pa
 [64 tokens, dims] tiles straight into swizzled SMEM tiles. Variants (`--variant`):
 
   sum    one warpgroup loads a tile and converts it to f16 (`astype`, Warpgroup semantics) and
-         adds it into f16 sums (session 8's probe; S9-1: Mosaic converts int8 -> f16 with one
-         I2F a value).
+         adds it into f16 sums (Mosaic converts int8 -> f16 with one I2F a value).
   wgmma  `--consumers` warpgroups, each its own heads and pipeline, convert int8 -> bf16 with
          Mosaic's PRMT upcast and feed the tiles to wgmma as the lhs (ones as the rhs, float32
          sums); V's nibbles as two lhs tiles (16 (m - 8) and n).
@@ -16,42 +15,37 @@ f16 scales as [heads, tokens, blocks] planes; 1664 bytes a token, as the ggml pa
          only) against a permuted weight rhs (`magic_ptx.packed_dims`).
 
 The scale multiplies are not done here (the scale planes are read and summed). Every check is
-exact: f16 sums on `probe_common.exact_pages` pages (sum), integer sums in float32 on full-range
-quants (wgmma, magic), so the GPU's sums are compared with numpy bit for bit. Session 9 measured
-the same magic conversion on the ggml pages as they are (`probe_tma_reads.py --work=magic`)
-within 5 % of this format, so no format change is proposed any more.
+exact: f16 sums on `common.exact_pages` pages (sum), integer sums in float32 on full-range
+quants (wgmma, magic), so the GPU's sums are compared with numpy bit for bit. The same magic
+conversion on the ggml pages as they are (`probe_tma_reads --work=magic`) measured about as
+fast as this format (docs/PERFORMANCE.md), so the page format stays ggml's (docs/DESIGN.md).
 
-  python experiments/probe_packed_decode.py --contexts=131072,262144 --stages=1,2 --consumers=2,4
-  python experiments/probe_packed_decode.py --interpret --variant=sum,wgmma --contexts=512 \
-      --page_tokens=128 --head_dim=64 --kv_heads=2 --block_pages=2 --consumers=1,2
+  python -m experiments.kernel_lab.probe_packed_decode --contexts=131072,262144 --stages=1,2 \
+      --consumers=2,4
+  python -m experiments.kernel_lab.probe_packed_decode --interpret --variant=sum,wgmma \
+      --contexts=512 --page_tokens=128 --head_dim=64 --kv_heads=2 --block_pages=2 --consumers=1,2
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import sys
 
 import numpy as np
 from absl import app, flags
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
-
-from kvjax_pallas.page_layout import PageLayout  # noqa: E402
-
-from kvjax_pallas.span_attention import magic_ptx  # noqa: E402
-import probe_common  # noqa: E402
+from experiments.kernel_lab import common
+from kvjax_pallas.page_layout import PageLayout
+from kvjax_pallas.span_attention import magic_ptx
 
 FLAGS = flags.FLAGS
-probe_common.define_flags(stages=("1", "2"), consumers=("1", "2", "4"))
+common.define_flags(stages=("1", "2"), consumers=("1", "2", "4"))
 flags.DEFINE_list("variant", ["sum", "wgmma", "magic"], "sum: one warpgroup converts int8 -> f16 "
-                  "and adds into f16 sums (session 8's probe); wgmma: `--consumers` warpgroups "
+                  "and adds into f16 sums; wgmma: `--consumers` warpgroups "
                   "convert int8 -> bf16 (Mosaic's upcast) and feed wgmma (ones as the rhs, "
                   "float32 sums); magic: the same with the PTX magic-number conversion "
                   "(`_magic_lhs`, GPU only) against a permuted weight rhs")
@@ -399,10 +393,10 @@ def expected_sums(kq, vq, ks, vs, table, block_pages: int):
 
 def main(argv):
   del argv
-  layout = probe_common.layout_from_flags()
+  layout = common.layout_from_flags()
   rows = []
-  for ctx, _, num_phys, nbytes in probe_common.contexts(layout):
-    pool, table_np = probe_common.exact_pool(ctx, layout, num_phys, ctx // layout.page_tokens)
+  for ctx, _, num_phys, nbytes in common.contexts(layout):
+    pool, table_np = common.exact_pool(ctx, layout, num_phys, ctx // layout.page_tokens)
     planes = repack(pool, layout)
     del pool
     dev = [jnp.asarray(x) for x in planes] + [jnp.asarray(table_np)]
@@ -452,9 +446,9 @@ def main(argv):
                 f"{[float(np.mean(a == b)) for a, b in zip(got, want)]} of the sums equal",
                 flush=True)
           continue
-        probe_common.timed(lambda fn=fn: fn()[0], nbytes, f"packed {name} smem={smem} checked",
+        common.timed(lambda fn=fn: fn()[0], nbytes, f"packed {name} smem={smem} checked",
                            (variant, ctx, stages, consumers, smem), rows)
-  probe_common.print_table(("variant", "ctx", "stages", "WGs", "SMEM B"), rows)
+  common.print_table(("variant", "ctx", "stages", "WGs", "SMEM B"), rows)
 
 
 if __name__ == "__main__":
