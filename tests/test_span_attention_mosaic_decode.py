@@ -17,7 +17,6 @@ bit for bit on the GPU).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
@@ -30,7 +29,7 @@ from kvjax_pallas.span_attention import mosaic_common as mc
 from kvjax_pallas.span_attention import mosaic_decode as km
 from kvjax_pallas.span_attention import reference as ref
 from span_history import (REAL_SHAPE, SMALL_SHAPE, History, check_against_reference,
-                          check_placement_and_waves, lowered_at_real_shape, random_query,
+                          kernel_placement_and_waves, lowered_at_real_shape, random_query,
                           rel_error, shape_layout)
 
 ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"
@@ -159,18 +158,11 @@ def test_interpret_masks_kv_len_positions_and_junk_past_the_end():
 
 
 def _placement_and_waves(interpret: bool, shape, tokens: int, bp: int, s_tok: int):
-  """One call over three placements (contiguous, shuffled, resident + ring with wraps) and three
-  waves over the shuffled one: the same bits."""
-  layout = _layout(shape)
-  h = shape["q_heads"]
-  hist = History(layout, tokens, seed=11)
-  q, q_pos = _query(11, s_tok, h, shape["head_dim"], tokens)
-  kw = dict(layout=layout, block_pages=bp, interpret=interpret)
-  one = check_placement_and_waves(
-      functools.partial(km.span_attention_mosaic_decode, **kw),
-      functools.partial(km.span_attention_partial_mosaic_decode, num_q_heads=h, **kw), hist, q,
-      q_pos)
-  return one, hist, q, q_pos
+  """One call over three placements and three waves: the same bits
+  (`kernel_placement_and_waves`)."""
+  return kernel_placement_and_waves(km.span_attention_mosaic_decode,
+                                    km.span_attention_partial_mosaic_decode, shape, tokens, bp,
+                                    s_tok, interpret, query_seed=11 + 1000)
 
 
 def test_interpret_placement_invariance_and_waves_bit_exact():

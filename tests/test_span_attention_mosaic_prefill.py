@@ -13,7 +13,6 @@ waves bit for bit on the GPU.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
@@ -25,7 +24,7 @@ from kvjax_pallas.span_attention import mosaic_common as mc
 from kvjax_pallas.span_attention import mosaic_prefill as kp
 from kvjax_pallas.span_attention import reference as ref
 from span_history import (REAL_SHAPE, SMALL_SHAPE, History, check_against_reference,
-                          check_placement_and_waves, lowered_at_real_shape, random_query,
+                          kernel_placement_and_waves, lowered_at_real_shape, random_query,
                           rel_error, shape_layout)
 
 ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"
@@ -125,17 +124,11 @@ def test_interpret_masks_positions_and_junk_past_the_end():
 
 
 def _placement_and_waves(interpret: bool, shape, tokens: int, bp: int, s_tok: int):
-  """One call over three placements (contiguous, shuffled, resident + ring with wraps) and three
-  waves over the shuffled one: the same bits."""
-  layout = _layout(shape)
-  h = shape["q_heads"]
-  hist = History(layout, tokens, seed=11)
-  q, q_pos = _query(11, s_tok, h, shape["head_dim"], tokens)
-  kw = dict(layout=layout, block_pages=bp, interpret=interpret)
-  one = check_placement_and_waves(
-      functools.partial(kp.span_attention_mosaic_prefill, **kw),
-      functools.partial(kp.span_attention_partial_mosaic_prefill, num_q_heads=h, **kw), hist, q,
-      q_pos)
+  """One call over three placements and three waves: the same bits (`kernel_placement_and_waves`),
+  and within the reference's rounding."""
+  one, hist, q, q_pos = kernel_placement_and_waves(
+      kp.span_attention_mosaic_prefill, kp.span_attention_partial_mosaic_prefill, shape, tokens,
+      bp, s_tok, interpret, query_seed=11 + 2000)
   pool, table = hist.contiguous()
   check_against_reference(jnp.asarray(one), hist, q, pool, table, q_pos, block_pages=bp,
                           tol=2e-3)
