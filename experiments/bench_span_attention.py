@@ -1,6 +1,6 @@
 """GPU benchmark of span attention over Q8_0 K / Q4_0 V pages.
 
-  JAX_PLATFORMS=cuda python experiments/bench_span_attention.py --out_dir=$OUT
+  JAX_PLATFORMS=cuda python -m experiments.bench_span_attention --out_dir=$OUT
 
 For each context and query-token count: the Pallas kernel over an all-resident
 contiguous placement and over a resident + ring (scattered) placement, the jnp
@@ -8,9 +8,9 @@ reference, XLA einsum attention on contiguous bf16 K/V, and cuDNN
 `jax.nn.dot_product_attention` on the same bf16 K/V. Each timing is the
 median over rounds of dependent calls (the next query depends on the last
 output), per call: `--timing=dispatch` (default) queues `--dispatch_iters`
-calls of a jitted step from Python; `--timing=loop` (sessions 1-5) runs
-`--iters` calls in a jitted fori_loop, whose while loop adds a host round trip
-a call (~25-40 us on the H200, docs/PERFORMANCE.md S6-3).
+calls of a jitted step from Python; `--timing=loop` runs `--iters` calls in a
+jitted fori_loop, whose while loop adds a host round trip a call
+(docs/PERFORMANCE.md).
 
 Effective GB/s counts the KV bytes a call must read once: quantized pages for
 the kernel and the reference (1664 B/token/layer at 4x256 Q8_0/Q4_0), bf16 K+V
@@ -25,23 +25,20 @@ import sys
 import time
 
 from absl import app, flags
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.extend as jex
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import numpy as np  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-import jax.extend as jex  # noqa: E402
-
-from kvjax_pallas import ggml_codec  # noqa: E402
-from kvjax_pallas.page_layout import PageLayout  # noqa: E402
-from kvjax_pallas.span_attention import api as span_api  # noqa: E402
-from kvjax_pallas.span_attention import kernel_mosaic as km  # noqa: E402
-from kvjax_pallas.span_attention import kernel_mosaic_v2 as km2  # noqa: E402
-from kvjax_pallas.span_attention import kernel_mosaic_prefill as kp  # noqa: E402
-from kvjax_pallas.span_attention import kernel_triton as kt  # noqa: E402
-from kvjax_pallas.span_attention import reference as ref  # noqa: E402
+from kvjax_pallas import ggml_codec
+from kvjax_pallas.page_layout import PageLayout
+from kvjax_pallas.span_attention import api as span_api
+from kvjax_pallas.span_attention import common as span_common
+from kvjax_pallas.span_attention import mosaic_decode
+from kvjax_pallas.span_attention import mosaic_prefill
+from kvjax_pallas.span_attention import reference as ref
+from kvjax_pallas.span_attention import triton as kt
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("contexts", ["8192", "32768", "131072", "163840", "262144"], "history tokens")
@@ -51,7 +48,7 @@ flags.DEFINE_integer("q_heads", 24, "query heads")
 flags.DEFINE_integer("head_dim", 256, "head dim")
 flags.DEFINE_integer("page_tokens", 256, "tokens per page")
 flags.DEFINE_string("block_pages", "auto", "logical partition (pages) of the kernel split-K: an "
-                    "int, or auto (kernel_triton.choose_block_pages of the shapes)")
+                    "int, or auto (triton.choose_block_pages of the shapes)")
 flags.DEFINE_string("precision", kt.DEFAULT_PRECISION, f"kernel dot precision {kt.PRECISIONS}")
 flags.DEFINE_integer("iters", 10, "dependent calls per timed loop")
 flags.DEFINE_integer("rounds", 5, "timed loops (median)")
@@ -76,15 +73,14 @@ flags.DEFINE_integer("reference_max_rows", 6, "skip the jnp reference above this
 flags.DEFINE_string("profile_config", "", "only run the kernel (config k=v;k=v) at the first --sweep_contexts "
                     "for --profile_calls calls (a target for ncu) and exit")
 flags.DEFINE_integer("profile_calls", 5, "calls in --profile_config mode")
-flags.DEFINE_bool("mosaic", False, "also time the Mosaic GPU kernel (kernel_mosaic, f16, v1) in "
-                  "the main table and check it in the correctness check")
 flags.DEFINE_bool("triton", True, "time the Triton kernel (kernel_contiguous / kernel_ring) in "
-                  "the main table (false: v2 and the baselines only, fewer compiles)")
-flags.DEFINE_bool("mosaic2", False, "also time the Mosaic GPU kernels (kernel_mosaic_v2: magic "
-                  "conversion + wgmma, up to 40 folded rows; kernel_mosaic_prefill past that) on "
+                  "the main table (false: the Mosaic GPU kernels and the baselines only, fewer "
+                  "compiles)")
+flags.DEFINE_bool("mosaic", False, "also time the Mosaic GPU kernels (mosaic_decode: magic "
+                  "conversion + wgmma, up to 40 folded rows; mosaic_prefill past that) on "
                   "the contiguous and the ring placement, and check them")
-flags.DEFINE_string("mosaic2_block_pages", "auto", "v2's pages a partition: an int or auto "
-                    "(kernel_mosaic_v2.choose_block_pages: one wave of CTAs)")
+flags.DEFINE_string("mosaic_block_pages", "auto", "the Mosaic GPU kernels' pages a partition: "
+                    "an int or auto (their own choose_block_pages)")
 flags.DEFINE_integer("copy_probe_mib", 2048, "size of the device copy-bandwidth probe (0: skip)")
 flags.DEFINE_bool("interpret", False, "run kernels in interpret mode (CPU smoke test)")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_span"), "CSV / log folder")
@@ -100,9 +96,8 @@ def _elapsed():
 def hoist_closure(fn, q):
   """fn(q) -> (fn_args(q, consts), consts): the arrays `fn` closes over (the pool, the bf16 K / V
   of the baselines) become arguments of the jitted timing step. Closed over, jit embeds them as
-  HLO constants: every case compiled with its hundreds of MB inside (slow; session 11's bench ran
-  out of its time budget after one context) and XLA free to fold q-independent work at compile
-  time."""
+  HLO constants: every case compiled with its hundreds of MB inside (slow) and XLA free to fold
+  q-independent work at compile time."""
   closed = jax.make_jaxpr(fn)(q)
 
   def fn_args(x, consts):
@@ -136,8 +131,8 @@ _STEPS = {}   # jaxpr text -> jitted timing step (see `_dispatch_step`)
 def _dispatch_step(fn, q):
   """(jitted step(x, consts), consts) for `fn`, the closed-over arrays hoisted as in
   `hoist_closure`. Cases whose jaxprs differ only in what they close over (a kernel over the
-  contiguous and over the ring table) share one jitted step, so one compile: a v2 call compiled
-  for 33-48 s in S13-3, twice a row count."""
+  contiguous and over the ring table) share one jitted step, so one compile (a Mosaic GPU call
+  compiles for tens of seconds)."""
   closed = jax.make_jaxpr(fn)(q)
   key = str(closed.jaxpr)
   if key not in _STEPS:
@@ -232,16 +227,20 @@ def _copy_bandwidth(mib: int):
   return out
 
 
+OPTION_KEYS = ("block_rows", "block_tokens", "num_warps", "num_stages", "decode")  # TritonOptions
+FLAG_KEYS = ("old", "u16pool", "mosaic")
+
+
 def _parse_config(text):
+  """"k=v;k=v" -> kernel_fn keyword arguments: precision / path / decode strings, block_pages an
+  int or auto, flags 0 / 1 (old, u16pool, mosaic), the rest ints."""
   kw = {}
   for item in filter(None, text.split(";")):
     k, v = item.split("=")
-    flags_ = ("prefetch", "old", "u16pool", "mosaic", "mosaic2", "overlap", "fused_prep", "clamp_rows")
-    if k in ("precision", "reads", "decode") or (v == "auto" and k in ("block_pages",
-                                                                       "combine_unroll")):
+    if k in ("precision", "path", "decode") or (k == "block_pages" and v == "auto"):
       kw[k] = v
     else:
-      kw[k] = bool(int(v)) if k in flags_ else int(v)
+      kw[k] = bool(int(v)) if k in FLAG_KEYS else int(v)
   return kw
 
 
@@ -294,39 +293,36 @@ def main(argv):
     return us
 
   def kernel_fn(pool, table, kv_len, q_pos, **kw):
-    if kw.pop("mosaic2", False):  # Mosaic GPU v2 / prefill: their own partition sizes
-      rows2 = q_pos.shape[0] * (FLAGS.q_heads // layout.num_kv_heads)
-      if rows2 > km2.MAX_ROWS:      # a prefill chunk: `kernel_mosaic_prefill`
-        bp2 = (kp.choose_block_pages(table.shape[0], rows2, layout.num_kv_heads,
-                                     span_api.num_sms())
-               if FLAGS.mosaic2_block_pages == "auto" else int(FLAGS.mosaic2_block_pages))
-        bp2 = kw.pop("block_pages", bp2)
-        return lambda q: kp.span_attention_mosaic_prefill(
-            q, pool, table, kv_len, q_pos, layout=layout, block_pages=bp2,
-            interpret=kw.get("interpret", FLAGS.interpret))
-      bp2 = (km2.choose_block_pages(table.shape[0], span_api.num_sms())
-             if FLAGS.mosaic2_block_pages == "auto" else int(FLAGS.mosaic2_block_pages))
-      bp2 = kw.pop("block_pages", bp2)
-      return lambda q: km2.span_attention_mosaic2(q, pool, table, kv_len, q_pos, layout=layout,
-                                                  block_pages=bp2,
-                                                  interpret=kw.get("interpret", FLAGS.interpret))
+    interpret = kw.pop("interpret", FLAGS.interpret)
+    if kw.pop("mosaic", False):  # the Mosaic GPU kernels: their own partition sizes
+      rows = q_pos.shape[0] * (FLAGS.q_heads // layout.num_kv_heads)
+      prefill = span_api.uses_mosaic_prefill(layout, rows)
+      if FLAGS.mosaic_block_pages == "auto":
+        bp = (mosaic_prefill.choose_block_pages(table.shape[0], rows, layout.num_kv_heads,
+                                                span_api.num_sms()) if prefill
+              else mosaic_decode.choose_block_pages(table.shape[0], span_api.num_sms()))
+      else:
+        bp = int(FLAGS.mosaic_block_pages)
+      bp = kw.pop("block_pages", bp)
+      call = (mosaic_prefill.span_attention_mosaic_prefill if prefill
+              else mosaic_decode.span_attention_mosaic_decode)
+      return lambda q: call(q, pool, table, kv_len, q_pos, layout=layout, block_pages=bp,
+                            interpret=interpret)
     bp = block_pages_of(kw.pop("block_pages", bp_flag), table, q_pos.shape[0])
-    if kw.pop("mosaic", False):  # Mosaic GPU v1: f16 operands, no tile options
-      mkw = dict(block_pages=bp, interpret=kw.get("interpret", FLAGS.interpret),
-                 overlap=kw.get("overlap", False))
-      return lambda q: km.span_attention_mosaic(q, pool, table, kv_len, q_pos, layout=layout, **mkw)
     mod = kt
     if kw.pop("u16pool", False):
-      pool = jax.jit(kt.halfword_view)(pool)
+      pool = jax.jit(span_common.halfword_view)(pool)
     if kw.pop("old", False):
       mod = _compare_module()
       kw.setdefault("precision", "f16")
     kw.setdefault("precision", FLAGS.precision)
-    kw["block_pages"] = bp
-    kw.setdefault("interpret", FLAGS.interpret)
+    options = {k: kw.pop(k) for k in OPTION_KEYS if k in kw}
     if FLAGS.num_stages:
-      kw.setdefault("num_stages", FLAGS.num_stages)
-    return lambda q: mod.span_attention_triton(q, pool, table, kv_len, q_pos, layout=layout, **kw)
+      options.setdefault("num_stages", FLAGS.num_stages)
+    if options:
+      kw["options"] = kt.TritonOptions(**options)
+    return lambda q: mod.span_attention_triton(q, pool, table, kv_len, q_pos, layout=layout,
+                                               block_pages=bp, interpret=interpret, **kw)
 
   max_ctx = max(contexts)
   if FLAGS.copy_probe_mib and not FLAGS.profile_config:
@@ -373,16 +369,13 @@ def main(argv):
       o_ref = ref.span_attention_reference(q, pool, scattered, ctx, q_pos, layout=layout,
                                            block_pages=block_pages_of(bp_flag, scattered, s))
       checks = [dict(precision=p) for p in (FLAGS.check_precisions if s == 1 else (FLAGS.precision,))]
-      if FLAGS.mosaic:
-        checks += [dict(mosaic=True), dict(mosaic=True, overlap=True)]
-      if FLAGS.mosaic2 and s <= kp.MAX_TOKENS:
-        checks += [dict(mosaic2=True)]
+      if FLAGS.mosaic and s <= mosaic_prefill.MAX_TOKENS:
+        checks += [dict(mosaic=True)]
       for kw in checks:
         try:
           o = kernel_fn(pool, scattered, ctx, q_pos, **kw)(q)
           err = float(jnp.linalg.norm(o - o_ref) / jnp.linalg.norm(o_ref))
-          name = kw.get("precision", ("mosaic2_f16" if kw.get("mosaic2") else "mosaic_f16")
-                        + ("_overlap" if kw.get("overlap") else ""))
+          name = kw.get("precision", "mosaic_f16")
           record(kind="check", context=ctx, rows=s, precision=name,
                  rel_err_vs_reference=err, finite=bool(jnp.isfinite(o).all()))
         except Exception as e:  # record and go on
@@ -391,10 +384,9 @@ def main(argv):
   # ---- tile sweep: every config at every (context, rows), each checked against the reference ----
   if FLAGS.sweep:
     configs = [_parse_config(c) for c in FLAGS.sweep_configs] or [
-        {}, dict(prefetch=False), dict(block_tokens=32), dict(block_tokens=128),
-        dict(num_warps=8), dict(block_pages=2), dict(block_pages=8), dict(block_pages=16),
-        dict(precision="f16"), dict(precision="tf32"), dict(reads="windows"),
-        dict(reads="windows", block_pages=8)]
+        {}, dict(block_tokens=32), dict(block_tokens=128), dict(num_warps=8),
+        dict(block_pages=2), dict(block_pages=8), dict(block_pages=16), dict(precision="f16"),
+        dict(precision="tf32")]
     for ctx in [int(c) for c in FLAGS.sweep_contexts]:
       n_pages = ctx // layout.page_tokens
       pool, _, _ = _make_pool(layout, n_pages, n_pages + 64)
@@ -438,15 +430,10 @@ def main(argv):
       if FLAGS.triton:
         cases[:0] = [("kernel_contiguous", kernel_fn(pool, contiguous, ctx, q_pos), ctx * kv_token),
                      ("kernel_ring", kernel_fn(pool, scattered, ctx, q_pos), ctx * kv_token)]
-      if FLAGS.mosaic:
+      if FLAGS.mosaic and s <= mosaic_prefill.MAX_TOKENS:
         cases.append(("mosaic_contiguous", kernel_fn(pool, contiguous, ctx, q_pos, mosaic=True),
                       ctx * kv_token))
-        cases.append(("mosaic_overlap", kernel_fn(pool, contiguous, ctx, q_pos, mosaic=True,
-                                                  overlap=True), ctx * kv_token))
-      if FLAGS.mosaic2 and s <= kp.MAX_TOKENS:
-        cases.append(("mosaic2_contiguous", kernel_fn(pool, contiguous, ctx, q_pos, mosaic2=True),
-                      ctx * kv_token))
-        cases.append(("mosaic2_ring", kernel_fn(pool, scattered, ctx, q_pos, mosaic2=True),
+        cases.append(("mosaic_ring", kernel_fn(pool, scattered, ctx, q_pos, mosaic=True),
                       ctx * kv_token))
       if s == 1:
         cases.append(("cudnn_bf16", lambda q: _cudnn_attention(q, k_bf, v_bf), ctx * bf16_token))
@@ -476,8 +463,7 @@ def main(argv):
         f"%copy = kernel GB/s / copy GB/s, %HBM against {HBM_TBPS} TB/s")
   print(f"{'ctx':>7} {'S':>4} | {'kern us':>8} {'GB/s':>6} {'%HBM':>5} {'%copy':>5} | {'ring us':>8} {'ring/c':>6} | "
         f"{'xla us':>8} {'xla/k':>5} | {'cudnn us':>8} | {'ref us':>8} | {'S/1':>5}")
-  # S/1: the kernel time over the 1-row kernel time of the same context in this run (the verify
-  # goal of issue 4 asks <= 1.3 for 4-6 rows at 160K)
+  # S/1: the kernel time over the 1-row kernel time of the same context in this run
   one_row = {r["context"]: r.get("kernel_contiguous_us", float("nan")) for r in results
              if r.get("kind") == "main" and r["rows"] == 1}
   for r in results:
@@ -490,20 +476,18 @@ def main(argv):
           f"{100 * gb / copy_gbps['copy']:5.1f} | "
           f"{kr:8.1f} {kr / kc:6.3f} | {xl:8.1f} {xl / kc:5.2f} | "
           f"{r.get('cudnn_bf16_us', float('nan')):8.1f} | {r.get('reference_us', float('nan')):8.1f} | "
-          f"{kc / one_row.get(r['context'], float('nan')):5.2f}"
-          + (f" | mosaic {r.get('mosaic_contiguous_us', float('nan')):8.1f}"
-             f" overlap {r.get('mosaic_overlap_us', float('nan')):8.1f}" if FLAGS.mosaic else ""))
-  if FLAGS.mosaic2:   # v2 against the same run's XLA bf16 and its own 1-row time
-    one2 = {r["context"]: r.get("mosaic2_contiguous_us", float("nan")) for r in results
+          f"{kc / one_row.get(r['context'], float('nan')):5.2f}")
+  if FLAGS.mosaic:   # the Mosaic GPU kernels against the same run's XLA bf16 and their 1-row time
+    one2 = {r["context"]: r.get("mosaic_contiguous_us", float("nan")) for r in results
             if r.get("kind") == "main" and r["rows"] == 1}
-    print(f"\nmosaic2 (v2) {'ctx':>7} {'S':>4} | {'v2 us':>8} {'GB/s':>6} | {'ring us':>8} "
-          f"{'ring/c':>6} | {'xla/v2':>6} | {'triton/v2':>9} | {'S/1':>5}")
+    print(f"\nmosaic {'ctx':>7} {'S':>4} | {'mosaic us':>9} {'GB/s':>6} | {'ring us':>8} "
+          f"{'ring/c':>6} | {'xla/m':>6} | {'triton/m':>9} | {'S/1':>5}")
     for r in results:
-      if r.get("kind") != "main" or "mosaic2_contiguous_us" not in r:
+      if r.get("kind") != "main" or "mosaic_contiguous_us" not in r:
         continue
-      m2, m2r = r["mosaic2_contiguous_us"], r.get("mosaic2_ring_us", float("nan"))
-      print(f"{'':12} {r['context']:>7} {r['rows']:>4} | {m2:8.1f} "
-            f"{r.get('mosaic2_contiguous_gbps', float('nan')):6.0f} | {m2r:8.1f} {m2r / m2:6.3f} | "
+      m2, m2r = r["mosaic_contiguous_us"], r.get("mosaic_ring_us", float("nan"))
+      print(f"{'':6} {r['context']:>7} {r['rows']:>4} | {m2:9.1f} "
+            f"{r.get('mosaic_contiguous_gbps', float('nan')):6.0f} | {m2r:8.1f} {m2r / m2:6.3f} | "
             f"{r.get('xla_bf16_us', float('nan')) / m2:6.2f} | "
             f"{r.get('kernel_contiguous_us', float('nan')) / m2:9.2f} | "
             f"{m2 / one2.get(r['context'], float('nan')):5.2f}")

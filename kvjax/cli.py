@@ -64,8 +64,8 @@ def _model_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("kv-page-tokens", 256, "token positions per KV page", flag_values=fv)
   flags.DEFINE_integer("ubatch-size", 256, "prefill micro-batch (rows per forward)", flag_values=fv)
   flags.DEFINE_string("attn-impl", "auto", "span attention implementation: auto (on an NVIDIA GPU "
-                      "mosaic2 for each call it takes: decode, verify, prefill chunks; triton for the rest; "
-                      "reference elsewhere) | reference | triton | mosaic | mosaic2",
+                      "mosaic for each call it takes: decode, verify, prefill chunks; triton for the rest; "
+                      "reference elsewhere) | reference | triton | mosaic",
                       flag_values=fv)
   flags.DEFINE_string("attn-block-pages", "auto", "pages per logical partition of the attention "
                       "core (an int >= 1), or auto (sized to the table and the GPU)", flag_values=fv)

@@ -40,7 +40,7 @@ _HI = lax.Precision.HIGHEST
 @dataclasses.dataclass(frozen=True)
 class AttentionOptions:
   """Static choices for the attention core (hashable: part of compiled-step keys)."""
-  implementation: str = "reference"
+  implementation: str = "reference"       # "auto" or one of span_api.IMPLEMENTATIONS
   block_pages: Union[int, str] = "auto"   # pages per logical partition, or "auto" (span_api)
   interpret: bool = False
 

@@ -13,7 +13,7 @@ and a ring slot are byte-for-byte the same thing.
 
 The page ends padded to a whole number of K rows (`page_bytes % k_row_bytes == 0`), so a pool
 of pages [P, page_bytes] is also a grid of K rows [P * page_bytes / k_row_bytes, heads, head
-bytes]: the Mosaic GPU v2 kernel copies one head's K rows of a key tile from that view with
+bytes]: the Mosaic GPU kernels copy one head's K rows of a key tile from that view with
 one TMA box into a head-major SMEM tile, where a row stride of one head (272 B at D=256) puts
 the 8 rows a load reads on 8 different bank groups (the token-major 1088-byte stride put them
 on 2: 4-way shared-memory bank conflicts, docs/DESIGN.md). Pages of equal K and V rows need no

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 
 from kvjax_pallas import ggml_codec
@@ -92,6 +93,40 @@ def random_query(seed: int, s: int, h: int, d: int, kv_len: int):
   """(q [s, h, d] float32 normal, q_pos [s]: the last s positions before kv_len)."""
   q = np.random.default_rng(seed).standard_normal((s, h, d)).astype(np.float32)
   return jnp.asarray(q), jnp.asarray(np.arange(kv_len - s, kv_len, dtype=np.int32))
+
+
+def kernel_placement_and_waves(call, partial, shape, tokens: int, block_pages: int, s_tok: int,
+                               interpret: bool, query_seed: int):
+  """`check_placement_and_waves` of a kernel's whole call and partial (each taking layout,
+  block_pages, interpret; the partial num_q_heads) on a History of `tokens` tokens (seed 11) at a
+  test shape, s_tok random query tokens (`random_query(query_seed, ...)`) -> (the output, the
+  history, q, q_pos)."""
+  # pylint: disable=import-outside-toplevel
+  import functools
+  layout, h = shape_layout(shape), shape["q_heads"]
+  hist = History(layout, tokens, seed=11)
+  q, q_pos = random_query(query_seed, s_tok, h, shape["head_dim"], tokens)
+  kw = dict(layout=layout, block_pages=block_pages, interpret=interpret)
+  one = check_placement_and_waves(functools.partial(call, **kw),
+                                  functools.partial(partial, num_q_heads=h, **kw), hist, q, q_pos)
+  return one, hist, q, q_pos
+
+
+def lowered_at_real_shape(call, s_tok: int, kv_len: int) -> str:
+  """The text of call(q, pool, table, kv_len, q_pos, layout=<the 27B layout>, block_pages=2)
+  lowered for "cuda" on zero inputs at the 27B attention geometry (REAL_SHAPE; 7 pages, a table
+  of 5, s_tok query tokens at positions 1000..)."""
+  layout = shape_layout(REAL_SHAPE)
+  q = jnp.zeros((s_tok, REAL_SHAPE["q_heads"], REAL_SHAPE["head_dim"]), jnp.float32)
+  pool = jnp.zeros((7, layout.page_bytes), jnp.uint8)
+  table = jnp.arange(5, dtype=jnp.int32)
+  q_pos = jnp.arange(s_tok, dtype=jnp.int32) + 1000
+
+  def f(q, pool, table, kv_len, q_pos):
+    return call(q, pool, table, kv_len, q_pos, layout=layout, block_pages=2)
+
+  return jax.jit(f).trace(q, pool, table, jnp.int32(kv_len), q_pos).lower(
+      lowering_platforms=("cuda",)).as_text()
 
 
 def check_placement_and_waves(call, partial, hist: History, q, q_pos):

@@ -258,6 +258,8 @@ def test_error_pool_too_small(capsys):
     (["generate", "--prompt=hi", "--kv-stream-arena-mib=-1"], "arena-mib"),
     (["generate", "--prompt=hi", "--attn-block-pages=0"], "attn-block-pages must be auto or an int >= 1, got '0'"),
     (["generate", "--prompt=hi", "--attn-block-pages=big"], "got 'big'"),
+    (["generate", "--prompt=hi", "--attn-impl=mosaic2"],
+     "--attn-impl 'mosaic2': expected auto or one of reference, triton, mosaic"),
     (["logits", "--tokens=1,2,3"], "--out"),
     (["memory"], "--config"),
     (["memory", "--config=configs/does_not_exist.py"], "does_not_exist.py"),

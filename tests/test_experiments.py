@@ -125,12 +125,13 @@ def test_bench_span_attention_smoke(tmp_path):
   """The span-kernel benchmark runs end to end in interpret mode: copy probe, correctness check
   (kernel vs the jnp reference), a sweep row and a main-table row with every baseline column."""
   out = str(tmp_path / "bs")
-  p = _run([os.path.join(REPO, "experiments", "bench_span_attention.py"), "--interpret",
-            "--contexts=256", "--rows=1", "--sweep_contexts=256", "--sweep_configs=block_tokens=16;decode=jnp;block_pages=auto;reads=words",
+  p = _run(["-m", "experiments.bench_span_attention", "--interpret",
+            "--contexts=256", "--rows=1", "--sweep_contexts=256",
+            "--sweep_configs=block_tokens=16;decode=jnp;block_pages=auto",
             "--check_rows=1", "--check_precisions=f16x3", "--head_dim=64", "--page_tokens=64",
             "--q_heads=4", "--kv_heads=2", "--iters=1", "--rounds=1", "--copy_probe_mib=8",
             "--timing=dispatch", "--dispatch_iters=2",
-            f"--out_dir={out}"], cwd=str(tmp_path), timeout=600)
+            f"--out_dir={out}"], cwd=REPO, timeout=600)
   with open(os.path.join(out, "bench_span_attention.csv"), newline="") as f:
     rows = list(csv.DictReader(f))
   kinds = [r["kind"] for r in rows]
@@ -139,7 +140,7 @@ def test_bench_span_attention_smoke(tmp_path):
   assert float(probe["copy_gbps"]) > 0 and float(probe["read_gbps"]) > 0
   assert check["precision"] == "f16x3" and float(check["rel_err_vs_reference"]) < 1e-5
   assert float(sweep["us"]) > 0 and "block_tokens" in sweep["config"] and int(sweep["bp"]) >= 1
-  assert "'reads': 'words'" in sweep["config"]
+  assert "'decode': 'jnp'" in sweep["config"]
   assert int(main["bp"]) >= 1   # the "auto" partition size each row ran with
   assert float(sweep["rel_err"]) < 2e-3   # f16 operands against the float32 reference
   for col in ("kernel_contiguous_us", "kernel_ring_us", "xla_bf16_us", "reference_us"):
@@ -154,10 +155,8 @@ def test_bench_hoists_closed_over_arrays_into_arguments(tmp_path):
   close over into arguments of the jitted step (closed over, jit embeds them in the program as
   constants), with the same result."""
   code = """
-import sys
-sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp, numpy as np
-import bench_span_attention as b
+import experiments.bench_span_attention as b
 pool = jax.random.normal(jax.random.PRNGKey(0), (64, 96))
 inner = jax.jit(lambda q, p: q @ p.T)
 fn = lambda q: inner(q, pool) * 2.0
@@ -173,39 +172,40 @@ assert "stablehlo.constant dense<" in closed_text and "tensor<64x96xf32>" not in
     "public @main")[1].split(")")[0]
 print("hoisted")
 """
-  p = _run(["-c", code, os.path.join(REPO, "experiments")], cwd=str(tmp_path))
+  p = _run(["-c", code], cwd=REPO)
   assert "hoisted" in p.stdout
 
 
-def test_bench_span_attention_mosaic2_smoke(tmp_path):
-  """--mosaic2: the v2 kernel (interpreted, head_dim 256) is checked against the reference and
-  timed on the contiguous and the ring placement in the main table, with its own summary."""
+def test_bench_span_attention_mosaic_smoke(tmp_path):
+  """--mosaic: the Mosaic GPU decode kernel (interpreted, head_dim 256) is checked against the
+  reference and timed on the contiguous and the ring placement in the main table, with its own
+  summary."""
   out = str(tmp_path / "bs2")
-  p = _run([os.path.join(REPO, "experiments", "bench_span_attention.py"), "--interpret",
-            "--contexts=192", "--rows=1", "--sweep=false", "--mosaic2", "--check_rows=1",
+  p = _run(["-m", "experiments.bench_span_attention", "--interpret",
+            "--contexts=192", "--rows=1", "--sweep=false", "--mosaic", "--check_rows=1",
             "--check_precisions=f16", "--head_dim=256", "--page_tokens=64", "--q_heads=6",
             "--kv_heads=2", "--iters=1", "--rounds=1", "--copy_probe_mib=0",
             "--reference_max_rows=0", "--timing=dispatch", "--dispatch_iters=1",
-            f"--out_dir={out}"], cwd=str(tmp_path), timeout=600)
+            f"--out_dir={out}"], cwd=REPO, timeout=600)
   with open(os.path.join(out, "bench_span_attention.csv"), newline="") as f:
     rows = list(csv.DictReader(f))
   checks = {r["precision"]: r for r in rows if r["kind"] == "check"}
-  assert float(checks["mosaic2_f16"]["rel_err_vs_reference"]) < 2e-3, checks
+  assert float(checks["mosaic_f16"]["rel_err_vs_reference"]) < 2e-3, checks
   main = [r for r in rows if r["kind"] == "main"][0]
-  for col in ("mosaic2_contiguous_us", "mosaic2_ring_us", "kernel_contiguous_us"):
+  for col in ("mosaic_contiguous_us", "mosaic_ring_us", "kernel_contiguous_us"):
     assert float(main[col]) > 0, col
-  assert "mosaic2 (v2)" in p.stdout
+  assert any(l.startswith("mosaic ") and "mosaic us" in l for l in p.stdout.splitlines())
 
 
 def test_probe_page_reads_smoke(tmp_path):
   """The read-ceiling probe (the span kernel's page reads alone, then with its decode) runs in
   interpret mode, and its raw-halfword sums equal numpy's over the same page bytes."""
-  p = _run([os.path.join(REPO, "experiments", "probe_page_reads.py"), "--interpret",
+  p = _run(["-m", "experiments.kernel_lab.probe_page_reads", "--interpret",
             "--contexts=192", "--block_pages=2", "--block_tokens=16", "--page_tokens=64",
-            "--head_dim=64", "--kv_heads=2", "--reads=gather"], cwd=str(tmp_path), timeout=300)
-  assert "check context=192 reads=gather: sums equal numpy's" in p.stdout
+            "--head_dim=64", "--kv_heads=2"], cwd=REPO, timeout=300)
+  assert "check context=192: sums equal numpy's" in p.stdout
   probes = [l for l in p.stdout.splitlines() if l.startswith("probe ")]
-  assert [l.split()[3] for l in probes] == ["mode=load", "mode=decode"], probes
+  assert [l.split()[2] for l in probes] == ["mode=load", "mode=decode"], probes
 
 
 def test_probe_tma_reads_smoke(tmp_path):
@@ -213,34 +213,29 @@ def test_probe_tma_reads_smoke(tmp_path):
   tile lands in SMEM from the right page and offset (its first bytes, copied back, equal the page
   bytes), for two line widths (the TMA box's inner dimension), tile sizes and pipeline depths,
   with a partial last partition."""
-  p = _run([os.path.join(REPO, "experiments", "probe_tma_reads.py"), "--interpret",
+  p = _run(["-m", "experiments.kernel_lab.probe_tma_reads", "--interpret",
             "--contexts=512", "--page_tokens=64", "--head_dim=64", "--kv_heads=4",
             "--block_pages=3", "--block_tokens=16,32", "--stages=2,3", "--line_bytes=16,256"],
-           cwd=str(tmp_path),
-           timeout=300)
+           cwd=REPO, timeout=300)
   checked = [l for l in p.stdout.splitlines() if l.startswith("tma ") and " checked " in l]
   assert len(checked) == 8, p.stdout
   assert sorted({l.split()[3] for l in checked}) == ["line=16", "line=256"], checked
 
 
-def _import_experiment(name, folder="experiments"):
+def _import_lab(name):
+  """experiments/kernel_lab/NAME.py as a module (the repository root is on the tests' path)."""
   import importlib  # pylint: disable=import-outside-toplevel
-  sys.path.insert(0, os.path.join(REPO, folder))
-  try:
-    return importlib.import_module(name)
-  finally:
-    sys.path.pop(0)
+  return importlib.import_module("experiments.kernel_lab." + name)
 
 
 def test_probe_wg_reductions():
-  """mosaic_gpu_probes/probe_wg_reductions.py (GPU only: it found that concurrent axis-0
-  reductions of several Pallas warpgroups race, S9-8): its numpy sums equal the loop they stand
+  """kernel_lab/probe_wg_reductions.py (GPU only: it found that concurrent axis-0 reductions of
+  several Pallas warpgroups race): its numpy sums equal the loop they stand
   for, along either axis, and the kernel lowers for "cuda" with 1, 2 and 4 warpgroups."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  probe = _import_experiment("probe_wg_reductions",
-                             os.path.join("experiments", "mosaic_gpu_probes"))
+  probe = _import_lab("probe_wg_reductions")
   x = np.random.default_rng(0).integers(-5, 5, (2, 3, 64, 16)).astype(np.float64)
   for axis in (0, 1):
     want = probe.expected(x, 3, axis)
@@ -255,58 +250,11 @@ def test_probe_wg_reductions():
 
 
 def _exact_pool(layout, pages: int, seed: int):
-  """A pool of `probe_common.exact_pages` pages (numpy uint8 [pages, page_bytes])."""
+  """A pool of `kernel_lab.common.exact_pages` pages (numpy uint8 [pages, page_bytes])."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed)
-  return _import_experiment("probe_common").exact_pages(
+  return _import_lab("common").exact_pages(
       rng.integers(0, 256, (pages, layout.page_bytes), np.uint8), layout, rng)
-
-
-def test_probe_tma_decode_sums():
-  """The TMA probe's decode mode (compiled only) is checked on the GPU against
-  `expected_decode_sums`, bit for bit: on `exact_pages` every f16 sum is exact. Here those numpy
-  sums equal ggml_codec's dequant summed in float64 over the same windows (every head, K and V, 16
-  dims a window), also split by warpgroup (heads round robin); the same pages read with the wrong
-  row geometry give other sums. The decode kernel lowers for "cuda" at the 27B page geometry with
-  256-byte lines, with 1, 2 and 4 consumer warpgroups, straight-line and rolled; a roll that does
-  not divide a head's blocks is refused by name."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from kvjax_pallas import ggml_codec  # pylint: disable=import-outside-toplevel
-  probe = _import_experiment("probe_tma_reads")
-  layout = PageLayout(2, 64, "q8_0", "q4_0", 128)
-  pool = _exact_pool(layout, 6, seed=5)
-  table = np.array([4, 1, 5, 0], np.int32)
-  got = probe.expected_decode_sums(pool, table, layout, block_pages=2)[:, 0]
-  by_wg = probe.expected_decode_sums(pool, table, layout, block_pages=2, consumers=2)
-  want = np.zeros((2, 64, 16))
-  want_wg = np.zeros((2, 2, 64, 16))
-  for p in range(2):
-    for page in table[2 * p:2 * p + 2]:
-      k = np.asarray(ggml_codec.decode_rows(
-          jnp.asarray(pool[page, :layout.k_plane_bytes].reshape(128, -1)), "q8_0", 2))
-      v = np.asarray(ggml_codec.decode_rows(jnp.asarray(
-          pool[page, layout.v_offset:layout.v_offset + layout.v_plane_bytes].reshape(128, -1)),
-          "q4_0", 2))
-      for x in (k, v):                                   # [tokens, heads, 64]
-        w = x.astype(np.float64).reshape(2, 64, 2, 4, 16)  # [tile, token, head, window, 16]
-        want[p] += w.sum(axis=(0, 2, 3))
-        want_wg[p] += w.sum(axis=(0, 3)).transpose(1, 0, 2)  # warpgroup w: head w
-  assert np.abs(want).max() > 0.1
-  np.testing.assert_array_equal(got.astype(np.float64), want)
-  np.testing.assert_array_equal(by_wg.astype(np.float64), want_wg)
-  other = probe.expected_decode_sums(pool, table, PageLayout(1, 64, "q8_0", "q4_0", 128), 2)
-  assert not np.array_equal(other[:, 0], got)
-  big = PageLayout(4, 256, "q8_0", "q4_0", 256)
-  lines = jax.ShapeDtypeStruct((520, big.page_bytes // 256, 256), jnp.uint8)
-  for consumers, unroll in ((1, 0), (4, 0), (1, 2), (2, 1)):
-    jax.jit(lambda a, b, c=consumers, u=unroll: probe.decode_probe(
-        a, b, layout=big, block_pages=4, stages=2, consumers=c, unroll=u)).trace(
-            lines, jax.ShapeDtypeStruct((512,), jnp.int32)).lower(lowering_platforms=("cuda",))
-  with pytest.raises(ValueError, match="unroll=3 does not divide the 8 blocks a head"):
-    probe.decode_probe(jnp.zeros((8, big.page_bytes // 256, 256), jnp.uint8),
-                       jnp.zeros((4,), jnp.int32), layout=big, block_pages=4, stages=2, unroll=3)
 
 
 def test_probe_tma_magic_and_step():
@@ -319,7 +267,7 @@ def test_probe_tma_magic_and_step():
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from kvjax_pallas import ggml_codec  # pylint: disable=import-outside-toplevel
-  probe = _import_experiment("probe_tma_reads")
+  probe = _import_lab("probe_tma_reads")
   big = PageLayout(4, 256, "q8_0", "q4_0", 256)
   pool = _exact_pool(big, 5, seed=8)
   table = np.array([3, 0, 4, 1], np.int32)
@@ -371,7 +319,7 @@ def test_probe_packed_decode(tmp_path):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from kvjax_pallas import ggml_codec  # pylint: disable=import-outside-toplevel
-  probe = _import_experiment("probe_packed_decode")
+  probe = _import_lab("probe_packed_decode")
   layout = PageLayout(2, 64, "q8_0", "q4_0", 128)
   x = np.random.default_rng(3).normal(size=(3, 2, 128, 2, 64)).astype(np.float32)
   k_rows = np.asarray(ggml_codec.encode_rows(jnp.asarray(x[:, 0]), "q8_0"))   # [P, T, G*68]
@@ -390,9 +338,9 @@ def test_probe_packed_decode(tmp_path):
   v_got = (v_vals * vs.astype(np.float32)[..., None]).reshape(3, 2, 128, 64)
   np.testing.assert_array_equal(k_got, k_want)
   np.testing.assert_array_equal(v_got, v_want)
-  p = _run([os.path.join(REPO, "experiments", "probe_packed_decode.py"), "--interpret",
+  p = _run(["-m", "experiments.kernel_lab.probe_packed_decode", "--interpret",
             "--contexts=512", "--page_tokens=128", "--head_dim=64", "--kv_heads=2",
-            "--block_pages=2", "--stages=1,2", "--consumers=1,2"], cwd=str(tmp_path), timeout=600)
+            "--block_pages=2", "--stages=1,2", "--consumers=1,2"], cwd=REPO, timeout=600)
   checked = [[l.split()[i] for i in (1, 3, 4)] for l in p.stdout.splitlines()
              if l.startswith("packed ") and " checked " in l]
   assert checked == [["sum", "stages=1", "WGs=1"], ["sum", "stages=2", "WGs=1"],
@@ -433,7 +381,8 @@ def magic_ptx_dims(kind):
 
 
 def test_ncu_report_summaries(tmp_path):
-  """experiments/gpu/ncu_report.py (used by opcode_mix.sh / stall_profile.sh on the GPU machine)
+  """experiments/kernel_lab/ncu_report.py (used by opcode_mix.sh / stall_profile.sh on the GPU
+  machine)
   reads ncu's CSV: opcode counts by name, largest first; stall reasons by size with their total;
   the kept section metrics; the longest kernel's name (regex-escaped), the program's own output
   lines skipped."""
@@ -457,12 +406,12 @@ def test_ncu_report_summaries(tmp_path):
                    "", "2.25"))
     w.writerow(row("k", "Registers Per Thread", "register/thread", "128"))
     w.writerow(row("k", "Not Kept", "", "7"))
-  script = os.path.join(REPO, "experiments", "gpu", "ncu_report.py")
-  p = _run([script, "stalls", str(path), "cfg=1", "k"], cwd=str(tmp_path))
+  script = ["-m", "experiments.kernel_lab.ncu_report"]
+  p = _run(script + ["stalls", str(path), "cfg=1", "k"], cwd=REPO)
   assert "opcodes (0.00 M): IMAD 0.00M, LDG 0.00M, HMMA 0.00M" in p.stdout
   assert "stalls (warps a issued instruction, total 3.75): long_scoreboard 2.25, wait 1.50" in p.stdout
   assert "Registers Per Thread = 128 register/thread" in p.stdout and "Not Kept" not in p.stdout
-  p = _run([script, "opcodes", str(path), "cfg=1"], cwd=str(tmp_path))
+  p = _run(script + ["opcodes", str(path), "cfg=1"], cwd=REPO)
   assert "cfg=1: 0.00 M warp instructions by opcode" in p.stdout
   assert "IMAD 0.00M, LDG 0.00M, HMMA 0.00M" in p.stdout
   def write(name, *rows):
@@ -472,18 +421,18 @@ def test_ncu_report_summaries(tmp_path):
 
   times = write("times.csv", row("short_kernel", "gpu__time_duration.sum", "ns", "1,000"),
                 row("long.kernel(int)", "gpu__time_duration.sum", "ns", "2,000,000"))
-  p = _run([script, "longest", times], cwd=str(tmp_path))
+  p = _run(script + ["longest", times], cwd=REPO)
   assert p.stdout.strip() == r"long\.kernel"
   shared = write("shared.csv",
                  row("k", "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum", "", "3,000"),
                  row("k", "smsp__inst_executed_op_shared_ld.sum", "inst", "1,200"))
-  p = _run([script, "metrics", shared], cwd=str(tmp_path))
+  p = _run(script + ["metrics", shared], cwd=REPO)
   assert "smsp__inst_executed_op_shared_ld.sum = 1,200 inst" in p.stdout
   assert "wavefronts per shared load instruction = 2.50" in p.stdout
 
 
 def test_ncu_durations_lists_a_calls_kernels(tmp_path):
-  """experiments/gpu/ncu_durations.py: the last `tail` kernels of an ncu duration log in launch
+  """experiments/kernel_lab/ncu_durations.py: the last `tail` kernels of an ncu duration log in launch
   order, each in microseconds (ns / us / ms units), and their total; the program's own lines and
   ncu's banner skipped."""
   head = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream",
@@ -503,8 +452,7 @@ def test_ncu_durations_lists_a_calls_kernels(tmp_path):
     w.writerow(row("loop_gather_fusion", "nsecond", "2,940"))
     w.writerow(row("anonymous_mosaic_gpu_kernel", "usecond", "91.46"))
     w.writerow(row("kvjax_span_combine", "msecond", "0.021"))
-  script = os.path.join(REPO, "experiments", "gpu", "ncu_durations.py")
-  p = _run([script, str(path), "3"], cwd=str(tmp_path))
+  p = _run(["-m", "experiments.kernel_lab.ncu_durations", str(path), "3"], cwd=REPO)
   lines = p.stdout.strip().splitlines()
   assert [ln.split()[-1] for ln in lines[:3]] == [
       "loop_gather_fusion", "anonymous_mosaic_gpu_kernel", "kvjax_span_combine"]
@@ -512,11 +460,12 @@ def test_ncu_durations_lists_a_calls_kernels(tmp_path):
   assert lines[3].split()[0] == "115.40" and "3 kernels" in lines[3]
 
 
-def test_v2_round_runs_the_named_steps_and_prints_a_summary(tmp_path):
-  """experiments/gpu/v2_round.sh (one device call of the v2 kernel's round): only the steps
+def test_mosaic_round_runs_the_named_steps_and_prints_a_summary(tmp_path):
+  """experiments/kernel_lab/mosaic_round.sh (one device call of the decode kernel's round): only
+  the steps
   named in STEPS run; the EXTRA command's output tail goes into $OUT/summary.txt, which is
   printed last."""
-  script = os.path.join(REPO, "experiments", "gpu", "v2_round.sh")
+  script = os.path.join(REPO, "experiments", "kernel_lab", "mosaic_round.sh")
   env = dict(os.environ, OUT=str(tmp_path), STEPS="none", EXTRA="echo measured 42 us",
              JAX_PLATFORMS="cpu")
   p = subprocess.run(["bash", script], capture_output=True, text=True, cwd=REPO, env=env,
@@ -529,20 +478,20 @@ def test_v2_round_runs_the_named_steps_and_prints_a_summary(tmp_path):
 
 
 def test_time_combine_smoke(tmp_path):
-  """experiments/gpu/time_combine.py on the CPU (the Triton combine interpreted): every tiling of
-  the v2 combine folds to the default's bits, a tiling the shape refuses is reported by name and
-  the run goes on."""
+  """experiments/kernel_lab/time_combine.py on the CPU (the Triton combine interpreted): every
+  tiling of the decode kernel's combine folds to the default's bits, a tiling the shape refuses
+  is reported by name and the run goes on."""
   env = dict(os.environ, TIME_COMBINE_REPS="1")
-  p = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "gpu", "time_combine.py"),
+  p = subprocess.run([sys.executable, "-m", "experiments.kernel_lab.time_combine",
                       "8", "1", "default,cols=32,rows=16,cols=4+unroll=8"],
-                     capture_output=True, text=True, cwd=str(tmp_path), timeout=300,
+                     capture_output=True, text=True, cwd=REPO, timeout=300,
                      env=dict(env, JAX_PLATFORMS="cpu"))
   assert p.returncode == 0, p.stderr[-3000:]
   rows = [l for l in p.stdout.splitlines() if l.strip().startswith("8 ")]
   assert len(rows) == 4, p.stdout
   timed = [l for l in rows if "failed" not in l]
   assert len(timed) == 3 and all(l.split("|")[-1].strip() == "0" for l in timed), p.stdout
-  assert "combine_rows must be a power of two dividing N=8, got 16" in p.stdout
+  assert "combine rows must be a power of two dividing the 8 padded rows, got 16" in p.stdout
 
 
 def test_bench_cases_that_differ_in_closed_over_arrays_share_a_step(tmp_path):
@@ -550,10 +499,8 @@ def test_bench_cases_that_differ_in_closed_over_arrays_share_a_step(tmp_path):
   table (closed-over arrays of one shape) is one jitted step, compiled once; another shape is
   another step. (In a subprocess: the bench's absl flags would clash with the probes'.)"""
   code = """
-import sys
-sys.path.insert(0, sys.argv[1])
 import jax.numpy as jnp
-import bench_span_attention as bench
+import experiments.bench_span_attention as bench
 q = jnp.ones((2, 3))
 t1, t2, t3 = jnp.arange(4), jnp.arange(4)[::-1], jnp.arange(5)
 step1, c1 = bench._dispatch_step(lambda x: x * t1.sum(), q)
@@ -563,15 +510,15 @@ assert step1 is step2 and step3 is not step1
 assert float(step1(q, c1)[0, 0]) == float(step2(q, c2)[0, 0]) == 1.0   # q + 1e-30 * 6 q
 print("shared")
 """
-  p = _run(["-c", code, os.path.join(REPO, "experiments")], cwd=str(tmp_path), timeout=120)
+  p = _run(["-c", code], cwd=REPO, timeout=120)
   assert "shared" in p.stdout
 
 
 def test_compile_time_smoke(tmp_path):
-  """experiments/gpu/compile_time.py on the CPU (the jnp reference): one row a (rows,
+  """experiments/kernel_lab/compile_time.py on the CPU (the jnp reference): one row a (rows,
   implementation), the first forward (compiling) slower than the second."""
-  p = _run([os.path.join(REPO, "experiments", "gpu", "compile_time.py"), "1", "reference", "300"],
-           cwd=str(tmp_path), timeout=300)
+  p = _run(["-m", "experiments.kernel_lab.compile_time", "1", "reference", "300"], cwd=REPO,
+           timeout=300)
   rows = [l.split() for l in p.stdout.splitlines() if l.split()[:2] == ["1", "reference"]]
   assert len(rows) == 1, p.stdout
   first, second = float(rows[0][3]), float(rows[0][4])
@@ -591,8 +538,8 @@ def test_ncu_report_sources(tmp_path):
     w.writerow(["0x20", "LDL R4, [R1]", "200", "190", "180", "0"])
     w.writerow(["0x30", "BAR.SYNC.DEFER_BLOCKING 0x1, 0x80", "300", "300", "0", "290"])
     w.writerow(["0x40", "HMUL2 R5, R6, R7", "1,000", "100", "0", "0"])
-  script = os.path.join(REPO, "experiments", "gpu", "ncu_report.py")
-  out = _run([script, "sources", str(path), "2"], cwd=str(tmp_path)).stdout
+  script = ["-m", "experiments.kernel_lab.ncu_report"]
+  out = _run(script + ["sources", str(path), "2"], cwd=REPO).stdout
   assert "4 SASS instructions, 2100 warp samples" in out
   lines = out.splitlines()
   ops = [l.split()[0] for l in lines[lines.index("  by opcode (share of samples; largest reasons):")
@@ -603,5 +550,6 @@ def test_ncu_report_sources(tmp_path):
   assert len(top) == 2 and "HMUL2" in top[0] and "@!P0 LDL.64" in top[1]
   bad = tmp_path / "bad.csv"
   bad.write_text("Source,Other\nLDL,1\n")
-  p = subprocess.run([sys.executable, script, "sources", str(bad)], capture_output=True, text=True)
+  p = subprocess.run([sys.executable] + script + ["sources", str(bad)], capture_output=True,
+                     text=True, cwd=REPO)
   assert p.returncode != 0 and "no 'Warp Stall Sampling (All Samples)' column" in p.stderr

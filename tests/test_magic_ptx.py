@@ -1,9 +1,9 @@
 """kvjax_pallas/span_attention/magic_ptx.py: the PTX of the magic-number conversions, run by the
 numpy model of the PTX opcodes (`ptx_model`: mov, xor, shr, prmt, lop3, sub / mul .f16x2), and the lane
-addressing of the probes (`kernel_mosaic_v2.ggml_k_lhs` / `ggml_vt_lhs`, the packed
+addressing of the probes (`mosaic_common.ggml_k_lhs` / `ggml_vt_lhs`, the packed
 WGMMA_LAYOUT_8BIT load) replayed in numpy: the lhs columns they build hold exactly the head dims
 that `ggml_dims` / `vt_dims` / `packed_dims` say, with ggml_codec's values. The GPU runs check the
-same against numpy sums (PERFORMANCE.md, S9-4 .. S9-6); this keeps the CPU side honest."""
+same against numpy sums (docs/PERFORMANCE.md); this keeps the CPU side honest."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -89,7 +89,7 @@ def _ggml_rows(kind, tokens, heads, seed):
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
 def test_ggml_lane_addressing(kind):
-  """`kernel_mosaic_v2.ggml_k_lhs`'s lanes replayed: lane c of a row reads the 4-byte-aligned
+  """`mosaic_common.ggml_k_lhs`'s lanes replayed: lane c of a row reads the 4-byte-aligned
   words of blocks 2c and 2c + 1, realigns block 2c's quants with prmt 0x5432, converts each word (scaled), and
   its m-th register fills columns 8 m + 2 c + {0, 1}. The row's columns then hold ggml_codec's
   values (to one f16 rounding) of head dims `ggml_dims(kind)`, on a head that is not the first."""
@@ -115,7 +115,7 @@ def test_ggml_lane_addressing(kind):
 
 
 def test_vt_lane_addressing():
-  """`kernel_mosaic_v2.ggml_vt_lhs`'s lanes replayed: lane (warp w, row r, quad c) reads quant
+  """`mosaic_common.ggml_vt_lhs`'s lanes replayed: lane (warp w, row r, quad c) reads quant
   bytes 4 (8 w + r) .. +3 of the head (two words and prmt with the computed selector) and the block scale for its
   tokens 8 g + 2 c + {0, 1}; byte mb's registers fill M-block mb, rows 16 w + r (+ 8 high
   nibbles), columns 8 g + 2 c + {0, 1}. The stacked M-blocks hold ggml_codec's V values of head

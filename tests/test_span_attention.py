@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import api
 from kvjax_pallas.span_attention import reference as ref
+from kvjax_pallas.span_attention import triton
 from span_history import History
 
 ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"
@@ -58,7 +59,8 @@ def impl(request):
 
 
 class TestSpanAttention:
-  """Runs for every implementation in `api.FULL_IMPLEMENTATIONS` (the Mosaic GPU kernel has its own file)."""
+  """Runs for every implementation in `api.FULL_IMPLEMENTATIONS` (the Mosaic GPU kernels have their
+  own files)."""
 
   def _run(self, impl, q, pool, table, kv_len, q_pos, layout, **kw):
     if impl != "reference":
@@ -97,7 +99,7 @@ class TestSpanAttention:
   @staticmethod
   def _ring_case(seed: int, rows, wrap: int, pair=PAIRS[0]):
     """A history (Q8_0/Q4_0 unless `pair`) over resident + ring pages -> (history, q, q_pos,
-    positional args, keyword args) of a direct `kernel_triton` call at the class's precision.
+    positional args, keyword args) of a direct `triton` call at the class's precision.
     rows="prefill": the class's prefill chunk."""
     rows = SHAPE["prefill_rows"] if rows == "prefill" else rows
     layout = _layout(pair)
@@ -126,132 +128,64 @@ class TestSpanAttention:
     return (args[0], jnp.asarray(pool), *args[2:])
 
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
-  def test_prefetch_and_tiles(self, impl):
-    """Software prefetch changes no bit; other key tiles and warps stay on the oracle."""
-    from kvjax_pallas.span_attention import kernel_triton
+  def test_tile_options(self, impl):
+    """Other key tiles and warps (`triton.TritonOptions`) stay on the oracle."""
     hist, q, q_pos, args, kw = self._ring_case(seed=17, rows=2, wrap=1)
-    base = np.asarray(kernel_triton.span_attention_triton(*args, prefetch=False, **kw))
-    pref = np.asarray(kernel_triton.span_attention_triton(*args, prefetch=True, **kw))
-    np.testing.assert_array_equal(base, pref)
     oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, q_pos, hist.tokens)
-    other = np.asarray(kernel_triton.span_attention_triton(*args, block_tokens=16, num_warps=8, **kw))
+    other = np.asarray(triton.span_attention_triton(
+        *args, options=triton.TritonOptions(block_tokens=16, num_warps=8), **kw))
     assert _rel(other, oracle) <= TOL[impl]
 
-  @pytest.mark.parametrize("rows", [1, 6])
-  @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
-  def test_combine_tiles_same_bits(self, impl, rows):
-    """Other combine tiles (rows, columns, warps) and load groups change no bit: the combine is
-    elementwise per row and folds in logical order whatever it loads at once."""
-    from kvjax_pallas.span_attention import kernel_triton
-    hist, q, q_pos, args, kw = self._ring_case(seed=37, rows=rows, wrap=2)
-    base = np.asarray(kernel_triton.span_attention_triton(*args, **kw))
-    for extra in (dict(combine_cols=16, combine_warps=1), dict(combine_cols=64),
-                  dict(combine_rows=1), dict(combine_rows=1, combine_cols=64, combine_warps=2),
-                  dict(combine_unroll=8), dict(combine_unroll=16), dict(combine_unroll=32)):
-      np.testing.assert_array_equal(base, np.asarray(kernel_triton.span_attention_triton(
-          *args, **extra, **kw)), err_msg=str(extra))
-    with pytest.raises(ValueError, match="combine_cols must be a power of two dividing"):
-      kernel_triton.span_attention_triton(*args, combine_cols=24, **kw)
-    with pytest.raises(ValueError, match="combine_rows must be a power of two <= .*got 3"):
-      kernel_triton.span_attention_triton(*args, combine_rows=3, **kw)
-    with pytest.raises(ValueError, match="combine_unroll must be a multiple of 8 or 'auto', got 12"):
-      kernel_triton.span_attention_triton(*args, combine_unroll=12, **kw)
-
   @pytest.mark.parametrize("pair,rows", [(PAIRS[0], 1), (PAIRS[0], 6), (PAIRS[0], "prefill"),
-                                         (PAIRS[2], 2), (PAIRS[3], 5)])
+                                         (PAIRS[2], 5)])
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
-  def test_fused_prep_same_bits(self, impl, pair, rows):
-    """fused_prep=True (query fold / pad / split and page-range clipping inside the span kernel,
-    an empty carry built by the combine) gives the bits of the wrapper prep, in one call and in
-    waves; windows reads are refused by name."""
-    from kvjax_pallas.span_attention import kernel_triton
-    hist, q, _, args, kw = self._ring_case(seed=41, rows=rows, wrap=4, pair=pair)
-    pool, table, layout, bp, rows = args[1], args[2], kw["layout"], kw["block_pages"], q.shape[0]
-    base = np.asarray(kernel_triton.span_attention_triton(*args, fused_prep=False, **kw))
-    fused = np.asarray(kernel_triton.span_attention_triton(*args, fused_prep=True, **kw))
-    np.testing.assert_array_equal(base, fused)
-    auto = np.asarray(kernel_triton.span_attention_triton(*args, **kw))   # fused_prep=None
-    np.testing.assert_array_equal(base, auto)
-    h, d = SHAPE["q_heads"], SHAPE["head_dim"]
-    carry = api.init_carry(layout.num_kv_heads, rows * (h // layout.num_kv_heads), d)
-    for a, b in ((0, bp), (bp, table.shape[0])):
-      carry = kernel_triton.span_attention_partial_triton(
-          args[0], pool, table, jnp.int32(hist.tokens), args[4], carry, jnp.int32(a), jnp.int32(b),
-          num_q_heads=h, fused_prep=True, **kw)
-    np.testing.assert_array_equal(base, np.asarray(api.finalize(carry, h)))
-    if pair[0] == "q8_0":   # windows reads of Q8_0 rows put junk columns among the head dims
-      with pytest.raises(ValueError, match="fused_prep needs K columns in head-dim order"):
-        kernel_triton.span_attention_triton(*args, fused_prep=True, reads="windows", **kw)
-
-  @pytest.mark.parametrize("pair,rows,extra", [(PAIRS[0], 1, {}), (PAIRS[0], 6, {}),
-                                               (PAIRS[0], "prefill", {}),
-                                               (PAIRS[0], 2, dict(prefetch=True)),
-                                               (PAIRS[0], 1, dict(reads="words")),
-                                               (PAIRS[2], 5, {})])
-  @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
-  def test_clamp_rows_same_bits(self, impl, pair, rows, extra):
-    """clamp_rows=True (the default: partial key tiles re-read their last visible row instead of
-    masked loads) gives the bits of the masked loads (clamp_rows=False). The rows past the
-    history in its last page are poisoned (`_poison_past_history`)."""
-    from kvjax_pallas.span_attention import kernel_triton
-    hist, q, _, args, kw = self._ring_case(seed=43, rows=rows, wrap=3, pair=pair)
+  def test_rows_past_the_history_are_not_read(self, impl, pair, rows):
+    """A partial key tile re-reads its last visible row instead of the rows past the history:
+    with those rows poisoned (`_poison_past_history`: NaN scales and values) the result is
+    finite and bit for bit the clean pool's, in one call and in waves."""
+    hist, _, _, args, kw = self._ring_case(seed=43, rows=rows, wrap=3, pair=pair)
+    clean = np.asarray(triton.span_attention_triton(*args, **kw))
     args = self._poison_past_history(hist, args, kw["layout"])
-    masked = np.asarray(kernel_triton.span_attention_triton(*args, clamp_rows=False, **extra, **kw))
-    clamped = np.asarray(kernel_triton.span_attention_triton(*args, clamp_rows=True, **extra, **kw))
-    assert np.isfinite(masked).all()
-    np.testing.assert_array_equal(masked, clamped)
+    poisoned = np.asarray(triton.span_attention_triton(*args, **kw))
+    assert np.isfinite(poisoned).all()
+    np.testing.assert_array_equal(clean, poisoned)
+    h, bp, table = SHAPE["q_heads"], kw["block_pages"], args[2]
+    carry = None
+    for a, b in ((0, bp), (bp, table.shape[0])):
+      carry = triton.span_attention_partial_triton(
+          args[0], args[1], table, jnp.int32(hist.tokens), args[4], carry, jnp.int32(a),
+          jnp.int32(b), num_q_heads=h, **kw)
+    np.testing.assert_array_equal(clean, np.asarray(api.finalize(carry, h)))
 
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
   def test_row_blocks(self, impl):
     """block_rows=16 splits 6 tokens' folded rows over several row blocks (each reads the pages
     again) and stays on the oracle; other sizes are refused by name."""
-    from kvjax_pallas.span_attention import kernel_triton
     hist, q, q_pos, args, kw = self._ring_case(seed=23, rows=6, wrap=2)
     layout = kw["layout"]
     rows = 6 * SHAPE["q_heads"] // SHAPE["kv_heads"]
-    assert kernel_triton.tile_config(6, rows // 6, layout.page_tokens, block_rows=16).block_rows == 16
+    opts = triton.TritonOptions(block_rows=16)
+    assert triton.tile_config(6, rows // 6, layout.page_tokens, options=opts).block_rows == 16
     assert rows > 16   # more than one row block
     oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, q_pos, hist.tokens)
-    split = np.asarray(kernel_triton.span_attention_triton(*args, block_rows=16, **kw))
+    split = np.asarray(triton.span_attention_triton(*args, options=opts, **kw))
     assert _rel(split, oracle) <= TOL[impl], _rel(split, oracle)
     with pytest.raises(ValueError, match="block_rows must be a power of two >= 16, got 24"):
-      kernel_triton.tile_config(6, 3, layout.page_tokens, block_rows=24)
-
-  @pytest.mark.parametrize("reads", ["windows", "words"])
-  @pytest.mark.parametrize("pair", PAIRS)
-  @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
-  def test_window_reads(self, impl, pair, reads):
-    """reads="windows" (contiguous power-of-two windows + junk columns) and reads="words" (32-bit
-    words a block pair, junk columns for the scale bytes; F16 / BF16 rows keep their gathers)
-    stay on the oracle at f16x3 and keep placement invariance bit for bit."""
-    from kvjax_pallas.span_attention import kernel_triton
-    layout = _layout(pair)
-    hist = History(layout, SHAPE["tokens"], seed=19)
-    q, q_pos = _query(19, 2, hist.tokens)
-    kw = dict(layout=layout, block_pages=SHAPE["block_pages"], interpret=INTERPRET,
-              precision=KERNEL_PRECISION, reads=reads)
-    outs = [np.asarray(kernel_triton.span_attention_triton(
-        jnp.asarray(q), pool, table, hist.tokens, jnp.asarray(q_pos), **kw))
-        for pool, table in (hist.contiguous(), hist.shuffled(seed=3))]
-    np.testing.assert_array_equal(outs[0], outs[1])
-    oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, q_pos, hist.tokens)
-    assert _rel(outs[0], oracle) <= TOL[impl], _rel(outs[0], oracle)
+      triton.tile_config(6, 3, layout.page_tokens, options=triton.TritonOptions(block_rows=24))
 
   @pytest.mark.parametrize("pair,rows", [(PAIRS[0], 1), (PAIRS[0], 6), (PAIRS[1], 2),
                                          (PAIRS[0], "prefill")])
   @pytest.mark.parametrize("impl", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
-  @pytest.mark.parametrize("reads", ["gather", "words"])
-  def test_asm_decode_same_bits(self, impl, pair, rows, reads):
+  def test_asm_decode_same_bits(self, impl, pair, rows):
     """decode="asm" (packed PTX, compiled kernels only) gives the bits of decode="jnp" at the fast
     "f16" precision. On the CPU the interpreter runs jnp for both: tests/test_span_decode_asm.py
     checks the PTX there instead."""
     if INTERPRET:
       pytest.skip("inline PTX runs only in compiled kernels (GPU); see test_span_decode_asm.py")
-    from kvjax_pallas.span_attention import kernel_triton
     hist, q, q_pos, args, kw = self._ring_case(seed=29, rows=rows, wrap=3, pair=pair)
-    kw.update(interpret=False, precision="f16", reads=reads)
-    outs = [np.asarray(kernel_triton.span_attention_triton(*args, decode=dec, **kw))
-            for dec in ("asm", "jnp")]
+    kw.update(interpret=False, precision="f16")
+    outs = [np.asarray(triton.span_attention_triton(
+        *args, options=triton.TritonOptions(decode=dec), **kw)) for dec in ("asm", "jnp")]
     np.testing.assert_array_equal(outs[0], outs[1])
     oracle = ref.dense_attention_f64(q, hist.k_tgd, hist.v_tgd, q_pos, hist.tokens)
     assert _rel(outs[0], oracle) <= 3e-3
@@ -333,11 +267,10 @@ class TestSpanAttention:
       PageLayout(2, 48, "q8_0", "q4_0", 16)
     if impl == "reference":
       return
-    from kvjax_pallas.span_attention import kernel_triton
     with pytest.raises(ValueError, match="not a multiple of 32"):
-      kernel_triton.check_layout(_layout(), 48)
+      triton.check_layout(_layout(), 48)
     with pytest.raises(ValueError, match="query head_dim 128 != layout head_dim"):
-      kernel_triton.check_layout(PageLayout(2, 64, "q8_0", "q4_0", 16), 128)
+      triton.check_layout(PageLayout(2, 64, "q8_0", "q4_0", 16), 128)
 
   @pytest.mark.parametrize("kernel", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
   def test_kernel_refusals(self, kernel):
@@ -375,9 +308,9 @@ def test_block_pages_values_checked():
 
 def test_choose_block_pages_fits_the_h200_measurements():
   """The "auto" partition sizes at the 27B geometry (4 KV heads, 6 query heads each, 256-token
-  pages, 132 SMs) are the best sizes measured on the H200 (docs/PERFORMANCE.md, S5-1: 160K S=1
-  bp5 323.7 us of bp5/7/8/10; S=4 bp7 386.1; S=6 bp10 423.8; S4-3: 128K bp4; S5-1: 256K bp8)."""
-  from kvjax_pallas.span_attention import kernel_triton as kt
+  pages, 132 SMs) are the best sizes measured on the H200 (docs/PERFORMANCE.md: 128K bp4, 160K
+  bp5, 256K bp8 at S=1; 160K S=4 bp7, S=6 bp10)."""
+  kt = triton
   pages = {131072: 512, 163840: 640, 262144: 1024}
   choose = lambda ctx, s: kt.choose_block_pages(pages[ctx], 4, s, 6, num_sms=132)
   assert [choose(c, 1) for c in (131072, 163840, 262144)] == [4, 5, 8]
@@ -385,7 +318,7 @@ def test_choose_block_pages_fits_the_h200_measurements():
   assert choose(163840, 6) == 10
   # matrix rows: one round of 2 CTAs an SM (64-row tile) -> 64 partitions x 4 heads = 256 <= 264
   assert kt.ctas_per_sm(kt.tile_config(6, 6, 256).block_rows) == 2
-  assert kt.ctas_per_sm(kt.tile_config(1, 6, 256).block_rows) == 4   # 128 registers (S5-2)
+  assert kt.ctas_per_sm(kt.tile_config(1, 6, 256).block_rows) == 4   # 128 registers
   for n_pages in (1, 3, 40, 700, 4096):        # always a size in [1, pages]
     for s in (1, 2, 3, 6, 8, 64, 256):
       bp = kt.choose_block_pages(n_pages, 4, s, 6)
@@ -394,32 +327,12 @@ def test_choose_block_pages_fits_the_h200_measurements():
   assert kt.choose_block_pages(1024, 4, 1, 6, num_sms=264) < kt.choose_block_pages(1024, 4, 1, 6)
 
 
-def test_combine_unroll_auto():
-  """combine_unroll="auto": 16 partitions a group for the decode row block (32 compiled ~35 s
-  longer on the H200 and ran no faster), fewer where the row block is larger (32 x 64 rows
-  spilled), never more than the partitions need."""
-  from kvjax_pallas.span_attention import kernel_triton as kt
-  assert kt.combine_unroll_for(8, 32, 128) == 16       # S=1: 6 rows -> block 8
-  assert kt.combine_unroll_for(8, 8, 128) == 16        # v2's 8 x 8 tiles
-  assert kt.combine_unroll_for(32, 32, 128) == 16      # S=4: 24 rows -> block 32
-  assert kt.combine_unroll_for(64, 32, 128) == 8       # S=6 / prefill
-  assert kt.combine_unroll_for(8, 32, 4) == 8
-  assert kt.combine_unroll_for(8, 32, 12) == 16
-
-
-def test_word_reads_refusals():
-  """reads="words": compiled dots need >= 16 columns a piece (named with the head_dim needed);
-  a head_dim that is not whole block pairs is refused by name."""
-  from kvjax_pallas.span_attention import kernel_triton as kt
-  layout = PageLayout(2, 64, "q8_0", "q4_0", 16)
-  q = jnp.zeros((1, 6, 64), jnp.float32)
-  pool = jnp.zeros((4, layout.page_bytes), jnp.uint8)
-  args = (q, pool, jnp.arange(4, dtype=jnp.int32), 60, jnp.array([59], jnp.int32))
-  with pytest.raises(ValueError, match="compiled dots need >= 16"):
-    kt.span_attention_triton(*args, layout=layout, interpret=False, reads="words")
-  with pytest.raises(ValueError, match="head_dim 96 is not a multiple of 64"):
-    kt.row_pieces("q8_0", 96, "words")
-  for kind in ("q8_0", "q4_0"):
+def test_column_dims_cover_every_dim_once():
+  """Every K / V kind's kernel columns hold each head dim exactly once; F16 / BF16 and Q8_0 in
+  order (the query's columns are its dims), Q4_0 in its nibble order."""
+  for kind in ("q8_0", "q4_0", "f16", "bf16"):
     for d in (64, 256):
-      cols = kt.column_dims(kind, d, "words")
-      assert sorted(cols[cols >= 0].tolist()) == list(range(d))   # every dim exactly once
+      cols = triton.column_dims(kind, d)
+      assert sorted(cols.tolist()) == list(range(d)), kind
+      assert (kind == "q4_0") != np.array_equal(cols, np.arange(d)), kind
+  np.testing.assert_array_equal(triton.column_dims("q4_0", 64)[:8], [0, 16, 1, 17, 2, 18, 3, 19])

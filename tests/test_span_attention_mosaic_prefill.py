@@ -1,4 +1,4 @@
-"""Span attention prefill, Pallas Mosaic GPU (`kernel_mosaic_prefill.py`).
+"""Span attention for prefill chunks, Pallas Mosaic GPU (`mosaic_prefill.py`).
 
 CPU (default): the Pallas -> Mosaic GPU lowering at the 27B shape (inline PTX and MLIR of the
 conversions and the mask included); the whole kernel in the Mosaic GPU interpreter (page walk,
@@ -13,19 +13,19 @@ waves bit for bit on the GPU.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
 import pytest
-import jax
 import jax.numpy as jnp
 
 from kvjax_pallas.span_attention import api
-from kvjax_pallas.span_attention import kernel_mosaic_prefill as kp
+from kvjax_pallas.span_attention import mosaic_common as mc
+from kvjax_pallas.span_attention import mosaic_prefill as kp
 from kvjax_pallas.span_attention import reference as ref
 from span_history import (REAL_SHAPE, SMALL_SHAPE, History, check_against_reference,
-                          check_placement_and_waves, random_query, rel_error, shape_layout)
+                          kernel_placement_and_waves, lowered_at_real_shape, random_query,
+                          rel_error, shape_layout)
 
 ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"
 
@@ -45,7 +45,7 @@ def test_plan_and_row_limits():
   heads x row blocks x partitions); each folded row's key limit min(kv_len, q_pos + 1), padding
   rows -1."""
   lay = _layout(REAL)
-  assert kp.smem_bytes(lay) <= kp.SMEM_LIMIT
+  assert kp.smem_bytes(lay) <= mc.SMEM_LIMIT
   assert [kp.row_blocks(r) for r in (1, 128, 129, 1536)] == [1, 1, 2, 12]
   # 256 tokens x 6 heads = 12 row blocks x 4 heads = 48 CTAs a partition: 11 partitions of 47
   # pages are 528 CTAs, 4 whole waves of 132 (2 partitions: one wave 73 % full)
@@ -63,10 +63,6 @@ def test_rejects_unsupported_arguments():
   lay = _layout(REAL)
   pool = jnp.zeros((3, lay.page_bytes), jnp.uint8)
   table = jnp.arange(2, dtype=jnp.int32)
-  with pytest.raises(ValueError, match="balanced splits the serial schedule's conversions"):
-    kp.span_attention_mosaic_prefill(jnp.zeros((16, 24, 256)), pool, table, 300,
-                                     jnp.arange(16, dtype=jnp.int32), layout=lay, overlap=True,
-                                     balanced=True)
   with pytest.raises(ValueError, match="1-256 query tokens a call, got 257"):
     kp.span_attention_mosaic_prefill(jnp.zeros((257, 24, 256)), pool, table, 300,
                                      jnp.arange(257, dtype=jnp.int32), layout=lay)
@@ -80,25 +76,12 @@ def test_rejects_unsupported_arguments():
 # ----------------------------------------------------------------------------- lowering (CPU)
 
 
-@pytest.mark.parametrize("s_tok,opts", [(7, {}), (41, {}), (256, {}),
-                                         (256, dict(overlap=True)), (41, dict(balanced=True))])
-def test_lowers_for_cuda_at_real_shape(s_tok, opts):
+@pytest.mark.parametrize("s_tok", [7, 41, 256])
+def test_lowers_for_cuda_at_real_shape(s_tok):
   """The Pallas -> Mosaic GPU lowering accepts the kernel: the magic conversions stored to
   swizzled f16 tiles, wgmma with Q from SMEM and K^T / V through transposed views, P from
-  registers, the inline mask, 1 / 2 / 12 row blocks; the overlapped and balanced schedules."""
-  layout = _layout(REAL)
-  q = jnp.zeros((s_tok, REAL["q_heads"], REAL["head_dim"]), jnp.float32)
-  pool = jnp.zeros((7, layout.page_bytes), jnp.uint8)
-  table = jnp.arange(5, dtype=jnp.int32)
-  q_pos = jnp.arange(s_tok, dtype=jnp.int32) + 1000
-
-  def f(q, pool, table, kv_len, q_pos):
-    return kp.span_attention_mosaic_prefill(q, pool, table, kv_len, q_pos, layout=layout,
-                                            block_pages=2, **opts)
-
-  lowered = jax.jit(f).trace(q, pool, table, jnp.int32(1300), q_pos).lower(
-      lowering_platforms=("cuda",))
-  assert "mosaic_gpu" in lowered.as_text()
+  registers, the inline mask, 1 / 2 / 12 row blocks."""
+  assert "mosaic_gpu" in lowered_at_real_shape(kp.span_attention_mosaic_prefill, s_tok, 1300)
 
 
 # ----------------------------------------------------------------------------- interpreter
@@ -141,17 +124,11 @@ def test_interpret_masks_positions_and_junk_past_the_end():
 
 
 def _placement_and_waves(interpret: bool, shape, tokens: int, bp: int, s_tok: int):
-  """One call over three placements (contiguous, shuffled, resident + ring with wraps) and three
-  waves over the shuffled one: the same bits."""
-  layout = _layout(shape)
-  h = shape["q_heads"]
-  hist = History(layout, tokens, seed=11)
-  q, q_pos = _query(11, s_tok, h, shape["head_dim"], tokens)
-  kw = dict(layout=layout, block_pages=bp, interpret=interpret)
-  one = check_placement_and_waves(
-      functools.partial(kp.span_attention_mosaic_prefill, **kw),
-      functools.partial(kp.span_attention_partial_mosaic_prefill, num_q_heads=h, **kw), hist, q,
-      q_pos)
+  """One call over three placements and three waves: the same bits (`kernel_placement_and_waves`),
+  and within the reference's rounding."""
+  one, hist, q, q_pos = kernel_placement_and_waves(
+      kp.span_attention_mosaic_prefill, kp.span_attention_partial_mosaic_prefill, shape, tokens,
+      bp, s_tok, interpret, query_seed=11 + 2000)
   pool, table = hist.contiguous()
   check_against_reference(jnp.asarray(one), hist, q, pool, table, q_pos, block_pages=bp,
                           tol=2e-3)
@@ -161,43 +138,28 @@ def test_interpret_placement_invariance_and_waves_bit_exact():
   _placement_and_waves(True, SMALL, 5 * 64 - 9, 2, 16)
 
 
-def test_interpret_schedules_same_bits():
-  """The overlapped schedule (the default: next tile's conversions beside the other warpgroup's
-  work) and the serial one read the same tiles in the same order: the same bits."""
-  layout = _layout(SMALL)
-  tokens = 4 * 64 - 21
-  hist = History(layout, tokens, seed=13)
-  pool, table = hist.shuffled(seed=3)
-  q, q_pos = _query(13, 15, SMALL["q_heads"], SMALL["head_dim"], tokens)
-  outs = [np.asarray(kp.span_attention_mosaic_prefill(q, pool, table, tokens, q_pos,
-                                                      layout=layout, block_pages=2,
-                                                      interpret=True, overlap=o))
-          for o in (True, False)]
-  np.testing.assert_array_equal(outs[0], outs[1])
-
-
 def test_api_routes_prefill_chunks():
-  """implementation="mosaic2" with more than v2's 40 folded rows is the prefill kernel, bit for
-  bit, with its own "auto" partitions; "auto" gives prefill chunks to it only with
-  AUTO_MOSAIC_PREFILL (`mosaic2_takes(prefill=True)`)."""
+  """implementation="mosaic" with more than the decode kernel's 40 folded rows is the prefill
+  kernel, bit for bit, with its own "auto" partitions; "auto" gives prefill chunks to it only
+  with AUTO_MOSAIC_PREFILL (`mosaic_takes(prefill=True)`)."""
   layout = _layout(SMALL)
   tokens = 3 * 64 - 7
   hist = History(layout, tokens, seed=17)
   pool, table = hist.shuffled(seed=2)
   q, q_pos = _query(17, 14, SMALL["q_heads"], SMALL["head_dim"], tokens)    # 42 rows
-  bp = api.resolve_block_pages("auto", table.shape[0], 14, 6, layout, implementation="mosaic2")
+  bp = api.resolve_block_pages("auto", table.shape[0], 14, 6, layout, implementation="mosaic")
   assert bp == kp.choose_block_pages(table.shape[0], 42, 2, api.num_sms())
   direct = kp.span_attention_mosaic_prefill(q, pool, table, tokens, q_pos, layout=layout,
                                             block_pages=bp, interpret=True)
   routed = api.span_attention(q, pool, table, tokens, q_pos, layout=layout, block_pages="auto",
-                              implementation="mosaic2", interpret=True)
+                              implementation="mosaic", interpret=True)
   np.testing.assert_array_equal(np.asarray(direct), np.asarray(routed))
   real = _layout(REAL)
-  assert api.mosaic2_takes(real, 256, 6) and api.mosaic2_takes(real, 256, 40)
-  assert api.mosaic2_takes(real, 256, 1536, num_tokens=256, prefill=True)
-  assert not api.mosaic2_takes(real, 256, 1536, num_tokens=256, prefill=False)
-  assert not api.mosaic2_takes(real, 256, 1542, num_tokens=257, prefill=True)
-  assert api.uses_prefill_kernel(real, 41) and not api.uses_prefill_kernel(real, 40)
+  assert api.mosaic_takes(real, 256, 6) and api.mosaic_takes(real, 256, 40)
+  assert api.mosaic_takes(real, 256, 1536, num_tokens=256, prefill=True)
+  assert not api.mosaic_takes(real, 256, 1536, num_tokens=256, prefill=False)
+  assert not api.mosaic_takes(real, 256, 1542, num_tokens=257, prefill=True)
+  assert api.uses_mosaic_prefill(real, 41) and not api.uses_mosaic_prefill(real, 40)
 
 
 # ----------------------------------------------------------------------------- GPU only
@@ -216,13 +178,6 @@ if ON_GPU:
     out = kp.span_attention_mosaic_prefill(q, pool, table, tokens, q_pos, layout=layout,
                                            block_pages=4)
     check_against_reference(out, hist, q, pool, table, q_pos, block_pages=4, tol=2e-3)
-    serial = kp.span_attention_mosaic_prefill(q, pool, table, tokens, q_pos, layout=layout,
-                                              block_pages=4, overlap=False)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(serial))
-    for kw in (dict(overlap=True), dict(balanced=True)):
-      other = kp.span_attention_mosaic_prefill(q, pool, table, tokens, q_pos, layout=layout,
-                                               block_pages=4, **kw)
-      np.testing.assert_array_equal(np.asarray(out), np.asarray(other))
 
   def test_gpu_placement_invariance_and_waves_bit_exact():
     _placement_and_waves(False, REAL, 7 * 256 - 11, 2, 64)

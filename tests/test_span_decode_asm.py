@@ -1,9 +1,9 @@
-"""The packed PTX decode of the Triton span kernel (`kernel_triton._asm_plane`), run on the CPU.
+"""The packed PTX decode of the Triton span kernel (`triton._asm_plane`), run on the CPU.
 
 The GPU runs these strings as inline assembly; the CPU interpreter cannot. So this test executes
 the very same strings in a small numpy model of the opcodes they use (32-bit integer ops, `prmt`,
 f16x2 `sub` / `mul` with round-to-nearest) and requires the same bits as the jnp decode of the
-kernel (`_decode_piece`, asm=False) for every halfword value and scales from subnormal to large.
+kernel (`decode_blocks`, asm=False) for every halfword value and scales from subnormal to large.
 The GPU test class checks the compiled asm against the jnp decode inside the kernel
 (tests/test_span_attention.py, `test_asm_decode_same_bits`).
 """
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
-from kvjax_pallas.span_attention import kernel_triton as kt
+from kvjax_pallas.span_attention import triton as kt
 from ptx_model import run_ptx
 
 
@@ -40,7 +40,7 @@ def test_ptx_decode_equals_jnp_decode(kind):
     scales = np.full(x.shape, sc | (sc << np.uint32(16)), np.uint32)
     # the jnp decode of the kernel, asm=False: columns halfword-major, plane-minor
     scale = jnp.full((65536, 1, 1), sc, jnp.uint16)
-    ref = np.asarray(kt._decode_piece(data, scale, kind, f32=False)).view(np.uint16)
+    ref = np.asarray(kt.decode_blocks(data, scale, kind, f32=False)).view(np.uint16)
     ref = ref.reshape(65536, 2, n_planes)                                             # [N, hw, plane]
     for p in range(n_planes):
       out = run_ptx(kt._asm_plane(kind, p), {"$1": x, "$2": scales})
@@ -53,8 +53,6 @@ def test_ptx_decode_equals_jnp_decode(kind):
 def test_ptx_output_written_last():
   """The output may share a register with an input: it is written once, by the last line."""
   strings = [kt._asm_plane(kind, p) for kind in ("q8_0", "q4_0") for p in range(len(kt._PLANES[kind]))]
-  strings += [kt._asm_word_plane(kind, p) for kind in ("q8_0", "q4_0")
-              for p in range(len(kt._WORD_PLANES[kind]))]
   for asm in strings:
     lines = [l.strip() for l in asm.strip()[1:-1].split(";") if l.strip()]
     writes = [i for i, l in enumerate(lines) if not l.startswith(".reg")
@@ -64,30 +62,6 @@ def test_ptx_output_written_last():
 
 def test_decode_option_checked():
   with pytest.raises(ValueError, match="unknown decode 'fast'"):
-    kt.tile_config(1, 6, 256, decode="fast")
+    kt.tile_config(1, 6, 256, options=kt.TritonOptions(decode="fast"))
   assert kt.tile_config(1, 6, 256).decode == kt.DEFAULT_DECODE
 
-
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
-def test_ptx_word_decode_equals_jnp_decode(kind):
-  """reads="words": `_asm_word_plane` (two 32-bit words and their two scales an instance) gives
-  the bits of the jnp word decode for every byte value in every byte position, every scale."""
-  assert kt._ASM_WORD_CONSTRAINTS == "=r,r,r,r"    # $0 out; $1, $2 words; $3 scales (f16x2)
-  n_planes = len(kt._WORD_PLANES[kind])
-  rng = np.random.default_rng(1)
-  # word A: every byte value in each byte position (byte i of word n = (n + 67 i) mod 256);
-  # word B: random words
-  n = np.arange(4096, dtype=np.uint32)
-  a = sum(((n + 67 * i) % 256) << np.uint32(8 * i) for i in range(4)).astype(np.uint32)
-  b = rng.integers(0, 2 ** 32, n.shape, dtype=np.uint64).astype(np.uint32)
-  data = jnp.asarray(np.stack([a, b], -1)[:, None, :])                              # [N, 1, 2]
-  for sc in _scales():
-    sc2 = np.full(n.shape, np.uint32(sc) | (np.uint32(sc) << np.uint32(16)), np.uint32)
-    scale = jnp.full((n.shape[0], 1, 2), sc, jnp.uint16)
-    ref = np.asarray(kt._decode_piece(data, scale, kind, f32=False)).view(np.uint16)
-    ref = ref.reshape(n.shape[0], 2, n_planes)                                      # [N, word, plane]
-    for p in range(n_planes):
-      out = run_ptx(kt._asm_word_plane(kind, p), {"$1": a, "$2": b, "$3": sc2})
-      assert sorted(out) == ["$0"]
-      np.testing.assert_array_equal(out["$0"] & 0xFFFF, ref[:, 0, p], err_msg=f"{kind} plane {p} A")
-      np.testing.assert_array_equal(out["$0"] >> 16, ref[:, 1, p], err_msg=f"{kind} plane {p} B")

@@ -1,44 +1,36 @@
 """Span attention entry points: `implementation=` picks the jnp reference or a Pallas kernel.
 
+The implementations are a registry (`IMPLEMENTATIONS`, in `_REGISTRY`): each says which calls
+"auto" may give it (`Implementation.supports`, a predicate of the call's static description
+`SpanCall`), how it folds logical pages [tile_begin, tile_end) into the carry
+(`Implementation.partial`, the contract of `span_attention_partial`) and its own
+`block_pages="auto"` size.
+
 implementations:
   "reference"  plain jnp (`reference.py`), the default
-  "triton"     Pallas kernels, Triton lowering (`kernel_triton.py`): split-K
-               over logical partitions of `block_pages` pages + an in-order
-               combine; runs on NVIDIA GPUs, or anywhere with `interpret=True`.
-  "mosaic"     EXPERIMENTAL Pallas kernel, Mosaic GPU lowering (`kernel_mosaic.py`,
-               Hopper: TMA + wgmma): Q8_0/Q4_0 and Q8_0/Q8_0 pages, head_dim 256,
-               page_tokens a multiple of 64, <= 64 folded query rows, precision
-               "f16" only. Correct on the H200 (3.7e-4 vs the float32 reference)
-               but 4.9x slower than "triton" at 128K (docs/PERFORMANCE.md), so
-               "auto" never picks it. `interpret=True` runs the Mosaic GPU interpreter.
-  "mosaic2"    Pallas kernels, Mosaic GPU: calls of up to 40 folded query rows (decode, verify) on
-               v2 below; longer ones (prefill chunks of up to 256 tokens) on the prefill kernel
-               (`kernel_mosaic_prefill.py`: query rows as the wgmma M, K and V converted to f16
-               tiles in SMEM; same contract, same combine). v2 (`kernel_mosaic_v2.py`): TMA copies of the
-               tiles (K head-major from the pool's K-row view), the magic-number conversion of
-               the ggml quants straight into wgmma registers, one warpgroup a KV head.
-               Q8_0/Q4_0 pages, head_dim 256, 1-4 KV heads, <= 40 folded query rows,
-               precision "f16". `block_pages="auto"` gives it its own one-wave size. On the
-               H200 at 160K decode 1.73x faster than XLA bf16 (S13-3) and 1.76x faster than
-               "triton" (S12-4); docs/PERFORMANCE.md.
-  "auto"       on an NVIDIA GPU "mosaic2" where it takes the call (`mosaic2_takes`: decode and
-               verify of the 27B geometry; prefill chunks only with `AUTO_MOSAIC_PREFILL`) and
-               "triton" elsewhere (other K/V pairs, precisions or paths); "reference" without a
-               GPU.
+  "triton"     Pallas kernel, Triton lowering (`triton.py`): every K/V pair, path and precision of
+               the contract; runs on NVIDIA GPUs, or anywhere with `interpret=True`.
+  "mosaic"     Pallas kernels, Mosaic GPU lowering (Hopper): calls of up to
+               `mosaic_decode.MAX_ROWS` folded query rows (decode, verify) on the decode kernel
+               (`mosaic_decode.py`), longer ones (prefill chunks of up to 256 tokens) on the
+               prefill kernel (`mosaic_prefill.py`). Q8_0/Q4_0 pages, head_dim 256, 1-4 KV
+               heads, precision "f16" (`mosaic_common.check_layout`).
+  "auto"       on an NVIDIA GPU the first of `AUTO_ORDER` that supports the call ("mosaic" where
+               `mosaic_takes` it, else "triton"); "reference" without a GPU.
 
 Kernel-only keyword arguments (ignored by "reference"):
-  precision  how the kernel's dots meet the tensor cores (`kernel_triton.PRECISIONS`):
+  precision  how the kernel's dots meet the tensor cores (`triton.PRECISIONS`):
              "f16" (default, ~3e-4 relative), "f16x3" (16-bit head + tail
              terms, float32-class ~1e-6), "tf32", "ieee". Interpret mode
              computes every dot in float32, so only the operand rounding of
-             "f16" shows there.
+             "f16" shows there. The Mosaic GPU kernels take "f16" only.
   path       None (pick by query tokens: 1-2 "vector", 3-8 "matrix",
-             9-256 "prefill") or one of those names.
+             9-256 "prefill") or one of those names (the Triton kernel's tiles).
 
 block_pages: an int (pages per logical partition: waves whose boundaries are multiples of it
-give the same bits as one call) or "auto": `kernel_triton.choose_block_pages` of the static
-shapes (the page table's length, query rows, heads) and the GPU's SM count (132, the H200's,
-where no GPU is present), so the same call resolves to the same size for every implementation.
+give the same bits as one call) or "auto": the implementation's own choice from the static
+shapes (the page table's length, query rows, heads) and the GPU's SM count
+(`partitions.DEFAULT_NUM_SMS` where no GPU is present); "reference" takes the Triton kernel's.
 
 Eager checks (when the arguments are concrete, i.e. outside jit): every page
 table entry that will be read names a page of the pool.
@@ -46,46 +38,82 @@ table entry that will be read names a page of the pool.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import dataclasses
+from typing import Callable, Optional, Union
 
 import numpy as np
 import jax
 
 from kvjax_pallas.page_layout import PageLayout
+from kvjax_pallas.span_attention import common as _common
+from kvjax_pallas.span_attention import mosaic_common as _mc
+from kvjax_pallas.span_attention import mosaic_decode as _decode
+from kvjax_pallas.span_attention import mosaic_prefill as _prefill
+from kvjax_pallas.span_attention import partitions as _partitions
 from kvjax_pallas.span_attention import reference as _ref
-from kvjax_pallas.span_attention import kernel_triton as _triton
-from kvjax_pallas.span_attention import kernel_mosaic as _mosaic
-from kvjax_pallas.span_attention import kernel_mosaic_v2 as _mosaic2
-from kvjax_pallas.span_attention import kernel_mosaic_prefill as _prefill
+from kvjax_pallas.span_attention import triton as _triton
 
-IMPLEMENTATIONS = ("reference", "triton", "mosaic", "mosaic2")
-# "auto" sends prefill chunks (more than v2's MAX_ROWS folded rows) to the Mosaic GPU prefill
-# kernel only where it was measured faster than the Triton one (docs/PERFORMANCE.md)
+# "auto" sends prefill chunks (more than the decode kernel's MAX_ROWS folded rows) to the Mosaic
+# GPU prefill kernel (measured faster than the Triton one: docs/PERFORMANCE.md)
 AUTO_MOSAIC_PREFILL = True
-# the implementations that take every K/V pair, path and precision of the contract
-FULL_IMPLEMENTATIONS = ("reference", "triton")
+num_sms = _partitions.num_sms
 
 
-def uses_prefill_kernel(layout: PageLayout, rows: int) -> bool:
-  """Whether "mosaic2" runs a call with the prefill kernel (`kernel_mosaic_prefill`): more than
-  the v2 kernel's `MAX_ROWS` folded query rows."""
+@dataclasses.dataclass(frozen=True)
+class SpanCall:
+  """The static description of a call that an implementation is chosen for."""
+  layout: PageLayout
+  num_tokens: int                 # S: query tokens
+  num_q_heads: int                # H
+  head_dim: int
+  precision: str = _triton.DEFAULT_PRECISION
+  path: Optional[str] = None
+
+  @property
+  def rows(self) -> int:
+    """Folded query rows a KV head: query tokens x query heads per KV head."""
+    return self.num_tokens * (self.num_q_heads // self.layout.num_kv_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """An entry of the registry.
+
+  supports(call): whether "auto" may give it the call.
+  partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end, *, layout,
+    num_q_heads, block_pages, sm_scale, interpret, precision, path) -> Carry: the contract of
+    `span_attention_partial` (carry None: the empty carry).
+  auto_block_pages(call, num_table_pages, num_sms) -> int: its block_pages="auto".
+  full: it takes every K/V pair, path and precision of the contract.
+  """
+  name: str
+  supports: Callable[[SpanCall], bool]
+  partial: Callable[..., _ref.Carry]
+  auto_block_pages: Callable[[SpanCall, int, int], int]
+  full: bool
+
+
+def uses_mosaic_prefill(layout: PageLayout, rows: int) -> bool:
+  """Whether "mosaic" runs a call with the prefill kernel (`mosaic_prefill`): more than the
+  decode kernel's `MAX_ROWS` folded query rows."""
   del layout
-  return rows > _mosaic2.MAX_ROWS
+  return rows > _decode.MAX_ROWS
 
 
-def mosaic2_takes(layout: PageLayout, head_dim: int, rows: int, precision: str = "f16",
-                  path: Optional[str] = None, num_tokens: Optional[int] = None,
-                  prefill: Optional[bool] = None) -> bool:
+def mosaic_takes(layout: PageLayout, head_dim: int, rows: int, precision: str = "f16",
+                 path: Optional[str] = None, num_tokens: Optional[int] = None,
+                 prefill: Optional[bool] = None) -> bool:
   """Whether "auto" gives a call to the Mosaic GPU kernels: their K/V pair, head_dim, KV heads
-  and page geometry (`kernel_mosaic_v2.check_layout`), precision "f16", no forced path, and
-  either at most v2's `MAX_ROWS` folded query rows or (prefill, default `AUTO_MOSAIC_PREFILL`) a
-  chunk the prefill kernel takes (`kernel_mosaic_prefill.check_call`: num_tokens query tokens)."""
+  and page geometry (`mosaic_common.check_layout`), precision "f16", no forced path, and either
+  at most the decode kernel's `MAX_ROWS` folded query rows or (prefill, default
+  `AUTO_MOSAIC_PREFILL`) a chunk the prefill kernel takes (`mosaic_prefill.check_call`:
+  num_tokens query tokens)."""
   prefill = AUTO_MOSAIC_PREFILL if prefill is None else prefill
   if precision != "f16" or path is not None or rows < 1:
     return False
   try:
-    _mosaic2.check_layout(layout, head_dim)
-    if rows > _mosaic2.MAX_ROWS:
+    _mc.check_layout(layout, head_dim)
+    if rows > _decode.MAX_ROWS:
       if not prefill or num_tokens is None:
         return False
       _prefill.check_call(layout, head_dim, num_tokens)
@@ -94,59 +122,113 @@ def mosaic2_takes(layout: PageLayout, head_dim: int, rows: int, precision: str =
   return True
 
 
-def resolve_implementation(implementation: str, *, layout: Optional[PageLayout] = None,
-                           q_shape=None, precision: str = _triton.DEFAULT_PRECISION,
-                           path: Optional[str] = None, backend: Optional[str] = None) -> str:
-  """"auto" -> on an NVIDIA GPU backend "mosaic2" where `mosaic2_takes` the call (layout and
-  q_shape [S, H, D] given), else "triton"; "reference" on other backends. Other names are
-  checked and returned. backend: the one to decide for (default: jax's default backend)."""
-  if implementation == "auto":
-    if (backend or jax.default_backend()) != "gpu":
-      return "reference"
-    if layout is not None and q_shape is not None:
-      s, h, d = q_shape
-      if mosaic2_takes(layout, d, s * (h // layout.num_kv_heads), precision, path, s):
-        return "mosaic2"
-    return "triton"
-  _check(implementation)
-  return implementation
+# ----------------------------------------------------------------------------- the registry
 
 
-def _check(implementation: str):
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"unknown span-attention implementation {implementation!r}; "
-                     f"choose one of {IMPLEMENTATIONS} or 'auto'")
+def _reference_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin,
+                       tile_end, *, layout, num_q_heads, block_pages, sm_scale, interpret,
+                       precision, path):
+  del interpret, precision, path
+  if carry is None:
+    carry = _ref.init_carry(layout.num_kv_heads, q_shd.shape[0] * (num_q_heads //
+                                                                  layout.num_kv_heads),
+                            q_shd.shape[-1])
+  return _ref.span_attention_partial_reference(
+      q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end, layout=layout,
+      num_q_heads=num_q_heads, block_pages=block_pages, sm_scale=sm_scale)
 
 
-def _check_mosaic_options(precision: str):
+def _triton_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end,
+                    *, layout, num_q_heads, block_pages, sm_scale, interpret, precision, path):
+  return _triton.span_attention_partial_triton(
+      q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end, layout=layout,
+      num_q_heads=num_q_heads, block_pages=block_pages, sm_scale=sm_scale, interpret=interpret,
+      precision=precision, path=path)
+
+
+def _triton_block_pages(call: SpanCall, num_table_pages: int, sms: int) -> int:
+  return _triton.choose_block_pages(num_table_pages, call.layout.num_kv_heads, call.num_tokens,
+                                    max(1, call.num_q_heads // call.layout.num_kv_heads), sms,
+                                    call.path)
+
+
+def _check_f16(precision: str):
   if precision != "f16":
     raise ValueError(f"the Mosaic GPU kernels compute with f16 operands only (precision='f16'), "
                      f"got precision={precision!r}; use implementation='triton' for it")
 
 
-def num_sms() -> int:
-  """Streaming multiprocessors of the default GPU (the H200's 132 where there is none)."""
-  dev = jax.devices()[0]
-  if dev.platform == "gpu":
-    return int(getattr(dev, "core_count", 0) or _triton.DEFAULT_NUM_SMS)
-  return _triton.DEFAULT_NUM_SMS
+def _mosaic_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end,
+                    *, layout, num_q_heads, block_pages, sm_scale, interpret, precision, path):
+  del path
+  _check_f16(precision)
+  rows = q_shd.shape[0] * (num_q_heads // layout.num_kv_heads)
+  kernel = (_prefill.span_attention_partial_mosaic_prefill if uses_mosaic_prefill(layout, rows)
+            else _decode.span_attention_partial_mosaic_decode)
+  return kernel(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end,
+                layout=layout, num_q_heads=num_q_heads, block_pages=block_pages,
+                sm_scale=sm_scale, interpret=interpret)
+
+
+def _mosaic_block_pages(call: SpanCall, num_table_pages: int, sms: int) -> int:
+  rows = call.num_tokens * max(1, call.num_q_heads // call.layout.num_kv_heads)
+  if uses_mosaic_prefill(call.layout, rows):
+    return _prefill.choose_block_pages(num_table_pages, rows, call.layout.num_kv_heads, sms)
+  return _decode.choose_block_pages(num_table_pages, sms)
+
+
+def _mosaic_supports(call: SpanCall) -> bool:
+  return mosaic_takes(call.layout, call.head_dim, call.rows, call.precision, call.path,
+                      call.num_tokens)
+
+
+_REGISTRY = {impl.name: impl for impl in (
+    Implementation("reference", lambda call: True, _reference_partial, _triton_block_pages, True),
+    Implementation("triton", lambda call: True, _triton_partial, _triton_block_pages, True),
+    Implementation("mosaic", _mosaic_supports, _mosaic_partial, _mosaic_block_pages, False),
+)}
+IMPLEMENTATIONS = tuple(_REGISTRY)
+# the implementations that take every K/V pair, path and precision of the contract
+FULL_IMPLEMENTATIONS = tuple(name for name, impl in _REGISTRY.items() if impl.full)
+AUTO_ORDER = ("mosaic", "triton")     # "auto" on a GPU: the first that supports the call
+
+
+def get_implementation(name: str) -> Implementation:
+  """The registry's entry `name` (one of IMPLEMENTATIONS)."""
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown span-attention implementation {name!r}; "
+                     f"choose one of {IMPLEMENTATIONS} or 'auto'")
+  return _REGISTRY[name]
+
+
+def resolve_implementation(implementation: str, *, layout: Optional[PageLayout] = None,
+                           q_shape=None, precision: str = _triton.DEFAULT_PRECISION,
+                           path: Optional[str] = None, backend: Optional[str] = None) -> str:
+  """"auto" -> on an NVIDIA GPU backend the first of `AUTO_ORDER` that supports the call
+  (layout and q_shape [S, H, D] given; "triton" where they are not), "reference" on other
+  backends. Other names are checked and returned. backend: the one to decide for (default:
+  jax's default backend)."""
+  if implementation != "auto":
+    return get_implementation(implementation).name
+  if (backend or jax.default_backend()) != "gpu":
+    return "reference"
+  if layout is None or q_shape is None:
+    return "triton"
+  s, h, d = q_shape
+  call = SpanCall(layout, s, h, d, precision, path)
+  return next(name for name in AUTO_ORDER if _REGISTRY[name].supports(call))
 
 
 def resolve_block_pages(block_pages: Union[int, str], num_table_pages: int, num_tokens: int,
                         num_q_heads: int, layout: PageLayout, path: Optional[str] = None,
                         implementation: str = "triton") -> int:
-  """block_pages as given (an int >= 1), or the "auto" choice for these static shapes (v2,
-  `implementation="mosaic2"`, has its own: one CTA a partition for all heads)."""
+  """block_pages as given (an int >= 1), or the "auto" choice of `implementation` for these
+  static shapes."""
   if isinstance(block_pages, str):
     if block_pages != "auto":
       raise ValueError(f"block_pages must be an int >= 1 or 'auto', got {block_pages!r}")
-    if implementation == "mosaic2":
-      rows = num_tokens * max(1, num_q_heads // layout.num_kv_heads)
-      if uses_prefill_kernel(layout, rows):
-        return _prefill.choose_block_pages(num_table_pages, rows, layout.num_kv_heads, num_sms())
-      return _mosaic2.choose_block_pages(num_table_pages, num_sms())
-    return _triton.choose_block_pages(num_table_pages, layout.num_kv_heads, num_tokens,
-                                      max(1, num_q_heads // layout.num_kv_heads), num_sms(), path)
+    call = SpanCall(layout, num_tokens, num_q_heads, layout.head_dim, path=path)
+    return get_implementation(implementation).auto_block_pages(call, num_table_pages, num_sms())
   if int(block_pages) != block_pages or block_pages < 1:
     raise ValueError(f"block_pages must be an int >= 1 or 'auto', got {block_pages!r}")
   return int(block_pages)
@@ -197,74 +279,37 @@ def span_attention(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: Pag
                    implementation: str = "reference", interpret: bool = False,
                    precision: str = _triton.DEFAULT_PRECISION, path: Optional[str] = None):
   """o_shd [S, H, D] float32: attention of query rows over the active logical pages."""
-  implementation = resolve_implementation(implementation, layout=layout, q_shape=q_shd.shape,
-                                          precision=precision, path=path)
+  name = resolve_implementation(implementation, layout=layout, q_shape=q_shd.shape,
+                                precision=precision, path=path)
   block_pages = resolve_block_pages(block_pages, page_table_t.shape[0], q_shd.shape[0],
-                                    q_shd.shape[1], layout, path, implementation)
+                                    q_shd.shape[1], layout, path, name)
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len)
-  if implementation == "mosaic2":
-    _check_mosaic_options(precision)
-    s, h = q_shd.shape[:2]
-    if uses_prefill_kernel(layout, s * (h // layout.num_kv_heads)):
-      return _prefill.span_attention_mosaic_prefill(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
-                                                    layout=layout, block_pages=block_pages,
-                                                    sm_scale=sm_scale, interpret=interpret)
-    return _mosaic2.span_attention_mosaic2(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
-                                           layout=layout, block_pages=block_pages,
-                                           sm_scale=sm_scale, interpret=interpret)
-  if implementation == "mosaic":
-    _check_mosaic_options(precision)
-    return _mosaic.span_attention_mosaic(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
-                                         layout=layout, block_pages=block_pages,
-                                         sm_scale=sm_scale, interpret=interpret)
-  if implementation == "triton":
-    return _triton.span_attention_triton(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
-                                         layout=layout, block_pages=block_pages,
-                                         sm_scale=sm_scale, interpret=interpret,
-                                         precision=precision, path=path)
-  return _ref.span_attention_reference(q_shd, pool_pn, page_table_t, kv_len, q_pos_s,
-                                       layout=layout, block_pages=block_pages, sm_scale=sm_scale)
+  return _common.whole_span(_REGISTRY[name].partial, q_shd, pool_pn, page_table_t, kv_len,
+                            q_pos_s, layout=layout, block_pages=block_pages, sm_scale=sm_scale,
+                            interpret=interpret, precision=precision, path=path)
 
 
-def span_attention_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end,
-                           *, layout: PageLayout, num_q_heads: int,
+def span_attention_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin,
+                           tile_end, *, layout: PageLayout, num_q_heads: int,
                            block_pages: Union[int, str] = 1, sm_scale: Optional[float] = None,
                            implementation: str = "reference", interpret: bool = False,
                            precision: str = _triton.DEFAULT_PRECISION, path: Optional[str] = None):
-  """Fold logical pages [tile_begin, tile_end) into `carry` (see reference.py).
+  """Fold logical pages [tile_begin, tile_end) into `carry` (see reference.py; carry None: the
+  empty carry).
 
   For every implementation, waves whose boundaries are multiples of
   `block_pages` pages give the same bits as one call ("auto" resolves from the table's length,
   so waves over one table share the size).
   """
-  implementation = resolve_implementation(implementation, layout=layout, q_shape=q_shd.shape,
-                                          precision=precision, path=path)
+  name = resolve_implementation(implementation, layout=layout, q_shape=q_shd.shape,
+                                precision=precision, path=path)
   block_pages = resolve_block_pages(block_pages, page_table_t.shape[0], q_shd.shape[0],
-                                    num_q_heads, layout, path, implementation)
+                                    num_q_heads, layout, path, name)
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len, tile_begin, tile_end)
-  if implementation == "mosaic2":
-    _check_mosaic_options(precision)
-    if uses_prefill_kernel(layout, q_shd.shape[0] * (num_q_heads // layout.num_kv_heads)):
-      return _prefill.span_attention_partial_mosaic_prefill(
-          q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end,
-          layout=layout, num_q_heads=num_q_heads, block_pages=block_pages, sm_scale=sm_scale,
-          interpret=interpret)
-    return _mosaic2.span_attention_partial_mosaic2(
-        q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end, layout=layout,
-        num_q_heads=num_q_heads, block_pages=block_pages, sm_scale=sm_scale, interpret=interpret)
-  if implementation == "mosaic":
-    _check_mosaic_options(precision)
-    return _mosaic.span_attention_partial_mosaic(
-        q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end, layout=layout,
-        num_q_heads=num_q_heads, block_pages=block_pages, sm_scale=sm_scale, interpret=interpret)
-  if implementation == "triton":
-    return _triton.span_attention_partial_triton(
-        q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end, layout=layout,
-        num_q_heads=num_q_heads, block_pages=block_pages, sm_scale=sm_scale, interpret=interpret,
-        precision=precision, path=path)
-  return _ref.span_attention_partial_reference(
-      q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end, layout=layout,
-      num_q_heads=num_q_heads, block_pages=block_pages, sm_scale=sm_scale)
+  return _REGISTRY[name].partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry,
+                                 tile_begin, tile_end, layout=layout, num_q_heads=num_q_heads,
+                                 block_pages=block_pages, sm_scale=sm_scale, interpret=interpret,
+                                 precision=precision, path=path)
 
 
 init_carry = _ref.init_carry

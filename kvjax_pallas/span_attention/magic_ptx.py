@@ -1,5 +1,6 @@
-"""The magic-number int8 / int4 -> f16 conversion as PTX, for Mosaic GPU probes (`plgpu.inline_mgpu`
-code): one 32-bit register of quants becomes f16x2 registers with no int->float conversion.
+"""The magic-number int8 / int4 -> f16 conversion as PTX, for Mosaic GPU inline code
+(`plgpu.inline_mgpu`: the conversions of `mosaic_common` and the kernel lab's probes): one 32-bit
+register of quants becomes f16x2 registers with no int->float conversion.
 
   Q8_0 int8 b -> f16: u = b ^ 0x80 (0..255); prmt puts 0x64 above each byte (f16 1024 + u);
   minus 1152 gives b exactly. 5 instructions a 4 values (xor, 2 prmt, 2 sub.f16x2).
@@ -9,8 +10,8 @@ code): one 32-bit register of quants becomes f16x2 registers with no int->float 
 Output registers of one word (bytes B0..B3 of the word, low first; a Q4_0 byte holds nibble n
 low, m high): Q8_0 (B0, B1), (B2, B3); Q4_0 (n0, n2), (n1, n3), (m0, m2), (m1, m3).
 
-A probe lays these registers into a WGMMA-layout lhs as they come, so its columns hold the head
-dims in a permuted order; `packed_dims` / `ggml_dims` give that order, and the wgmma rhs rows
+A conversion lays these registers into a WGMMA-layout lhs as they come, so its columns hold the
+head dims in a permuted order; `packed_dims` / `ggml_dims` give that order, and the wgmma rhs rows
 (the query) follow it. The scale multiplies are not part of this conversion.
 """
 
