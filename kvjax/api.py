@@ -52,8 +52,8 @@ POLICIES = ("fixed", "adaptive")
 DRAFTS = ("mtp", "ngram")
 
 __all__ = ["ParameterError", "ModelNotFoundError", "LoadedModel", "KVCache", "SpecConfig", "GenerationResult",
-           "load_model", "make_kv", "check_kv_budget", "encode", "context_tokens", "generate",
-           "teacher_forced_logits", "parse_block_pages", "printable"]
+           "load_model", "make_kv", "check_kv_budget", "check_generation", "encode", "prompt_ids",
+           "context_tokens", "generate", "teacher_forced_logits", "parse_block_pages", "printable"]
 
 
 # ---------------------------------------------------------------------------
