@@ -1,7 +1,7 @@
 """Memory report for Qwen3.8-27B at 256 Ki context, Q8_0 K / Q4_0 V, MTP depth 3.
 
-`python -m kvjax.memory_report --config=configs/memory_27b.py`
-(override with e.g. `--config.mtp_depth=5 --config.context_tokens=163840`).
+`kvjax memory --config=configs/memory_27b.py` (or `python -m kvjax.memory_report --config=...`);
+override with e.g. `--config.mtp_depth=5 --config.context_tokens=163840`.
 """
 
 import ml_collections

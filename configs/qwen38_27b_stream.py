@@ -1,7 +1,7 @@
 """Qwen3.8-27B geometry (random bf16 weights drawn on the GPU), streamed KV within a 2,240 MiB arena.
 
-  python experiments/run.py --config=configs/qwen38_27b_stream.py
-  python experiments/run.py --config=configs/qwen38_27b_stream.py --config.prompt_tokens=32768 \\
+  python -m experiments.run --config=configs/qwen38_27b_stream.py
+  python -m experiments.run --config=configs/qwen38_27b_stream.py --config.prompt_tokens=32768 \\
       --config.attn_impl=triton
 
 Needs one large GPU (the weights alone are ~54 GB in bf16). The logits of

@@ -1,7 +1,10 @@
 """Tiny built-in model, streamed KV through a 6-page pool, checked against the plain cache (CPU, seconds).
 
-  python experiments/run.py --config=configs/tiny_stream.py
-  python experiments/run.py --config=configs/tiny_stream.py --config.n_predict=64 --config.kv=plain
+  python -m experiments.run --config=configs/tiny_stream.py
+  python -m experiments.run --config=configs/tiny_stream.py --config.n_predict=64 --config.kv=plain
+
+(from the repository root). Most fields are `kvjax.api` parameters of the same name (ctx_size
+is the API's max_tokens; `experiments/run.py`, `CONFIG_FIELD_OF`); errors name the field.
 
 Fields (0 / "" mean "not set"):
   model          'tiny', 'tiny:SEED' or a GGUF path
@@ -9,11 +12,13 @@ Fields (0 / "" mean "not set"):
                  (no tokenizer: use prompt_tokens); overrides `model`
   prompt         prompt text (tokenized with the model's tokenizer)
   prompt_tokens  > 0: that many seeded random token ids instead of `prompt`
+  attn_impl      'auto', 'reference' or a Pallas kernel (interpreted without a GPU: slow)
   kv             'streamed' or 'plain'
   arena_mib      > 0: streamed pool = arena - measured decode workspace
   pool_pages     > 0: streamed pool size in pages (used when arena_mib is 0)
   compare_plain  streamed runs also run the plain cache and report tokens_match
-  warmup         run each generation once before the measured run (excludes compile time)
+  warmup         run each generation once before the measured run (excludes compile time;
+                 without it, compile_ms says how much of the timings was compilation)
 """
 
 import ml_collections

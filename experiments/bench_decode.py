@@ -68,7 +68,7 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from kvjax import cli, config, engine, generate, weights
+  from kvjax import api, config, engine, generate, weights
   from kvjax.streaming import arena
   from kvjax.model import AttentionOptions
   from kvjax.streaming import StreamedKV, fixed_split
@@ -97,7 +97,7 @@ def main(argv):
   log["decode_weight_gib"] = decode_weight_bytes / 2**30
 
   layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, FLAGS.k_type, FLAGS.v_type, FLAGS.page_tokens)
-  opts = AttentionOptions(FLAGS.attn_impl, cli.parse_block_pages(FLAGS.block_pages))
+  opts = AttentionOptions(FLAGS.attn_impl, api.parse_block_pages(FLAGS.block_pages))
   runner = engine.Runner(model, layout, opts)
 
   # --- end-to-end plain check: real prefill + decode --------------------------------------------

@@ -1,6 +1,6 @@
 """Host-to-device copy paths in JAX: which one reaches PCIe speed.
 
-  python experiments/bench_h2d.py --sizes_mib=13,64,1024
+  python -m experiments.bench_h2d --sizes_mib=13,64,1024      # from the repository root
 
 Variants per size: pageable numpy `device_put`; pinned_host array `device_put`
 to its sharding `.with_memory_kind("device")`; a jitted identity whose
@@ -8,6 +8,7 @@ to its sharding `.with_memory_kind("device")`; a jitted identity whose
 8 at a time before one `block_until_ready` (queue depth).
 """
 
+import logging
 import time
 
 from absl import app, flags
@@ -19,6 +20,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)   # its backend probe: "Unable to initialize backend 'tpu'"
   import jax
   import numpy as np
   from kvjax.streaming.host_history import pinned_available

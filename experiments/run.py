@@ -1,14 +1,16 @@
 """Run one generation described by an ml_collections config; append its results to out_dir.
 
-  python experiments/run.py --config=configs/tiny_stream.py
-  python experiments/run.py --config=configs/tiny_stream.py --config.n_predict=64 --config.out_dir=runs/a
-  python experiments/run.py --config=configs/qwen38_27b_stream.py          # GPU
+  python -m experiments.run --config=configs/tiny_stream.py
+  python -m experiments.run --config=configs/tiny_stream.py --config.n_predict=64 --config.out_dir=runs/a
+  python -m experiments.run --config=configs/qwen38_27b_stream.py          # GPU
 
-The model is the config's `model` ('tiny', 'tiny:SEED' or a GGUF path) or,
-when `preset` is set, that `kvjax.config` preset with random weights drawn
-on the device. The KV cache is plain or streamed (`kv`); a streamed run with
-`compare_plain` also runs the plain cache on the same prompt and records
-whether the tokens match.
+(from the repository root). The model is the config's `model` ('tiny',
+'tiny:SEED' or a GGUF path) or, when `preset` is set, that `kvjax.config`
+preset with random weights drawn on the device. The KV cache is plain or
+streamed (`kv`); a streamed run with `compare_plain` also runs the plain cache
+on the same prompt and records whether the tokens match. Everything goes
+through `kvjax.api`; its errors are reported with the config field names
+(`CONFIG_FIELD_OF`).
 
 Writes one JSON line to `<out_dir>/<name>.jsonl` and one row to
 `<out_dir>/<name>.csv` (the header grows if a later run adds columns), and
@@ -19,8 +21,8 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
-import time
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -28,70 +30,64 @@ from ml_collections import config_flags
 config_flags.DEFINE_config_file("config", None, "experiment config, e.g. configs/tiny_stream.py")
 FLAGS = flags.FLAGS
 
+# the `kvjax.api` parameter each config field sets (to name fields in the API's errors)
+CONFIG_FIELD_OF = {
+    "source": "config.model", "preset": "config.preset", "dtype": "config.dtype", "k_type": "config.k_type",
+    "v_type": "config.v_type", "page_tokens": "config.page_tokens", "attn_impl": "config.attn_impl",
+    "block_pages": "config.block_pages", "prompt": "config.prompt",
+    "n_predict": "config.n_predict", "ubatch": "config.ubatch", "max_tokens": "config.ctx_size",
+    "temperature": "config.temperature", "top_k": "config.top_k", "seed": "config.seed",
+    "arena_mib": "config.arena_mib", "pool_pages": "config.pool_pages", "copy_pages": "config.copy_pages",
+}
 
-def prompt_of(cfg, loaded):
+
+def prompt_of(cfg, model) -> list:
   """Token ids: `prompt_tokens` seeded random ids, or the tokenized `prompt` text."""
   import numpy as np
+  from kvjax import api
   if cfg.prompt_tokens > 0:
     rng = np.random.default_rng(cfg.seed)
-    return [int(t) for t in rng.integers(0, loaded.cfg.vocab_size, cfg.prompt_tokens)]
-  if loaded.tokenizer is None:
-    raise ValueError(f"preset {cfg.preset!r} has no tokenizer: set --config.prompt_tokens=N (> 0)")
-  ids = loaded.tokenizer.encode(cfg.prompt)
-  if not ids:
-    raise ValueError("config.prompt is empty and config.prompt_tokens is 0: no prompt")
-  return ids
+    return [int(t) for t in rng.integers(0, model.cfg.vocab_size, cfg.prompt_tokens)]
+  return api.encode(model, cfg.prompt)
 
 
 def run_config(cfg) -> dict:
   """Load the model, generate per `cfg`, -> the result row (flat dict)."""
   import jax
-  from kvjax import cli, generate
+  from kvjax import api
   if cfg.kv not in ("plain", "streamed"):
     raise ValueError(f"config.kv {cfg.kv!r}: expected 'plain' or 'streamed'")
-  loaded = cli.load_runner(cfg.model, preset=cfg.preset or None, dtype=cfg.dtype, k_type=cfg.k_type,
-                           v_type=cfg.v_type, page_tokens=cfg.page_tokens, attn_impl=cfg.attn_impl,
-                           block_pages=cfg.block_pages)
-  prompt = prompt_of(cfg, loaded)
-  ctx = cfg.ctx_size or len(prompt) + cfg.n_predict
-  if ctx < len(prompt) + cfg.n_predict:
-    raise ValueError(f"ctx_size {ctx} < prompt {len(prompt)} + n_predict {cfg.n_predict}")
-  sampling = generate.SamplingParams(cfg.temperature, cfg.top_k, cfg.seed)
-  eos = None if (cfg.ignore_eos or loaded.tokenizer is None) else loaded.tokenizer.eos_id
+  if cfg.kv == "streamed" and not (cfg.arena_mib > 0 or cfg.pool_pages > 0):
+    raise ValueError("kv='streamed' needs config.arena_mib > 0 or config.pool_pages > 0")
+  model = api.load_model(cfg.model, preset=cfg.preset or None, dtype=cfg.dtype, k_type=cfg.k_type,
+                         v_type=cfg.v_type, page_tokens=cfg.page_tokens, attn_impl=cfg.attn_impl,
+                         block_pages=cfg.block_pages)
+  prompt = prompt_of(cfg, model)
+  ctx = api.context_tokens(len(prompt), cfg.n_predict, max_tokens=cfg.ctx_size)
 
   def once(kind):
     budget = {}
     if kind == "streamed":
-      if cfg.arena_mib > 0:
-        budget["arena_mib"] = cfg.arena_mib
-      elif cfg.pool_pages > 0:
-        budget["pool_pages"] = cfg.pool_pages
-      else:
-        raise ValueError("kv='streamed' needs config.arena_mib > 0 or config.pool_pages > 0")
-    runs = 2 if cfg.warmup else 1
-    for _ in range(runs):
-      kv, info = cli.make_kv(loaded.runner, ctx, copy_pages=cfg.copy_pages, **budget)
-      t0 = time.perf_counter()
-      res = generate.generate(loaded.runner, kv, prompt, cfg.n_predict, sampling=sampling, ubatch=cfg.ubatch,
-                              eos_id=eos)
-      wall = time.perf_counter() - t0
-      del kv
-    return res, info, wall
+      budget = {"arena_mib": cfg.arena_mib} if cfg.arena_mib > 0 else {"pool_pages": cfg.pool_pages}
+    kv = api.make_kv(model, ctx, copy_pages=cfg.copy_pages, ubatch=cfg.ubatch, **budget)
+    return api.generate(model, kv, prompt_tokens=prompt, n_predict=cfg.n_predict, temperature=cfg.temperature,
+                        top_k=cfg.top_k, seed=cfg.seed, ignore_eos=cfg.ignore_eos, ubatch=cfg.ubatch,
+                        warmup=cfg.warmup)
 
-  res, info, wall = once(cfg.kv)
+  res = once(cfg.kv)
+  m = res.metrics
   row = {"name": cfg.name, "model": cfg.preset or cfg.model, "device": str(jax.devices()[0]),
-         "dtype": cfg.dtype, "k_type": cfg.k_type, "v_type": cfg.v_type, "attn_impl": cfg.attn_impl,
-         "n_predict": cfg.n_predict, "ubatch": cfg.ubatch, "wall_seconds": wall, "load_s": loaded.load_s}
-  row.update(info)
-  row["resident_pages_per_layer"] = ",".join(map(str, info.get("resident_pages_per_layer", [])))
-  row.update(res.metrics)
+         "dtype": cfg.dtype, "k_type": cfg.k_type, "v_type": cfg.v_type, "n_predict": cfg.n_predict,
+         "ubatch": cfg.ubatch, "wall_seconds": (m["prompt_ms"] + m["predicted_ms"]) / 1e3}
+  row.update(m)
+  row["resident_pages_per_layer"] = ",".join(map(str, m.get("resident_pages_per_layer", [])))
   if cfg.kv == "streamed" and cfg.compare_plain:
-    plain, _, _ = once("plain")
+    plain = once("plain")
     row["tokens_match"] = plain.tokens == res.tokens
     row["plain_decode_tps"] = plain.metrics["decode_tps"]
   row["tokens"] = " ".join(map(str, res.tokens))
-  if loaded.tokenizer is not None:
-    row["text"] = loaded.tokenizer.decode(res.tokens)
+  if model.tokenizer is not None:
+    row["text"] = res.text
   return row
 
 
@@ -120,7 +116,12 @@ def main(argv):
   cfg = FLAGS.config
   if cfg is None:
     raise app.UsageError("--config is required, e.g. --config=configs/tiny_stream.py")
-  row = run_config(cfg)
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)   # its backend probe: "Unable to initialize backend 'tpu'"
+  from kvjax import api
+  try:
+    row = run_config(cfg)
+  except api.ParameterError as e:
+    raise app.UsageError(e.renamed(CONFIG_FIELD_OF)) from None
   append_results(cfg.out_dir, cfg.name, row)
   print(json.dumps(row, default=float), flush=True)
 

@@ -10,29 +10,36 @@ row. Column names follow the reference benchmark where they apply:
   decode_tps, prompt_ms, predicted_ms, wall_seconds, decode_kv_pool_mib,
   resident_pages, ring_slots, active_pages, h2d_mib_per_token, h2d_calls_per_token
 
-plus pool_pages, decode_workspace_mib, ring_wraps, readiness_misses, error.
-`resident_pages` is the pool's resident region (all cache layers),
-`active_pages` the pages one cache layer holds at the end, and the per-token
-copy figures count decode forwards only. A budget too small for a context is
-recorded with its error message and the sweep goes on.
+plus pool_pages, decode_workspace_mib, all_pages_resident, ring_wraps,
+readiness_misses, error. `resident_pages` is the pool's resident region (all
+cache layers), `active_pages` the pages one cache layer holds at the end, and
+the per-token copy figures count decode forwards only; `all_pages_resident`
+marks a budget that holds the whole context resident (nothing streams). A
+budget too small for a context is recorded with its error message and the
+sweep goes on.
 
 Writes `<out>/results.csv`, `<out>/results.jsonl` and, when matplotlib is
-installed, a 2x2 plot `<out>/results.png`.
+installed, a 2x2 plot `<out>/results.png` with one line per budget the sweep
+was given (an arena's pool may change with the context; it stays one line).
+Run from the repository root:
 
-  python experiments/sweep_fixed_span.py --model=tiny --contexts=256,512 --arena_mib=0.2,0.5 \\
+  python -m experiments.sweep_fixed_span --model=tiny --contexts=256,512 --arena_mib=0.2,0.5 \\
       --page_tokens=64 --decode_tokens=16 --out=runs/sweep_tiny                      # CPU, a minute
-  python experiments/sweep_fixed_span.py --preset=qwen38_27b --dtype=bfloat16 \\
+  python -m experiments.sweep_fixed_span --preset=qwen38_27b --dtype=bfloat16 \\
       --contexts=32768,65536,131072 --arena_mib=2240                                  # GPU
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import json
+import logging
 import os
 import time
 
 from absl import app, flags
+from tqdm import tqdm
 
 flags.DEFINE_string("model", "tiny", "'tiny', 'tiny:SEED' or a GGUF path")
 flags.DEFINE_string("preset", None, "kvjax.config preset with random device weights (overrides --model)")
@@ -55,8 +62,8 @@ FLAGS = flags.FLAGS
 
 COLUMNS = ["context_capacity", "prompt_tokens", "decode_tokens", "arena_mib", "pool_pages", "prefill_tps",
            "decode_tps", "prompt_ms", "predicted_ms", "wall_seconds", "decode_kv_pool_mib",
-           "decode_workspace_mib", "resident_pages", "ring_slots", "active_pages", "h2d_mib_per_token",
-           "h2d_calls_per_token", "ring_wraps", "readiness_misses", "error"]
+           "decode_workspace_mib", "resident_pages", "ring_slots", "active_pages", "all_pages_resident",
+           "h2d_mib_per_token", "h2d_calls_per_token", "ring_wraps", "readiness_misses", "error"]
 
 
 def measure(runner, kv, prompt, decode_tokens, ubatch):
@@ -86,9 +93,10 @@ def measure(runner, kv, prompt, decode_tokens, ubatch):
   }
 
 
-def sweep_row(loaded, ctx, budget):
+def sweep_row(model, ctx, budget):
+  """One (context, budget) run of `measure` on a fresh streamed cache (`kvjax.api.make_kv`)."""
   import numpy as np
-  from kvjax import cli
+  from kvjax import api
   from kvjax.streaming import StreamBudgetError
   row = {k: "" for k in COLUMNS}
   n_prompt = ctx - FLAGS.decode_tokens
@@ -97,11 +105,11 @@ def sweep_row(loaded, ctx, budget):
     row["error"] = f"context {ctx} leaves no prompt after {FLAGS.decode_tokens} decode tokens"
     return row
   rng = np.random.default_rng(FLAGS.seed)
-  prompt = [int(t) for t in rng.integers(0, loaded.cfg.vocab_size, n_prompt)]
+  prompt = [int(t) for t in rng.integers(0, model.cfg.vocab_size, n_prompt)]
   try:
     for _ in range(2 if FLAGS.warmup else 1):
-      kv, info = cli.make_kv(loaded.runner, ctx, copy_pages=FLAGS.copy_pages, **budget)
-      m = measure(loaded.runner, kv, prompt, FLAGS.decode_tokens, FLAGS.ubatch)
+      kv = api.make_kv(model, ctx, copy_pages=FLAGS.copy_pages, ubatch=FLAGS.ubatch, **budget)
+      m = measure(model.runner, kv.provider, prompt, FLAGS.decode_tokens, FLAGS.ubatch)
   except StreamBudgetError as e:
     row["error"] = " ".join(str(e).split())
     return row
@@ -109,9 +117,21 @@ def sweep_row(loaded, ctx, budget):
   metrics = kv.metrics()
   row.update(decode_kv_pool_mib=metrics["pool_mib"], pool_pages=metrics["pool_pages"],
              resident_pages=metrics["resident_pages"], ring_slots=metrics["ring_slots"],
-             active_pages=loaded.runner.layout.pages_for(ctx),
-             decode_workspace_mib=info.get("decode_workspace_mib", ""))
+             active_pages=model.layout.pages_for(ctx), all_pages_resident=kv.info["all_pages_resident"],
+             decode_workspace_mib=kv.info.get("decode_workspace_mib", ""))
   return row
+
+
+def series_of(rows):
+  """Plot lines: {label: rows sorted by context}, one per budget the sweep was given (an arena's
+  rows stay together although its pool may differ per context); error rows are left out."""
+  out = {}
+  for r in rows:
+    if r["error"]:
+      continue
+    label = f"arena {r['arena_mib']} MiB" if r["arena_mib"] != "" else f"pool {r['pool_pages']} pages"
+    out.setdefault(label, []).append(r)
+  return {k: sorted(v, key=lambda r: r["context_capacity"]) for k, v in out.items()}
 
 
 def plot(rows, path):
@@ -121,17 +141,13 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
   except ImportError:
     return False
-  ok = [r for r in rows if not r["error"]]
+  series = series_of(rows)
   fig, axes = plt.subplots(2, 2, figsize=(10, 7))
   panels = [("decode_tps", "decode tok/s"), ("prefill_tps", "prefill tok/s"),
             ("h2d_mib_per_token", "H2D MiB per decode token"), ("ring_slots", "ring slots")]
-  labels = sorted({(r["arena_mib"], r["pool_pages"]) for r in ok}, key=str)
   for ax, (key, title) in zip(axes.ravel(), panels):
-    for arena, pages in labels:
-      sel = sorted((r for r in ok if (r["arena_mib"], r["pool_pages"]) == (arena, pages)),
-                   key=lambda r: r["context_capacity"])
-      ax.plot([r["context_capacity"] for r in sel], [r[key] for r in sel], marker="o",
-              label=f"arena {arena} MiB" if arena != "" else f"pool {pages} pages")
+    for label, sel in series.items():
+      ax.plot([r["context_capacity"] for r in sel], [r[key] for r in sel], marker="o", label=label)
     ax.set_title(title)
     ax.set_xlabel("context capacity (tokens)")
     ax.grid(alpha=0.3)
@@ -145,25 +161,28 @@ def plot(rows, path):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  from kvjax import cli
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)   # its backend probe: "Unable to initialize backend 'tpu'"
+  from kvjax import api
   contexts = [int(c) for c in FLAGS.contexts]
   budgets = [{"arena_mib": float(a)} for a in FLAGS.arena_mib] + \
             [{"pool_pages": int(p)} for p in FLAGS.pool_pages]
   if not contexts or not budgets:
     raise app.UsageError("need at least one --contexts value and one --arena_mib or --pool_pages value")
-  loaded = cli.load_runner(FLAGS.model, preset=FLAGS.preset, dtype=FLAGS.dtype, k_type=FLAGS.k_type,
+  try:
+    model = api.load_model(FLAGS.model, preset=FLAGS.preset, dtype=FLAGS.dtype, k_type=FLAGS.k_type,
                            v_type=FLAGS.v_type, page_tokens=FLAGS.page_tokens, attn_impl=FLAGS.attn_impl,
                            block_pages=FLAGS.block_pages)
+  except api.ParameterError as e:   # this script's flags carry the API's parameter names, `source` aside
+    raise app.UsageError(e.renamed({**{p: f"--{p}" for p in e.params}, "source": "--model"})) from None
   os.makedirs(FLAGS.out, exist_ok=True)
   rows = []
   with open(os.path.join(FLAGS.out, "results.jsonl"), "w") as jf:
-    for ctx in contexts:
-      for budget in budgets:
-        row = sweep_row(loaded, ctx, budget)
-        rows.append(row)
-        jf.write(json.dumps(row, default=float) + "\n")
-        jf.flush()
-        print(json.dumps(row, default=float), flush=True)
+    for ctx, budget in tqdm(list(itertools.product(contexts, budgets)), desc="sweep", unit="run"):
+      row = sweep_row(model, ctx, budget)
+      rows.append(row)
+      jf.write(json.dumps(row, default=float) + "\n")
+      jf.flush()
+      tqdm.write(json.dumps(row, default=float))
   with open(os.path.join(FLAGS.out, "results.csv"), "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=COLUMNS)
     w.writeheader()

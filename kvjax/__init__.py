@@ -1,8 +1,10 @@
 """kvjax: streamed attention over a host-authoritative, quantized, paged KV cache (JAX/Pallas).
 
-Entry points: `kvjax.engine` (build a model, run it against a KV provider), `kvjax.generate`
-(the decode loop), `kvjax.streaming` (streamed KV), `kvjax.policy` / `kvjax.arena` (adaptive
-split, phase arena), `kvjax.cli` (the `kvjax` command). See docs/DESIGN.md for the layout map.
+Entry point: `kvjax.api` (load a model, make a plain or streamed KV cache from a budget, generate,
+teacher-forced logits); the `kvjax` command (`kvjax.cli`) maps its flags onto it. Underneath:
+`kvjax.engine` (build a model, run it against a KV provider), `kvjax.generate` / `kvjax.speculative`
+(the decode loops), `kvjax.streaming` (streamed KV, its budget, the adaptive policy and the phase
+arena). See docs/DESIGN.md for the layout map.
 """
 
 __version__ = "0.1.0"

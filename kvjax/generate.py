@@ -8,13 +8,16 @@ Read top to bottom:
 3. decode one token at a time until `n_predict` tokens or EOS.
 
 The KV cache is whatever `KVProvider` is passed in (see `kvjax.engine`).
+`teacher_forced_logits` runs the same micro-batched prefill with every row's logits kept (and,
+for the MTP head, `mtp_rows` over the target's hidden states). Timings come with the seconds jax
+spent tracing and compiling inside them (`CompileClock`): a first, cold run is mostly compilation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +63,37 @@ def sample_token(logits_v, params: SamplingParams, step: int) -> int:
 class GenerationResult:
   tokens: List[int]                 # generated ids (prompt excluded)
   metrics: Dict[str, float]
+  text: str = ""                    # the tokens decoded (filled by `kvjax.api.generate`)
+
+
+# top-level jit tracing, lowering to MLIR and backend compilation (jax records each once per
+# compiled program, nested traces excluded), as reported through `jax.monitoring`
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+class CompileClock:
+  """Seconds jax spends tracing and compiling while the clock is entered (`seconds`).
+
+      with CompileClock() as clock:
+        ...
+      clock.seconds
+  """
+
+  def __init__(self):
+    self.seconds = 0.0
+
+  def _listen(self, event: str, duration: float, **_):
+    if event in COMPILE_EVENTS:
+      self.seconds += duration
+
+  def __enter__(self) -> "CompileClock":
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
 class SequenceState:
@@ -86,9 +120,11 @@ class SequenceState:
     return (logits, out.hn_se[:n]) if with_hidden else logits
 
 
-def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256, with_hidden: bool = False):
-  """Feed the prompt in micro-batches; -> logits of its last row (and, with `with_hidden`, the
-  post-norm hidden of every prompt row [len(prompt), E])."""
+def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256, with_hidden: bool = False,
+            all_logits: bool = False):
+  """Feed the prompt in micro-batches; -> logits of its last row [V] (with `all_logits`, of every
+  row [len(prompt), V]); with `with_hidden`, also the post-norm hidden of every prompt row
+  [len(prompt), E]."""
   if not prompt:
     raise ValueError("empty prompt: at least one token is needed")
   cap = getattr(seq.kv, "max_tokens", None)
@@ -96,27 +132,65 @@ def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256, with_h
     need = seq.pos + len(prompt)
     raise ValueError(f"context full: {need} tokens needed, cache holds {cap} ({need - cap} more; "
                      f"raise --ctx-size)")
-  logits, hidden = None, []
+  logits, hidden = [], []
   for i in range(0, len(prompt), ubatch):
     out = seq.forward(prompt[i:i + ubatch], pad_to=ubatch if len(prompt) > 1 else None,
-                      with_hidden=with_hidden)
+                      all_logits=all_logits, with_hidden=with_hidden)
     if with_hidden:
-      logits, hn = out
+      out, hn = out
       hidden.append(hn)
+    if all_logits:
+      logits.append(out)
     else:
-      logits = out
+      logits = [out]
+  logits = jnp.concatenate(logits, axis=0) if all_logits else logits[0]
   return (logits, jnp.concatenate(hidden, axis=0)) if with_hidden else logits
 
 
+def mtp_rows(runner: Runner, kv: KVProvider, hn_se, next_tokens: Sequence[int], mtp_pos: int, ubatch: int,
+             all_logits: bool = False) -> Tuple[jax.Array, jax.Array]:
+  """MTP rows (hn_se[i], next_tokens[i]) at MTP cache positions mtp_pos + i, in micro-batches of up
+  to `ubatch` rows. -> (logits of the last row [V], or with `all_logits` of every row [n, V];
+  the MTP's own hidden of the last row [1, E], what its next draft step feeds back)."""
+  n = len(next_tokens)
+  logits, hm = [], None
+  for i in range(0, n, ubatch):
+    m = min(ubatch, n - i)
+    lg, hm = runner.mtp_forward(hn_se[i:i + m], np.asarray(next_tokens[i:i + m], np.int32), mtp_pos + i, m,
+                                kv)
+    if all_logits:
+      logits.append(lg)
+    else:
+      logits = [lg]
+  return (jnp.concatenate(logits, axis=0) if all_logits else logits[0][-1]), hm[-1:]
+
+
+def teacher_forced_logits(runner: Runner, kv: KVProvider, tokens: Sequence[int], ubatch: int = 256,
+                          mtp: bool = False) -> np.ndarray:
+  """float32 logits of every row of `tokens` [n, V] (`prefill` with every row kept); with `mtp`,
+  the MTP head's logits [n - 1, V]: row t from the target's post-norm hidden at t and token t + 1
+  (it predicts token t + 2)."""
+  tokens = [int(t) for t in tokens]
+  if mtp and len(tokens) < 2:
+    raise ValueError(f"MTP logits need at least 2 tokens, got {len(tokens)}")
+  logits, hn_se = prefill(SequenceState(runner, kv), tokens, ubatch, with_hidden=True, all_logits=True)
+  if mtp:
+    logits, _ = mtp_rows(runner, kv, hn_se[:-1], tokens[1:], 0, ubatch, all_logits=True)
+  return np.asarray(logits, np.float32)
+
+
 def generation_metrics(kv: KVProvider, n_prompt: int, n_out: int, t0: float, t1: float,
-                       t2: float) -> Dict[str, float]:
-  """Timing metrics of a generation (prefill t0..t1, decode t1..t2) plus the provider's counters."""
+                       t2: float, compile_s: Tuple[float, float] = (0.0, 0.0)) -> Dict[str, float]:
+  """Timing metrics of a generation (prefill t0..t1, decode t1..t2; `compile_s` the seconds of
+  each spent tracing and compiling) plus the provider's counters."""
   n_dec = max(n_out - 1, 0)
   metrics = {
       "prompt_tokens": n_prompt, "decode_tokens": n_out,
       "prompt_ms": (t1 - t0) * 1e3, "predicted_ms": (t2 - t1) * 1e3,
       "prefill_tps": n_prompt / max(t1 - t0, 1e-9),
       "decode_tps": n_dec / max(t2 - t1, 1e-9) if n_dec else 0.0,
+      "prompt_compile_ms": compile_s[0] * 1e3, "predicted_compile_ms": compile_s[1] * 1e3,
+      "compile_ms": (compile_s[0] + compile_s[1]) * 1e3,
   }
   if hasattr(kv, "metrics"):
     metrics.update(kv.metrics())
@@ -133,22 +207,25 @@ def generate(runner: Runner, kv: KVProvider, prompt: Sequence[int], n_predict: i
   layout change hooks in here).
   """
   seq = SequenceState(runner, kv)
-  t0 = time.perf_counter()
-  if on_phase:
-    on_phase("prefill")
-  logits = prefill(seq, list(prompt), ubatch)
-  tok = sample_token(logits, sampling, 0)
-  if on_phase:
-    on_phase("decode")
-  t1 = time.perf_counter()
+  with CompileClock() as prefill_clock:
+    t0 = time.perf_counter()
+    if on_phase:
+      on_phase("prefill")
+    logits = prefill(seq, list(prompt), ubatch)
+    tok = sample_token(logits, sampling, 0)
+    if on_phase:
+      on_phase("decode")
+    t1 = time.perf_counter()
   out = []
-  for step in range(n_predict):
-    out.append(tok)
-    if on_token:
-      on_token(tok)
-    if (eos_id is not None and tok == eos_id) or step == n_predict - 1:
-      break
-    logits = seq.forward([tok])
-    tok = sample_token(logits, sampling, step + 1)
-  t2 = time.perf_counter()
-  return GenerationResult(out, generation_metrics(kv, len(prompt), len(out), t0, t1, t2))
+  with CompileClock() as decode_clock:
+    for step in range(n_predict):
+      out.append(tok)
+      if on_token:
+        on_token(tok)
+      if (eos_id is not None and tok == eos_id) or step == n_predict - 1:
+        break
+      logits = seq.forward([tok])
+      tok = sample_token(logits, sampling, step + 1)
+    t2 = time.perf_counter()
+  return GenerationResult(out, generation_metrics(kv, len(prompt), len(out), t0, t1, t2,
+                                                  (prefill_clock.seconds, decode_clock.seconds)))

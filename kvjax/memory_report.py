@@ -26,7 +26,8 @@ result. Rows (bytes unless named otherwise):
   `stage_in_arena`; the KV pool is that rounded down to whole pages, shared
   by target + MTP attention layers (resident pages + ring).
 
-Run: `python -m kvjax.memory_report --config=configs/memory_27b.py`.
+Run: `kvjax memory --config=configs/memory_27b.py` (or `python -m kvjax.memory_report --config=...`).
+Arithmetic only: this module imports no JAX, so the command answers at once.
 """
 
 from __future__ import annotations

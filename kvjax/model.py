@@ -419,20 +419,8 @@ class Qwen38(nnx.Module):
                             for rec, att in layer_groups(cfg)])
     self.mtp = (MTPHead(cfg, dtype, mtp_shared_head_norm, mtp_shared_head_head) if cfg.has_mtp else None)
 
-  # -- pieces used by the decode loops --------------------------------------
-  def embed(self, tokens_s):
-    return self.token_embd[...][tokens_s]
-
-  def head(self, x_se):
-    """-> (logits_sv f32, hn_se): hn is the post-final-norm hidden handed to the MTP head."""
-    return output_head(x_se, self.output_norm[...], self.output_weight(), self.cfg.rms_eps)
-
-  def mtp_forward(self, hn_se, next_tokens_s, pool_pn, table_t, pos, n_valid, layout, opts):
-    """MTP rows (see `MTPHead.__call__`) -> (logits_sv, hm_se, pool_pn, rows)."""
-    return self.mtp(hn_se, self.embed(next_tokens_s), self.output_norm[...], self.output_weight(),
-                    pool_pn, table_t, pos, n_valid, layout, opts)
-
   def output_weight(self):
+    """The output projection [V, E] (the token embeddings when they are tied)."""
     return self.output[...] if self.output is not None else self.token_embd[...]
 
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.engine import KVProvider, Runner, select_row
-from kvjax.generate import GenerationResult, SequenceState, generation_metrics, prefill
+from kvjax.generate import CompileClock, GenerationResult, SequenceState, generation_metrics, mtp_rows, prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,12 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
 
   `drafter(history, m) -> up to m tokens`, when given, replaces the MTP / ngram drafter (a
   research hook: e.g. an oracle with planted errors to exercise rejection and rollback).
+
+  Metrics add, under the drafter's name `spec_type` ("mtp", "ngram", or "custom" for `drafter`):
+  `draft_generated`, `draft_accepted`, `draft_acceptance` (accepted / generated), `verify_forwards`
+  and `realized_verify_width` (rows per verify forward).
   """
+  spec_type = draft.kind if drafter is None else "custom"
   use_mtp = draft.kind == "mtp" and drafter is None
   if drafter is None and draft.kind == "ngram":
     drafter = lambda history, m: ngram_draft(history, draft.ngram_n, m)  # pylint: disable=unnecessary-lambda-assignment
@@ -91,70 +96,74 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
     raise ValueError("MTP drafting needs an MTP head (nextn_predict_layers = 1); use kind='ngram'")
   prompt = [int(t) for t in prompt]
   seq = SequenceState(runner, kv)
-  t0 = time.perf_counter()
-  # prefill the target; keep every row's post-norm hidden for the MTP catch-up
-  logits, hn_se = prefill(seq, prompt, ubatch, with_hidden=True)
-  b = int(jnp.argmax(logits))
-  # MTP catch-up over the prompt: rows (hn_i, x_{i+1}) for i < C, with x_C = b
-  if use_mtp:
-    d1, p1, hm = _mtp_catch_up(runner, kv, hn_se, prompt[1:] + [b], 0, ubatch)
-  t1 = time.perf_counter()
+  with CompileClock() as prefill_clock:
+    t0 = time.perf_counter()
+    # prefill the target; keep every row's post-norm hidden for the MTP catch-up
+    logits, hn_se = prefill(seq, prompt, ubatch, with_hidden=True)
+    b = int(jnp.argmax(logits))
+    # MTP catch-up over the prompt: rows (hn_i, x_{i+1}) for i < C, with x_C = b
+    if use_mtp:
+      d1, p1, hm = _mtp_catch_up(runner, kv, hn_se, prompt[1:] + [b], 0, ubatch)
+    t1 = time.perf_counter()
 
   out_tokens: List[int] = []
   drafted = accepted = rounds = 0
-  while len(out_tokens) < n_predict:
-    out_tokens.append(b)
-    if (eos_id is not None and b == eos_id) or len(out_tokens) >= n_predict:
-      break
-    c = seq.pos                      # committed target tokens; b sits at position c
-    room = n_predict - len(out_tokens)
-    # 1. draft
-    drafts = []
-    limit = min(draft.n_max, room)
-    if use_mtp:
-      d, p, h = d1, p1, hm
-      while len(drafts) < limit and p >= draft.p_min:
-        drafts.append(d)
-        if len(drafts) == limit:
-          break
-        # the MTP row (its own hidden for x_{c+i}, draft d_i) sits at MTP cache position c + i - 1
-        lg, h = runner.mtp_forward(h, np.array([d], np.int32), c + len(drafts) - 1, 1, kv)
-        d, p = _top1(lg[0])
-    else:
-      drafts = [int(t) for t in drafter(prompt + out_tokens, limit)][:limit]
-    drafted += len(drafts)
-    # 2. verify: rows [b, d_1..d_k], scan form, per-row states captured
-    rows = [b] + drafts
-    vout = runner.forward(np.array(rows, np.int32), c, len(rows), seq.rec_states, kv,
-                          logits_rows=np.arange(len(rows)), chunked=False, capture_states=True)
-    target = [int(t) for t in np.asarray(jnp.argmax(vout.logits_rv, axis=-1))]
-    # 3. accept + rollback
-    j = 0
-    while j < len(drafts) and drafts[j] == target[j]:
-      j += 1
-    accepted += j
-    rounds += 1
-    out_tokens.extend(drafts[:j])
-    if eos_id is not None and eos_id in drafts[:j]:
-      out_tokens = out_tokens[:out_tokens.index(eos_id, len(out_tokens) - j) + 1]
-      break
-    seq.rec_states = select_row(vout.rec_states, j)
-    seq.pos = c + j + 1
-    kv.truncate("target", seq.pos)
-    b = target[j]
-    if len(out_tokens) >= n_predict:
-      break
-    if not use_mtp:
-      continue
-    # 4. MTP catch-up on the accepted rows; its last row proposes the next d_1
-    kv.truncate("mtp", c)   # draft rows from MTP position c on are rebuilt on the target's hidden states
-    d1, p1, hm = _mtp_catch_up(runner, kv, vout.hn_se[:j + 1], drafts[:j] + [b], c, ubatch)
-  t2 = time.perf_counter()
+  with CompileClock() as decode_clock:
+    while len(out_tokens) < n_predict:
+      out_tokens.append(b)
+      if (eos_id is not None and b == eos_id) or len(out_tokens) >= n_predict:
+        break
+      c = seq.pos                      # committed target tokens; b sits at position c
+      room = n_predict - len(out_tokens)
+      # 1. draft
+      drafts = []
+      limit = min(draft.n_max, room)
+      if use_mtp:
+        d, p, h = d1, p1, hm
+        while len(drafts) < limit and p >= draft.p_min:
+          drafts.append(d)
+          if len(drafts) == limit:
+            break
+          # the MTP row (its own hidden for x_{c+i}, draft d_i) sits at MTP cache position c + i - 1
+          lg, h = runner.mtp_forward(h, np.array([d], np.int32), c + len(drafts) - 1, 1, kv)
+          d, p = _top1(lg[0])
+      else:
+        drafts = [int(t) for t in drafter(prompt + out_tokens, limit)][:limit]
+      drafted += len(drafts)
+      # 2. verify: rows [b, d_1..d_k], scan form, per-row states captured
+      rows = [b] + drafts
+      vout = runner.forward(np.array(rows, np.int32), c, len(rows), seq.rec_states, kv,
+                            logits_rows=np.arange(len(rows)), chunked=False, capture_states=True)
+      target = [int(t) for t in np.asarray(jnp.argmax(vout.logits_rv, axis=-1))]
+      # 3. accept + rollback
+      j = 0
+      while j < len(drafts) and drafts[j] == target[j]:
+        j += 1
+      accepted += j
+      rounds += 1
+      out_tokens.extend(drafts[:j])
+      if eos_id is not None and eos_id in drafts[:j]:
+        out_tokens = out_tokens[:out_tokens.index(eos_id, len(out_tokens) - j) + 1]
+        break
+      seq.rec_states = select_row(vout.rec_states, j)
+      seq.pos = c + j + 1
+      kv.truncate("target", seq.pos)
+      b = target[j]
+      if len(out_tokens) >= n_predict:
+        break
+      if not use_mtp:
+        continue
+      # 4. MTP catch-up on the accepted rows; its last row proposes the next d_1
+      kv.truncate("mtp", c)   # draft rows from MTP position c on are rebuilt on the target's hidden states
+      d1, p1, hm = _mtp_catch_up(runner, kv, vout.hn_se[:j + 1], drafts[:j] + [b], c, ubatch)
+    t2 = time.perf_counter()
   out_tokens = out_tokens[:n_predict]
-  metrics = generation_metrics(kv, len(prompt), len(out_tokens), t0, t1, t2)
+  metrics = generation_metrics(kv, len(prompt), len(out_tokens), t0, t1, t2,
+                               (prefill_clock.seconds, decode_clock.seconds))
   metrics.update({
-      "mtp_draft_generated": drafted, "mtp_draft_accepted": accepted,
-      "mtp_acceptance": accepted / drafted if drafted else 0.0,
+      "spec_type": spec_type,
+      "draft_generated": drafted, "draft_accepted": accepted,
+      "draft_acceptance": accepted / drafted if drafted else 0.0,
       "verify_forwards": rounds,
       "realized_verify_width": (drafted + rounds) / rounds if rounds else 0.0,
   })
@@ -164,10 +173,6 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
 def _mtp_catch_up(runner: Runner, kv: KVProvider, hn_se, next_tokens: Sequence[int], mtp_pos: int,
                   ubatch: int):
   """MTP rows (hn_se[i], next_tokens[i]) at MTP cache positions mtp_pos + i. -> (draft, p, hm_last)."""
-  n = len(next_tokens)
-  lg = hm = None
-  for i in range(0, n, ubatch):
-    m = min(ubatch, n - i)
-    lg, hm = runner.mtp_forward(hn_se[i:i + m], np.asarray(next_tokens[i:i + m], np.int32), mtp_pos + i, m, kv)
-  d, p = _top1(lg[-1])
-  return d, p, hm[-1:]
+  logits_v, hm = mtp_rows(runner, kv, hn_se, next_tokens, mtp_pos, ubatch)
+  d, p = _top1(logits_v)
+  return d, p, hm

@@ -1,5 +1,5 @@
-"""The tiny built-in model: config, deterministic weights, its own GGUF, and the
-CLI's `--model PATH|tiny` resolver."""
+"""The tiny built-in model: config, deterministic weights, its own GGUF, and the model-source
+resolver (`"tiny"`, `"tiny:SEED"` or a GGUF path) behind `kvjax.api.load_model`."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def write_tiny_gguf(path, seed: int = 0, weight_type: str = "f32") -> str:
 
 def load_model_source(spec: str, seed: int = 0, dtype=np.float32
                       ) -> Tuple[ModelConfig, Iterator[Tuple[str, np.ndarray]], tok_lib.Tokenizer]:
-  """Resolve the CLI's `--model PATH|tiny` -> `(config, tensor iterator, tokenizer)`.
+  """Resolve a model source ('tiny', 'tiny:SEED' or a GGUF path) -> `(config, tensor iterator, tokenizer)`.
 
   "tiny" (or "tiny:SEED") is the built-in model; anything else is a GGUF
   path, opened and validated (`GGUFError` on a bad file) and read one tensor
@@ -44,11 +44,11 @@ def load_model_source(spec: str, seed: int = 0, dtype=np.float32
       try:
         seed = int(spec[5:])
       except ValueError:
-        raise ValueError(f"--model {spec!r}: expected 'tiny' or 'tiny:SEED' with an integer seed") from None
+        raise ValueError(f"source {spec!r}: expected 'tiny' or 'tiny:SEED' with an integer seed") from None
     cfg = tiny_config()
     it = weights_lib.iter_random_tensors(cfg, seed, dtype=dtype)
     return cfg, it, tok_lib.tiny_tokenizer()
   if not os.path.exists(spec):
-    raise FileNotFoundError(f"--model {spec!r}: no such file (expected a .gguf path or 'tiny')")
+    raise FileNotFoundError(f"source {spec!r}: no such file (expected a .gguf path or 'tiny')")
   model = gguf_io.read_gguf(spec)
   return model.config, model.iter_tensors(dtype), tok_lib.from_spec(model.tokenizer_spec)

@@ -1,11 +1,13 @@
 """kvjax.cli: the `kvjax` console script, run in-process through `cli.main(argv)` (and once as a
 subprocess). Tiny model, CPU, 64-token KV pages.
 
-What is checked: JSON output fields and values (text = tokenizer decode of the tokens), streamed
-tokens == plain tokens with a pool much smaller than the context (and the copy counters show that
-pages really streamed), the arena budget arithmetic, logits / MTP logits files against
-`engine.Runner` run directly, the memory report against `kvjax.memory_report`, a GGUF file
-giving the same tokens as the built-in tiny model, and errors as one `kvjax: error:` line with no
+What is checked: JSON output fields and values (text = tokenizer decode of the tokens), the text
+output (unprintable characters escaped; timings, the compilation share of a cold run and the
+"all pages resident" note on stderr), llama.cpp's short flags, streamed tokens == plain tokens with
+a pool much smaller than the context (and the copy counters show that pages really streamed), the
+arena budget arithmetic, logits / MTP logits files against `engine.Runner` run directly, the memory
+report against `kvjax.memory_report` (and that it imports no JAX), a GGUF file giving the same
+tokens as the built-in tiny model, and errors as one `kvjax: error:` line naming the flag, with no
 traceback and a non-zero exit status.
 """
 
@@ -17,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvjax import cli, engine, memory_report, tiny
+from kvjax import api, cli, engine, memory_report, tiny
 from kvjax.streaming import fit_adaptive_pool, fit_split
 from kvjax.tokenizer import tiny_tokenizer
 from kvjax_pallas.page_layout import PageLayout
@@ -85,7 +87,74 @@ def test_generate_text_output_is_the_decoded_tokens(capsys, plain_run):
   argv = ["generate", PROMPT_FLAG] + [a for a in COMMON if a != "--json"]
   rc, out, err = run_main(capsys, *argv)
   assert rc == 0, err
-  assert out == tiny_tokenizer().decode(plain_run["tokens"]) + "\n"
+  assert out == api.printable(tiny_tokenizer().decode(plain_run["tokens"])) + "\n"
+  # timings on stderr; the module's earlier runs compiled these steps already
+  assert "kvjax: prefill 100 tokens in " in err and "decode 40 tokens in " in err
+  assert "nothing streams" not in err
+
+
+def test_text_output_escapes_control_characters(capsys):
+  """'Hello' -> tokens whose text holds DEL (0x7f) and DC3 (0x13): escaped on the terminal, raw in
+  the JSON text."""
+  argv = ["generate", "--prompt=Hello", "--n-predict=12", "--kv-page-tokens=64"]
+  rc, out, err = run_main(capsys, *argv, "--json")
+  assert rc == 0, err
+  raw = json_line(out)["text"]
+  assert "\x7f" in raw and "\x13" in raw
+  rc, out, err = run_main(capsys, *argv)
+  assert rc == 0, err
+  assert out == api.printable(raw) + "\n" and "\\x7f" in out and "\\x13" in out
+  assert not any(ord(c) < 32 and c not in "\n\t" or 0x7f <= ord(c) < 0xa0 for c in out)
+
+
+def test_cold_run_says_how_much_was_compilation(capsys):
+  """A layout no earlier test compiled (48-token pages): the timings are mostly compilation, and
+  the text output says so; with --warmup the measured run compiles nothing and no note is printed."""
+  argv = ["generate", "--prompt=Hello", "--n-predict=4", "--kv-page-tokens=48"]
+  rc, out, err = run_main(capsys, *argv, "--json")
+  assert rc == 0, err
+  m = json_line(out)["metrics"]
+  assert m["warmup"] is False
+  assert 0 < m["prompt_compile_ms"] <= m["prompt_ms"] and 0 < m["predicted_compile_ms"] <= m["predicted_ms"]
+  assert m["compile_ms"] == pytest.approx(m["prompt_compile_ms"] + m["predicted_compile_ms"])
+  assert m["compile_ms"] > 0.5 * (m["prompt_ms"] + m["predicted_ms"])   # a cold run is mostly compiling
+  rc, out, err = run_main(capsys, *argv[:-1], "--kv-page-tokens=40")
+  assert rc == 0, err
+  assert "kvjax: cold run: " in err and "--warmup" in err
+  argv = argv[:-1] + ["--kv-page-tokens=56"]
+  rc, out, err = run_main(capsys, *argv, "--warmup", "--json")
+  assert rc == 0, err
+  m = json_line(out)["metrics"]
+  assert m["warmup"] is True and m["compile_ms"] == 0.0
+  rc, out, err = run_main(capsys, *argv, "--warmup")
+  assert rc == 0 and "cold run" not in err and "kvjax: prefill 5 tokens" in err
+
+
+def test_llama_cpp_short_flags(capsys):
+  rc, out, err = run_main(capsys, "generate", "-m", "tiny", "-p", "Hello", "-n", "3", "-c", "96", "-s", "4",
+                          "-ub", "16", "-ctk", "f16", "-ctv", "q8_0", "--temp", "0.5", "--json")
+  assert rc == 0, err
+  m = json_line(out)["metrics"]
+  assert m["decode_tokens"] == 3 and m["ctx_size"] == 96 and m["prompt_tokens"] == 5
+  assert m["kv_layout"].startswith("F16 K / Q8_0 V")
+  rc, out, err = run_main(capsys, "logits", "-m", "tiny", "-p", "Hi", "--out=/nonexistent-dir/x.npy")
+  assert_one_line_error(rc, err, "--out")   # -p reached the logits flags too
+
+
+def test_all_pages_resident_is_reported(capsys, plain_run):
+  """A 6-page pool for 'Hello' + 8 tokens (one 64-token page per cache layer): every page is
+  resident, nothing streams, and the output says so; the 140-token run of the same pool streams."""
+  argv = ["generate", "--prompt=Hello", "--n-predict=8", "--kv-page-tokens=64", "--kv-stream-pool-pages=6"]
+  rc, out, err = run_main(capsys, *argv, "--json")
+  assert rc == 0, err
+  m = json_line(out)["metrics"]
+  assert m["all_pages_resident"] is True and m["streamed_pages"] == 0 and m["h2d_bytes"] == 0
+  rc, out, err = run_main(capsys, *argv)
+  assert rc == 0 and "kvjax: all pages resident: nothing streams" in err
+  rc, out, err = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, "--kv-stream-pool-pages=6")
+  m = json_line(out)["metrics"]
+  assert m["all_pages_resident"] is False and m["streamed_pages"] > 0
+  assert "all_pages_resident" not in plain_run["metrics"]    # a plain cache has nothing to stream
 
 
 def test_streamed_pool_pages_matches_plain(capsys, plain_run):
@@ -205,6 +274,18 @@ def test_logits_cache_type_changes_logits(capsys, tmp_path, direct):
 # memory
 # ---------------------------------------------------------------------------
 
+def test_memory_imports_no_jax():
+  """`kvjax memory` is arithmetic: its whole code path (flags, report, printing) imports no JAX."""
+  code = ("import sys; from kvjax import cli; "
+          "rc = cli.main(['memory', '--config=configs/memory_27b.py', '--json']); "
+          "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')); "
+          "print(rc, heavy)")
+  p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+  assert p.returncode == 0, p.stderr
+  assert p.stdout.strip().splitlines()[-1] == "0 []", p.stdout
+  assert '"decode_kv_pool_pages"' in p.stdout
+
+
 def test_memory_report(capsys):
   cfg_path = os.path.join(REPO, "configs", "memory_27b.py")
   rc, out, err = run_main(capsys, "memory", f"--config={cfg_path}", "--config.mtp_depth=5", "--json")
@@ -247,16 +328,24 @@ def test_error_pool_too_small(capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["generate", "--prompt=hi", "--kv-stream-copy-pages=3"], "power of two"),
+    (["generate", "--prompt=hi", "--kv-stream-copy-pages=3"], "--kv-stream-copy-pages must be a power of two"),
     (["generate", "--prompt=hi", "--n-predict=x"], "n-predict"),
+    (["generate", "--prompt=hi", "--n-predict=0"], "--n-predict must be >= 1, got 0"),
     (["generate", "--prompt=hi", "--no-such-flag=1"], "no-such-flag"),
-    (["generate", "--prompt=hi", "--prompt-tokens=1,2"], "exactly one"),
-    (["generate", "--prompt-tokens=1,999"], "999"),
-    (["generate", "--prompt=hi", "--n-predict=8", "--ctx-size=4"], "ctx-size"),
-    (["generate", "--prompt=hi", "--kv-stream-pool-pages=4", "--kv-stream-arena-mib=1"], "only one"),
-    (["generate", "--prompt=hi", "--kv-stream-pool-pages=0"], "pool-pages"),
-    (["generate", "--prompt=hi", "--kv-stream-arena-mib=-1"], "arena-mib"),
-    (["generate", "--prompt=hi", "--attn-block-pages=0"], "attn-block-pages must be auto or an int >= 1, got '0'"),
+    (["generate", "--prompt=hi", "--prompt-tokens=1,2"], "give exactly one of --prompt and --prompt-tokens"),
+    (["generate", "--prompt-tokens=1,999"], "--prompt-tokens: token id 999 is outside the vocabulary"),
+    (["generate", "--prompt=hi", "--n-predict=8", "--ctx-size=4"], "--ctx-size 4 is too small"),
+    (["generate", "--prompt=hi", "--kv-stream-pool-pages=4", "--kv-stream-arena-mib=1"],
+     "give only one of --kv-stream-arena-mib and --kv-stream-pool-pages"),
+    (["generate", "--prompt=hi", "--kv-stream-pool-pages=0"], "--kv-stream-pool-pages must be >= 1"),
+    (["generate", "--prompt=hi", "--kv-stream-arena-mib=-1"], "--kv-stream-arena-mib must be > 0"),
+    (["generate", "--prompt=hi", "--spec-type=ngram-simple", "--spec-draft-n-max=0"],
+     "--spec-draft-n-max must be >= 1"),
+    (["generate", "--prompt=hi", "--top-k=-2"], "--top-k must be >= 0"),
+    (["generate", "--prompt=hi", "--cache-type-k=q5_1"], "--cache-type-k 'q5_1'"),
+    (["generate", "--prompt=hi", "--attn-impl=cuda"], "--attn-impl 'cuda'"),
+    (["generate", "--prompt=hi", "--model=tiny:x"], "--model 'tiny:x'"),
+    (["generate", "--prompt=hi", "--attn-block-pages=0"], "--attn-block-pages must be auto or an int >= 1, got '0'"),
     (["generate", "--prompt=hi", "--attn-block-pages=big"], "got 'big'"),
     (["generate", "--prompt=hi", "--attn-impl=mosaic2"],
      "--attn-impl 'mosaic2': expected auto or one of reference, triton, mosaic"),
@@ -273,6 +362,25 @@ def test_error_bad_flags(capsys, argv, needle):
 def test_block_pages_flag_values():
   assert cli.parse_block_pages("auto") == "auto"
   assert cli.parse_block_pages("4") == 4 and cli.parse_block_pages(2) == 2
+  with pytest.raises(cli.UsageError, match="--attn-block-pages must be"):
+    cli.parse_block_pages("0")
+
+
+def test_every_api_parameter_maps_to_a_flag():
+  """`FLAG_OF` names flags that exist: an API error renamed for the command line names a real flag."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  defined = set()
+  for sub in ("generate", "logits"):
+    fv = flags.FlagValues()
+    cli._FLAG_SETS[sub](fv)  # pylint: disable=protected-access
+    defined |= {"--" + name for name in fv}
+  assert set(cli.FLAG_OF.values()) <= defined, set(cli.FLAG_OF.values()) - defined
+  e = api.ParameterError("give only one of arena_mib and pool_pages (prompt_tokens, not prompt)",
+                         "arena_mib", "pool_pages", "prompt_tokens", "prompt")
+  assert e.renamed(cli.FLAG_OF) == ("give only one of --kv-stream-arena-mib and --kv-stream-pool-pages "
+                                    "(--prompt-tokens, not --prompt)")
+  e = api.ParameterError("spec.n_max must be >= 1 for spec", "spec.n_max", "spec")
+  assert e.renamed(cli.FLAG_OF) == "--spec-draft-n-max must be >= 1 for --spec-type"
 
 
 def test_unknown_subcommand_prints_usage(capsys):
@@ -308,6 +416,10 @@ def test_subprocess_gguf_equals_builtin_tiny(tmp_path, plain_run):
                      capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
   assert p.returncode == 1
   assert p.stderr.strip() == "kvjax: error: --model 'missing.gguf': no such file (expected a .gguf path or 'tiny')"
+  p = subprocess.run([sys.executable, "-m", "kvjax.cli", "generate", "-p", "hi", "--kv-stream-copy-pages=3"],
+                     capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+  assert p.returncode == 2
+  assert p.stderr.strip() == "kvjax: error: --kv-stream-copy-pages must be a power of two >= 1, got 3"
 
 
 def test_adaptive_policy_streams_identically(capsys, plain_run):
@@ -351,11 +463,15 @@ def test_speculative_generation_equals_plain(capsys, plain_run, spec):
   d = json_line(out)
   assert d["tokens"] == plain_run["tokens"]
   m = d["metrics"]
-  assert m["verify_forwards"] >= 1 and m["mtp_draft_accepted"] <= m["mtp_draft_generated"]
+  assert m["spec_type"] == {"draft-mtp": "mtp", "ngram-simple": "ngram"}[spec]
+  assert m["verify_forwards"] >= 1 and 0 <= m["draft_accepted"] <= m["draft_generated"]
+  assert m["draft_acceptance"] == pytest.approx(m["draft_accepted"] / max(m["draft_generated"], 1))
+  assert not any(k.startswith("mtp_") for k in m)
 
 
 def test_attn_impl_auto_resolves_on_cpu(plain_run):
   assert plain_run["metrics"]["attn_impl"] == "reference"  # 'auto' on a CPU backend
+  assert plain_run["metrics"]["attn_interpret"] is False
 
 
 def test_speculative_needs_greedy(capsys):

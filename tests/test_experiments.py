@@ -1,6 +1,8 @@
-"""experiments/run.py and experiments/sweep_fixed_span.py as real processes on the tiny model (CPU):
-config overrides reach the run, results land in out_dir, streamed == plain, the sweep's columns
-and numbers are consistent with the page/pool arithmetic, and budget errors become rows."""
+"""The experiments as real processes (`python -m experiments.NAME` from the repository root) on the
+tiny model (CPU): run.py's config overrides reach the run, results land in out_dir, streamed ==
+plain, API errors name the config field; the sweep's columns and numbers are consistent with the
+page/pool arithmetic, budget errors become rows, its plot has one line per budget given, and it
+shows progress; no experiment prints jax's TPU backend probe."""
 
 import csv
 import json
@@ -27,11 +29,9 @@ def _run(args, cwd, timeout=240):
 
 def test_run_config_with_overrides(tmp_path):
   out = str(tmp_path / "runs")
-  script = os.path.join(REPO, "experiments", "run.py")
-  cfg = os.path.join(REPO, "configs", "tiny_stream.py")
-  _run([script, f"--config={cfg}", "--config.n_predict=20", f"--config.out_dir={out}"], cwd=str(tmp_path))
-  _run([script, f"--config={cfg}", "--config.n_predict=8", "--config.kv=plain", f"--config.out_dir={out}"],
-       cwd=str(tmp_path))
+  run = ["-m", "experiments.run", "--config=configs/tiny_stream.py"]
+  _run(run + ["--config.n_predict=20", f"--config.out_dir={out}"], cwd=REPO)
+  _run(run + ["--config.n_predict=8", "--config.kv=plain", f"--config.out_dir={out}"], cwd=REPO)
   rows = [json.loads(l) for l in open(os.path.join(out, "tiny_stream.jsonl"))]
   assert len(rows) == 2
   s, p = rows
@@ -46,13 +46,23 @@ def test_run_config_with_overrides(tmp_path):
     table = list(csv.DictReader(f))
   assert len(table) == 2 and table[0]["tokens_match"] == "True" and table[1]["tokens_match"] == ""
   assert table[1]["decode_tokens"] == "8"
+  assert s["all_pages_resident"] is False and s["compile_ms"] > 0 and s["spec_type"] == "none"
+
+
+def test_run_config_errors_name_the_config_field(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  p = subprocess.run([sys.executable, "-m", "experiments.run", "--config=configs/tiny_stream.py",
+                      "--config.ctx_size=10", f"--config.out_dir={tmp_path}"],
+                     capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
+  assert p.returncode != 0 and "Traceback" not in p.stderr
+  assert "config.ctx_size 10 is too small" in p.stderr and "config.n_predict 32" in p.stderr
 
 
 def test_sweep_fixed_span(tmp_path):
   out = str(tmp_path / "sweep")
-  script = os.path.join(REPO, "experiments", "sweep_fixed_span.py")
-  _run([script, "--contexts=128,256", "--arena_mib=0.5", "--pool_pages=1,6", "--decode_tokens=4",
-        "--page_tokens=64", "--ubatch=64", "--nowarmup", f"--out={out}"], cwd=str(tmp_path))
+  p = _run(["-m", "experiments.sweep_fixed_span", "--contexts=128,256", "--arena_mib=0.5", "--pool_pages=1,6",
+            "--decode_tokens=4", "--page_tokens=64", "--ubatch=64", "--nowarmup", f"--out={out}"], cwd=REPO)
+  assert "sweep: 100%" in p.stderr and "6/6" in p.stderr   # tqdm progress on stderr
   with open(os.path.join(out, "results.csv"), newline="") as f:
     rows = list(csv.DictReader(f))
   jsonl = [json.loads(l) for l in open(os.path.join(out, "results.jsonl"))]
@@ -90,8 +100,10 @@ def test_sweep_fixed_span(tmp_path):
     assert a["pool_pages"] == fit_split(available, 3, ctx, layout, 32, pinned=False).pool_pages
     assert 0 < a["pool_pages"] < available
     assert a["resident_pages"] + a["ring_slots"] == a["pool_pages"]
-    if a["resident_pages"] // 3 >= a["active_pages"]:  # everything resident: nothing streams in decode
+    assert a["all_pages_resident"] == (a["resident_pages"] // 3 >= a["active_pages"])
+    if a["all_pages_resident"]:  # everything resident: nothing streams in decode
       assert a["h2d_mib_per_token"] == 0 and a["h2d_calls_per_token"] == 0
+    assert r["all_pages_resident"] is False
   try:
     import matplotlib  # noqa: F401  pylint: disable=unused-import,import-outside-toplevel
     assert os.path.getsize(os.path.join(out, "results.png")) > 1000
@@ -115,8 +127,28 @@ def test_bench_decode_smoke(tmp_path):
   assert "diag_upload_ms" in row and "context" in p.stdout
 
 
+def test_sweep_plot_has_one_line_per_budget_given():
+  """An arena whose pool changes with the context stays one line (one legend entry)."""
+  code = """
+from experiments.sweep_fixed_span import COLUMNS, series_of
+def row(ctx, arena, pool, error=""):
+  r = {k: "" for k in COLUMNS}
+  r.update(context_capacity=ctx, arena_mib=arena, pool_pages=pool, error=error)
+  return r
+rows = [row(512, 0.5, 30), row(256, 0.5, 33), row(256, "", 6), row(512, "", 6), row(256, "", 1, "too small")]
+s = series_of(rows)
+print(sorted(s), [[r["context_capacity"] for r in v] for k, v in sorted(s.items())])
+"""
+  p = _run(["-c", code], cwd=REPO)
+  assert p.stdout.strip() == "['arena 0.5 MiB', 'pool 6 pages'] [[256, 512], [256, 512]]"
+
+
 def test_bench_h2d_smoke(tmp_path):
-  p = _run([os.path.join(REPO, "experiments", "bench_h2d.py"), "--sizes_mib=1", "--reps=1"], cwd=str(tmp_path))
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}   # let jax probe its backends
+  p = subprocess.run([sys.executable, "-m", "experiments.bench_h2d", "--sizes_mib=1", "--reps=1"],
+                     capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert "Unable to initialize backend" not in p.stderr, p.stderr
   lines = [l for l in p.stdout.splitlines() if l.strip().startswith("1 ")]
   assert len(lines) == 5  # five copy variants measured
 

@@ -1,4 +1,5 @@
-"""kvjax.generate: sampling, micro-batched prefill, the decode loop, and cache capacity.
+"""kvjax.generate: sampling, micro-batched prefill, the decode loop, teacher-forced logits, the
+compile clock, and cache capacity.
 
 Tiny model, float32 compute, float32 KV pages, CPU. Row counts used: 1 (decode),
 16 / 64 / 128 (micro-batches), 32 (teacher forcing), 100 (one-shot prompt).
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 
 from kvjax import config, engine, weights
-from kvjax.generate import SamplingParams, SequenceState, generate, prefill, sample_token
+from kvjax.generate import (CompileClock, SamplingParams, SequenceState, generate, prefill, sample_token,
+                            teacher_forced_logits)
 from kvjax_pallas.page_layout import PageLayout
 import reference_model
 
@@ -68,7 +70,10 @@ def teacher_logits(cfg, runner, greedy):
 def test_greedy_is_deterministic(cfg, runner, greedy):
   again = gen(cfg, runner)
   assert again.tokens == greedy and len(greedy) == 12
-  assert again.metrics["prompt_tokens"] == 12 and again.metrics["decode_tokens"] == 12
+  m = again.metrics
+  assert m["prompt_tokens"] == 12 and m["decode_tokens"] == 12
+  # the `greedy` fixture compiled every step of this run already
+  assert m["compile_ms"] == m["prompt_compile_ms"] == m["predicted_compile_ms"] == 0.0
   assert len(set(greedy)) > 2  # a non-degenerate sequence
 
 
@@ -79,6 +84,30 @@ def test_greedy_equals_argmax_of_teacher_forced_logits(cfg, runner, greedy, teac
   # the comparison is not decided by float noise: clear top-1 margins
   top2 = np.sort(teacher_logits, -1)[:, -2:]
   assert np.min(top2[:, 1] - top2[:, 0]) > 1e-3
+
+
+def test_teacher_forced_logits_in_micro_batches(cfg, runner, greedy, teacher_logits):
+  """`teacher_forced_logits` (prefill's micro-batches of 16 rows, every row kept) against the one
+  forward: rows 11.. are the greedy tokens' logits, equal within float32 rounding, same argmaxes."""
+  seq = prompt_of(cfg, 12) + greedy[:-1]
+  got = teacher_forced_logits(runner, kv_of(cfg, runner), seq, ubatch=16)
+  assert got.dtype == np.float32 and got.shape == (23, cfg.vocab_size)
+  assert rel(got[11:], teacher_logits) < 1e-4
+  assert list(np.argmax(got[11:], -1)) == greedy
+
+
+def test_generate_reports_its_compilation():
+  """`CompileClock` counts jax's tracing + compiling: a new jitted shape costs time, a cached one none."""
+  f = jax.jit(lambda x: jnp.sin(x) * 3 + 1)
+  with CompileClock() as cold:
+    jax.block_until_ready(f(jnp.ones((7, 3))))
+  with CompileClock() as warm:
+    jax.block_until_ready(f(jnp.ones((7, 3))))
+  assert cold.seconds > 0 and warm.seconds == 0.0
+  with CompileClock() as outside:
+    pass
+  jax.block_until_ready(f(jnp.ones((5, 3))))   # compiles after the clock left: not counted
+  assert outside.seconds == 0.0
 
 
 def test_top_k_1_equals_greedy(cfg, runner, greedy):

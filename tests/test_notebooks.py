@@ -1,10 +1,11 @@
-"""notebooks/quickstart.ipynb executes top to bottom (nbclient, kernel `python3`, CPU) and shows what
-it claims: plain and streamed tokens equal, streaming counters, and the 27B memory/policy table."""
+"""notebooks/quickstart.ipynb executes top to bottom the way `jupyter nbconvert --to notebook
+--execute` runs it (nbconvert's ExecutePreprocessor, kernel `python3`, CPU) and shows what it claims:
+plain and streamed tokens equal, streaming counters, and the 27B memory/policy table."""
 
 import os
 
-import nbclient  # the dev extra installs nbclient, nbformat and ipykernel (the python3 kernel)
 import nbformat
+from nbconvert.preprocessors import ExecutePreprocessor  # the dev extra: nbconvert, nbformat, ipykernel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,9 +24,8 @@ def test_quickstart_runs():
   path = os.path.join(REPO, "notebooks", "quickstart.ipynb")
   nb = nbformat.read(path, as_version=4)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the kernel inherits it
-  client = nbclient.NotebookClient(nb, timeout=180, kernel_name="python3",
-                                   resources={"metadata": {"path": REPO}})
-  client.execute()  # raises CellExecutionError on any failing cell
+  ExecutePreprocessor(timeout=180, kernel_name="python3").preprocess(nb, {"metadata": {"path": REPO}})
+  # (raises CellExecutionError on any failing cell)
   code = [c for c in nb.cells if c.cell_type == "code"]
   assert all(not any(o.get("output_type") == "error" for o in c.get("outputs", [])) for c in code)
   text = "\n".join(_text(c) for c in code)
@@ -37,6 +37,8 @@ def test_quickstart_runs():
   # streaming really streamed: a positive H2D byte count in the streamed column
   h2d = next(l for l in text.splitlines() if l.startswith("h2d_bytes")).split()
   assert h2d[1] == "0" and int(h2d[2]) > 0
+  resident = next(l for l in text.splitlines() if l.startswith("all_pages_resident")).split()
+  assert resident[1:] == ["False"]   # only the streamed column has it, and that pool streams
   # the memory/policy table has one row per context, with the pool pages of memory_report
   from kvjax import config as config_lib, memory_report
   want = memory_report.memory_report(config_lib.qwen38_27b(), 131072, arena_mib=2240.0, mtp_depth=3,

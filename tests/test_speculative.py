@@ -41,12 +41,13 @@ def test_oracle_drafts_accept_reject_and_roll_back(setup, wrong_every):
                                          ubatch=32, drafter=_oracle(prompt, truth, wrong_every))
   assert res.tokens == truth
   m = res.metrics
-  assert m["mtp_draft_accepted"] > 0
+  assert m["draft_accepted"] > 0 and m["spec_type"] == "custom"   # the oracle drafter
+  assert m["draft_acceptance"] == m["draft_accepted"] / m["draft_generated"]
   if wrong_every == 0:
-    assert m["mtp_draft_accepted"] == m["mtp_draft_generated"]
+    assert m["draft_accepted"] == m["draft_generated"]
     assert m["verify_forwards"] < N // 3          # 4 drafts + 1 per forward
   else:
-    assert m["mtp_draft_accepted"] < m["mtp_draft_generated"]   # rejections happened and rolled back
+    assert m["draft_accepted"] < m["draft_generated"]   # rejections happened and rolled back
   assert m["realized_verify_width"] > 1.5
 
 
@@ -70,7 +71,18 @@ def test_mtp_drafting_equals_plain_greedy(setup):
   res = speculative.generate_speculative(runner, kv, prompt, N, speculative.DraftParams("mtp", n_max=3),
                                          ubatch=32)
   assert res.tokens == truth
-  assert res.metrics["mtp_draft_generated"] >= N // 2
+  assert res.metrics["draft_generated"] >= N // 2 and res.metrics["spec_type"] == "mtp"
+
+
+def test_ngram_drafting_equals_plain_greedy_and_names_its_drafter(setup):
+  cfg, layout, runner, prompt, truth = setup
+  kv = engine.PlainKV(cfg, layout, 70 + N + 8)
+  res = speculative.generate_speculative(runner, kv, prompt, N, speculative.DraftParams("ngram", n_max=3, ngram_n=2),
+                                         ubatch=32)
+  assert res.tokens == truth
+  m = res.metrics
+  assert m["spec_type"] == "ngram" and 0 <= m["draft_accepted"] <= m["draft_generated"]
+  assert not any(k.startswith("mtp_") for k in m)
 
 
 def test_rollback_state_is_the_captured_row(setup):

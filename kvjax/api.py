@@ -1,0 +1,501 @@
+"""The Python API of kvjax: load a model, make a KV cache from a budget, generate, teacher-forced logits.
+
+    from kvjax import api
+
+    model = api.load_model("tiny", page_tokens=64)           # or a GGUF path
+    kv = api.make_kv(model, 160, pool_pages=6)                # streamed through a 6-page device pool
+    res = api.generate(model, kv, prompt="Hello", n_predict=32, warmup=True)
+    print(res.text, res.metrics["decode_tps"])
+    logits = api.teacher_forced_logits(model, res.tokens)     # float32 [n, vocab]
+
+This module is where the pieces are put together: the `kvjax.engine` runner, the KV providers
+(`engine.PlainKV`, `kvjax.streaming`), and the `kvjax.generate` / `kvjax.speculative` loops. The
+`kvjax` command (`kvjax.cli`), the experiments and the quickstart notebook all go through it.
+
+The KV page layout (page_tokens, k_type, v_type) and the attention implementation are fixed when a
+model is loaded: the compiled steps are specialised to them, and every cache made for the model uses
+that layout.
+
+Errors. A bad argument raises `ParameterError` (a `ValueError`) whose message names the parameter of
+this API, e.g. "copy_pages must be a power of two >= 1, got 3"; its `params` lists the parameters the
+message names, so a front end can rename them (`kvjax.cli` writes `--kv-stream-copy-pages`). A missing
+model file raises `ModelNotFoundError` (a `ParameterError`). A budget too small for the context raises
+`kvjax.streaming.StreamBudgetError` and a malformed GGUF file `kvjax.gguf_io.GGUFError`; both are
+`ValueError`s whose messages say what is missing or wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+import unicodedata
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import config as config_lib
+from kvjax import engine, generate as gen_lib, speculative, tiny, weights
+from kvjax.generate import GenerationResult
+from kvjax.model import AttentionOptions
+from kvjax.streaming import (StreamedKV, adaptive_staging_reserve_pages, fit_adaptive_pool,
+                             staging_reserve_pages, stream_config_from_budget)
+from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV
+from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout
+from kvjax_pallas.span_attention.api import IMPLEMENTATIONS, resolve_implementation
+
+DTYPES = ("float32", "bfloat16")
+POLICIES = ("fixed", "adaptive")
+DRAFTS = ("mtp", "ngram")
+
+__all__ = ["ParameterError", "ModelNotFoundError", "LoadedModel", "KVCache", "SpecConfig", "GenerationResult",
+           "load_model", "make_kv", "check_kv_budget", "check_generation", "encode", "prompt_ids",
+           "context_tokens", "generate", "teacher_forced_logits", "parse_block_pages", "printable"]
+
+
+# ---------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------
+
+class ParameterError(ValueError):
+  """A bad argument. The message names it by its parameter in this API; `params` lists the
+  parameters the message names (dotted for fields, e.g. "spec.n_max")."""
+
+  def __init__(self, message: str, *params: str):
+    super().__init__(message)
+    self.params = params
+
+  def renamed(self, names: Mapping[str, str]) -> str:
+    """The message with each parameter of `params` written as `names[param]` (e.g. its flag)."""
+    keys = sorted((p for p in self.params if p in names), key=len, reverse=True)
+    if not keys:
+      return str(self)
+    pattern = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, keys)) + r")(?!\w|\.\w)")
+    return pattern.sub(lambda m: names[m.group(1)], str(self))
+
+
+class ModelNotFoundError(ParameterError):
+  """`source` names no file (and is not a built-in model)."""
+
+
+# ---------------------------------------------------------------------------
+# model
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class LoadedModel:
+  """A model ready to run: `runner` (`engine.Runner`, with its KV page layout and attention options),
+  `tokenizer` (None for a preset's random weights), `cfg` (`kvjax.config.ModelConfig`), `load_s`
+  (seconds to build it) and `source` (what was loaded)."""
+  runner: engine.Runner
+  tokenizer: Any
+  cfg: config_lib.ModelConfig
+  load_s: float
+  source: str
+
+  @property
+  def layout(self) -> PageLayout:
+    return self.runner.layout
+
+
+def parse_block_pages(value) -> Union[int, str]:
+  """`block_pages`: "auto" or an int >= 1 (ints may come as text)."""
+  if isinstance(value, str) and value.strip() == "auto":
+    return "auto"
+  try:
+    n = int(value)
+  except (TypeError, ValueError):
+    raise ParameterError(f"block_pages must be auto or an int >= 1, got {value!r}", "block_pages") from None
+  if n < 1 or str(n) != str(value).strip():
+    raise ParameterError(f"block_pages must be auto or an int >= 1, got {value!r}", "block_pages")
+  return n
+
+
+def _is_builtin(source: str) -> bool:
+  return source == "tiny" or source.startswith("tiny:")
+
+
+def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str = "float32",
+               page_tokens: int = 256, k_type: str = "q8_0", v_type: str = "q4_0", attn_impl: str = "auto",
+               block_pages: Union[int, str] = "auto", weight_seed: int = 0) -> LoadedModel:
+  """Build a model and its runner.
+
+  Args:
+    source: "tiny" / "tiny:SEED" (the built-in tiny model: random weights of SEED, its own
+      tokenizer) or the path of a GGUF file.
+    preset: instead of `source`, a `kvjax.config` preset name (e.g. "qwen38_27b") with deterministic
+      random weights (`weight_seed`) drawn on the device; it has no tokenizer.
+    dtype: weight and activation dtype, "float32" or "bfloat16".
+    page_tokens: token positions per KV page.
+    k_type, v_type: KV cache types (q8_0, q4_0, f16, bf16, f32).
+    attn_impl: "auto" (on an NVIDIA GPU each attention call picks its kernel; "reference"
+      elsewhere), "reference", or a kernel of `kvjax_pallas.span_attention.api.IMPLEMENTATIONS`.
+      Without a GPU a kernel runs in Pallas interpret mode (slow; for checking the kernel).
+    block_pages: pages per logical partition of the attention core, an int >= 1 or "auto".
+  """
+  if dtype not in DTYPES:
+    raise ParameterError(f"dtype {dtype!r}: expected float32 or bfloat16", "dtype")
+  if attn_impl not in IMPLEMENTATIONS + ("auto",):
+    raise ParameterError(f"attn_impl {attn_impl!r}: expected auto or one of {', '.join(IMPLEMENTATIONS)}",
+                         "attn_impl")
+  if page_tokens < 1:
+    raise ParameterError(f"page_tokens must be >= 1, got {page_tokens}", "page_tokens")
+  for name, kind in (("k_type", k_type), ("v_type", v_type)):
+    if kind not in BLOCK_FORMATS:
+      raise ParameterError(f"{name} {kind!r}: expected one of {', '.join(BLOCK_FORMATS)}", name)
+  block_pages = parse_block_pages(block_pages)
+  if preset is None and not _is_builtin(source) and not os.path.exists(source):
+    raise ModelNotFoundError(f"source {source!r}: no such file (expected a .gguf path or 'tiny')", "source")
+  backend = jax.default_backend()
+  if attn_impl != "auto" or backend != "gpu":
+    attn_impl = resolve_implementation(attn_impl)   # on a GPU "auto" stays: each call picks
+  # the Pallas kernels compile for NVIDIA GPUs only; elsewhere they run in interpret mode
+  interpret = attn_impl not in ("auto", "reference") and backend != "gpu"
+  jdtype = jnp.dtype(dtype)
+  t0 = time.perf_counter()
+  if preset is not None:
+    try:
+      cfg = config_lib.preset(preset)
+    except ValueError as e:
+      raise ParameterError(f"preset: {e}", "preset") from None
+    model = engine.build_model(cfg, weights.iter_random_device_tensors(cfg, weight_seed, dtype), dtype=jdtype,
+                               names=config_lib.gguf_tensor_shapes(cfg))
+    tok = None
+  else:
+    try:
+      cfg, tensors, tok = tiny.load_model_source(source, seed=weight_seed, dtype=np.float32)
+    except FileNotFoundError as e:
+      raise ModelNotFoundError(str(e), "source") from None
+    except ValueError as e:
+      if _is_builtin(source):
+        raise ParameterError(str(e), "source") from None
+      raise
+    model = engine.build_model(cfg, tensors, dtype=jdtype)
+    cfg = model.cfg
+  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, k_type, v_type, page_tokens)
+  runner = engine.Runner(model, layout, AttentionOptions(attn_impl, block_pages, interpret))
+  jax.block_until_ready(runner.token_embd)
+  return LoadedModel(runner, tok, cfg, time.perf_counter() - t0, preset or source)
+
+
+# ---------------------------------------------------------------------------
+# KV cache
+# ---------------------------------------------------------------------------
+
+def check_kv_budget(*, arena_mib: Optional[float] = None, pool_pages: Optional[int] = None,
+                    copy_pages: int = 32, policy: str = "fixed", phased: bool = False) -> None:
+  """The checks of `make_kv` that need no model (a front end can run them before a long load)."""
+  if policy not in POLICIES:
+    raise ParameterError(f"policy must be 'fixed' or 'adaptive', got {policy!r}", "policy")
+  if phased and arena_mib is None:
+    raise ParameterError("phased needs arena_mib (the arena it lays out)", "phased", "arena_mib")
+  if phased and policy != "fixed":
+    raise ParameterError("phased takes the fixed split in each phase: use policy 'fixed'", "phased", "policy")
+  if arena_mib is not None and pool_pages is not None:
+    raise ParameterError("give only one of arena_mib and pool_pages", "arena_mib", "pool_pages")
+  if copy_pages < 1 or copy_pages & (copy_pages - 1):
+    raise ParameterError(f"copy_pages must be a power of two >= 1, got {copy_pages}", "copy_pages")
+  if pool_pages is not None and pool_pages < 1:
+    raise ParameterError(f"pool_pages must be >= 1, got {pool_pages}", "pool_pages")
+  if arena_mib is not None and not arena_mib > 0:
+    raise ParameterError(f"arena_mib must be > 0, got {arena_mib}", "arena_mib")
+
+
+class KVCache:
+  """A KV cache made by `make_kv`: `provider` (what the runner reads and writes: `engine.PlainKV`,
+  `StreamedKV`, `AdaptiveStreamedKV` or `PhasedKV`) and `info` (its budget: "kv" plain / streamed /
+  streamed+phased, "ctx_size", the page layout, and for a streamed cache the pool split and
+  "all_pages_resident": the split holds every page of the context resident, so nothing streams).
+
+  A cache holds one sequence: `generate` resets a used cache (`reset`: a fresh one, same budget)."""
+
+  def __init__(self, build: Callable[[], Tuple[Any, Dict[str, Any]]]):
+    self._build = build
+    self.provider, self.info = build()
+    self.used = False
+
+  @property
+  def max_tokens(self) -> int:
+    """The capacity asked for (a plain cache rounds it up to whole pages)."""
+    return self.info["ctx_size"]
+
+  def reset(self) -> None:
+    self.provider = None   # the old pool goes before the new one is allocated
+    self.provider, self.info = self._build()
+    self.used = False
+
+  def metrics(self) -> Dict[str, Any]:
+    return dict(self.provider.metrics()) if hasattr(self.provider, "metrics") else {}
+
+
+def _all_resident(split, layout: PageLayout, max_tokens: int) -> bool:
+  return min(split.resident_pages_per_layer) >= layout.pages_for(max_tokens)
+
+
+def _build_kv(model: LoadedModel, max_tokens: int, arena_mib, pool_pages, copy_pages, policy, phased,
+              ubatch) -> Tuple[Any, Dict[str, Any]]:
+  runner = model.runner
+  cfg, layout = runner.cfg, runner.layout
+  info: Dict[str, Any] = {"kv": "plain", "ctx_size": max_tokens, "page_tokens": layout.page_tokens,
+                          "kv_layout": layout.describe()}
+  if arena_mib is None and pool_pages is None:
+    return engine.PlainKV(cfg, layout, max_tokens), info
+  info["kv"] = "streamed"
+  if arena_mib is not None:
+    ws = engine.group_step_workspace_bytes(runner, 1, max_tokens)   # one decode forward's scratch
+    info["arena_mib"] = arena_mib
+    info["decode_workspace_mib"] = ws / 2**20
+    stream = stream_config_from_budget(cfg, layout, max_tokens, arena_bytes=int(arena_mib * 2**20),
+                                       workspace_bytes=ws, copy_pages=copy_pages)
+  else:
+    stream = stream_config_from_budget(cfg, layout, max_tokens, pool_pages=pool_pages, copy_pages=copy_pages)
+  info["resident_pages_per_layer"] = list(stream.resident_pages_per_layer)
+  info["staging_reserve_mib"] = staging_reserve_pages(stream, max_tokens, layout) * layout.page_bytes / 2**20
+  info["copy_pages"] = copy_pages
+  info["kv_policy"] = policy
+  if policy == "adaptive":
+    pool = stream.pool_pages
+    if arena_mib is not None:   # the staging of ANY split the policy may pick fits beside the pool
+      pool = fit_adaptive_pool((int(arena_mib * 2**20) - ws) // layout.page_bytes, max_tokens, layout,
+                               copy_pages)
+    kv = AdaptiveStreamedKV(cfg, layout, max_tokens, pool, copy_pages)
+    info["resident_pages_per_layer"] = list(kv.stream.resident_pages_per_layer)
+    info["staging_reserve_mib"] = (adaptive_staging_reserve_pages(pool, max_tokens, layout, copy_pages)
+                                   * layout.page_bytes / 2**20)
+    info["all_pages_resident"] = _all_resident(kv.stream, layout, max_tokens)   # the starting split
+    return kv, info
+  kv = StreamedKV(cfg, layout, max_tokens, stream)
+  info["all_pages_resident"] = _all_resident(stream, layout, max_tokens)
+  if phased:
+    ws_prefill = engine.group_step_workspace_bytes(runner, ubatch, max_tokens)
+    kv = PhasedKV(kv, int(arena_mib * 2**20), ws_prefill, ws, max_tokens)
+    info["kv"] = "streamed+phased"
+    info["prefill_workspace_mib"] = ws_prefill / 2**20
+    info["ubatch"] = ubatch
+    info["all_pages_resident"] = all(_all_resident(kv.split_for(pages), layout, max_tokens)
+                                     for pages in kv.region_pages.values())
+  return kv, info
+
+
+def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] = None,
+            pool_pages: Optional[int] = None, copy_pages: int = 32, policy: str = "fixed",
+            phased: bool = False, ubatch: int = 256) -> KVCache:
+  """A KV cache of `max_tokens` token positions for `model` (its page layout).
+
+  Plain (every page on the device) unless a budget is given; streamed (the history on the host,
+  a device pool of resident pages + a ring the older pages stream through) with
+    arena_mib: a device arena in MiB: the pool is what is left after the measured decode
+      workspace and the staging of in-flight uploads, in whole pages; or
+    pool_pages: a device pool of this many pages.
+  copy_pages: host -> device copy unit in pages (a power of two).
+  policy: "fixed" (a uniform resident prefix per layer, `stream_config_from_budget`) or "adaptive"
+    (`kvjax.streaming.policy` re-splits the pool every forward).
+  phased: lay the arena out per phase (prefill: the larger workspace of `ubatch` rows; decode: a
+    larger pool); needs `arena_mib` and the fixed policy; `generate` must then use this `ubatch`.
+  """
+  check_kv_budget(arena_mib=arena_mib, pool_pages=pool_pages, copy_pages=copy_pages, policy=policy,
+                  phased=phased)
+  if max_tokens < 1:
+    raise ParameterError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+  if ubatch < 1:
+    raise ParameterError(f"ubatch must be >= 1, got {ubatch}", "ubatch")
+  return KVCache(lambda: _build_kv(model, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased,
+                                   ubatch))
+
+
+# ---------------------------------------------------------------------------
+# generation
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+  """Speculative decoding (greedy only): `draft` "mtp" (the model's attached MTP head proposes) or
+  "ngram" (ngram-simple: the tokens that followed the latest earlier occurrence of the last
+  `ngram_n` tokens). At most `n_max` drafts per round (verify width 1 + n_max); MTP drafting stops
+  below top-1 probability `p_min`."""
+  draft: str = "mtp"
+  n_max: int = 3
+  p_min: float = 0.0
+  ngram_n: int = 12
+
+
+def _draft_params(spec: SpecConfig) -> speculative.DraftParams:
+  if spec.draft not in DRAFTS:
+    raise ParameterError(f"spec.draft must be 'mtp' or 'ngram', got {spec.draft!r}", "spec.draft")
+  if spec.n_max < 1:
+    raise ParameterError(f"spec.n_max must be >= 1, got {spec.n_max}", "spec.n_max")
+  if not 0.0 <= spec.p_min <= 1.0:
+    raise ParameterError(f"spec.p_min must be in [0, 1], got {spec.p_min}", "spec.p_min")
+  if spec.ngram_n < 1:
+    raise ParameterError(f"spec.ngram_n must be >= 1, got {spec.ngram_n}", "spec.ngram_n")
+  return speculative.DraftParams(spec.draft, spec.n_max, spec.p_min, spec.ngram_n)
+
+
+def check_generation(*, n_predict: int = 32, temperature: float = 0.0, top_k: int = 0, ubatch: int = 256,
+                     spec: Optional[SpecConfig] = None, phased: bool = False) -> None:
+  """The checks of `generate` that need no model (a front end can run them before a long load)."""
+  if n_predict < 1:
+    raise ParameterError(f"n_predict must be >= 1, got {n_predict}", "n_predict")
+  if ubatch < 1:
+    raise ParameterError(f"ubatch must be >= 1, got {ubatch}", "ubatch")
+  if not temperature >= 0.0:
+    raise ParameterError(f"temperature must be >= 0, got {temperature}", "temperature")
+  if top_k < 0:
+    raise ParameterError(f"top_k must be >= 0, got {top_k}", "top_k")
+  if spec is not None:
+    _draft_params(spec)
+    if temperature != 0.0:
+      raise ParameterError("spec verifies greedily: use temperature 0", "spec", "temperature")
+    if phased:
+      raise ParameterError("spec and phased cannot be combined yet", "spec", "phased")
+
+
+def encode(model: LoadedModel, text: str, param: str = "prompt") -> List[int]:
+  """`text` in the model's tokenizer (at least one token)."""
+  if model.tokenizer is None:
+    raise ParameterError(f"{param}: {model.source!r} has no tokenizer (random preset weights); give token ids",
+                         param)
+  ids = model.tokenizer.encode(text)
+  if not ids:
+    raise ParameterError(f"{param} is empty: at least one token is needed", param)
+  return ids
+
+
+def _token_ids(model: LoadedModel, ids: Sequence[int], param: str) -> List[int]:
+  ids = [int(t) for t in ids]
+  if not ids:
+    raise ParameterError(f"{param}: at least one token id is needed", param)
+  bad = [t for t in ids if not 0 <= t < model.cfg.vocab_size]
+  if bad:
+    raise ParameterError(f"{param}: token id {bad[0]} is outside the vocabulary of {model.cfg.vocab_size} "
+                         f"tokens", param)
+  return ids
+
+
+def prompt_ids(model: LoadedModel, prompt: Optional[str] = None,
+               prompt_tokens: Optional[Sequence[int]] = None) -> List[int]:
+  """The prompt as token ids: exactly one of `prompt` (text) and `prompt_tokens` (ids)."""
+  if (prompt is None) == (prompt_tokens is None):
+    raise ParameterError("give exactly one of prompt and prompt_tokens", "prompt", "prompt_tokens")
+  if prompt_tokens is not None:
+    return _token_ids(model, prompt_tokens, "prompt_tokens")
+  return encode(model, prompt, "prompt")
+
+
+def context_tokens(n_prompt: int, n_predict: int, spec: Optional[SpecConfig] = None,
+                   max_tokens: int = 0) -> int:
+  """KV capacity for a generation: `max_tokens` (0: prompt + n_predict), refused when smaller than
+  prompt + n_predict; with `spec`, at least n_max more (verify rows may run past the last token)."""
+  need = n_prompt + n_predict
+  if max_tokens and max_tokens < need:
+    raise ParameterError(f"max_tokens {max_tokens} is too small: prompt {n_prompt} + n_predict {n_predict} "
+                         f"needs {need} tokens ({need - max_tokens} more)", "max_tokens", "n_predict")
+  cap = max_tokens or need
+  return max(cap, need + spec.n_max) if spec is not None else cap
+
+
+def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Optional[str] = None,
+             prompt_tokens: Optional[Sequence[int]] = None, n_predict: int = 32, temperature: float = 0.0,
+             top_k: int = 0, seed: int = 0, ignore_eos: bool = False, spec: Optional[SpecConfig] = None,
+             ubatch: int = 256, warmup: bool = False,
+             on_token: Optional[Callable[[int], None]] = None) -> GenerationResult:
+  """Prefill a prompt (`prompt` text or `prompt_tokens` ids) and generate up to `n_predict` tokens.
+
+  kv: a cache from `make_kv` (reset first when used); None = a plain cache of `context_tokens`.
+  temperature / top_k / seed: sampling (temperature 0 = greedy; top_k 0 = whole vocabulary).
+  ignore_eos: keep generating past the tokenizer's end-of-sequence token.
+  spec: speculative decoding (`SpecConfig`, greedy), output equal to greedy decoding.
+  ubatch: prefill micro-batch (rows per forward).
+  warmup: run the whole generation once first, so the timings of the returned run exclude
+    compilation (otherwise `compile_ms` says how much of them it is).
+  on_token: called with each generated token as it is committed (plain generation only).
+
+  -> `GenerationResult(tokens, metrics, text)`. metrics: prompt_tokens, decode_tokens, prompt_ms,
+  predicted_ms, prefill_tps, decode_tps, compile_ms (prompt_compile_ms + predicted_compile_ms: jax
+  tracing and compiling inside those times), warmup, spec_type ("none", "mtp", "ngram"; speculative
+  runs add draft_generated, draft_accepted, draft_acceptance, verify_forwards,
+  realized_verify_width), the cache's counters and budget (`KVCache.info`), load_s, attn_impl,
+  attn_interpret.
+  """
+  check_generation(n_predict=n_predict, temperature=temperature, top_k=top_k, ubatch=ubatch, spec=spec,
+                   phased=kv is not None and kv.info["kv"] == "streamed+phased")
+  if spec is not None and on_token is not None:
+    raise ParameterError("on_token is called by plain generation only: drop spec or on_token", "on_token", "spec")
+  ids = prompt_ids(model, prompt, prompt_tokens)
+  need = context_tokens(len(ids), n_predict, spec)
+  if kv is None:
+    kv = make_kv(model, need, ubatch=ubatch)
+  elif kv.max_tokens < need:
+    raise ParameterError(f"kv holds {kv.max_tokens} tokens: prompt {len(ids)} + n_predict {n_predict}"
+                         f"{f' + spec.n_max {spec.n_max}' if spec is not None else ''} needs {need} "
+                         f"({need - kv.max_tokens} more)", "kv", "n_predict", *(("spec.n_max",) if spec else ()))
+  if kv.info.get("ubatch", ubatch) != ubatch:
+    raise ParameterError(f"ubatch {ubatch} differs from the {kv.info['ubatch']} rows the phased cache's prefill "
+                         f"layout was measured for", "ubatch")
+  if spec is not None and spec.draft == "mtp" and not model.cfg.has_mtp:
+    raise ParameterError(f"spec.draft 'mtp': {model.source!r} has no MTP head (nextn_predict_layers = 0); "
+                         f"use draft 'ngram'", "spec.draft")
+  eos = None if (ignore_eos or model.tokenizer is None) else model.tokenizer.eos_id
+  runner = model.runner
+  sampling = gen_lib.SamplingParams(temperature, top_k, seed)
+
+  def run_once():
+    if kv.used:
+      kv.reset()
+    kv.used = True
+    if spec is not None:
+      return speculative.generate_speculative(runner, kv.provider, ids, n_predict, _draft_params(spec),
+                                              ubatch=ubatch, eos_id=eos)
+    return gen_lib.generate(runner, kv.provider, ids, n_predict, sampling=sampling, ubatch=ubatch, eos_id=eos,
+                            on_token=on_token, on_phase=getattr(kv.provider, "enter", None))
+
+  if warmup:
+    run_once()
+  res = run_once()
+  metrics = dict(res.metrics)
+  metrics.setdefault("spec_type", "none")
+  metrics["warmup"] = warmup
+  metrics.update(kv.info)
+  metrics.update(load_s=model.load_s, attn_impl=runner.opts.implementation, attn_interpret=runner.opts.interpret)
+  text = model.tokenizer.decode(res.tokens) if model.tokenizer is not None else ""
+  return GenerationResult([int(t) for t in res.tokens], metrics, text)
+
+
+def teacher_forced_logits(model: LoadedModel, tokens: Sequence[int], *, mtp: bool = False,
+                          ubatch: int = 256) -> np.ndarray:
+  """float32 logits of every row of `tokens` [n, vocab], fed in micro-batches of `ubatch` through a
+  plain cache; with `mtp`, the MTP head's logits [n - 1, vocab]: row t from the target's post-norm
+  hidden at t and token t + 1 (it predicts token t + 2)."""
+  ids = _token_ids(model, tokens, "tokens")
+  if ubatch < 1:
+    raise ParameterError(f"ubatch must be >= 1, got {ubatch}", "ubatch")
+  if mtp and not model.cfg.has_mtp:
+    raise ParameterError(f"mtp: {model.source!r} has no MTP head (nextn_predict_layers = 0)", "mtp")
+  if mtp and len(ids) < 2:
+    raise ParameterError(f"mtp needs at least 2 tokens, got {len(ids)}", "mtp")
+  kv = engine.PlainKV(model.cfg, model.layout, len(ids))
+  return gen_lib.teacher_forced_logits(model.runner, kv, ids, ubatch, mtp=mtp)
+
+
+# ---------------------------------------------------------------------------
+# text for a terminal
+# ---------------------------------------------------------------------------
+
+_UNPRINTABLE = ("Cc", "Cs", "Co", "Cn")   # controls, surrogates, private use, unassigned
+
+
+def printable(text: str) -> str:
+  """`text` safe for a terminal: control characters (ESC, BEL, NUL, DEL, C1 ...), surrogates,
+  private-use and unassigned code points become `\\xNN` / `\\uNNNN` / `\\UNNNNNNNN` escapes;
+  newlines and tabs stay."""
+  out = []
+  for ch in text:
+    if ch in "\n\t" or unicodedata.category(ch) not in _UNPRINTABLE:
+      out.append(ch)
+    else:
+      o = ord(ch)
+      out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}")
+  return "".join(out)
