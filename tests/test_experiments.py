@@ -116,7 +116,7 @@ def test_bench_decode_smoke(tmp_path):
   out = str(tmp_path / "bd")
   p = _run(["-m", "experiments.bench_decode", "--model=tiny", "--dtype=float32",
             "--contexts=4096", "--arena_mib=1.5", "--page_tokens=64", "--copy_pages=4", "--prompt=64",
-            "--decode_steps=2", "--block_pages=4", "--diagnose", f"--out={out}"], cwd=REPO)
+            "--decode_steps=2", "--check_steps=3", "--block_pages=4", "--profile", f"--out={out}"], cwd=REPO)
   log = json.load(open(os.path.join(out, "bench_decode.json")))
   (row,) = log["rows"]
   assert row["context"] == 4096 and row["resident_ms"] > 0 and row["streamed_ms"] > 0
@@ -124,7 +124,9 @@ def test_bench_decode_smoke(tmp_path):
   layout = PageLayout(2, 64, "q8_0", "q4_0", 64)
   assert log["pool_pages"] == int((1.5 * 2**20 - log["decode_workspace_mib"] * 2**20) // layout.page_bytes)
   assert row["resident_pages_per_layer"] * 3 + row["ring_slots"] == log["pool_pages"]
-  assert "diag_upload_ms" in row and "context" in p.stdout
+  assert row["bit_exact_steps"] == 3 and row["copy_ms"] > 0 and row["host_ms_per_forward"] > 0
+  assert row["timeline_device_events"] == 0          # a CPU has no device stream lines
+  assert os.path.exists(os.path.join(out, "timeline_4096.txt")) and "context" in p.stdout
 
 
 def test_sweep_plot_has_one_line_per_budget_given():
@@ -585,3 +587,47 @@ def test_ncu_report_sources(tmp_path):
   p = subprocess.run([sys.executable] + script + ["sources", str(bad)], capture_output=True,
                      text=True, cwd=REPO)
   assert p.returncode != 0 and "no 'Warp Stall Sampling (All Samples)' column" in p.stderr
+
+
+def test_bench_overlap_smoke(tmp_path):
+  """The overlap microbenchmark runs every issuing method at tiny scale (CPU: no pinned memory)."""
+  out = str(tmp_path / "bo")
+  p = _run(["-m", "experiments.bench_overlap", "--layers=2", "--copy_mib=1", "--dim=64", "--reps=1",
+            f"--out={out}"], cwd=REPO)
+  log = json.load(open(os.path.join(out, "bench_overlap.json")))
+  assert [r["method"] for r in log["rows"]] == ["ahead", "after", "ahead_small", "small_first",
+                                                "all_first", "in_step", "one_program"]
+  assert log["copy_ms"] > 0 and log["compute_ms"] > 0 and "hidden" in p.stdout
+
+
+def test_timeline_overlap_arithmetic():
+  """Union and intersection of copy and kernel intervals, on hand-made events."""
+  from experiments.lib import timeline
+  ev = [timeline.Event("Stream #1", "h2d", "MemcpyH2D", 0.0, 4e6),        # 0-4 ms
+        timeline.Event("Stream #2", "h2d", "MemcpyH2D", 2e6, 4e6),        # 2-6 ms (overlaps the first)
+        timeline.Event("Stream #9", "kernel", "fusion", 5e6, 3e6),        # 5-8 ms
+        timeline.Event("Stream #9", "kernel", "fusion", 8e6, 2e6)]        # 8-10 ms
+  s = timeline.summarize(ev)
+  assert s["h2d_ms"] == pytest.approx(6.0) and s["kernel_ms"] == pytest.approx(5.0)
+  assert s["overlap_ms"] == pytest.approx(1.0) and s["hidden_share"] == pytest.approx(1 / 6)
+  assert s["window_ms"] == pytest.approx(10.0) and s["kernel_idle_ms"] == pytest.approx(5.0)
+  segs = timeline.segments(ev, gap_ns=1e3)
+  assert [(g["kind"], g["n"]) for g in segs] == [("h2d", 1), ("h2d", 1), ("kernel", 2)]
+  assert timeline.classify("MemcpyDtoH") == "d2h" and timeline.classify("Memcpy HtoD") == "h2d"
+
+
+def test_hlo_schedule_reads_async_copies():
+  from experiments.kernel_lab import hlo_schedule
+  text = """HloModule m
+
+ENTRY %main (p: u8[4]) -> u8[4] {
+  %p = u8[4] parameter(0)
+  %copy-start = (u8[4], u8[4], u32[]) copy-start(%p)
+  %fusion.1 = f32[2] fusion(%x), kind=kLoop, calls=%f1
+  %fusion.2 = f32[2] fusion(%fusion.1), kind=kLoop, calls=%f2
+  %copy-done = u8[4] copy-done(%copy-start)
+  ROOT %custom-call.3 = u8[4] custom-call(%copy-done), custom_call_target="x"
+}
+"""
+  events, kernels = hlo_schedule.schedule(text)
+  assert kernels == 3 and [(k, op) for k, op, _ in events] == [(0, "copy-start"), (2, "copy-done")]

@@ -308,3 +308,61 @@ def test_mtp_layer_streams_like_plain():
   np.testing.assert_array_equal(m_plain, m_str)
   assert skv.histories["mtp"].tokens[0] == n - 1
   assert skv.plans[2].kinds == ("resident", "ring")  # the MTP layer streamed
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 6), st.data())
+def test_place_rows_writes_exactly_the_run(n_pool, c, data):
+  """place_rows against numpy: rows [lo, hi) of a staged unit land at pool[base + lo : base + hi],
+  nothing else changes (the window is clamped at the pool's end)."""
+  from kvjax.model import place_pages, place_rows
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+  pool = rng.integers(0, 255, (n_pool, 8), dtype=np.uint8)
+  rows = rng.integers(0, 255, (c, 8), dtype=np.uint8)
+  lo = data.draw(st.integers(0, c))
+  hi = data.draw(st.integers(lo, min(c, lo + n_pool)))
+  base = data.draw(st.integers(-lo, n_pool - hi))
+  want = pool.copy()
+  want[base + lo:base + hi] = rows[lo:hi]
+  got = place_rows(jnp.asarray(pool), jnp.asarray(rows), jnp.int32(base), jnp.int32(lo), jnp.int32(hi))
+  np.testing.assert_array_equal(np.asarray(got), want)
+  pieces = jnp.asarray([[[base, lo, hi], [0, 0, 0]]], jnp.int32)    # a second, empty run
+  np.testing.assert_array_equal(np.asarray(place_pages(jnp.asarray(pool), (jnp.asarray(rows),), pieces)),
+                                want)
+
+
+@pytest.mark.parametrize("pinned,split_at_wrap", [(True, False), (False, True)])
+def test_streamed_logits_bit_for_bit_and_layout_cached(pinned, split_at_wrap):
+  """Every decode step's logits through the streamed cache are the plain cache's bits (sealed pages
+  as one pinned block + the open unit + the partial page, or numpy pages with runs split at the
+  ring's wrap); the per-forward layout is made once a page, not once a token; every streamed layer
+  after the first is a deadline sample."""
+  cfg, runner, layout = build_tiny_runner(2, page_tokens=16)
+  prompt = list(np.random.default_rng(11).integers(0, cfg.vocab_size, 100))
+  steps, max_tokens = 40, 100 + 40
+  outs = []
+  for kv in (engine.PlainKV(cfg, layout, max_tokens),
+             StreamedKV(cfg, layout, max_tokens, fixed_split(14, 3, max_tokens, layout, copy_pages=2),
+                        pinned=pinned, split_at_wrap=split_at_wrap)):
+    seq = generate.SequenceState(runner, kv)
+    logits = [np.asarray(generate.prefill(seq, prompt, ubatch=64))]
+    tok = int(np.argmax(logits[-1]))
+    for _ in range(steps):
+      logits.append(np.asarray(seq.forward([tok])))
+      tok = int(np.argmax(logits[-1]))
+    outs.append((logits, kv))
+  (plain, _), (streamed, skv) = outs
+  for i, (a, b) in enumerate(zip(plain, streamed)):
+    np.testing.assert_array_equal(a, b, err_msg=f"step {i}")
+  c = skv.counters
+  assert c["streamed_pages"] > 0 and c["h2d_calls"] > 0
+  pages_crossed = layout.pages_for(100 + steps) - layout.pages_for(100) + 1
+  assert c["layout_changes"] <= 2 * pages_crossed + 3 < steps   # per page (and prefill), not per token
+  assert c["deadline_samples"] >= steps * (cfg.num_attention_layers - 1)
+  assert 0 <= c["readiness_misses"] <= c["deadline_samples"]
+  assert skv.deadline_samples.sum() == c["deadline_samples"]
+  if pinned:
+    blocks = skv.histories["target"]._pinned_blocks
+    assert blocks and all(arr.sharding.memory_kind == "pinned_host" for _, _, arr in blocks.values())
+  if split_at_wrap:
+    assert c["max_spans"] == 3 and c["ring_wraps"] > 0
