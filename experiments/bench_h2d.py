@@ -9,7 +9,6 @@ to its sharding `.with_memory_kind("device")`; a jitted identity whose
 """
 
 import logging
-import time
 
 from absl import app, flags
 
@@ -23,6 +22,7 @@ def main(argv):
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)   # its backend probe: "Unable to initialize backend 'tpu'"
   import jax
   import numpy as np
+  from experiments.lib import timing
   from kvjax.streaming.host_history import pinned_available
   dev = jax.devices()[0]
   print("device", dev, "pinned available:", pinned_available(),
@@ -43,13 +43,7 @@ def main(argv):
         "pinned jit x8": lambda: [ident(pin) for _ in range(8)],
     }
     for name, fn in variants.items():
-      jax.block_until_ready(fn())
-      ts = []
-      for _ in range(FLAGS.reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t)
-      ms = 1e3 * float(np.median(ts))
+      ms = timing.median_ms(fn, FLAGS.reps)
       nbytes = mib * 2**20 * (8 if "x8" in name else 1)
       print(f"{mib:>6} {name:>22} {ms:>8.2f} {nbytes / ms / 1e6:>7.1f}", flush=True)
 

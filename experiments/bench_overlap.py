@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 from absl import app, flags
 
@@ -52,7 +51,7 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from experiments.lib import timeline
+  from experiments.lib import timeline, timing
   from kvjax.streaming.host_history import pinned_available
 
   os.makedirs(FLAGS.out, exist_ok=True)
@@ -175,13 +174,7 @@ def main(argv):
     raise app.UsageError(f"--methods: unknown {unknown}; known: {sorted(methods)}")
 
   def timed(fn):
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(FLAGS.reps):
-      t = time.perf_counter()
-      jax.block_until_ready(fn())
-      ts.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(ts))
+    return timing.median_ms(fn, FLAGS.reps)
 
   compute_ms, copy_ms = timed(compute_only), timed(copies_only)
   log = {"device": str(dev), "jax": jax.__version__, "pinned": pinned, "layers": n_layers,

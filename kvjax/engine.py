@@ -184,9 +184,9 @@ class PlainKV:
 class StaticStructure:
   """A hashable, cheaply hashed stand-in for an NNX graphdef + state treedef (a static jit argument).
 
-  Hashing an NNX GraphDef (and flattening an nnx.State) walks the whole structure in Python: about
-  0.5 ms per call for a 4-block group, i.e. ~8 ms per 27B decode forward of 16 group steps. The hash
-  is computed once here; the state travels as a flat tuple of arrays.
+  Hashing an NNX GraphDef (and flattening an nnx.State) walks the whole structure in Python on every
+  call, a cost paid 16 times a 27B decode forward (docs/log/performance-log.md, "Provider overhead
+  without streaming"). The hash is computed once here; the state travels as a flat tuple of arrays.
   """
   __slots__ = ("graphdef", "treedef", "_hash")
 

@@ -7,8 +7,8 @@ contiguous slice and a span of pages is one copy.
 Copy units. Pages are grouped in chunks of `copy_pages`. A chunk whose every
 token is committed is *sealed* (immutable until a truncation reaches it). On
 an accelerator, sealed chunks are mirrored once into `pinned_host` memory so
-that host-to-device uploads run at pinned speed (about 52 GB/s on the H200
-versus 1.5-8 GB/s from pageable numpy); the open tail chunk uploads from the
+that host-to-device uploads run at pinned speed (about ten times the pageable
+rate: docs/PERFORMANCE.md, "Host-to-device copies"); the open tail chunk uploads from the
 numpy pages. The numpy pages remain the authoritative bytes.
 
 Counters kept distinct (design rule 2): `cache_id` (identity), `generation`
