@@ -17,7 +17,9 @@ for v in "${VS[@]}"; do
   IFS='|' read -r name xflags bflags <<< "$v"
   dump=""
   if [ $first = 1 ]; then dump="--xla_dump_to=/tmp/dump --xla_dump_hlo_module_re=.*group_step.*"; first=0; fi
-  XLA_FLAGS="$xflags $dump" python3 -m experiments.bench_decode --contexts="${CONTEXT:-131072}" --arena_mib=2240 \
+  flags_env="$(echo "$xflags $dump" | xargs)"    # an XLA_FLAGS of blanks is read as a file name
+  if [ -n "$flags_env" ]; then export XLA_FLAGS="$flags_env"; else unset XLA_FLAGS; fi
+  python3 -m experiments.bench_decode --contexts="${CONTEXT:-131072}" --arena_mib=2240 \
     --attn_impl=auto --check_steps=0 --decode_steps=8 --out="$OUT/$name" $bflags > "$OUT/$name.log" 2>&1
   echo "$name rc=$? $(tail -1 "$OUT/$name.log")"
 done
