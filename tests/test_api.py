@@ -48,7 +48,7 @@ def test_plain_generation_equals_the_cli(model, plain):
   assert set(got["metrics"]) == set(m)
 
 
-@pytest.mark.parametrize("budget", [dict(pool_pages=5), dict(arena_mib=0.25, copy_pages=2),
+@pytest.mark.parametrize("budget", [dict(pool_pages=5), dict(pool_pages=4, copy_pages=2),
                                     dict(pool_pages=9, policy="adaptive")])
 def test_streamed_equals_plain_and_the_cli(model, plain, budget):
   """Streamed caches smaller than the context (something streams) give the plain tokens, and the

@@ -249,9 +249,8 @@ def test_staging_pages_and_fit_split():
   """Staging bounds by hand; fit_split takes the largest pool whose staging still fits, and a budget
   that fits no pool is refused with the pages missing (pool + staging of the cheapest pool)."""
   assert staging_pages(0, 4, True) == staging_pages(0, 4, False) == 0
-  assert staging_pages(1, 4, True) == 9         # 2 units (unaligned start) + the partial last page
-  assert staging_pages(5, 4, True) == staging_pages(5, 4, False) == 13
-  assert staging_pages(4, 4, False) == 9
+  assert staging_pages(1, 4, True) == 6         # a block of <= n pages, the open unit, the partial page
+  assert staging_pages(5, 4, True) == staging_pages(5, 4, False) == 10
   assert staging_pages(20, 4, False) == 25
   layout = PageLayout(2, 64, "q8_0", "q4_0", 16)
   for available in (54, 57, 90, 200):
@@ -310,7 +309,7 @@ def test_mtp_layer_streams_like_plain():
   assert skv.plans[2].kinds == ("resident", "ring")  # the MTP layer streamed
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(st.integers(1, 12), st.integers(1, 6), st.data())
 def test_place_rows_writes_exactly_the_run(n_pool, c, data):
   """place_rows against numpy: rows [lo, hi) of a staged unit land at pool[base + lo : base + hi],
@@ -339,7 +338,7 @@ def test_streamed_logits_bit_for_bit_and_layout_cached(pinned, split_at_wrap):
   after the first is a deadline sample."""
   cfg, runner, layout = build_tiny_runner(2, page_tokens=16)
   prompt = list(np.random.default_rng(11).integers(0, cfg.vocab_size, 100))
-  steps, max_tokens = 40, 100 + 40
+  steps, max_tokens = 24, 100 + 24
   outs = []
   for kv in (engine.PlainKV(cfg, layout, max_tokens),
              StreamedKV(cfg, layout, max_tokens, fixed_split(14, 3, max_tokens, layout, copy_pages=2),

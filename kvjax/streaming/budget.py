@@ -66,14 +66,14 @@ def fixed_split(pool_pages: int, n_layers: int, max_tokens: int, layout: PageLay
 
 def staging_pages(streamed_pages: int, copy_pages: int, pinned: bool) -> int:
   """Upper bound of the device pages that the stage of `streamed_pages` consecutive logical pages
-  occupies (`StreamedKV`): every copy unit the range touches comes whole (a range that is not
-  unit-aligned touches one unit more), plus the partial last page, uploaded on its own. The same
-  with or without pinned host memory (`pinned` is accepted for the callers' symmetry)."""
+  occupies (`StreamedKV`): the sealed streamed pages as one block (at most n pages), the open copy
+  unit whole (`copy_pages`) and the partial last page. The same with or without pinned host memory
+  (`pinned` is accepted for the callers' symmetry)."""
   del pinned
   n, c = int(streamed_pages), int(copy_pages)
   if n <= 0:
     return 0
-  return c * ((n - 1) // c + 2) + 1
+  return n + c + 1
 
 
 def staging_unit_pages(stream: StreamConfig, max_tokens: int, layout: PageLayout,

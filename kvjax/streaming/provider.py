@@ -136,7 +136,8 @@ class StreamedKV:
     self._layer_plans: Dict[int, _LayerPlan] = {}
     self._shape_key = None
     self.timing_interval = 16      # every N-th forward is a deadline sample (0: never)
-    self._staging_live = 0         # bytes of staging buffers the provider holds
+    self._staging_live = 0         # bytes of refill uploads not yet placed
+    self._held_bytes = 0           # bytes of the stage of the layer being run
     self.deadline_samples = np.zeros((self.n_layers,), np.int64)
     self.deadline_misses = np.zeros((self.n_layers,), np.int64)
     self.counters = dict(h2d_bytes=0, h2d_calls=0, ring_wraps=0, streamed_pages=0, readiness_misses=0,
@@ -385,15 +386,15 @@ class StreamedKV:
       raise RuntimeError(f"cache layer {a} was not announced to begin_forward ({self._order})")
     lp = self._layer_plans[a]
     idx = self._order.index(a)
-    if idx + 1 < len(self._order):      # the next layer's copies go out before this layer's step
-      self._issue(self._order[idx + 1])
-    pool = self._fill_resident(a, self.pool_pn)
     stage = self._stage.pop(a, None)
     if stage is None:
       raise RuntimeError(f"cache layer {a}: no staged pages (layers must run in the order given to "
                          f"begin_forward: {self._order})")
-    live_bytes = sum(int(s.nbytes) for v in self._stage.values() for s in v) + \
-        sum(int(s.nbytes) for s in stage)
+    self._held_bytes = sum(int(s.nbytes) for s in stage)
+    pool = self._fill_resident(a, self.pool_pn)      # refills (rare) before the next layer's copies
+    if idx + 1 < len(self._order):      # the next layer's copies go out before this layer's step
+      self._issue(self._order[idx + 1])
+    live_bytes = self._held_bytes + sum(int(s.nbytes) for v in self._stage.values() for s in v)
     self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live_bytes)
     if stage and idx > 0:       # a deadline sample: were this layer's pages there when enqueued?
       self.deadline_samples[a] += 1
@@ -449,7 +450,8 @@ class StreamedKV:
         self.counters["h2d_calls"] += 1
       page = end
     self._staging_live += sum(int(st.array.nbytes) for st in staged)
-    self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], self._staging_live)
+    self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"],
+                                              self._held_bytes + self._staging_live)
     return staged
 
   def _place(self, pool, staged: List[_Staged], dst: Callable[[int], int]):
