@@ -16,9 +16,9 @@ import pytest  # noqa: E402
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
   """Drop jax's compiled programs and traces after each test module. The interpreted kernels
-  (Mosaic GPU, Triton) compile large programs; kept for the whole session they added up until
+  (Mosaic GPU, Triton) compile large programs; kept for the whole pytest run they added up until
   XLA crashed compiling a later test (a segfault in test_streaming on the 2-core CI machine,
-  session 10). Later modules compile their own anyway."""
+  2026-12-01). Later modules compile their own anyway."""
   yield
   jax.clear_caches()
   gc.collect()
