@@ -48,7 +48,6 @@ rate behind the copy-busy ratio.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
