@@ -155,6 +155,7 @@ def main(argv):
     row["streamed_mib_per_forward"] = h2d / 2**20
     row["h2d_calls_per_forward"] = per_fwd["h2d_calls"]
     row["host_ms_per_forward"] = per_fwd["host_ms"]
+    row["prefetch_hits_per_forward"] = per_fwd.get("prefetch_hits", 0.0)
     row["layout_changes"] = per_fwd["layout_changes"] * FLAGS.decode_steps
     row["resident_pages_per_layer"] = split.resident_pages_per_layer[0]
     row["ring_slots"] = split.ring_slots

@@ -360,8 +360,30 @@ def test_streamed_logits_bit_for_bit_and_layout_cached(pinned, split_at_wrap):
   assert c["deadline_samples"] >= steps * (cfg.num_attention_layers - 1)
   assert 0 <= c["readiness_misses"] <= c["deadline_samples"]
   assert skv.deadline_samples.sum() == c["deadline_samples"]
+  # the first layer's sealed block came from the previous forward's prefetch on most steps (not on
+  # the timed forward, nor when the block grew); the staging peak counts it
+  assert c["prefetch_hits"] >= steps // 2 and c["prefetch_hits"] + c["prefetch_dropped"] <= steps + 2
   if pinned:
     blocks = skv.histories["target"]._pinned_blocks
     assert blocks and all(arr.sharding.memory_kind == "pinned_host" for _, _, arr in blocks.values())
   if split_at_wrap:
     assert c["max_spans"] == 3 and c["ring_wraps"] > 0
+
+
+def test_prefetched_block_dropped_only_when_rows_inside_it_change():
+  """The next forward's first block, prefetched at the last layer, is forgotten when a truncation
+  reaches inside it (and kept when it stays above); a forward in another order drops it too."""
+  cfg, runner, layout = build_tiny_runner(2, page_tokens=16)
+  max_tokens = 160
+  kv = StreamedKV(cfg, layout, max_tokens, fixed_split(14, 3, max_tokens, layout, copy_pages=2), pinned=False)
+  kv.timing_interval = 0
+  seq = generate.SequenceState(runner, kv)
+  generate.prefill(seq, list(range(1, 101)), ubatch=64)
+  seq.forward([5])
+  first, lo, hi, block = kv._prefetch
+  dropped = kv.counters["prefetch_dropped"]
+  assert first == 0 and hi > lo and block.shape == (hi - lo, layout.page_bytes)
+  kv.truncate("target", hi * layout.page_tokens + 1)       # above the block: kept
+  assert kv._prefetch is not None and kv.counters["prefetch_dropped"] == dropped
+  kv.truncate("target", hi * layout.page_tokens - 1)       # inside it: dropped
+  assert kv._prefetch is None and kv.counters["prefetch_dropped"] == dropped + 1

@@ -32,7 +32,12 @@ hide behind (docs/PERFORMANCE.md, "Host-to-device copies").
   count and the split stay the same) and issues the first layer's copies.
 * `layer_kv(a)` issues layer a+1's copies, refills resident pages the device
   does not hold yet (first forwards, after a rebind) and returns the layer's
-  `LayerKV`: pool, page table, staged pages and their pieces.
+  `LayerKV`: pool, page table, staged pages and their pieces. At the last
+  layer it issues the next forward's first copy instead: the first layer's
+  sealed block, which stays the same for `copy_pages` pages, so it runs beside
+  the end of this forward rather than alone at the start of the next one
+  (dropped unused if the next forward differs: another order, another block,
+  rows rewritten below its end).
 * `end_layer` keeps the updated pool and the rows written.
 * `end_forward` publishes the new rows to the host histories (device -> host:
   only the changed tail).
@@ -128,6 +133,7 @@ class StreamedKV:
     self.resident_valid = np.zeros((self.n_layers,), np.int64)  # valid prefix pages on the device
     self.plans: Dict[int, SpanPlan] = {}
     self._bind_generation = 0
+    self._prefetch: Optional[Tuple[int, int, int, jax.Array]] = None  # (layer, lo, hi, device block)
     self._bind(stream)
     self._pending: Dict[int, KVRows] = {}
     self._stage: Dict[int, Tuple[jax.Array, ...]] = {}
@@ -142,7 +148,7 @@ class StreamedKV:
     self.counters = dict(h2d_bytes=0, h2d_calls=0, ring_wraps=0, streamed_pages=0, readiness_misses=0,
                          forwards=0, host_ms=0.0, max_spans=0, ring_peak_slots=0, timed_copy_ms=0.0,
                          timed_bytes=0, elapsed_ms=0.0, staging_peak_bytes=0, deadline_samples=0,
-                         layout_changes=0)
+                         layout_changes=0, prefetch_hits=0, prefetch_dropped=0)
 
   # -- re-layout (phase change, policy repartition, new request) ---------------------
   def rebind(self, stream: StreamConfig) -> None:
@@ -180,6 +186,15 @@ class StreamedKV:
     self.plans.clear()
     self._shape_key = None
     self._stage = {}
+    self._drop_prefetch()
+
+  def _drop_prefetch(self, below_token: Optional[int] = None) -> None:
+    """Forget the next forward's prefetched block (all of it, or only if rows from `below_token` on
+    change inside it)."""
+    pre = self._prefetch
+    if pre is not None and (below_token is None or below_token < pre[2] * self.layout.page_tokens):
+      self._prefetch = None
+      self.counters["prefetch_dropped"] += 1
 
   def truncate(self, cache: str, tokens: int) -> None:
     """Forget rows >= tokens of logical cache "target" or "mtp" (rejected speculative rows): the host
@@ -187,6 +202,8 @@ class StreamedKV:
     if cache not in self.histories:
       raise ValueError(f"unknown logical cache {cache!r}; caches: {sorted(self.histories)}")
     self.histories[cache].truncate(tokens)
+    if self._prefetch is not None and self.history_of(self._prefetch[0])[0] is self.histories[cache]:
+      self._drop_prefetch(tokens)
     self._shape_key = None
 
   def reset(self) -> None:
@@ -260,15 +277,37 @@ class StreamedKV:
 
   def _issue(self, a: int) -> int:
     """Queue the host-to-device copies of layer a's stage (-> bytes)."""
-    sources = self._stage_sources(a)
-    if not sources:
+    pre, self._prefetch = self._prefetch, None
+    units = self._layer_plans[a].units
+    reuse = pre is not None and pre[0] == a and bool(units) and units[0] == ("block",) + pre[1:3]
+    if pre is not None:
+      self.counters["prefetch_hits" if reuse else "prefetch_dropped"] += 1
+    sources = self._stage_sources(a, skip_block=reuse)
+    if not sources and not reuse:
       self._stage[a] = ()
       return 0
-    self._stage[a] = tuple(_to_device(x) for x in sources)
+    self._stage[a] = ((pre[3],) if reuse else ()) + tuple(_to_device(x) for x in sources)
     nbytes = sum(int(x.nbytes) for x in sources)
     self.counters["h2d_bytes"] += nbytes
     self.counters["h2d_calls"] += len(sources)
     return nbytes
+
+  def _issue_prefetch(self) -> None:
+    """At the last layer: copy the first layer's sealed block for the next forward (same order,
+    same block), unless that forward times its first copies alone."""
+    c, first = self.counters, self._order[0]
+    nxt = c["forwards"] + 1
+    if self.timing_interval > 0 and nxt % self.timing_interval == 1 % self.timing_interval:
+      return
+    units = self._layer_plans[first].units
+    if not units or units[0][0] != "block":
+      return
+    _, lo, hi = units[0]
+    hist, l = self.history_of(first)
+    src = hist.pinned_block(l, lo, hi) if self.pinned else hist.pages_lpn[l, lo:hi]
+    self._prefetch = (first, lo, hi, _to_device(src))
+    c["h2d_bytes"] += int(src.nbytes)
+    c["h2d_calls"] += 1
 
   def _lay_out_forward(self) -> None:
     """Ring slots, span plan, page table and placement pieces of every layer of this forward."""
@@ -355,14 +394,15 @@ class StreamedKV:
       pieces[i, :len(r)] = r
     return tuple(sources), pieces, tail
 
-  def _stage_sources(self, a: int) -> Tuple:
+  def _stage_sources(self, a: int, skip_block: bool = False) -> Tuple:
     """The host arrays of layer a's stage, in the order of its pieces: pinned_host arrays (numpy
-    pages without pinned memory), then the partial last page (numpy)."""
+    pages without pinned memory), then the partial last page (numpy). `skip_block`: the sealed
+    block is already on the device (prefetched)."""
     hist, l = self.history_of(a)
     c = self.stream.copy_pages
     lp = self._layer_plans[a]
     out = []
-    for kind, lo, hi in lp.units:
+    for kind, lo, hi in lp.units[1:] if skip_block else lp.units:
       if kind == "block":
         arr = hist.pinned_block(l, lo, hi) if self.pinned else hist.pages_lpn[l, lo:hi]
       elif self.pinned:
@@ -393,7 +433,11 @@ class StreamedKV:
     pool = self._fill_resident(a, self.pool_pn)      # refills (rare) before the next layer's copies
     if idx + 1 < len(self._order):      # the next layer's copies go out before this layer's step
       self._issue(self._order[idx + 1])
+    else:                               # ... and after the last one, the next forward's first
+      self._issue_prefetch()
     live_bytes = self._held_bytes + sum(int(s.nbytes) for v in self._stage.values() for s in v)
+    if self._prefetch is not None:
+      live_bytes += int(self._prefetch[3].nbytes)
     self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live_bytes)
     if stage and idx > 0:       # a deadline sample: were this layer's pages there when enqueued?
       self.deadline_samples[a] += 1
@@ -484,6 +528,7 @@ class StreamedKV:
   def end_forward(self) -> None:
     rows = jax.device_get(self._pending)   # one D2H of every layer's new rows
     t0 = time.perf_counter()
+    self._drop_prefetch(self._pos)         # rows rewritten inside the prefetched block (rare)
     for a, r in rows.items():
       hist, l = self.history_of(a)
       hist.write_rows(l, self._pos, np.asarray(r.k_sn)[:self._n], np.asarray(r.v_sn)[:self._n])
