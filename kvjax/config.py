@@ -12,6 +12,7 @@ and is applied as `y = x @ W.T`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, Tuple
 
 ARCH = "qwen35"
@@ -67,15 +68,15 @@ class ModelConfig:
       return True
     return (i + 1) % self.full_attention_interval == 0
 
-  @property
+  @functools.cached_property   # read per layer in hot loops
   def attention_layers(self) -> Tuple[int, ...]:
     return tuple(i for i in range(self.num_layers) if self.is_attention_layer(i))
 
-  @property
+  @functools.cached_property
   def recurrent_layers(self) -> Tuple[int, ...]:
     return tuple(i for i in range(self.num_layers) if not self.is_attention_layer(i))
 
-  @property
+  @functools.cached_property
   def num_attention_layers(self) -> int:
     return len(self.attention_layers)
 

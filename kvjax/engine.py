@@ -209,6 +209,14 @@ def split_static(module):
   return StaticStructure(graphdef, treedef), tuple(leaves)
 
 
+def intern_structures(pairs):
+  """[(StaticStructure, leaves)] with equal structures replaced by one object: the compiled steps'
+  cache then matches a group's key by identity instead of comparing graphdefs (a deep walk, once per
+  group of every forward otherwise)."""
+  seen = {}
+  return [(seen.setdefault(s, s), leaves) for s, leaves in pairs]
+
+
 def merge_static(structure: StaticStructure, leaves):
   return nnx.merge(structure.graphdef, jax.tree_util.tree_unflatten(structure.treedef, list(leaves)))
 
@@ -265,7 +273,7 @@ class Runner:
     self.cfg = model.cfg
     self.layout = layout
     self.opts = opts
-    self.groups = [split_static(g) for g in model.groups]
+    self.groups = intern_structures([split_static(g) for g in model.groups])
     self.n_recurrent = [len(g.recurrent) for g in model.groups]
     self.attn_index = []  # cache layer of each group's attention block (or None)
     a = 0
