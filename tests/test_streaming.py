@@ -67,25 +67,34 @@ def test_streamed_greedy_equals_plain_long(tiny_runner):
 
 
 def test_refused_forward_leaves_provider_intact(tiny_runner):
+  """Copy waves need one attention partition in the ring: a ring of 2 slots refuses 4-page
+  partitions for a layer that must wave, naming the pages missing, and leaves the provider as it
+  was; the same forward with 1-page partitions (this runner's) streams in waves."""
   cfg, runner, layout = tiny_runner
-  stream = StreamConfig(pool_pages=6, resident_pages_per_layer=(1, 1, 1), copy_pages=1)
+  stream = StreamConfig(pool_pages=5, resident_pages_per_layer=(1, 1, 1), copy_pages=1)
   kv = StreamedKV(cfg, layout, 8 * 256, stream)
   seq = generate.SequenceState(runner, kv)
   prompt = list(range(1, 3 * 256 + 1))
-  generate.prefill(seq, prompt[:256 * 3 + 0], ubatch=256)  # 3 pages: 2 streamed per layer, ring 3
+  generate.prefill(seq, prompt[:256 * 3 + 0], ubatch=256)  # 3 pages: 2 streamed per layer, ring 2
   before = (dict(kv.plans), dict(kv.counters), kv.histories["target"].tokens.copy())
-  with pytest.raises(StreamBudgetError, match=r"ring too small: cache layer 0 streams 4 pages .*\(1 more pages"):
-    seq.forward(list(range(512)), pad_to=512)  # would need 4 streamed pages > 3 ring slots
+  with pytest.raises(StreamBudgetError, match=r"ring too small: cache layer 0 streams 3 pages .* whole "
+                     r"4-page attention partitions, but the ring has 2 slots \(2 more pages"):
+    kv.begin_forward(3 * 256, 256, (0, 1), wave_pages=4)
   assert (kv.plans, kv.counters, list(kv.histories["target"].tokens)) == \
       (before[0], before[1], list(before[2]))
-  logits = seq.forward([5])  # still usable for a forward that fits
+  logits = seq.forward(list(range(256)))  # 3 streamed pages > 2 slots: two waves a layer
   assert np.all(np.isfinite(np.asarray(logits)))
+  assert kv.counters["waved_layers"] == 2 and kv.counters["waves"] - before[1]["waves"] == 4
 
 
 def test_fixed_split_reports_missing_bytes():
   layout = PageLayout(4, 256, "q8_0", "q4_0")
-  with pytest.raises(StreamBudgetError, match=r"needs 512 slots and would have 100: 412 more pages"):
-    fixed_split(pool_pages=100, n_layers=17, max_tokens=131072, layout=layout)
+  with pytest.raises(StreamBudgetError, match=r"minimum is 18 pages .*: 8 more pages"):
+    fixed_split(pool_pages=10, n_layers=17, max_tokens=131072, layout=layout)
+  s = fixed_split(pool_pages=18, n_layers=17, max_tokens=131072, layout=layout)   # copy waves
+  assert s.resident_pages_per_layer == (1,) * 17 and s.ring_slots == 1
+  s = fixed_split(pool_pages=100, n_layers=17, max_tokens=131072, layout=layout)  # ring hint 8
+  assert s.resident_pages_per_layer == (5,) * 17 and s.ring_slots == 15
   s = fixed_split(pool_pages=5400, n_layers=17, max_tokens=131072, layout=layout)
   assert s.ring_slots >= 512 - s.resident_pages_per_layer[0]
   assert s.resident_total + s.ring_slots == 5400

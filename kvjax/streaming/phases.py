@@ -100,13 +100,16 @@ class PhasedKV:
     self.phase = phase
 
   # KVProvider: delegate to the bound StreamedKV
-  def begin_forward(self, *a):
+  def begin_forward(self, *a, **kw):
     if self.phase is None:
       raise RuntimeError("PhasedKV: enter('prefill') or enter('decode') before the first forward")
-    return self.kv.begin_forward(*a)
+    return self.kv.begin_forward(*a, **kw)
 
   def layer_kv(self, a):
     return self.kv.layer_kv(a)
+
+  def wave_kv(self, a, w):
+    return self.kv.wave_kv(a, w)
 
   def end_layer(self, *a):
     return self.kv.end_layer(*a)
@@ -147,7 +150,7 @@ class AdaptiveStreamedKV(StreamedKV):
   def _policy_split(state, pool_pages, n_layers, copy_pages) -> StreamConfig:
     return StreamConfig(pool_pages, (state.resident_pages_per_layer,) * n_layers, copy_pages)
 
-  def begin_forward(self, pos, n_tokens, cache_layers):
+  def begin_forward(self, pos, n_tokens, cache_layers, wave_pages=1):
     feedback = self.window.roll() if self.window.elapsed_ms > 0 else None
     obs = policy_lib.Observation(active_tokens=pos + n_tokens, query_tokens=n_tokens, feedback=feedback,
                                  uniform_prefill=n_tokens > policy_lib.DECODE_QUERY_ROWS)
@@ -156,7 +159,7 @@ class AdaptiveStreamedKV(StreamedKV):
     if decision.partition_changed:
       self.rebind(self._policy_split(decision.next, self.stream.pool_pages, self.n_layers, self.stream.copy_pages))
     try:
-      super().begin_forward(pos, n_tokens, cache_layers)
+      super().begin_forward(pos, n_tokens, cache_layers, wave_pages)
     except StreamBudgetError:
       if decision.partition_changed:   # leave the previous committed split in force
         self.rebind(self._policy_split(old, self.stream.pool_pages, self.n_layers, self.stream.copy_pages))
