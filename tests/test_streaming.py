@@ -374,3 +374,45 @@ def test_streamed_logits_bit_for_bit_and_layout_cached(pinned, split_at_wrap):
     assert blocks and all(arr.sharding.memory_kind == "pinned_host" for _, _, arr in blocks.values())
   if split_at_wrap:
     assert c["max_spans"] == 3 and c["ring_wraps"] > 0
+
+
+
+@pytest.mark.parametrize("kv_types", [("q8_0", "q4_0"), ("f16", "f16")])
+def test_copy_waves_bit_for_bit_from_the_minimum_pool(kv_types):
+  """The minimum pool, layers + 1 pages (1 resident page a layer, 1 ring slot): every layer, the
+  MTP layer included, streams in copy waves; the logits of every prefill row and decode
+  step and the MTP head's are the plain cache's bits."""
+  from kvjax import config, weights
+  cfg = config.tiny()
+  model = engine.build_model(cfg, weights.random_tensors(cfg, 3).items())
+  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, *kv_types, page_tokens=16)
+  runner = engine.Runner(model, layout)
+  prompt = list(np.random.default_rng(12).integers(0, cfg.vocab_size, 45))
+  steps, max_tokens = 2, 80     # 5 pages of capacity: 1 resident page a layer, ring 1
+  want = hidden = None
+  for pool in (None, 4):
+    kv = engine.PlainKV(cfg, layout, max_tokens) if pool is None else \
+        StreamedKV(cfg, layout, max_tokens, fixed_split(pool, 3, max_tokens, layout, copy_pages=2))
+    seq = generate.SequenceState(runner, kv)
+    got = [np.asarray(generate.prefill(seq, prompt, ubatch=32, all_logits=True))]
+    toks = list(prompt) + [int(np.argmax(got[0][-1]))]
+    for _ in range(steps):
+      got.append(np.asarray(seq.forward([toks[-1]])))
+      toks.append(int(np.argmax(got[-1])))
+    if hidden is None:   # the target's hidden states of the sequence, for the MTP head's rows
+      _, hidden = generate.prefill(generate.SequenceState(runner, engine.PlainKV(cfg, layout, max_tokens)),
+                                   toks[:-1], ubatch=32, with_hidden=True)
+    n = len(toks) - 1
+    mtp, _ = runner.mtp_forward(hidden[:n - 1], np.asarray(toks[1:n], np.int32), 0, n - 1, kv)
+    got.append(np.asarray(mtp))
+    if want is None:
+      want = got
+      continue
+    for i, (a, b) in enumerate(zip(want, got)):
+      np.testing.assert_array_equal(a, b, err_msg=f"pool {pool}: output {i}")
+    c = kv.counters
+    assert kv.stream.resident_pages_per_layer == (1, 1, 1) and kv.stream.ring_slots == 1
+    # 3 active pages from the second prefill chunk on: 2 waves (resident + 1 slot, then 1 slot) for
+    # both target layers of that chunk and of 2 decode steps, and for the MTP layer
+    assert c["waved_layers"] == 2 + 2 * 2 + 1 and c["waves"] == 2 * c["waved_layers"] + 2
+    assert kv.plans[2] is None and kv.metrics()["waves_per_forward"] > 2  # the MTP layer waved too

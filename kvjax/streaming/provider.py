@@ -116,6 +116,17 @@ class _LayerPlan(NamedTuple):
 PIPELINE_DEPTH = 1   # layers whose copies are in flight beside the step being run
 
 
+def compact_capacities(caps) -> str:
+  """Resident capacities per cache layer as runs, "count x pages": (12, 12, 12, 0) -> "3x12,1x0"."""
+  runs = []
+  for c in caps:
+    if runs and runs[-1][1] == c:
+      runs[-1][0] += 1
+    else:
+      runs.append([1, c])
+  return ",".join(f"{n}x{c}" for n, c in runs)
+
+
 class StreamedKV:
   """KV provider over host-authoritative histories, resident pages and one shared ring."""
 
@@ -594,6 +605,7 @@ class StreamedKV:
   def metrics(self) -> Dict[str, float]:
     m = dict(self.counters)
     m["waves_per_forward"] = m["waves"] / max(1, m["forwards"])
+    m["capacities"] = compact_capacities(self.stream.resident_pages_per_layer)
     m.update(d2h_bytes=self.d2h_bytes, resident_pages=self.stream.resident_total,
              ring_slots=self.stream.ring_slots, pool_pages=self.stream.pool_pages,
              pool_mib=self.stream.pool_pages * self.layout.page_bytes / 2**20)
