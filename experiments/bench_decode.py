@@ -155,6 +155,7 @@ def main(argv):
 def _streamed_row(row, pool_pages, pk, runner, cfg, layout, ctx, max_tokens, decode_weight_bytes):
   """One streamed configuration: a fixed split of `pool_pages` (copy waves where a layer's streamed
   pages exceed the ring), checked bit for bit against the resident cache `pk`, timed."""
+  from experiments.lib import synthetic
   from kvjax.streaming import StreamedKV, fixed_split
   n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
   split = fixed_split(pool_pages, n_layers, max_tokens, layout, FLAGS.copy_pages)
