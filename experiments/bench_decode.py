@@ -40,6 +40,8 @@ flags.DEFINE_string("model", "qwen38_27b", "preset name")
 flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
 flags.DEFINE_list("contexts", ["32768", "131072"], "history lengths (tokens)")
 flags.DEFINE_float("arena_mib", 2240.0, "device KV budget for the streamed run (MiB)")
+flags.DEFINE_list("pool_pages", [], "more streamed runs with these KV pools (pages; the smallest that "
+                  "runs is layers + the attention partition: copy waves), besides the arena's")
 flags.DEFINE_integer("decode_steps", 8, "timed decode forwards per configuration")
 flags.DEFINE_integer("page_tokens", 256, "tokens per KV page")
 flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages)")
@@ -74,7 +76,6 @@ def main(argv):
   from kvjax import api, config, engine, generate, weights
   from kvjax.streaming import arena
   from kvjax.model import AttentionOptions
-  from kvjax.streaming import StreamedKV, fixed_split
   from experiments.lib import synthetic
   from kvjax_pallas.page_layout import PageLayout
 
@@ -145,52 +146,69 @@ def main(argv):
     synthetic.fill_plain(pk, ctx)
     row["resident_ms"], _ = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg)
     print(json.dumps(row, default=float), flush=True)
-    # streamed within the arena (target layers only: the MTP layer is not used by plain decode)
-    n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
-    split = fixed_split(pool_pages, n_layers, max_tokens, layout, FLAGS.copy_pages)
-    sk = StreamedKV(cfg, layout, max_tokens, split)
-    synthetic.fill_streamed(sk, ctx)
-    if FLAGS.check_steps:
-      row["bit_exact_steps"] = _check_bit_exact(runner, pk, sk, ctx, FLAGS.check_steps)
+    for pool in [pool_pages] + [int(p) for p in FLAGS.pool_pages]:
+      rows.append(_streamed_row(dict(row), pool, pk, runner, cfg, layout, ctx, max_tokens,
+                                decode_weight_bytes))
     del pk
-    row["streamed_ms"], per_fwd = _time_decode(runner, sk, ctx, FLAGS.decode_steps, cfg)
-    h2d = per_fwd["h2d_bytes"]
-    row["streamed_mib_per_forward"] = h2d / 2**20
-    row["h2d_calls_per_forward"] = per_fwd["h2d_calls"]
-    row["host_ms_per_forward"] = per_fwd["host_ms"]
-    row["prefetch_hits_per_forward"] = per_fwd.get("prefetch_hits", 0.0)
-    row["layout_changes"] = per_fwd["layout_changes"] * FLAGS.decode_steps
-    row["resident_pages_per_layer"] = split.resident_pages_per_layer[0]
-    row["ring_slots"] = split.ring_slots
-    samples = sk.counters["deadline_samples"]
-    row["deadline_samples"] = samples
-    row["readiness_miss_share"] = sk.counters["readiness_misses"] / samples if samples else 0.0
-    if FLAGS.profile:
-      row.update(_profile_forwards(runner, sk, ctx, cfg))
-    row["copy_ms"] = _time_copies(sk, ctx, FLAGS.decode_steps, runner)
-    row["upload_gbs"] = h2d / 1e9 / (row["copy_ms"] / 1e3) if row["copy_ms"] > 0 and h2d else 0.0
-    hidden = (row["copy_ms"] + row["resident_ms"] - row["streamed_ms"]) / row["copy_ms"] if h2d else 1.0
-    row["hidden_share"] = float(min(max(hidden, 0.0), 1.0))
-    shorter = min(row["copy_ms"], row["resident_ms"])
-    overlap = (row["copy_ms"] + row["resident_ms"] - row["streamed_ms"]) / shorter if h2d and shorter > 0 else 1.0
-    row["overlap_share"] = float(min(max(overlap, 0.0), 1.0))
-    row["slowdown"] = row["streamed_ms"] / max(row["resident_ms"], row["copy_ms"])
-    row["floor_ms"] = 1e3 * (decode_weight_bytes / (FLAGS.hbm_gbs * 1e9) + h2d / (FLAGS.h2d_gbs * 1e9))
-    row["mem"] = _mem()
-    print(json.dumps(row, default=float), flush=True)
-    rows.append(row)
-    del sk
   log["rows"] = rows
+  _report(log, rows)
+
+
+def _streamed_row(row, pool_pages, pk, runner, cfg, layout, ctx, max_tokens, decode_weight_bytes):
+  """One streamed configuration: a fixed split of `pool_pages` (copy waves where a layer's streamed
+  pages exceed the ring), checked bit for bit against the resident cache `pk`, timed."""
+  from experiments.lib import synthetic
+  from kvjax.streaming import StreamedKV, fixed_split
+  n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
+  split = fixed_split(pool_pages, n_layers, max_tokens, layout, FLAGS.copy_pages)
+  sk = StreamedKV(cfg, layout, max_tokens, split)
+  synthetic.fill_streamed(sk, ctx)
+  if FLAGS.check_steps:
+    row["bit_exact_steps"] = _check_bit_exact(runner, pk, sk, ctx, FLAGS.check_steps)
+  row["streamed_ms"], per_fwd = _time_decode(runner, sk, ctx, FLAGS.decode_steps, cfg)
+  h2d = per_fwd["h2d_bytes"]
+  row["streamed_mib_per_forward"] = h2d / 2**20
+  row["h2d_calls_per_forward"] = per_fwd["h2d_calls"]
+  row["host_ms_per_forward"] = per_fwd["host_ms"]
+  row["prefetch_hits_per_forward"] = per_fwd.get("prefetch_hits", 0.0)
+  row["layout_changes"] = per_fwd["layout_changes"] * FLAGS.decode_steps
+  row["resident_pages_per_layer"] = split.resident_pages_per_layer[0]
+  row["ring_slots"] = split.ring_slots
+  row["pool_pages"] = pool_pages
+  row["waves_per_forward"] = sk.metrics()["waves_per_forward"]
+  samples = sk.counters["deadline_samples"]
+  row["deadline_samples"] = samples
+  row["readiness_miss_share"] = sk.counters["readiness_misses"] / samples if samples else 0.0
+  if FLAGS.profile:
+    row.update(_profile_forwards(runner, sk, ctx, cfg))
+  row["copy_ms"] = _time_copies(sk, ctx, FLAGS.decode_steps, runner)
+  row["upload_gbs"] = h2d / 1e9 / (row["copy_ms"] / 1e3) if row["copy_ms"] > 0 and h2d else 0.0
+  hidden = (row["copy_ms"] + row["resident_ms"] - row["streamed_ms"]) / row["copy_ms"] if h2d else 1.0
+  row["hidden_share"] = float(min(max(hidden, 0.0), 1.0))
+  shorter = min(row["copy_ms"], row["resident_ms"])
+  overlap = (row["copy_ms"] + row["resident_ms"] - row["streamed_ms"]) / shorter if h2d and shorter > 0 else 1.0
+  row["overlap_share"] = float(min(max(overlap, 0.0), 1.0))
+  row["slowdown"] = row["streamed_ms"] / max(row["resident_ms"], row["copy_ms"])
+  row["floor_ms"] = 1e3 * (decode_weight_bytes / (FLAGS.hbm_gbs * 1e9) + h2d / (FLAGS.h2d_gbs * 1e9))
+  row["mem"] = _mem()
+  print(json.dumps(row, default=float), flush=True)
+  del sk
+  return row
+
+
+def _report(log, rows):
   with open(os.path.join(FLAGS.out, "bench_decode.json"), "w") as f:
     json.dump(log, f, indent=1, default=float)
   print(json.dumps({k: v for k, v in log.items() if k != "rows"}, default=float))
   print(f"{'context':>8} {'resident':>9} {'streamed':>9} {'copy':>7} {'x max':>6} {'hidden':>6} {'overlap':>7} {'GB/s':>6} "
-        f"{'MiB/fwd':>8} {'host ms':>7} {'misses':>6} {'exact':>5} {'r/layer':>7} {'ring':>5}")
+        f"{'MiB/fwd':>8} {'host ms':>7} {'misses':>6} {'exact':>5} {'r/layer':>7} {'ring':>5} {'pool':>5} "
+        f"{'waves':>6}")
   for r in rows:
     print(f"{r['context']:>8} {r['resident_ms']:>9.2f} {r['streamed_ms']:>9.2f} {r['copy_ms']:>7.2f} "
           f"{r['slowdown']:>6.3f} {r['hidden_share']:>6.2f} {r['overlap_share']:>7.2f} {r['upload_gbs']:>6.1f} {r['streamed_mib_per_forward']:>8.1f} "
           f"{r['host_ms_per_forward']:>7.2f} {r['readiness_miss_share']:>6.2f} "
-          f"{r.get('bit_exact_steps', 0):>5} {r['resident_pages_per_layer']:>7} {r['ring_slots']:>5}")
+          f"{r.get('bit_exact_steps', 0):>5} {r['resident_pages_per_layer']:>7} {r['ring_slots']:>5} "
+          f"{r['pool_pages']:>5} {r['waves_per_forward']:>6.1f}")
 
 
 def nnx_state(module):
@@ -256,8 +274,9 @@ def _time_copies(kv, ctx, steps, runner):
   layers = tuple(a for a in runner.attn_index if a is not None)
   pos = int(kv.histories["target"].tokens[0])
   kv.begin_forward(pos, 1, layers)
-  sources = [kv._stage_sources(a) for a in layers]
-  kv._stage = {}
+  sources = [kv._stage_sources(a, w) for a in layers
+             for w in range(max(1, len(kv._layer_plans[a].waves)))]   # copy waves included
+  kv._stage, kv._wave_stage = {}, {}
   times = []
   for _ in range(max(steps // 2, 2) + 1):
     t = time.perf_counter()

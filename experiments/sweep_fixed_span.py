@@ -63,7 +63,8 @@ FLAGS = flags.FLAGS
 COLUMNS = ["context_capacity", "prompt_tokens", "decode_tokens", "arena_mib", "pool_pages", "prefill_tps",
            "decode_tps", "prompt_ms", "predicted_ms", "wall_seconds", "decode_kv_pool_mib",
            "decode_workspace_mib", "resident_pages", "ring_slots", "active_pages", "all_pages_resident",
-           "h2d_mib_per_token", "h2d_calls_per_token", "ring_wraps", "readiness_misses", "error"]
+           "h2d_mib_per_token", "h2d_calls_per_token", "streamed_pages_per_token", "waves_per_token",
+           "ring_wraps", "readiness_misses", "error"]
 
 
 def measure(runner, kv, prompt, decode_tokens, ubatch):
@@ -89,6 +90,8 @@ def measure(runner, kv, prompt, decode_tokens, ubatch):
       "wall_seconds": t2 - t0,
       "h2d_mib_per_token": (c["h2d_bytes"] - before["h2d_bytes"]) / 2**20 / n_dec,
       "h2d_calls_per_token": (c["h2d_calls"] - before["h2d_calls"]) / n_dec,
+      "streamed_pages_per_token": (c["streamed_pages"] - before["streamed_pages"]) / n_dec,
+      "waves_per_token": (c["waves"] - before["waves"]) / n_dec,
       "ring_wraps": c["ring_wraps"], "readiness_misses": c["readiness_misses"],
   }
 
@@ -134,6 +137,26 @@ def series_of(rows):
   return {k: sorted(v, key=lambda r: r["context_capacity"]) for k, v in out.items()}
 
 
+def plot_pools(rows, path, plt):
+  """Pages streamed and copy waves per decode token against the pool size (pages), one line per
+  context capacity (the `--pool_pages` budgets)."""
+  rows = [r for r in rows if r.get("pool_pages") not in ("", None) and not r.get("error")]
+  if not rows:
+    return
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+  for ax, (key, title) in zip(axes, [("streamed_pages_per_token", "pages streamed per decode token"),
+                                     ("waves_per_token", "copy waves per decode token")]):
+    for ctx in sorted({r["context_capacity"] for r in rows}):
+      sel = sorted((r for r in rows if r["context_capacity"] == ctx), key=lambda r: int(r["pool_pages"]))
+      ax.plot([int(r["pool_pages"]) for r in sel], [r[key] for r in sel], marker="o", label=f"{ctx} tokens")
+    ax.set_title(title)
+    ax.set_xlabel("KV pool (pages)")
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
 def plot(rows, path):
   try:
     import matplotlib
@@ -154,6 +177,7 @@ def plot(rows, path):
   axes[0, 0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
+  plot_pools(rows, os.path.join(os.path.dirname(path), "pools.png"), plt)
   plt.close(fig)
   return True
 

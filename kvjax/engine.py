@@ -30,8 +30,9 @@ import numpy as np
 from flax import nnx
 
 from kvjax.config import MTP_OPTIONAL, ModelConfig, gguf_tensor_shapes
-from kvjax.model import AttentionOptions, KVRows, Qwen38, layer_groups, output_head, \
+from kvjax.model import AttentionOptions, KVRows, Qwen38, attend_wave, layer_groups, output_head, \
     param_path, place_pages, rms_norm, zero_recurrent_state
+from kvjax_pallas.span_attention import api as span_api
 from kvjax_pallas.page_layout import PageLayout
 
 
@@ -118,11 +119,18 @@ class LayerKV(NamedTuple):
   table_t: jax.Array                    # [table pages] int32: logical page -> pool page
   stage: Tuple[jax.Array, ...] = ()     # [n_i, page_bytes] uint8 device arrays
   pieces: Optional[jax.Array] = None    # [len(stage), k, 3] int32: (base, lo, hi) per run
+  waves: int = 1                        # > 1: the layer's pages come in copy waves (`wave_kv`)
+  tiles: Tuple[int, int] = (0, 0)       # a wave's logical pages [lo, hi) (waves > 1 only)
 
 
 class KVProvider(Protocol):
-  def begin_forward(self, pos: int, n_tokens: int, cache_layers: Tuple[int, ...]) -> None: ...
+  """`begin_forward(..., wave_pages)`: the attention call's logical partition in pages; a provider
+  that streams a layer in copy waves puts every wave boundary on a multiple of it (then waves give
+  the bits of one call). `wave_kv(a, w)` (only when `layer_kv(a).waves > 1`) gives wave w >= 1."""
+  def begin_forward(self, pos: int, n_tokens: int, cache_layers: Tuple[int, ...],
+                    wave_pages: int = 1) -> None: ...
   def layer_kv(self, cache_layer: int) -> LayerKV: ...
+  def wave_kv(self, cache_layer: int, wave: int) -> LayerKV: ...
   def end_layer(self, cache_layer: int, pool_pn: jax.Array, rows: KVRows) -> None: ...
   def end_forward(self) -> None: ...
   def truncate(self, cache: str, tokens: int) -> None: ...
@@ -147,13 +155,16 @@ class PlainKV:
     self.h2d_bytes = 0
     self.d2h_bytes = 0
 
-  def begin_forward(self, pos, n_tokens, cache_layers):
+  def begin_forward(self, pos, n_tokens, cache_layers, wave_pages=1):
     if pos + n_tokens > self.max_tokens:
       raise ValueError(f"context full: {pos + n_tokens} tokens needed, cache holds {self.max_tokens} "
                        f"({pos + n_tokens - self.max_tokens} more; raise --ctx-size)")
 
   def layer_kv(self, cache_layer):
     return LayerKV(self.pool_pn, self.tables_lt[cache_layer])
+
+  def wave_kv(self, cache_layer, wave):
+    raise RuntimeError("the plain cache attends every layer in one call (no copy waves)")
 
   def end_layer(self, cache_layer, pool_pn, rows):
     self.pool_pn = pool_pn
@@ -233,6 +244,31 @@ def _group_step(graphdef, state, x_se, rec_states, pool_pn, table_t, pos, n_vali
   return group(x_se, rec_states, pool_pn, table_t, pos, n_valid, layout, opts, chunked, capture)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "layout", "chunked", "capture"))
+def _group_attn_begin(graphdef, state, x_se, rec_states, pos, n_valid, *, layout, chunked, capture=False):
+  """A group whose attention runs in copy waves (`_wave_step`), up to span attention:
+  -> (x_se after the recurrent blocks, states, q_shd, gate_se, rows)."""
+  group = merge_static(graphdef, state)
+  x_se, states = group.run_recurrent(x_se, rec_states, n_valid, chunked, capture)
+  q_shd, gate_se, rows = group.attention.attend_begin(x_se, pos, layout)
+  return x_se, states, q_shd, gate_se, rows
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _group_attn_end(graphdef, state, x_se, carry, gate_se):
+  """The rest of the group after its last wave: the carry normalised, gate, output, FFN."""
+  block = merge_static(graphdef, state).attention
+  o_shd = span_api.finalize(carry, block.mixer.cfg.num_attention_heads)
+  return block.attend_end(x_se, o_shd, gate_se)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "opts"), donate_argnames=("pool_pn",))
+def _wave_step(pool_pn, table_t, stage, pieces, rows, q_shd, carry, pos, n_valid, tile_begin, tile_end, *,
+               layout, opts):
+  return attend_wave(pool_pn, table_t, stage, pieces, rows, q_shd, carry, pos, n_valid, tile_begin,
+                     tile_end, layout, opts)
+
+
 @jax.jit
 def _embed_step(token_embd_ve, tokens_s):
   return token_embd_ve[tokens_s]
@@ -253,6 +289,22 @@ def _mtp_step(graphdef, state, token_embd_ve, output_norm_e, output_ve, hn_se, n
     pool_pn = place_pages(pool_pn, stage, pieces)
   return mtp(hn_se, token_embd_ve[next_tokens_s], output_norm_e, output_ve, pool_pn, table_t, pos, n_valid,
              layout, opts)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "layout"))
+def _mtp_attn_begin(graphdef, state, token_embd_ve, hn_se, next_tokens_s, pos, *, layout):
+  """The MTP head up to span attention (copy waves): -> (u_se, q_shd, gate_se, rows)."""
+  mtp = merge_static(graphdef, state)
+  u = mtp.block_input(hn_se, token_embd_ve[next_tokens_s])
+  q_shd, gate_se, rows = mtp.block.attend_begin(u, pos, layout, rope_offset=1)
+  return u, q_shd, gate_se, rows
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _mtp_attn_end(graphdef, state, output_norm_e, output_ve, u_se, carry, gate_se):
+  mtp = merge_static(graphdef, state)
+  o_shd = span_api.finalize(carry, mtp.block.mixer.cfg.num_attention_heads)
+  return mtp.head(mtp.block.attend_end(u_se, o_shd, gate_se), output_norm_e, output_ve)
 
 
 def select_row(captured_states, row: int):
@@ -301,15 +353,22 @@ class Runner:
     chunked = (s > 1) if chunked is None else chunked
     if capture_states and chunked:
       raise ValueError("capture_states needs the scan form: pass chunked=False")
-    kv.begin_forward(pos, n_valid, tuple(a for a in self.attn_index if a is not None))
+    kv.begin_forward(pos, n_valid, tuple(a for a in self.attn_index if a is not None),
+                     wave_pages=self.partition_pages(s, kv.max_tokens))
     x = _embed_step(self.token_embd, jnp.asarray(tokens_s, jnp.int32))
     pos_a, nv_a = jnp.int32(pos), jnp.int32(n_valid)
     new_states = []
     for (gdef, gstate), st, a in zip(self.groups, rec_states, self.attn_index):
       lkv = kv.layer_kv(a) if a is not None else LayerKV(None, None)
-      x, st, pool_pn, rows = _group_step(gdef, gstate, x, st, lkv.pool_pn, lkv.table_t, pos_a, nv_a,
-                                         lkv.stage, lkv.pieces, layout=self.layout, opts=self.opts,
-                                         chunked=chunked, capture=capture_states)
+      if lkv.waves > 1:     # the layer's streamed pages exceed the ring: attention in copy waves
+        x_in, st, q, gate, rows = _group_attn_begin(gdef, gstate, x, st, pos_a, nv_a, layout=self.layout,
+                                                    chunked=chunked, capture=capture_states)
+        pool_pn, carry = self._waves(kv, a, lkv, q, rows, pos_a, nv_a)
+        x = _group_attn_end(gdef, gstate, x_in, carry, gate)
+      else:
+        x, st, pool_pn, rows = _group_step(gdef, gstate, x, st, lkv.pool_pn, lkv.table_t, pos_a, nv_a,
+                                           lkv.stage, lkv.pieces, layout=self.layout, opts=self.opts,
+                                           chunked=chunked, capture=capture_states)
       if a is not None:
         kv.end_layer(a, pool_pn, rows)
       new_states.append(st)
@@ -319,6 +378,23 @@ class Runner:
     logits, hn_all = self.head(x, logits_rows)
     return ForwardOut(logits, hn_all, tuple(new_states))
 
+  def _waves(self, kv: KVProvider, a: int, lkv: LayerKV, q_shd, rows, pos, n_valid):
+    """Attention of cache layer a in copy waves: each wave's pages through the ring, the carry
+    folded in logical order -> (pool_pn, carry)."""
+    pool_pn, carry = lkv.pool_pn, None
+    for w in range(lkv.waves):
+      wkv = lkv if w == 0 else kv.wave_kv(a, w)
+      lo, hi = wkv.tiles
+      pool_pn, carry = _wave_step(pool_pn, wkv.table_t, wkv.stage, wkv.pieces, rows, q_shd, carry, pos,
+                                  n_valid, jnp.int32(lo), jnp.int32(hi), layout=self.layout, opts=self.opts)
+    return pool_pn, carry
+
+  def partition_pages(self, rows: int, max_tokens: int) -> int:
+    """The logical partition (pages) of this runner's attention call for `rows` query rows over a
+    table of `max_tokens` tokens: copy waves split a layer at multiples of it."""
+    return _partition_pages(self.opts, self.layout, self.cfg.num_attention_heads, int(rows),
+                            self.layout.pages_for(int(max_tokens)))
+
   def head(self, x_se, rows):
     return _head_step(self.output_norm, self.output, x_se, jnp.asarray(rows, jnp.int32),
                       eps=self.cfg.rms_eps)
@@ -327,17 +403,31 @@ class Runner:
     """MTP rows at MTP-cache positions pos.. (RoPE position = cache position + 1)."""
     if self.mtp_layer is None:
       raise ValueError("this model has no MTP head (nextn_predict_layers = 0)")
-    kv.begin_forward(pos, n_valid, (self.mtp_layer,))
+    kv.begin_forward(pos, n_valid, (self.mtp_layer,),
+                     wave_pages=self.partition_pages(hn_se.shape[0], kv.max_tokens))
     lkv = kv.layer_kv(self.mtp_layer)
-    logits, hm, pool_pn, rows = _mtp_step(self.mtp[0], self.mtp[1], self.token_embd, self.output_norm,
-                                          self.output, hn_se,
-                                          jnp.asarray(next_tokens_s, jnp.int32), lkv.pool_pn, lkv.table_t,
-                                          jnp.int32(pos), jnp.int32(n_valid), lkv.stage, lkv.pieces,
-                                          layout=self.layout, opts=self.opts)
+    gdef, gstate = self.mtp
+    next_s, pos_a, nv_a = jnp.asarray(next_tokens_s, jnp.int32), jnp.int32(pos), jnp.int32(n_valid)
+    if lkv.waves > 1:
+      u, q, gate, rows = _mtp_attn_begin(gdef, gstate, self.token_embd, hn_se, next_s, pos_a, layout=self.layout)
+      pool_pn, carry = self._waves(kv, self.mtp_layer, lkv, q, rows, pos_a, nv_a)
+      logits, hm = _mtp_attn_end(gdef, gstate, self.output_norm, self.output, u, carry, gate)
+    else:
+      logits, hm, pool_pn, rows = _mtp_step(gdef, gstate, self.token_embd, self.output_norm, self.output,
+                                            hn_se, next_s, lkv.pool_pn, lkv.table_t, pos_a, nv_a,
+                                            lkv.stage, lkv.pieces, layout=self.layout, opts=self.opts)
     kv.end_layer(self.mtp_layer, pool_pn, rows)
     kv.end_forward()
     return logits, hm
 
+
+
+@functools.lru_cache(maxsize=64)
+def _partition_pages(opts: AttentionOptions, layout: PageLayout, num_q_heads: int, rows: int,
+                     table_pages: int) -> int:
+  impl = span_api.resolve_implementation(opts.implementation, layout=layout,
+                                         q_shape=(rows, num_q_heads, layout.head_dim))
+  return span_api.resolve_block_pages(opts.block_pages, table_pages, rows, num_q_heads, layout, None, impl)
 
 
 def group_step_workspace_bytes(runner: "Runner", rows: int, max_tokens: Optional[int] = None) -> int:

@@ -174,20 +174,52 @@ class GatedAttention(nnx.Module):
     k_sgd = rope_neox(rms_norm(k_sgd, self.attn_k_norm[...], cfg.rms_eps), pos_s, cfg.rope_dim, cfg.rope_theta)
     return q_shd, k_sgd, v_sgd, gate_shd.reshape(s, H * D)
 
-  def __call__(self, h_se, pool_pn, table_t, pos, n_valid, layout: PageLayout, opts: AttentionOptions,
-               rope_offset=0):
-    """Rows at cache positions pos..pos+S-1 (rows >= n_valid are padding)."""
-    cfg = self.cfg
+  def begin(self, h_se, pos, layout: PageLayout, rope_offset=0):
+    """Rows at cache positions pos..pos+S-1 -> (q_shd, gate_se, encoded K/V rows)."""
     s = h_se.shape[0]
     pos_s = pos + jnp.arange(s, dtype=jnp.int32)
     q_shd, k_sgd, v_sgd, gate_se = self.project(h_se, pos_s + rope_offset)
     rows = KVRows(ggml_codec.encode_rows(k_sgd, layout.k_type), ggml_codec.encode_rows(v_sgd, layout.v_type))
+    return q_shd, gate_se, rows
+
+  def end(self, o_shd, gate_se):
+    """Attention output o_shd [S, H, D] -> the block's mixer output."""
+    cfg = self.cfg
+    o_se = o_shd.reshape(o_shd.shape[0], cfg.num_attention_heads * cfg.head_dim) * jax.nn.sigmoid(gate_se)
+    return linear(o_se.astype(self.attn_output[...].dtype), self.attn_output[...])
+
+  def __call__(self, h_se, pool_pn, table_t, pos, n_valid, layout: PageLayout, opts: AttentionOptions,
+               rope_offset=0):
+    """Rows at cache positions pos..pos+S-1 (rows >= n_valid are padding)."""
+    q_shd, gate_se, rows = self.begin(h_se, pos, layout, rope_offset)
     pool_pn = write_kv_rows(pool_pn, table_t, pos, n_valid, rows, layout)
+    pos_s = pos + jnp.arange(h_se.shape[0], dtype=jnp.int32)
     o_shd = span_api.span_attention(q_shd, pool_pn, table_t, pos + n_valid, pos_s, layout=layout,
                                     block_pages=opts.block_pages, implementation=opts.implementation,
                                     interpret=opts.interpret)
-    o_se = o_shd.reshape(s, cfg.num_attention_heads * cfg.head_dim) * jax.nn.sigmoid(gate_se)
-    return linear(o_se.astype(self.attn_output[...].dtype), self.attn_output[...]), pool_pn, rows
+    return self.end(o_shd, gate_se), pool_pn, rows
+
+
+def attend_wave(pool_pn, table_t, stage, pieces, rows: KVRows, q_shd, carry, pos, n_valid, tile_begin,
+                tile_end, layout: PageLayout, opts: AttentionOptions):
+  """One copy wave of a layer whose streamed pages exceed the ring: place the wave's staged pages,
+  write the new rows that fall on logical pages [tile_begin, tile_end) (the wave's table maps only
+  those), fold those pages into the attention carry (None before the first wave: the empty carry,
+  as in one call) -> (pool_pn, carry). Waves in logical order
+  with boundaries at multiples of the call's partition give the bits of one call."""
+  if stage:
+    pool_pn = place_pages(pool_pn, stage, pieces)
+  t = jnp.arange(table_t.shape[0], dtype=jnp.int32)
+  in_wave = (t >= tile_begin) & (t < tile_end)
+  pool_pn = write_kv_rows(pool_pn, jnp.where(in_wave, table_t, pool_pn.shape[0]), pos, n_valid, rows,
+                          layout)
+  s = q_shd.shape[0]
+  pos_s = pos + jnp.arange(s, dtype=jnp.int32)
+  carry = span_api.span_attention_partial(
+      q_shd, pool_pn, table_t, pos + n_valid, pos_s, carry, tile_begin, tile_end, layout=layout,
+      num_q_heads=q_shd.shape[1], block_pages=opts.block_pages, implementation=opts.implementation,
+      interpret=opts.interpret)
+  return pool_pn, carry
 
 
 class RecurrentState(NamedTuple):
@@ -353,6 +385,14 @@ class Block(nnx.Module):
     out, pool_pn, rows = self.mixer(h, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset)
     return self._ffn(x_se + out.astype(x_se.dtype)), pool_pn, rows
 
+  def attend_begin(self, x_se, pos, layout, rope_offset=0):
+    """The attention block up to span attention (`GatedAttention.begin`)."""
+    return self.mixer.begin(rms_norm(x_se, self.attn_norm[...], self.eps), pos, layout, rope_offset)
+
+  def attend_end(self, x_se, o_shd, gate_se):
+    """The attention block after span attention: x_se is the block's input."""
+    return self._ffn(x_se + self.mixer.end(o_shd, gate_se).astype(x_se.dtype))
+
 
 class LayerGroup(nnx.Module):
   """A run of recurrent blocks followed by at most one attention block."""
@@ -361,16 +401,20 @@ class LayerGroup(nnx.Module):
     self.recurrent = nnx.List([Block(cfg, False, dtype) for _ in range(n_recurrent)])
     self.attention = Block(cfg, True, dtype) if has_attention else None
 
-  def __call__(self, x_se, rec_states, pool_pn, table_t, pos, n_valid, layout, opts, chunked,
-               capture=False):
+  def run_recurrent(self, x_se, rec_states, n_valid, chunked, capture=False):
     new_states = []
     for blk, st in zip(self.recurrent, rec_states):
       x_se, st = blk.recurrent(x_se, st, n_valid, chunked, capture)
       new_states.append(st)
+    return x_se, tuple(new_states)
+
+  def __call__(self, x_se, rec_states, pool_pn, table_t, pos, n_valid, layout, opts, chunked,
+               capture=False):
+    x_se, new_states = self.run_recurrent(x_se, rec_states, n_valid, chunked, capture)
     rows = None
     if self.attention is not None:
       x_se, pool_pn, rows = self.attention.attend(x_se, pool_pn, table_t, pos, n_valid, layout, opts)
-    return x_se, tuple(new_states), pool_pn, rows
+    return x_se, new_states, pool_pn, rows
 
 
 class MTPHead(nnx.Module):
@@ -395,15 +439,22 @@ class MTPHead(nnx.Module):
     convention: the row for (x_{t+1}, hn_t) sits at position t+1 and cache slot t).
     -> (logits_sv f32, hm_se, pool_pn, rows).
     """
-    eps = self.eps
-    e = rms_norm(emb_se, self.nextn_enorm[...], eps)
-    hh = rms_norm(hn_se.astype(e.dtype), self.nextn_hnorm[...], eps)
-    u = linear(jnp.concatenate([e, hh], axis=-1), self.nextn_eh_proj[...]).astype(e.dtype)
+    u = self.block_input(hn_se, emb_se)
     u, pool_pn, rows = self.block.attend(u, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset=1)
+    logits, hm = self.head(u, output_norm_e, output_ve)
+    return logits, hm, pool_pn, rows
+
+  def block_input(self, hn_se, emb_se):
+    """The attention block's input from (hn_t, embedded x_{t+1})."""
+    e = rms_norm(emb_se, self.nextn_enorm[...], self.eps)
+    hh = rms_norm(hn_se.astype(e.dtype), self.nextn_hnorm[...], self.eps)
+    return linear(jnp.concatenate([e, hh], axis=-1), self.nextn_eh_proj[...]).astype(e.dtype)
+
+  def head(self, u_se, output_norm_e, output_ve):
+    """-> (logits_sv f32, hm_se): the shared head (or the target's) on the block's output."""
     norm_w = self.nextn_shared_head_norm[...] if self.nextn_shared_head_norm is not None else output_norm_e
     head_w = self.nextn_shared_head_head[...] if self.nextn_shared_head_head is not None else output_ve
-    logits, hm = output_head(u, norm_w, head_w, eps)
-    return logits, hm, pool_pn, rows
+    return output_head(u_se, norm_w, head_w, self.eps)
 
 
 class Qwen38(nnx.Module):

@@ -6,7 +6,8 @@ import pytest
 from kvjax.streaming import arena as arena_lib
 from kvjax import engine, generate
 from kvjax.streaming import StreamedKV, fixed_split, staging_reserve_pages
-from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV
+from kvjax.streaming import policy as policy_lib
+from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV, policy_capacities
 from tiny_setup import build_tiny_runner
 
 UBATCH = 64
@@ -87,23 +88,47 @@ def test_adaptive_policy_split_streams_identically(setup):
   # the policy ran once per forward and moved the split at least once (entering decode)
   assert len(kv.decisions) == kv.counters["forwards"]
   assert any(d.partition_changed for d in kv.decisions)
-  r = kv.policy_state.resident_pages_per_layer
-  assert kv.stream.resident_pages_per_layer == (r,) * 3
+  # the runtime placed the policy's per-layer capacities for the last forward, page by page
+  _check_placement(kv, len(prompt) + 59)
+  assert kv.counters["rebinds"] >= 1
   assert kv.counters["streamed_pages"] > 0
 
 
-def test_adaptive_policy_receives_feedback(setup):
-  """The feedback window is fed from the provider's counters and reaches the policy."""
+def _check_placement(kv, tokens):
+  """The pool holds what `policy.layout` says: layer a's capacity, its first min(active, capacity)
+  pages resident at its region, byte for byte the host history's pages."""
+  lay = policy_lib.layout(kv.policy_config, kv.policy_state, tokens)
+  caps = tuple(l.capacity_pages for l in lay.layers)
+  assert kv.stream.resident_pages_per_layer == policy_capacities(kv.policy_config, kv.policy_state,
+                                                                 tokens, False)
+  if lay.deficit_pages:
+    assert kv.stream.resident_pages_per_layer == caps
+  pool = np.asarray(kv.pool_pn)
+  for a, l in enumerate(lay.layers):
+    hist, h = kv.history_of(a)
+    live = min(l.resident_live_pages, int(hist.tokens[h]) // kv.layout.page_tokens)  # full pages
+    base = int(kv.resident_base[a])
+    np.testing.assert_array_equal(pool[base:base + live], hist.pages_lpn[h, :live], err_msg=f"layer {a}")
+
+
+def test_adaptive_concentrated_capacities_and_waves(setup):
+  """Decode concentrates the streaming into the fewest layers (the others hold every active page):
+  a 20-page pool of 3 layers (resident 4 a layer, ring 8) at 5 active pages places (5, 5, 2),
+  rebinding from the prefill's uniform (4, 4, 4); the minimum adaptive pool (4 pages: ring 1)
+  streams every layer in copy waves. Tokens equal the plain cache's."""
   cfg, runner, layout = setup
-  max_tokens = 400
-  prompt = list(np.random.default_rng(6).integers(0, cfg.vocab_size, 300))
-  kv = AdaptiveStreamedKV(cfg, layout, max_tokens, pool_pages=48, copy_pages=2)
-  kv.timing_interval = 1  # time one upload every forward
-  generate.generate(runner, kv, prompt, 30, ubatch=UBATCH)
-  used = [d for d in kv.decisions if d.feedback_used]
-  assert used, "no decision used feedback"
-  assert kv.counters["timed_bytes"] > 0 and kv.counters["timed_copy_ms"] > 0
-  assert kv.counters["ring_peak_slots"] > 0
-  fb = kv.window.feedback()
-  assert fb.available and 0.0 <= fb.copy_busy_ratio <= 1.0
-  assert fb.samples == kv.window.samples and fb.misses <= fb.samples
+  max_tokens = 96
+  prompt = list(np.random.default_rng(8).integers(0, cfg.vocab_size, 70))
+  plain = generate.generate(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 6, ubatch=UBATCH)
+  for pool, caps in ((20, (5, 5, 2)), (4, (1, 1, 1))):
+    kv = AdaptiveStreamedKV(cfg, layout, max_tokens, pool_pages=pool, copy_pages=2)
+    got = generate.generate(runner, kv, prompt, 6, ubatch=UBATCH)
+    assert got.tokens == plain.tokens, pool
+    assert kv.stream.resident_pages_per_layer == caps
+    _check_placement(kv, len(prompt) + 5)
+    m = kv.metrics()
+    assert m["policy_decisions"] == m["forwards"]
+    if pool == 20:
+      assert m["capacities"] == "2x5,1x2" and m["rebinds"] >= 1 and m["waved_layers"] == 0
+    else:   # 5 pages a layer, 1 resident: 4 streamed through 1 slot -> 4 waves a layer in decode
+      assert m["capacities"] == "3x1" and m["waved_layers"] >= 5 * 2 and m["waves_per_forward"] > 4

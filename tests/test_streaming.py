@@ -67,25 +67,34 @@ def test_streamed_greedy_equals_plain_long(tiny_runner):
 
 
 def test_refused_forward_leaves_provider_intact(tiny_runner):
+  """Copy waves need one attention partition in the ring: a ring of 2 slots refuses 4-page
+  partitions for a layer that must wave, naming the pages missing, and leaves the provider as it
+  was; the same forward with 1-page partitions (this runner's) streams in waves."""
   cfg, runner, layout = tiny_runner
-  stream = StreamConfig(pool_pages=6, resident_pages_per_layer=(1, 1, 1), copy_pages=1)
+  stream = StreamConfig(pool_pages=5, resident_pages_per_layer=(1, 1, 1), copy_pages=1)
   kv = StreamedKV(cfg, layout, 8 * 256, stream)
   seq = generate.SequenceState(runner, kv)
   prompt = list(range(1, 3 * 256 + 1))
-  generate.prefill(seq, prompt[:256 * 3 + 0], ubatch=256)  # 3 pages: 2 streamed per layer, ring 3
+  generate.prefill(seq, prompt[:256 * 3 + 0], ubatch=256)  # 3 pages: 2 streamed per layer, ring 2
   before = (dict(kv.plans), dict(kv.counters), kv.histories["target"].tokens.copy())
-  with pytest.raises(StreamBudgetError, match=r"ring too small: cache layer 0 streams 4 pages .*\(1 more pages"):
-    seq.forward(list(range(512)), pad_to=512)  # would need 4 streamed pages > 3 ring slots
+  with pytest.raises(StreamBudgetError, match=r"ring too small: cache layer 0 streams 3 pages .* whole "
+                     r"4-page attention partitions, but the ring has 2 slots \(2 more pages"):
+    kv.begin_forward(3 * 256, 256, (0, 1), wave_pages=4)
   assert (kv.plans, kv.counters, list(kv.histories["target"].tokens)) == \
       (before[0], before[1], list(before[2]))
-  logits = seq.forward([5])  # still usable for a forward that fits
+  logits = seq.forward(list(range(256)))  # 3 streamed pages > 2 slots: two waves a layer
   assert np.all(np.isfinite(np.asarray(logits)))
+  assert kv.counters["waved_layers"] == 2 and kv.counters["waves"] - before[1]["waves"] == 4
 
 
 def test_fixed_split_reports_missing_bytes():
   layout = PageLayout(4, 256, "q8_0", "q4_0")
-  with pytest.raises(StreamBudgetError, match=r"needs 512 slots and would have 100: 412 more pages"):
-    fixed_split(pool_pages=100, n_layers=17, max_tokens=131072, layout=layout)
+  with pytest.raises(StreamBudgetError, match=r"minimum is 18 pages .*: 8 more pages"):
+    fixed_split(pool_pages=10, n_layers=17, max_tokens=131072, layout=layout)
+  s = fixed_split(pool_pages=18, n_layers=17, max_tokens=131072, layout=layout)   # copy waves
+  assert s.resident_pages_per_layer == (1,) * 17 and s.ring_slots == 1
+  s = fixed_split(pool_pages=100, n_layers=17, max_tokens=131072, layout=layout)  # ring hint 8
+  assert s.resident_pages_per_layer == (5,) * 17 and s.ring_slots == 15
   s = fixed_split(pool_pages=5400, n_layers=17, max_tokens=131072, layout=layout)
   assert s.ring_slots >= 512 - s.resident_pages_per_layer[0]
   assert s.resident_total + s.ring_slots == 5400
@@ -387,3 +396,44 @@ def test_prefetched_block_dropped_only_when_rows_inside_it_change():
   assert kv._prefetch is not None and kv.counters["prefetch_dropped"] == dropped
   kv.truncate("target", hi * layout.page_tokens - 1)       # inside it: dropped
   assert kv._prefetch is None and kv.counters["prefetch_dropped"] == dropped + 1
+
+
+@pytest.mark.parametrize("kv_types", [("q8_0", "q4_0"), ("f16", "f16")])
+def test_copy_waves_bit_for_bit_from_the_minimum_pool(kv_types):
+  """The minimum pool, layers + 1 pages (1 resident page a layer, 1 ring slot): every layer, the
+  MTP layer included, streams in copy waves; the logits of every prefill row and decode
+  step and the MTP head's are the plain cache's bits."""
+  from kvjax import config, weights
+  cfg = config.tiny()
+  model = engine.build_model(cfg, weights.random_tensors(cfg, 3).items())
+  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, *kv_types, page_tokens=16)
+  runner = engine.Runner(model, layout)
+  prompt = list(np.random.default_rng(12).integers(0, cfg.vocab_size, 45))
+  steps, max_tokens = 2, 80     # 5 pages of capacity: 1 resident page a layer, ring 1
+  want = hidden = None
+  for pool in (None, 4):
+    kv = engine.PlainKV(cfg, layout, max_tokens) if pool is None else \
+        StreamedKV(cfg, layout, max_tokens, fixed_split(pool, 3, max_tokens, layout, copy_pages=2))
+    seq = generate.SequenceState(runner, kv)
+    got = [np.asarray(generate.prefill(seq, prompt, ubatch=32, all_logits=True))]
+    toks = list(prompt) + [int(np.argmax(got[0][-1]))]
+    for _ in range(steps):
+      got.append(np.asarray(seq.forward([toks[-1]])))
+      toks.append(int(np.argmax(got[-1])))
+    if hidden is None:   # the target's hidden states of the sequence, for the MTP head's rows
+      _, hidden = generate.prefill(generate.SequenceState(runner, engine.PlainKV(cfg, layout, max_tokens)),
+                                   toks[:-1], ubatch=32, with_hidden=True)
+    n = len(toks) - 1
+    mtp, _ = runner.mtp_forward(hidden[:n - 1], np.asarray(toks[1:n], np.int32), 0, n - 1, kv)
+    got.append(np.asarray(mtp))
+    if want is None:
+      want = got
+      continue
+    for i, (a, b) in enumerate(zip(want, got)):
+      np.testing.assert_array_equal(a, b, err_msg=f"pool {pool}: output {i}")
+    c = kv.counters
+    assert kv.stream.resident_pages_per_layer == (1, 1, 1) and kv.stream.ring_slots == 1
+    # 3 active pages from the second prefill chunk on: 2 waves (resident + 1 slot, then 1 slot) for
+    # both target layers of that chunk and of 2 decode steps, and for the MTP layer
+    assert c["waved_layers"] == 2 + 2 * 2 + 1 and c["waves"] == 2 * c["waved_layers"] + 2
+    assert kv.plans[2] is None and kv.metrics()["waves_per_forward"] > 2  # the MTP layer waved too

@@ -43,24 +43,35 @@ class StreamConfig:
     return self.pool_pages - self.resident_total
 
 
+def minimum_pool_pages(n_layers: int) -> int:
+  """The smallest pool that streams any context: one resident page a layer and one ring slot (a
+  layer whose streamed pages exceed the ring streams them in copy waves)."""
+  return n_layers + 1
+
+
 def fixed_split(pool_pages: int, n_layers: int, max_tokens: int, layout: PageLayout,
                 copy_pages: int = 32) -> StreamConfig:
-  """Uniform resident pages per layer chosen so the ring can hold one layer's streamed pages
-  at `max_tokens`: r = min(A, floor((P - A) / (L - 1))) with A = pages at max_tokens."""
+  """Uniform resident pages per layer. Where the pool allows, the ring holds one layer's streamed
+  pages at `max_tokens` (one attention call a layer): r = min(A, floor((P - A) / (L - 1))) with
+  A = pages at max_tokens. Otherwise every layer streams in copy waves through a ring of
+  h = min(8, P - L) slots (the policy's initial ring hint): r = floor((P - h) / L). Below the
+  minimum pool (L + 1 pages) -> StreamBudgetError with the pages missing."""
   a = layout.pages_for(max_tokens)
+  need = minimum_pool_pages(n_layers)
+  if pool_pages < need:
+    missing = need - pool_pages
+    raise StreamBudgetError(
+        f"KV pool too small: {pool_pages} pages ({pool_pages * layout.page_bytes / 2**20:.1f} MiB) cannot "
+        f"stream {n_layers} layers: the minimum is {need} pages (1 resident page a layer + 1 ring slot): "
+        f"{missing} more pages ({missing * layout.page_bytes / 2**20:.1f} MiB) needed")
   if n_layers > 1:
     r = min(a, max((pool_pages - a) // (n_layers - 1), 0))
   else:
     r = min(a, pool_pages - 1)
   r = max(0, min(r, (pool_pages - 1) // n_layers))  # keep at least one ring slot
-  ring = pool_pages - r * n_layers
-  need = a - r
-  if ring < need:
-    missing = need - ring
-    raise StreamBudgetError(
-        f"KV pool too small: {pool_pages} pages ({pool_pages * layout.page_bytes / 2**20:.1f} MiB) cannot "
-        f"stream {n_layers} layers at {max_tokens} tokens; the ring needs {need} slots and would have "
-        f"{ring}: {missing} more pages ({missing * layout.page_bytes / 2**20:.1f} MiB) needed")
+  if pool_pages - r * n_layers < a - r:             # the ring cannot hold a layer: copy waves
+    hint = min(8, pool_pages - n_layers)
+    r = min(a, (pool_pages - hint) // n_layers)
   return StreamConfig(pool_pages, (r,) * n_layers, copy_pages)
 
 

@@ -16,9 +16,10 @@ region. The bookkeeping (transactions, leases, fences, stale views) is the
 reference design's.
 
 `AdaptiveStreamedKV` asks `kvjax.streaming.policy.step` before every forward and applies
-its resident pages per layer (uniform placement: every layer keeps the same
-resident prefix; the policy's concentrated placement needs a page-granular
-resident allocator, not built yet). Its feedback comes from a
+the capacity of every cache layer that `policy.layout` gives (`policy_capacities`:
+concentrated or spread in decode, uniform in prefill); a new partition or a new
+capacity profile rebinds the pool, and the resident mirror is rebuilt from the
+host history. Its feedback comes from a
 `policy.FeedbackWindow` fed after every forward with the provider's counters:
 samples = layers served, misses = readiness misses, peak ring slots in use,
 copy time of the sampled (timed) uploads over the forward's wall time. A
@@ -27,7 +28,7 @@ repartition starts a new feedback epoch (the policy re-baselines).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 
 from kvjax.streaming import arena as arena_lib
@@ -100,13 +101,16 @@ class PhasedKV:
     self.phase = phase
 
   # KVProvider: delegate to the bound StreamedKV
-  def begin_forward(self, *a):
+  def begin_forward(self, *a, **kw):
     if self.phase is None:
       raise RuntimeError("PhasedKV: enter('prefill') or enter('decode') before the first forward")
-    return self.kv.begin_forward(*a)
+    return self.kv.begin_forward(*a, **kw)
 
   def layer_kv(self, a):
     return self.kv.layer_kv(a)
+
+  def wave_kv(self, a, w):
+    return self.kv.wave_kv(a, w)
 
   def end_layer(self, *a):
     return self.kv.end_layer(*a)
@@ -127,8 +131,20 @@ class PhasedKV:
     return m
 
 
+def policy_capacities(config: policy_lib.PolicyConfig, state: policy_lib.PolicyState, active_tokens: int,
+                      prefill: bool) -> Tuple[int, ...]:
+  """Resident capacity per cache layer under `state`: `policy.layout`'s (concentrated or spread)
+  in decode, the uniform `resident_pages_per_layer` in a prefill (whose active count grows every
+  chunk) and while nothing needs streaming. The capacities sum to the same resident total, so
+  the ring keeps the policy's size."""
+  r = state.resident_pages_per_layer
+  if prefill or policy_lib.active_pages(config, active_tokens) <= r:
+    return (r,) * config.layers
+  return tuple(l.capacity_pages for l in policy_lib.layout(config, state, active_tokens).layers)
+
+
 class AdaptiveStreamedKV(StreamedKV):
-  """StreamedKV whose resident/ring split follows `kvjax.streaming.policy` (uniform placement)."""
+  """StreamedKV whose resident/ring split and per-layer capacities follow `kvjax.streaming.policy`."""
 
   def __init__(self, cfg, layout, max_tokens, pool_pages: int, copy_pages: int = 32,
                policy_config: Optional[policy_lib.PolicyConfig] = None, pinned=None):
@@ -137,29 +153,28 @@ class AdaptiveStreamedKV(StreamedKV):
         page_bytes=layout.page_bytes, pool_bytes=pool_pages * layout.page_bytes, layers=n_layers,
         page_tokens=layout.page_tokens)
     self.policy_state = policy_lib.initialize(self.policy_config)
-    split = self._policy_split(self.policy_state, pool_pages, n_layers, copy_pages)
-    super().__init__(cfg, layout, max_tokens, split, pinned)
+    caps = policy_capacities(self.policy_config, self.policy_state, 0, True)
+    super().__init__(cfg, layout, max_tokens, StreamConfig(pool_pages, caps, copy_pages), pinned)
     self.decisions = []
     self.window = policy_lib.FeedbackWindow()
     self._last = dict(self.counters)
 
-  @staticmethod
-  def _policy_split(state, pool_pages, n_layers, copy_pages) -> StreamConfig:
-    return StreamConfig(pool_pages, (state.resident_pages_per_layer,) * n_layers, copy_pages)
-
-  def begin_forward(self, pos, n_tokens, cache_layers):
+  def begin_forward(self, pos, n_tokens, cache_layers, wave_pages=1):
     feedback = self.window.roll() if self.window.elapsed_ms > 0 else None
+    prefill = n_tokens > policy_lib.DECODE_QUERY_ROWS
     obs = policy_lib.Observation(active_tokens=pos + n_tokens, query_tokens=n_tokens, feedback=feedback,
-                                 uniform_prefill=n_tokens > policy_lib.DECODE_QUERY_ROWS)
+                                 uniform_prefill=prefill)
     decision = policy_lib.step(self.policy_config, self.policy_state, obs)
-    old = self.policy_state
-    if decision.partition_changed:
-      self.rebind(self._policy_split(decision.next, self.stream.pool_pages, self.n_layers, self.stream.copy_pages))
+    old = self.stream
+    caps = policy_capacities(self.policy_config, decision.next, pos + n_tokens, prefill)
+    relaid = caps != old.resident_pages_per_layer
+    if relaid:     # a new partition or capacity profile: the resident mirror is rebuilt from the host
+      self.rebind(StreamConfig(old.pool_pages, caps, old.copy_pages))
     try:
-      super().begin_forward(pos, n_tokens, cache_layers)
+      super().begin_forward(pos, n_tokens, cache_layers, wave_pages)
     except StreamBudgetError:
-      if decision.partition_changed:   # leave the previous committed split in force
-        self.rebind(self._policy_split(old, self.stream.pool_pages, self.n_layers, self.stream.copy_pages))
+      if relaid:   # leave the previous committed split in force
+        self.rebind(old)
       raise
     self.policy_state = decision.next
     self.decisions.append(decision)
@@ -167,6 +182,12 @@ class AdaptiveStreamedKV(StreamedKV):
       self.window.new_epoch()
     self._ring_peak_before = self.counters["ring_peak_slots"]
     self.counters["ring_peak_slots"] = 0   # per-forward peak for the window
+
+  def metrics(self):
+    m = super().metrics()
+    m.update(policy_decisions=len(self.decisions),
+             policy_repartitions=sum(d.partition_changed for d in self.decisions))
+    return m
 
   def end_forward(self):
     super().end_forward()

@@ -104,18 +104,39 @@ def _to_device(src):
   return jax.device_put(src, jax.devices()[0])
 
 
+class _Wave(NamedTuple):
+  """One copy wave of a layer whose streamed pages exceed the ring (`_wave_layout`)."""
+  tiles: Tuple[int, int]             # logical pages [lo, hi) attended by this wave
+  table_t: jax.Array                 # device [max_pages] int32: the wave's pages -> pool pages
+  pieces: Optional[jax.Array]        # device [1, 1, 3] int32, None when nothing stages
+  first: int                         # first logical page of the staged array
+  count: int                         # pages staged (placed at ring slots 0..count-1)
+
+
 class _LayerPlan(NamedTuple):
   """One cache layer's part of a forward: cached on the device while the forward's shape holds."""
-  plan: SpanPlan
+  plan: Optional[SpanPlan]           # None for a layer in copy waves (one table a wave)
   table_t: jax.Array                 # device [max_pages] int32
   pieces: Optional[jax.Array]        # device [len(units) + tail, k, 3] int32, None when nothing stages
   units: Tuple[Tuple[str, int, int], ...]  # the stage's host sources, in order (`_stage_layout`)
   tail_page: int                     # a partial page uploaded from pageable memory, or -1
   streamed: int
   wraps: int
+  waves: Tuple[_Wave, ...] = ()      # copy waves (empty: one attention call, the common case)
 
 
 PIPELINE_DEPTH = 1   # layers whose copies are in flight beside the step being run
+
+
+def compact_capacities(caps) -> str:
+  """Resident capacities per cache layer as runs, "count x pages": (12, 12, 12, 0) -> "3x12,1x0"."""
+  runs = []
+  for c in caps:
+    if runs and runs[-1][1] == c:
+      runs[-1][0] += 1
+    else:
+      runs.append([1, c])
+  return ",".join(f"{n}x{c}" for n, c in runs)
 
 
 class StreamedKV:
@@ -144,6 +165,8 @@ class StreamedKV:
     self._bind(stream)
     self._pending: Dict[int, KVRows] = {}
     self._stage: Dict[int, Tuple[jax.Array, ...]] = {}
+    self._wave_stage: Dict[Tuple[int, int], Tuple[jax.Array, ...]] = {}
+    self._wave_pages = 1
     self._order: Tuple[int, ...] = ()
     self._layer_plans: Dict[int, _LayerPlan] = {}
     self._shape_key = None
@@ -155,7 +178,8 @@ class StreamedKV:
     self.counters = dict(h2d_bytes=0, h2d_calls=0, ring_wraps=0, streamed_pages=0, readiness_misses=0,
                          forwards=0, host_ms=0.0, max_spans=0, ring_peak_slots=0, timed_copy_ms=0.0,
                          timed_bytes=0, elapsed_ms=0.0, staging_peak_bytes=0, deadline_samples=0,
-                         layout_changes=0, prefetch_hits=0, prefetch_dropped=0)
+                         layout_changes=0, prefetch_hits=0, prefetch_dropped=0, waves=0,
+                         waved_layers=0)
 
   # -- re-layout (phase change, policy repartition, new request) ---------------------
   def rebind(self, stream: StreamConfig) -> None:
@@ -193,6 +217,7 @@ class StreamedKV:
     self.plans.clear()
     self._shape_key = None
     self._stage = {}
+    self._wave_stage = {}
     self._drop_prefetch()
 
   def _drop_prefetch(self, below_token: Optional[int] = None) -> None:
@@ -233,7 +258,8 @@ class StreamedKV:
     return live, active - live
 
   # -- KVProvider ----------------------------------------------------------------
-  def begin_forward(self, pos: int, n_tokens: int, cache_layers: Tuple[int, ...]) -> None:
+  def begin_forward(self, pos: int, n_tokens: int, cache_layers: Tuple[int, ...],
+                    wave_pages: int = 1) -> None:
     t_host = time.perf_counter()
     lay = self.layout
     end = pos + n_tokens
@@ -247,19 +273,21 @@ class StreamedKV:
         raise ValueError(f"cache layer {a}: forward at position {pos} but only {hist.tokens[l]} tokens "
                          f"are committed")
       _, streamed = self._split(a, active)
-      if streamed > self.stream.ring_slots:
-        missing = streamed - self.stream.ring_slots
+      if streamed > self.stream.ring_slots and self.stream.ring_slots < wave_pages:
+        missing = wave_pages - self.stream.ring_slots   # copy waves need one partition in the ring
         raise StreamBudgetError(
-            f"ring too small: cache layer {a} streams {streamed} pages at {end} tokens but the ring has "
-            f"{self.stream.ring_slots} slots ({missing} more pages = "
-            f"{missing * lay.page_bytes / 2**20:.1f} MiB needed)")
+            f"ring too small: cache layer {a} streams {streamed} pages at {end} tokens in copy waves of "
+            f"whole {wave_pages}-page attention partitions, but the ring has {self.stream.ring_slots} "
+            f"slots ({missing} more pages = {missing * lay.page_bytes / 2**20:.1f} MiB needed)")
     self._pos, self._n, self._active = pos, n_tokens, active
+    self._wave_pages = int(wave_pages)
     self._content = lay.pages_for(pos)  # pages that already hold tokens
     self._full = pos // lay.page_tokens  # pages whose every token is committed
     self._order = tuple(cache_layers)
     self._pending.clear()
     self._stage = {}
-    key = (self._bind_generation, self._full, self._content, active, self._order)
+    self._wave_stage = {}
+    key = (self._bind_generation, self._full, self._content, active, self._order, self._wave_pages)
     if key != self._shape_key:
       self._lay_out_forward()
       self._shape_key = key
@@ -267,6 +295,8 @@ class StreamedKV:
       lp = self._layer_plans[a]
       self.counters["streamed_pages"] += lp.streamed
       self.counters["ring_wraps"] += lp.wraps
+      self.counters["waves"] += len(lp.waves) or int(lp.streamed > 0)
+      self.counters["waved_layers"] += bool(lp.waves)
       self.plans[a] = lp.plan
     self._t_begin = time.perf_counter()
     c = self.counters
@@ -282,18 +312,24 @@ class StreamedKV:
         c["timed_copy_ms"] += (time.perf_counter() - t0) * 1e3
         c["timed_bytes"] += nbytes
 
-  def _issue(self, a: int) -> int:
-    """Queue the host-to-device copies of layer a's stage (-> bytes)."""
-    pre, self._prefetch = self._prefetch, None
-    units = self._layer_plans[a].units
-    reuse = pre is not None and pre[0] == a and bool(units) and units[0] == ("block",) + pre[1:3]
-    if pre is not None:
-      self.counters["prefetch_hits" if reuse else "prefetch_dropped"] += 1
-    sources = self._stage_sources(a, skip_block=reuse)
-    if not sources and not reuse:
-      self._stage[a] = ()
+  def _issue(self, a: int, wave: int = 0) -> int:
+    """Queue the host-to-device copies of layer a's stage, or of its copy wave `wave` (-> bytes);
+    a sealed block prefetched by the previous forward is used as it is."""
+    reuse = False
+    if not wave:
+      pre, self._prefetch = self._prefetch, None
+      units = self._layer_plans[a].units
+      reuse = pre is not None and pre[0] == a and bool(units) and units[0] == ("block",) + pre[1:3]
+      if pre is not None:
+        self.counters["prefetch_hits" if reuse else "prefetch_dropped"] += 1
+    sources = self._stage_sources(a, wave, skip_block=reuse)
+    staged = ((pre[3],) if reuse else ()) + tuple(_to_device(x) for x in sources)
+    if wave:
+      self._wave_stage[(a, wave)] = staged
+    else:
+      self._stage[a] = staged
+    if not sources:
       return 0
-    self._stage[a] = ((pre[3],) if reuse else ()) + tuple(_to_device(x) for x in sources)
     nbytes = sum(int(x.nbytes) for x in sources)
     self.counters["h2d_bytes"] += nbytes
     self.counters["h2d_calls"] += len(sources)
@@ -324,6 +360,11 @@ class StreamedKV:
     for a in self._order:
       live, streamed = self._split(a, self._active)
       wraps = 0
+      if streamed > ring:       # more streamed pages than slots: copy waves through the whole ring
+        plans[a] = self._wave_layout(a, live, streamed)
+        head = plans[a].waves[-1].count % ring
+        self.counters["ring_peak_slots"] = max(self.counters["ring_peak_slots"], ring)
+        continue
       if streamed and head + streamed > ring:
         # the ring wraps: with split_at_wrap the layer's pages continue at slot 0 (two ring spans);
         # otherwise the whole run restarts at slot 0 (one span)
@@ -339,6 +380,31 @@ class StreamedKV:
                             units, tail, streamed, wraps)
       self.counters["max_spans"] = max(self.counters["max_spans"], len(plan.spans))
     self._layer_plans = plans
+
+  def _wave_layout(self, a: int, live: int, streamed: int) -> _LayerPlan:
+    """Copy waves of layer a: wave 0 attends its resident pages and the streamed pages the ring
+    holds, each later wave the next ring-ful, every boundary on a multiple of the attention
+    partition (`wave_pages`), so the folded carry has the bits of one call. A wave's streamed pages
+    take ring slots 0.. and come as one staged array of `ring_slots` pages (its pages that hold
+    committed tokens are placed; the rest are written by this forward's rows)."""
+    ring, b = self.stream.ring_slots, self._wave_pages
+    active, need = self._active, min(self._active, self._content)
+    width = ring // b * b
+    bounds, end = [0], (live + ring) // b * b
+    while end < active:
+      bounds.append(end)
+      end += width
+    bounds.append(active)
+    waves = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+      first = max(lo, live)
+      table = np.zeros((self.max_pages,), np.int32)
+      table[:live] = self.resident_base[a] + np.arange(live)
+      table[first:hi] = self.ring_base + np.arange(hi - first)
+      count = max(0, min(hi, need) - first)
+      pieces = None if count == 0 else jnp.asarray(np.array([[[self.ring_base, 0, count]]], np.int32))
+      waves.append(_Wave((lo, hi), jnp.asarray(table), pieces, first, count))
+    return _LayerPlan(None, waves[0].table_t, waves[0].pieces, (), -1, streamed, 0, tuple(waves))
 
   def _plan_and_table(self, a: int, live: int, slots: np.ndarray):
     streamed = len(slots)
@@ -401,13 +467,23 @@ class StreamedKV:
       pieces[i, :len(r)] = r
     return tuple(sources), pieces, tail
 
-  def _stage_sources(self, a: int, skip_block: bool = False) -> Tuple:
+  def _stage_sources(self, a: int, wave: int = 0, skip_block: bool = False) -> Tuple:
     """The host arrays of layer a's stage, in the order of its pieces: pinned_host arrays (numpy
-    pages without pinned memory), then the partial last page (numpy). `skip_block`: the sealed
-    block is already on the device (prefetched)."""
+    pages without pinned memory), then the partial last page (numpy). A copy wave's stage is one
+    array of `ring_slots` pages from the numpy history (zeros past its end). `skip_block`: the
+    sealed block is already on the device (prefetched)."""
     hist, l = self.history_of(a)
     c = self.stream.copy_pages
     lp = self._layer_plans[a]
+    if lp.waves:
+      wv = lp.waves[wave]
+      if wv.count == 0:
+        return ()
+      ring = self.stream.ring_slots
+      arr = hist.pages_lpn[l, wv.first:wv.first + ring]
+      if arr.shape[0] < ring:
+        arr = np.concatenate([arr, np.zeros((ring - arr.shape[0], arr.shape[1]), np.uint8)])
+      return (np.ascontiguousarray(arr),)
     out = []
     for kind, lo, hi in lp.units[1:] if skip_block else lp.units:
       if kind == "block":
@@ -438,14 +514,13 @@ class StreamedKV:
                          f"begin_forward: {self._order})")
     self._held_bytes = sum(int(s.nbytes) for s in stage)
     pool = self._fill_resident(a, self.pool_pn)      # refills (rare) before the next layer's copies
-    if idx + 1 < len(self._order):      # the next layer's copies go out before this layer's step
+    if len(lp.waves) > 1:               # the layer's next wave goes out before this wave's step
+      self._issue(a, 1)
+    elif idx + 1 < len(self._order):    # the next layer's copies go out before this layer's step
       self._issue(self._order[idx + 1])
     else:                               # ... and after the last one, the next forward's first
       self._issue_prefetch()
-    live_bytes = self._held_bytes + sum(int(s.nbytes) for v in self._stage.values() for s in v)
-    if self._prefetch is not None:
-      live_bytes += int(self._prefetch[3].nbytes)
-    self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live_bytes)
+    self._note_staging()
     if stage and idx > 0:       # a deadline sample: were this layer's pages there when enqueued?
       self.deadline_samples[a] += 1
       self.counters["deadline_samples"] += 1
@@ -454,7 +529,40 @@ class StreamedKV:
         self.counters["readiness_misses"] += 1
     self.pool_pn = pool
     self.counters["host_ms"] += (time.perf_counter() - t0) * 1e3
+    if lp.waves:
+      return LayerKV(pool, lp.table_t, stage, lp.pieces if stage else None, len(lp.waves), lp.waves[0].tiles)
     return LayerKV(pool, lp.table_t, stage, lp.pieces if stage else None)
+
+  def wave_kv(self, cache_layer: int, wave: int) -> LayerKV:
+    """Copy wave `wave` >= 1 of a layer (`layer_kv` gave wave 0): its table and staged pages; the
+    runner threads the pool from the previous wave's step. Issues the next wave's copies (or, after
+    the last wave, the next layer's)."""
+    t0 = time.perf_counter()
+    a = cache_layer
+    lp = self._layer_plans.get(a)
+    stage = self._wave_stage.pop((a, wave), None)
+    if lp is None or not 0 < wave < len(lp.waves) or stage is None:
+      raise RuntimeError(f"cache layer {a}: wave {wave} was not issued (waves run in order after "
+                         f"layer_kv)")
+    self._held_bytes = sum(int(s.nbytes) for s in stage)
+    idx = self._order.index(a)
+    if wave + 1 < len(lp.waves):
+      self._issue(a, wave + 1)
+    elif idx + 1 < len(self._order):
+      self._issue(self._order[idx + 1])
+    else:
+      self._issue_prefetch()
+    self._note_staging()
+    wv = lp.waves[wave]
+    self.counters["host_ms"] += (time.perf_counter() - t0) * 1e3
+    return LayerKV(None, wv.table_t, stage, wv.pieces if stage else None, len(lp.waves), wv.tiles)
+
+  def _note_staging(self) -> None:
+    live = self._held_bytes + sum(int(s.nbytes) for d in (self._stage, self._wave_stage)
+                                  for v in d.values() for s in v)
+    if self._prefetch is not None:
+      live += int(self._prefetch[3].nbytes)
+    self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live)
 
   def _fill_resident(self, a: int, pool):
     """Upload resident pages holding committed tokens that the device does not hold yet
@@ -556,6 +664,8 @@ class StreamedKV:
 
   def metrics(self) -> Dict[str, float]:
     m = dict(self.counters)
+    m["waves_per_forward"] = m["waves"] / max(1, m["forwards"])
+    m["capacities"] = compact_capacities(self.stream.resident_pages_per_layer)
     m.update(d2h_bytes=self.d2h_bytes, resident_pages=self.stream.resident_total,
              ring_slots=self.stream.ring_slots, pool_pages=self.stream.pool_pages,
              pool_mib=self.stream.pool_pages * self.layout.page_bytes / 2**20)
