@@ -373,6 +373,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
       "realized_verify_width": (drafted + rounds) / rounds if rounds else 0.0,
       "tokens_per_verify": (accepted + rounds) / rounds if rounds else 0.0,
       "verify_ms_by_width": {str(w): float(np.mean(v)) for w, v in sorted(verify_ms.items())},
+      "verify_ms_mean": float(np.mean([x for v in verify_ms.values() for x in v])) if rounds else 0.0,
       "ngram_rounds": ngram_rounds,
       "rollback_d2h_bytes": rollback.d2h_bytes, "rollback_h2d_bytes": rollback.h2d_bytes,
   }
