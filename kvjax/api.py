@@ -49,7 +49,7 @@ from kvjax_pallas.span_attention.api import IMPLEMENTATIONS, resolve_implementat
 
 DTYPES = ("float32", "bfloat16")
 POLICIES = ("fixed", "adaptive")
-DRAFTS = ("mtp", "ngram")
+DRAFTS = speculative.DRAFT_KINDS
 
 __all__ = ["ParameterError", "ModelNotFoundError", "LoadedModel", "KVCache", "SpecConfig", "GenerationResult",
            "load_model", "make_kv", "check_kv_budget", "check_generation", "encode", "prompt_ids",
@@ -312,26 +312,34 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-  """Speculative decoding (greedy only): `draft` "mtp" (the model's attached MTP head proposes) or
+  """Speculative decoding (greedy only): `draft` "mtp" (the model's attached MTP head proposes),
   "ngram" (ngram-simple: the tokens that followed the latest earlier occurrence of the last
-  `ngram_n` tokens). At most `n_max` drafts per round (verify width 1 + n_max); MTP drafting stops
-  below top-1 probability `p_min`."""
+  `ngram_n` tokens, up to `ngram_m`, 0 = n_max), "ngram+mtp" (ngram's match when there is one, MTP
+  otherwise) or "oracle" (cost studies: plain greedy's tokens, each kept with probability
+  `oracle_acceptance`, seeded by `oracle_seed`). At most `n_max` MTP / oracle drafts per round;
+  MTP drafting stops below top-1 probability `p_min`. `rollback` "device" (every verify row's
+  recurrent states kept on the device) or "host" (host snapshots through a two-slot stage)."""
   draft: str = "mtp"
   n_max: int = 3
   p_min: float = 0.0
   ngram_n: int = 12
+  ngram_m: int = 0
+  oracle_acceptance: float = 0.75
+  oracle_seed: int = 0
+  rollback: str = "device"
 
 
 def _draft_params(spec: SpecConfig) -> speculative.DraftParams:
   if spec.draft not in DRAFTS:
-    raise ParameterError(f"spec.draft must be 'mtp' or 'ngram', got {spec.draft!r}", "spec.draft")
-  if spec.n_max < 1:
-    raise ParameterError(f"spec.n_max must be >= 1, got {spec.n_max}", "spec.n_max")
-  if not 0.0 <= spec.p_min <= 1.0:
-    raise ParameterError(f"spec.p_min must be in [0, 1], got {spec.p_min}", "spec.p_min")
-  if spec.ngram_n < 1:
-    raise ParameterError(f"spec.ngram_n must be >= 1, got {spec.ngram_n}", "spec.ngram_n")
-  return speculative.DraftParams(spec.draft, spec.n_max, spec.p_min, spec.ngram_n)
+    raise ParameterError(f"spec.draft must be one of {', '.join(DRAFTS)}, got {spec.draft!r}", "spec.draft")
+  for ok, field, need in ((spec.n_max >= 1, "n_max", ">= 1"), (0.0 <= spec.p_min <= 1.0, "p_min", "in [0, 1]"),
+                          (spec.ngram_n >= 1, "ngram_n", ">= 1"), (spec.ngram_m >= 0, "ngram_m", ">= 0"),
+                          (0.0 <= spec.oracle_acceptance <= 1.0, "oracle_acceptance", "in [0, 1]"),
+                          (spec.rollback in speculative.ROLLBACKS, "rollback", "'device' or 'host'")):
+    if not ok:
+      raise ParameterError(f"spec.{field} must be {need}, got {getattr(spec, field)!r}", f"spec.{field}")
+  return speculative.DraftParams(spec.draft, spec.n_max, spec.p_min, spec.ngram_n, spec.ngram_m,
+                                 spec.oracle_acceptance, spec.oracle_seed, spec.rollback)
 
 
 def check_generation(*, n_predict: int = 32, temperature: float = 0.0, top_k: int = 0, ubatch: int = 256,
@@ -351,6 +359,10 @@ def check_generation(*, n_predict: int = 32, temperature: float = 0.0, top_k: in
       raise ParameterError("spec verifies greedily: use temperature 0", "spec", "temperature")
     if phased:
       raise ParameterError("spec and phased cannot be combined yet", "spec", "phased")
+    try:
+      speculative.check_ubatch(_draft_params(spec), ubatch)
+    except ValueError as e:
+      raise ParameterError(str(e), "ubatch", "spec.n_max") from None
 
 
 def encode(model: LoadedModel, text: str, param: str = "prompt") -> List[int]:
@@ -394,7 +406,7 @@ def context_tokens(n_prompt: int, n_predict: int, spec: Optional[SpecConfig] = N
     raise ParameterError(f"max_tokens {max_tokens} is too small: prompt {n_prompt} + n_predict {n_predict} "
                          f"needs {need} tokens ({need - max_tokens} more)", "max_tokens", "n_predict")
   cap = max_tokens or need
-  return max(cap, need + spec.n_max) if spec is not None else cap
+  return max(cap, need + _draft_params(spec).verify_width - 1) if spec is not None else cap
 
 
 def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Optional[str] = None,
@@ -415,9 +427,8 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
 
   -> `GenerationResult(tokens, metrics, text)`. metrics: prompt_tokens, decode_tokens, prompt_ms,
   predicted_ms, prefill_tps, decode_tps, compile_ms (prompt_compile_ms + predicted_compile_ms: jax
-  tracing and compiling inside those times), warmup, spec_type ("none", "mtp", "ngram"; speculative
-  runs add draft_generated, draft_accepted, draft_acceptance, verify_forwards,
-  realized_verify_width), the cache's counters and budget (`KVCache.info`), load_s, attn_impl,
+  tracing and compiling inside those times), warmup, spec_type ("none", "mtp", "ngram", "ngram+mtp",
+  "oracle"; speculative runs add the metrics of `kvjax.speculative.generate_speculative`), the cache's counters and budget (`KVCache.info`), load_s, attn_impl,
   attn_interpret.
   """
   check_generation(n_predict=n_predict, temperature=temperature, top_k=top_k, ubatch=ubatch, spec=spec,
@@ -435,7 +446,7 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   if kv.info.get("ubatch", ubatch) != ubatch:
     raise ParameterError(f"ubatch {ubatch} differs from the {kv.info['ubatch']} rows the phased cache's prefill "
                          f"layout was measured for", "ubatch")
-  if spec is not None and spec.draft == "mtp" and not model.cfg.has_mtp:
+  if spec is not None and _draft_params(spec).uses_mtp and not model.cfg.has_mtp:
     raise ParameterError(f"spec.draft 'mtp': {model.source!r} has no MTP head (nextn_predict_layers = 0); "
                          f"use draft 'ngram'", "spec.draft")
   eos = None if (ignore_eos or model.tokenizer is None) else model.tokenizer.eos_id

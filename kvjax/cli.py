@@ -103,9 +103,18 @@ def _generate_flags(fv: flags.FlagValues) -> None:
                        "many pages (resident + ring)", flag_values=fv)
   flags.DEFINE_integer("kv-stream-copy-pages", 32, "host->device copy unit in pages (a power of two)",
                        flag_values=fv)
-  flags.DEFINE_enum("spec-type", "none", ["none", "draft-mtp", "ngram-simple"],
-                    "speculative decoding (greedy only): drafts from the attached MTP head or from the "
-                    "sequence's own n-grams, verified by the target with recurrent-state rollback",
+  flags.DEFINE_enum("spec-type", "none", ["none", "draft-mtp", "ngram-simple", "ngram-simple,draft-mtp", "oracle"],
+                    "speculative decoding (greedy only): drafts from the attached MTP head, from the "
+                    "sequence's own n-grams, both (ngram's match, else MTP), or an oracle (plain greedy's "
+                    "tokens with planted rejections, for cost studies), verified by the target with "
+                    "recurrent-state rollback", flag_values=fv)
+  flags.DEFINE_integer("spec-ngram-size-m", 0, "ngram-simple drafts per round (0: --spec-draft-n-max)",
+                       flag_values=fv)
+  flags.DEFINE_float("spec-oracle-acceptance", 0.75, "oracle drafts: probability each draft is kept",
+                     flag_values=fv)
+  flags.DEFINE_integer("spec-oracle-seed", 0, "oracle drafts: seed of the planted rejections", flag_values=fv)
+  flags.DEFINE_enum("spec-rollback", "device", ["device", "host"], "recurrent-state rollback: every verify "
+                    "row's states on the device, or host snapshots through a two-slot device stage",
                     flag_values=fv)
   flags.DEFINE_integer("spec-draft-n-max", 3, "drafts per round (verify width 1 + n)", flag_values=fv)
   flags.DEFINE_float("spec-draft-p-min", 0.0, "MTP drafting stops below this top-1 probability",
@@ -153,9 +162,11 @@ FLAG_OF = {
     "pool_pages": "--kv-stream-pool-pages", "copy_pages": "--kv-stream-copy-pages",
     "policy": "--kv-stream-policy", "phased": "--kv-stream-phased", "spec": "--spec-type",
     "spec.draft": "--spec-type", "spec.n_max": "--spec-draft-n-max", "spec.p_min": "--spec-draft-p-min",
-    "spec.ngram_n": "--spec-ngram-size-n",
+    "spec.ngram_n": "--spec-ngram-size-n", "spec.ngram_m": "--spec-ngram-size-m",
+    "spec.oracle_acceptance": "--spec-oracle-acceptance", "spec.rollback": "--spec-rollback",
 }
-_SPEC_DRAFT = {"draft-mtp": "mtp", "ngram-simple": "ngram"}
+_SPEC_DRAFT = {"draft-mtp": "mtp", "ngram-simple": "ngram", "ngram-simple,draft-mtp": "ngram+mtp",
+               "oracle": "oracle"}
 
 
 def parse_token_list(text: str, what: str = "--tokens") -> List[int]:
@@ -191,7 +202,9 @@ def _spec(fv: flags.FlagValues):
   if kind == "none":
     return None
   return api.SpecConfig(_SPEC_DRAFT[kind], fv["spec-draft-n-max"].value, fv["spec-draft-p-min"].value,
-                        fv["spec-ngram-size-n"].value)
+                        fv["spec-ngram-size-n"].value, fv["spec-ngram-size-m"].value,
+                        fv["spec-oracle-acceptance"].value, fv["spec-oracle-seed"].value,
+                        fv["spec-rollback"].value)
 
 
 def _summary(m: Dict[str, Any]) -> List[str]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Dict, Iterable, NamedTuple, Optional, Protocol, Tuple
+from typing import Callable, Dict, Iterable, NamedTuple, Optional, Protocol, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -343,11 +343,15 @@ class Runner:
 
   def forward(self, tokens_s, pos: int, n_valid: int, rec_states, kv: KVProvider,
               logits_rows: Optional[np.ndarray] = None, chunked: Optional[bool] = None,
-              capture_states: bool = False) -> ForwardOut:
+              capture_states: bool = False,
+              on_group_states: Optional[Callable[[int, tuple], tuple]] = None) -> ForwardOut:
     """One forward of S rows (rows >= n_valid are padding) at positions pos..
 
     `chunked` (default: S > 1) picks the Gated DeltaNet form; `capture_states` (scan form) returns
     recurrent states with a leading row axis: the state after each row (see `select_row`).
+    `on_group_states(group, states)`, when given, receives each group's new states as soon as its
+    step is dispatched and returns what the forward keeps for that group (host-staged rollback
+    moves captured checkpoints off the device group by group: `kvjax.speculative.HostRollback`).
     """
     s = int(tokens_s.shape[0])
     chunked = (s > 1) if chunked is None else chunked
@@ -358,7 +362,7 @@ class Runner:
     x = _embed_step(self.token_embd, jnp.asarray(tokens_s, jnp.int32))
     pos_a, nv_a = jnp.int32(pos), jnp.int32(n_valid)
     new_states = []
-    for (gdef, gstate), st, a in zip(self.groups, rec_states, self.attn_index):
+    for g, ((gdef, gstate), st, a) in enumerate(zip(self.groups, rec_states, self.attn_index)):
       lkv = kv.layer_kv(a) if a is not None else LayerKV(None, None)
       if lkv.waves > 1:     # the layer's streamed pages exceed the ring: attention in copy waves
         x_in, st, q, gate, rows = _group_attn_begin(gdef, gstate, x, st, pos_a, nv_a, layout=self.layout,
@@ -371,7 +375,7 @@ class Runner:
                                            chunked=chunked, capture=capture_states)
       if a is not None:
         kv.end_layer(a, pool_pn, rows)
-      new_states.append(st)
+      new_states.append(on_group_states(g, st) if on_group_states is not None else st)
     kv.end_forward()
     if logits_rows is None:
       logits_rows = np.arange(n_valid)

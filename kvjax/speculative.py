@@ -1,59 +1,111 @@
-"""Speculative decoding with the attached MTP head (greedy), with recurrent-state rollback.
+"""Speculative decoding (greedy): drafts verified by the target, with recurrent-state rollback.
 
 One round, read top to bottom (C = committed tokens, b = the next token, already chosen):
 
-1. **draft**: the MTP head proposes d_1..d_k. d_1 comes from the catch-up rows
-   (step 4 of the previous round, or the prompt); each further draft feeds the
-   MTP's own hidden state and last draft back in. Drafting stops early when the
-   draft's top-1 probability falls below `p_min`.
-2. **verify**: the target runs the rows [b, d_1..d_k] at positions C..C+k in the
-   scan form with per-row recurrent states captured.
-3. **accept**: j = the number of leading drafts equal to the target's argmax;
-   the tokens b, d_1..d_j are committed and b' = argmax of row j is next.
-   **Rollback**: the recurrent states become the ones captured after row j;
-   rejected KV rows are truncated from the provider (host history).
-4. **catch-up**: the MTP head runs rows (target hidden of verify row i, token
-   i+1) for i = 0..j, replacing its draft rows with ones built on the target's
-   real hidden states; its last row proposes the next round's d_1.
+1. **draft**: the configured drafter proposes d_1..d_k (k <= its widest draft):
+   * MTP: d_1 comes from the catch-up rows (step 5 of the previous round, or the prompt);
+     each further draft feeds the MTP's own hidden state and last draft back in; drafting
+     stops early when the draft's top-1 probability falls below `p_min`;
+   * ngram-simple: the tokens that followed the latest earlier occurrence of the last
+     `ngram_n` tokens; with ngram + MTP, ngram proposes the wide round when it finds a match
+     and MTP the narrow one otherwise;
+   * oracle (cost studies): the target's own greedy continuation with planted rejections.
+2. **verify**: the target runs the rows [b, d_1..d_k] at positions C..C+k in the scan form
+   with per-row recurrent states captured.
+3. **accept**: j = the number of leading drafts equal to the target's argmax; the tokens
+   b, d_1..d_j are committed and b' = argmax of row j is next.
+4. **rollback**: the recurrent states become the ones captured after row j (`DeviceRollback`:
+   every row's states stay on the device; `HostRollback`: they pass through a two-group device
+   stage into host snapshots and only a rejection copies one back); the rejected KV rows are
+   truncated from the target's history (and the MTP's draft rows from the MTP's).
+5. **catch-up**: the MTP head runs rows (target hidden of verify row i, token i+1) for
+   i = 0..j, replacing its draft rows with ones built on the target's real hidden states; its
+   last row proposes the next round's d_1.
 
-With greedy verification the output equals plain greedy decoding whenever the
-verify rows compute the same logits as one-row decode steps (same scan form,
-same attention code; tested on CPU).
+With greedy verification the output equals plain greedy decoding whenever the verify rows
+compute the same argmax as one-row decode steps (tested on CPU).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.engine import KVProvider, Runner, select_row
-from kvjax.generate import CompileClock, GenerationResult, SequenceState, generation_metrics, mtp_rows, prefill
+from kvjax.generate import CompileClock, GenerationResult, SequenceState, generate, generation_metrics, \
+    mtp_rows, prefill
+
+DRAFT_KINDS = ("mtp", "ngram", "ngram+mtp", "oracle")
+ROLLBACKS = ("device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftParams:
-  """Drafting: `kind` "mtp" (the attached MTP head) or "ngram" (ngram-simple: the tokens that
-  followed the latest earlier occurrence of the last `ngram_n` tokens). At most `n_max` drafts per
-  round (verify width 1 + n_max); MTP drafting stops below top-1 probability `p_min`."""
+  """Drafting: `kind` "mtp" (the attached MTP head), "ngram" (ngram-simple), "ngram+mtp" (both:
+  ngram's match when there is one, MTP otherwise) or "oracle" (the target's greedy continuation,
+  each draft kept with probability `oracle_acceptance`, seeded by `oracle_seed`; the first planted
+  rejection ends the round). MTP and oracle propose at most `n_max` drafts a round, ngram at most
+  `ngram_m` (0: `n_max`); MTP drafting stops below top-1 probability `p_min`. `rollback` "device"
+  or "host" (`DeviceRollback`, `HostRollback`)."""
   kind: str = "mtp"
   n_max: int = 3
   p_min: float = 0.0
   ngram_n: int = 12
+  ngram_m: int = 0
+  oracle_acceptance: float = 0.75
+  oracle_seed: int = 0
+  rollback: str = "device"
 
   def __post_init__(self):
-    if self.kind not in ("mtp", "ngram"):
-      raise ValueError(f"draft kind must be 'mtp' or 'ngram', got {self.kind!r}")
+    if self.kind not in DRAFT_KINDS:
+      raise ValueError(f"draft kind must be one of {', '.join(DRAFT_KINDS)}, got {self.kind!r}")
     if self.n_max < 1:
       raise ValueError(f"draft n_max must be >= 1, got {self.n_max}")
     if not 0.0 <= self.p_min <= 1.0:
       raise ValueError(f"draft p_min must be in [0, 1], got {self.p_min}")
     if self.ngram_n < 1:
       raise ValueError(f"ngram_n must be >= 1, got {self.ngram_n}")
+    if self.ngram_m < 0:
+      raise ValueError(f"ngram_m must be >= 0 (0: n_max), got {self.ngram_m}")
+    if not 0.0 <= self.oracle_acceptance <= 1.0:
+      raise ValueError(f"oracle_acceptance must be in [0, 1], got {self.oracle_acceptance}")
+    if self.rollback not in ROLLBACKS:
+      raise ValueError(f"rollback must be 'device' or 'host', got {self.rollback!r}")
+
+  @property
+  def uses_mtp(self) -> bool:
+    return self.kind in ("mtp", "ngram+mtp")
+
+  @property
+  def uses_ngram(self) -> bool:
+    return self.kind in ("ngram", "ngram+mtp")
+
+  @property
+  def ngram_width(self) -> int:
+    return self.ngram_m or self.n_max
+
+  @property
+  def verify_width(self) -> int:
+    """1 + the widest draft any configured drafter can produce (rows of the widest verify)."""
+    widest = self.ngram_width if self.kind == "ngram" else \
+        max(self.n_max, self.ngram_width) if self.kind == "ngram+mtp" else self.n_max
+    return 1 + widest
+
+
+def check_ubatch(draft: DraftParams, ubatch: int, max_tokens: Optional[int] = None) -> int:
+  """The verify width (clamped to the context `max_tokens`); a micro-batch narrower than it is
+  refused, naming the width needed."""
+  width = draft.verify_width if max_tokens is None else min(draft.verify_width, max_tokens)
+  if ubatch < width:
+    raise ValueError(f"micro-batch of {ubatch} rows is narrower than the verify width {width} (1 + the "
+                     f"widest {draft.kind} draft): a micro-batch of at least {width} rows is needed")
+  return width
 
 
 def ngram_draft(history: Sequence[int], n: int, m: int) -> List[int]:
@@ -68,33 +120,140 @@ def ngram_draft(history: Sequence[int], n: int, m: int) -> List[int]:
   return []
 
 
+class OracleDrafter:
+  """Drafts the target's own greedy continuation `truth` (the tokens plain greedy decoding
+  generates), each kept with probability `acceptance` (seeded); the first draft not kept is
+  replaced by a wrong token and ends the round. Called as `drafter(n_generated, m)`."""
+
+  def __init__(self, truth: Sequence[int], acceptance: float, seed: int, vocab_size: int):
+    self.truth = [int(t) for t in truth]
+    self.acceptance, self.vocab = acceptance, vocab_size
+    self.rng = np.random.default_rng(seed)
+
+  def __call__(self, n_generated: int, m: int) -> List[int]:
+    out = []
+    for t in self.truth[n_generated:n_generated + m]:
+      if self.rng.random() < self.acceptance:
+        out.append(t)
+      else:
+        out.append((t + 1) % self.vocab)    # a planted rejection
+        break
+    return out
+
+
+class DeviceRollback:
+  """Every verify row's recurrent states stay on the device; rollback selects row j."""
+  name = "device"
+
+  def __init__(self):
+    self.d2h_bytes = self.h2d_bytes = 0
+
+  def sink(self):
+    return None
+
+  def states_after(self, captured, j: int, n_rows: int):
+    del n_rows
+    return select_row(captured, j)
+
+
+class HostRollback:
+  """Recurrent checkpoints through a two-slot device stage into host snapshots.
+
+  During the verify forward each group's captured states (rows 0..R-1) are split as soon as its
+  step is dispatched: row R-1 stays on the device as the live state (all drafts accepted), rows
+  0..R-2 start copying to the host. At most two groups' snapshots are on the device at a time (the
+  one being produced and the one draining); a third waits for the oldest copy to land. On
+  rejection (j < R-1) row j of every group is copied back to the device.
+  """
+  name = "host"
+  SLOTS = 2
+
+  def __init__(self):
+    self.d2h_bytes = self.h2d_bytes = 0
+    self._snapshots: Dict[int, list] = {}
+    self._inflight: collections.deque = collections.deque()
+    self._treedefs: Dict[int, object] = {}
+
+  def sink(self):
+    self._snapshots.clear()
+    return self._take
+
+  def _take(self, group: int, captured):
+    leaves, self._treedefs[group] = jax.tree_util.tree_flatten(captured)
+    snaps = [a[:-1] for a in leaves]
+    for s in snaps:
+      s.copy_to_host_async()
+    self._inflight.append((group, snaps))
+    while len(self._inflight) > self.SLOTS:
+      self._drain()
+    return jax.tree_util.tree_unflatten(self._treedefs[group], [a[-1] for a in leaves])
+
+  def _drain(self):
+    group, snaps = self._inflight.popleft()
+    host = [np.asarray(s) for s in snaps]
+    self.d2h_bytes += sum(h.nbytes for h in host)
+    self._snapshots[group] = host
+
+  def states_after(self, live, j: int, n_rows: int):
+    while self._inflight:
+      self._drain()
+    if j == n_rows - 1:
+      return live
+    dev = jax.devices()[0]
+    out = []
+    for g in range(len(live)):
+      rows = [jax.device_put(h[j], dev) for h in self._snapshots[g]]
+      self.h2d_bytes += sum(h[j].nbytes for h in self._snapshots[g])
+      out.append(jax.tree_util.tree_unflatten(self._treedefs[g], rows))
+    return tuple(out)
+
+
 def _top1(logits_v):
   p = jax.nn.softmax(logits_v.astype(jnp.float32))
   i = int(jnp.argmax(p))
   return i, float(p[i])
 
 
+def _forget(runner: Runner, kv: KVProvider) -> None:
+  kv.truncate("target", 0)
+  if runner.mtp_layer is not None:
+    kv.truncate("mtp", 0)
+
+
+def _h2d(kv) -> int:
+  return int(getattr(kv, "counters", {}).get("h2d_bytes", 0))
+
+
 def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], n_predict: int,
                          draft: DraftParams = DraftParams(), ubatch: int = 256,
                          eos_id: Optional[int] = None,
-                         drafter: Optional[Callable[[Sequence[int], int], List[int]]] = None
-                         ) -> GenerationResult:
+                         drafter: Optional[Callable[[Sequence[int], int], List[int]]] = None,
+                         oracle_tokens: Optional[Sequence[int]] = None,
+                         on_round: Optional[Callable[[dict], None]] = None) -> GenerationResult:
   """Greedy generation of up to `n_predict` tokens with drafts verified by the target.
 
-  `drafter(history, m) -> up to m tokens`, when given, replaces the MTP / ngram drafter (a
-  research hook: e.g. an oracle with planted errors to exercise rejection and rollback).
+  `drafter(history, m) -> up to m tokens`, when given, replaces the configured drafter (a research
+  hook). The oracle drafter needs plain greedy's tokens: `oracle_tokens`, or (None) a plain greedy
+  run on `kv` first (then forgotten; its decode rate is reported as `plain_decode_tps`).
+  `on_round(info)` is called after every round (see `speculate`).
 
-  Metrics add, under the drafter's name `spec_type` ("mtp", "ngram", or "custom" for `drafter`):
-  `draft_generated`, `draft_accepted`, `draft_acceptance` (accepted / generated), `verify_forwards`
-  and `realized_verify_width` (rows per verify forward).
+  Metrics add, under the drafter's name `spec_type` ("mtp", "ngram", "ngram+mtp", "oracle", or
+  "custom" for `drafter`) and `spec_rollback`: `draft_generated`, `draft_accepted`,
+  `draft_acceptance` (accepted / generated), `acceptance_by_position` (per draft position, of the
+  rounds that drafted it), `verify_forwards`, `realized_verify_width` (rows per verify forward),
+  `tokens_per_verify` (committed tokens per verify forward), `verify_ms_by_width`, `ngram_rounds`,
+  `mtp_h2d_bytes_per_round` (uploads of the MTP forwards of a round), `rollback_d2h_bytes` /
+  `rollback_h2d_bytes` (host snapshots and restores).
   """
-  spec_type = draft.kind if drafter is None else "custom"
-  use_mtp = draft.kind == "mtp" and drafter is None
-  if drafter is None and draft.kind == "ngram":
-    drafter = lambda history, m: ngram_draft(history, draft.ngram_n, m)  # pylint: disable=unnecessary-lambda-assignment
-  if use_mtp and runner.mtp_layer is None:
-    raise ValueError("MTP drafting needs an MTP head (nextn_predict_layers = 1); use kind='ngram'")
   prompt = [int(t) for t in prompt]
+  check_ubatch(draft, ubatch)
+  if draft.uses_mtp and drafter is None and runner.mtp_layer is None:
+    raise ValueError("MTP drafting needs an MTP head (nextn_predict_layers = 1); use kind='ngram'")
+  plain_tps = None
+  if draft.kind == "oracle" and drafter is None and oracle_tokens is None:
+    plain = generate(runner, kv, prompt, n_predict, ubatch=ubatch, eos_id=eos_id)
+    oracle_tokens, plain_tps = plain.tokens, plain.metrics["decode_tps"]
+    _forget(runner, kv)
   seq = SequenceState(runner, kv)
   with CompileClock() as prefill_clock:
     t0 = time.perf_counter()
@@ -102,77 +261,162 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
     logits, hn_se = prefill(seq, prompt, ubatch, with_hidden=True)
     b = int(jnp.argmax(logits))
     # MTP catch-up over the prompt: rows (hn_i, x_{i+1}) for i < C, with x_C = b
-    if use_mtp:
-      d1, p1, hm = _mtp_catch_up(runner, kv, hn_se, prompt[1:] + [b], 0, ubatch)
+    mtp_next = mtp_catch_up(runner, kv, hn_se, prompt[1:] + [b], 0, ubatch) \
+        if draft.uses_mtp and drafter is None else None
     t1 = time.perf_counter()
-
-  out_tokens: List[int] = []
-  drafted = accepted = rounds = 0
   with CompileClock() as decode_clock:
-    while len(out_tokens) < n_predict:
-      out_tokens.append(b)
-      if (eos_id is not None and b == eos_id) or len(out_tokens) >= n_predict:
-        break
-      c = seq.pos                      # committed target tokens; b sits at position c
-      room = n_predict - len(out_tokens)
-      # 1. draft
-      drafts = []
-      limit = min(draft.n_max, room)
-      if use_mtp:
-        d, p, h = d1, p1, hm
-        while len(drafts) < limit and p >= draft.p_min:
-          drafts.append(d)
-          if len(drafts) == limit:
-            break
-          # the MTP row (its own hidden for x_{c+i}, draft d_i) sits at MTP cache position c + i - 1
-          lg, h = runner.mtp_forward(h, np.array([d], np.int32), c + len(drafts) - 1, 1, kv)
-          d, p = _top1(lg[0])
-      else:
-        drafts = [int(t) for t in drafter(prompt + out_tokens, limit)][:limit]
-      drafted += len(drafts)
-      # 2. verify: rows [b, d_1..d_k], scan form, per-row states captured
-      rows = [b] + drafts
-      vout = runner.forward(np.array(rows, np.int32), c, len(rows), seq.rec_states, kv,
-                            logits_rows=np.arange(len(rows)), chunked=False, capture_states=True)
-      target = [int(t) for t in np.asarray(jnp.argmax(vout.logits_rv, axis=-1))]
-      # 3. accept + rollback
-      j = 0
-      while j < len(drafts) and drafts[j] == target[j]:
-        j += 1
-      accepted += j
-      rounds += 1
-      out_tokens.extend(drafts[:j])
-      if eos_id is not None and eos_id in drafts[:j]:
-        out_tokens = out_tokens[:out_tokens.index(eos_id, len(out_tokens) - j) + 1]
-        break
-      seq.rec_states = select_row(vout.rec_states, j)
-      seq.pos = c + j + 1
-      kv.truncate("target", seq.pos)
-      b = target[j]
-      if len(out_tokens) >= n_predict:
-        break
-      if not use_mtp:
-        continue
-      # 4. MTP catch-up on the accepted rows; its last row proposes the next d_1
-      kv.truncate("mtp", c)   # draft rows from MTP position c on are rebuilt on the target's hidden states
-      d1, p1, hm = _mtp_catch_up(runner, kv, vout.hn_se[:j + 1], drafts[:j] + [b], c, ubatch)
+    out_tokens, stats = speculate(seq, b, n_predict, draft, prompt, ubatch, eos_id, drafter, oracle_tokens,
+                                  mtp_next, on_round)
     t2 = time.perf_counter()
-  out_tokens = out_tokens[:n_predict]
   metrics = generation_metrics(kv, len(prompt), len(out_tokens), t0, t1, t2,
                                (prefill_clock.seconds, decode_clock.seconds))
-  metrics.update({
-      "spec_type": spec_type,
-      "draft_generated": drafted, "draft_accepted": accepted,
-      "draft_acceptance": accepted / drafted if drafted else 0.0,
-      "verify_forwards": rounds,
-      "realized_verify_width": (drafted + rounds) / rounds if rounds else 0.0,
-  })
+  metrics.update(stats)
+  if plain_tps is not None:
+    metrics["plain_decode_tps"] = plain_tps
   return GenerationResult(out_tokens, metrics)
 
 
-def _mtp_catch_up(runner: Runner, kv: KVProvider, hn_se, next_tokens: Sequence[int], mtp_pos: int,
-                  ubatch: int):
-  """MTP rows (hn_se[i], next_tokens[i]) at MTP cache positions mtp_pos + i. -> (draft, p, hm_last)."""
-  logits_v, hm = mtp_rows(runner, kv, hn_se, next_tokens, mtp_pos, ubatch)
+def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, prompt: Sequence[int],
+              ubatch: int = 256, eos_id: Optional[int] = None,
+              drafter: Optional[Callable[[Sequence[int], int], List[int]]] = None,
+              oracle_tokens: Optional[Sequence[int]] = None, mtp_next=None,
+              on_round: Optional[Callable[[dict], None]] = None):
+  """The decode loop from a sequence whose `seq.pos` tokens are committed, `b` chosen next and
+  (with MTP drafting) `mtp_next` = `mtp_catch_up`'s result over them. -> (tokens, stats).
+
+  `on_round(info)` after every round: `pos` (C), `drafts`, `target` (argmax of every verify row),
+  `accepted` (j), `logits` (the verify forward's [1 + k, V]), `draft_p` (MTP top-1 probabilities, `mtp_draft`),
+  `drafter` ("mtp", "ngram", "oracle", "custom").
+  """
+  runner, kv = seq.runner, seq.kv
+  prompt = [int(t) for t in prompt]
+  use_mtp = draft.uses_mtp and drafter is None
+  spec_type = draft.kind if drafter is None else "custom"
+  if drafter is None and draft.kind == "oracle":
+    if oracle_tokens is None:
+      raise ValueError("the oracle drafter needs plain greedy's tokens (oracle_tokens)")
+    oracle = OracleDrafter(oracle_tokens, draft.oracle_acceptance, draft.oracle_seed, runner.cfg.vocab_size)
+    drafter = lambda history, m: oracle(len(history) - len(prompt), m)  # pylint: disable=unnecessary-lambda-assignment
+  rollback = HostRollback() if draft.rollback == "host" else DeviceRollback()
+  width = draft.verify_width
+  width_max = draft.verify_width - 1
+  drafted_at = np.zeros((max(width_max, 1),), np.int64)
+  accepted_at = np.zeros_like(drafted_at)
+  verify_ms: Dict[int, List[float]] = collections.defaultdict(list)
+  out_tokens: List[int] = []
+  drafted = accepted = rounds = ngram_rounds = mtp_h2d = 0
+  while len(out_tokens) < n_predict:
+    out_tokens.append(b)
+    if (eos_id is not None and b == eos_id) or len(out_tokens) >= n_predict:
+      break
+    c = seq.pos                      # committed target tokens; b sits at position c
+    room = n_predict - len(out_tokens)
+    history = prompt + out_tokens
+    # 1. draft
+    drafts, draft_p, source = [], [], spec_type
+    if drafter is not None:
+      drafts = [int(t) for t in drafter(history, min(draft.n_max, room))][:room]
+    elif draft.uses_ngram:
+      drafts = ngram_draft(history, draft.ngram_n, min(draft.ngram_width, room))
+      source = "ngram"
+      ngram_rounds += bool(drafts)
+    if use_mtp and not drafts:
+      h2d0 = _h2d(kv)
+      drafts, draft_p = mtp_draft(runner, kv, mtp_next, c, min(draft.n_max, room), draft.p_min)
+      mtp_h2d += _h2d(kv) - h2d0
+      source = "mtp"
+    drafted += len(drafts)
+    drafted_at[:len(drafts)] += 1
+    # 2. verify: rows [b, d_1..d_k], scan form, per-row states captured
+    # (padded to the verify width: one compiled shape; padding rows are inert)
+    rows = [b] + drafts
+    t_v = time.perf_counter()
+    vout = runner.forward(_padded(rows, width), c, len(rows), seq.rec_states, kv,
+                          logits_rows=np.arange(width), chunked=False, capture_states=True,
+                          on_group_states=rollback.sink())
+    target = [int(t) for t in np.asarray(jnp.argmax(vout.logits_rv, axis=-1))[:len(rows)]]
+    verify_ms[len(rows)].append((time.perf_counter() - t_v) * 1e3)
+    # 3. accept
+    j = 0
+    while j < len(drafts) and drafts[j] == target[j]:
+      j += 1
+    accepted += j
+    accepted_at[:j] += 1
+    rounds += 1
+    out_tokens.extend(drafts[:j])
+    if eos_id is not None and eos_id in drafts[:j]:
+      out_tokens = out_tokens[:out_tokens.index(eos_id, len(out_tokens) - j) + 1]
+      break
+    # 4. rollback: the states after row j; the rejected rows leave the KV histories
+    seq.rec_states = rollback.states_after(vout.rec_states, j, width)
+    seq.pos = c + j + 1
+    kv.truncate("target", seq.pos)
+    b = target[j]
+    if use_mtp:
+      # 5. MTP catch-up on the accepted rows; its last row proposes the next d_1. Draft rows from
+      # MTP position c on are rebuilt on the target's hidden states.
+      h2d0 = _h2d(kv)
+      kv.truncate("mtp", c)
+      if len(out_tokens) < n_predict:
+        mtp_next = mtp_catch_up(runner, kv, vout.hn_se, drafts[:j] + [b], c, ubatch, pad_to=width)
+      mtp_h2d += _h2d(kv) - h2d0
+    if on_round is not None:
+      on_round(dict(pos=c, drafts=drafts, target=target, accepted=j, logits=vout.logits_rv[:len(rows)],
+                    draft_p=draft_p, drafter=source))
+  out_tokens = out_tokens[:n_predict]
+  stats = {
+      "spec_type": spec_type, "spec_rollback": rollback.name,
+      "draft_generated": drafted, "draft_accepted": accepted,
+      "draft_acceptance": accepted / drafted if drafted else 0.0,
+      "acceptance_by_position": [float(a / d) if d else 0.0 for a, d in zip(accepted_at, drafted_at)],
+      "verify_forwards": rounds,
+      "realized_verify_width": (drafted + rounds) / rounds if rounds else 0.0,
+      "tokens_per_verify": (accepted + rounds) / rounds if rounds else 0.0,
+      "verify_ms_by_width": {str(w): float(np.mean(v)) for w, v in sorted(verify_ms.items())},
+      "verify_ms_mean": float(np.mean([x for v in verify_ms.values() for x in v])) if rounds else 0.0,
+      "ngram_rounds": ngram_rounds,
+      "rollback_d2h_bytes": rollback.d2h_bytes, "rollback_h2d_bytes": rollback.h2d_bytes,
+  }
+  if use_mtp:
+    stats["mtp_h2d_bytes_per_round"] = mtp_h2d / rounds if rounds else 0.0
+  return out_tokens, stats
+
+
+def mtp_draft(runner: Runner, kv: KVProvider, mtp_next, c: int, limit: int, p_min: float):
+  """Up to `limit` MTP drafts for the round at position c, stopping below top-1 probability
+  `p_min`. `mtp_next` = (d_1, its probability, the MTP hidden that proposed it). -> (drafts, the
+  top-1 probability of every candidate looked at: the drafts', then the one that stopped drafting
+  below `p_min`, if any)."""
+  d, p, h = mtp_next
+  drafts, probs = [], []
+  while len(drafts) < limit:
+    probs.append(p)
+    if p < p_min:
+      break
+    drafts.append(d)
+    if len(drafts) == limit:
+      break
+    # the MTP row (its own hidden for x_{c+i}, draft d_i) sits at MTP cache position c + i - 1
+    lg, h = runner.mtp_forward(h, np.array([d], np.int32), c + len(drafts) - 1, 1, kv)
+    d, p = _top1(lg[0])
+  return drafts, probs
+
+
+def mtp_catch_up(runner: Runner, kv: KVProvider, hn_se, next_tokens: Sequence[int], mtp_pos: int,
+                 ubatch: int, pad_to: Optional[int] = None):
+  """MTP rows (hn_se[i], next_tokens[i]) at MTP cache positions mtp_pos + i (with `pad_to`, one
+  forward of that many rows, the rest padding: hn_se has them). -> (draft, p, hm_last)."""
+  n = len(next_tokens)
+  if pad_to is None:
+    logits_v, hm = mtp_rows(runner, kv, hn_se, next_tokens, mtp_pos, ubatch)
+  else:
+    logits_rv, hm = runner.mtp_forward(hn_se[:pad_to], _padded(next_tokens, pad_to), mtp_pos, n, kv)
+    logits_v, hm = logits_rv[n - 1], hm[n - 1:n]
   d, p = _top1(logits_v)
   return d, p, hm
+
+
+def _padded(tokens: Sequence[int], width: int) -> np.ndarray:
+  out = np.zeros((width,), np.int32)
+  out[:len(tokens)] = tokens
+  return out

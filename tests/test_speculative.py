@@ -1,4 +1,5 @@
-"""Speculative decoding: drafts verified by the target, recurrent-state rollback, KV truncation."""
+"""Speculative decoding: drafts verified by the target, recurrent-state rollback (device and host),
+KV truncation of the target's and the MTP's histories, the oracle drafter, ngram + MTP."""
 
 import jax
 import numpy as np
@@ -6,9 +7,16 @@ import pytest
 
 from kvjax import engine, generate, speculative
 from kvjax.streaming import StreamedKV, fixed_split
+from kvjax.streaming.host_history import HostHistory
 from tiny_setup import build_tiny_runner
 
 N = 48
+N_MTP = 20        # the MTP runs compared round by round (each streamed page count compiles the steps)
+P_MIN = 0.03      # the tiny MTP head's top-1 probabilities spread around it (0.02 .. 0.05)
+
+
+def _streamed(cfg, layout, max_tokens, pool_pages=12):
+  return StreamedKV(cfg, layout, max_tokens, fixed_split(pool_pages, 3, max_tokens, layout, copy_pages=2))
 
 
 @pytest.fixture(scope="module")
@@ -19,70 +27,181 @@ def setup():
   return cfg, layout, runner, prompt, plain.tokens
 
 
-def _oracle(prompt, truth, wrong_every):
-  """Proposes the true continuation, with the 2nd draft wrong on every `wrong_every`-th round."""
-  rounds = [0]
-
-  def drafter(history, m):
-    rounds[0] += 1
-    k = len(history) - len(prompt)       # tokens generated so far
-    d = list(truth[k:k + m])
-    if wrong_every and rounds[0] % wrong_every == 0 and len(d) >= 2:
-      d[1] = (d[1] + 1) % 384
-    return d
-  return drafter
-
-
-@pytest.mark.parametrize("wrong_every", [0, 2, 1])
-def test_oracle_drafts_accept_reject_and_roll_back(setup, wrong_every):
-  cfg, layout, runner, prompt, truth = setup
-  kv = engine.PlainKV(cfg, layout, 70 + N + 8)
-  res = speculative.generate_speculative(runner, kv, prompt, N, speculative.DraftParams("ngram", n_max=4),
-                                         ubatch=32, drafter=_oracle(prompt, truth, wrong_every))
-  assert res.tokens == truth
-  m = res.metrics
-  assert m["draft_accepted"] > 0 and m["spec_type"] == "custom"   # the oracle drafter
-  assert m["draft_acceptance"] == m["draft_accepted"] / m["draft_generated"]
-  if wrong_every == 0:
-    assert m["draft_accepted"] == m["draft_generated"]
-    assert m["verify_forwards"] < N // 3          # 4 drafts + 1 per forward
-  else:
-    assert m["draft_accepted"] < m["draft_generated"]   # rejections happened and rolled back
-  assert m["realized_verify_width"] > 1.5
+def _plain_mtp_run(runner, kv, prompt, n):
+  """Plain greedy decoding, one token a forward, with the MTP head following it one row a step
+  (row i = target hidden at i, token i + 1): the histories a run without speculation writes."""
+  seq = generate.SequenceState(runner, kv)
+  logits, hn = generate.prefill(seq, prompt, 32, with_hidden=True)
+  toks = [int(np.argmax(logits))]
+  generate.mtp_rows(runner, kv, hn, prompt[1:] + toks, 0, 32)
+  while len(toks) < n:
+    logits, hn = seq.forward([toks[-1]], with_hidden=True)
+    toks.append(int(np.argmax(logits)))
+    runner.mtp_forward(hn, np.array(toks[-1:], np.int32), seq.pos - 1, 1, kv)
+  return toks
 
 
-def test_streamed_speculative_equals_plain(setup):
+def _history_at(final: HostHistory, tokens: int) -> HostHistory:
+  h = HostHistory(final.name, final.layout, final.n_layers, final.max_pages, final.copy_pages, pinned=False)
+  h.pages_lpn[:] = final.pages_lpn
+  h.tokens[:] = final.tokens
+  h.truncate(tokens)
+  return h
+
+
+@pytest.fixture(scope="module")
+def mtp_runs(setup):
+  """MTP drafting (p_min P_MIN; the tiny head's drafts are nearly all rejected) on the plain cache with
+  device rollback and on a streamed cache with host rollback. After every round of the streamed run
+  its histories are compared with the plain run's at the same committed length."""
   cfg, layout, runner, prompt, truth = setup
   max_tokens = 70 + N + 8
-  kv = StreamedKV(cfg, layout, max_tokens, fixed_split(12, 3, max_tokens, layout, copy_pages=2))
-  res = speculative.generate_speculative(runner, kv, prompt, N, speculative.DraftParams("ngram", n_max=3),
-                                         ubatch=32, drafter=_oracle(prompt, truth, 2))
-  assert res.tokens == truth
-  assert kv.metrics()["streamed_pages"] > 0
-  # rejected rows were truncated from the host history: it holds the committed tokens only (the
-  # prompt and the generated tokens fed back; the last one may or may not have been fed)
-  assert kv.histories["target"].tokens[0] in (70 + N - 1, 70 + N)
+  ref = _streamed(cfg, layout, max_tokens)
+  assert _plain_mtp_run(runner, ref, prompt, N_MTP) == truth[:N_MTP]
+  runs = {}
+  for cache, rollback in (("plain", "device"), ("streamed", "host")):
+    kv = engine.PlainKV(cfg, layout, max_tokens) if cache == "plain" else _streamed(cfg, layout, max_tokens)
+    rounds = []
+
+    def on_round(info, kv=kv, cache=cache, rounds=rounds):
+      info = dict(info, logits=np.asarray(info["logits"]))
+      if cache == "streamed":
+        committed = info["pos"] + info["accepted"] + 1
+        info["checks"] = {}
+        for name, n_tokens in (("target", committed), ("mtp", int(kv.histories["mtp"].tokens[0]))):
+          want, got = _history_at(ref.histories[name], n_tokens), kv.histories[name]
+          info["checks"][name] = (n_tokens, np.array_equal(got.tokens, want.tokens),
+                                  np.array_equal(got.pages_lpn, want.pages_lpn))
+      rounds.append(info)
+    res = speculative.generate_speculative(
+        runner, kv, prompt, N_MTP, speculative.DraftParams("mtp", n_max=3, p_min=P_MIN, rollback=rollback),
+        ubatch=32, on_round=on_round)
+    runs[cache] = (res, rounds, kv)
+  return runs
 
 
-def test_mtp_drafting_equals_plain_greedy(setup):
-  """The attached MTP head drafts (random weights: few acceptances); output is unchanged."""
+def test_rejected_rounds_leave_the_histories_a_plain_run_writes(mtp_runs):
+  """After every round the streamed target's and MTP's host histories equal, byte for byte over
+  the whole buffer, those of a plain run at the same committed length (a truncation that left
+  rejected rows behind, or forgot their bytes but not their count, fails here)."""
+  res, rounds, kv = mtp_runs["streamed"]
+  assert kv.metrics()["streamed_pages"] > 0 and kv.metrics()["ring_wraps"] > 0
+  rejected = [r for r in rounds if r["accepted"] < len(r["drafts"])]
+  assert len(rejected) >= N_MTP // 4
+  for r in rounds:
+    n_target, *target_ok = r["checks"]["target"]
+    assert target_ok == [True, True], f"target history after the round at {r['pos']}"
+    n_mtp, *mtp_ok = r["checks"]["mtp"]
+    assert mtp_ok == [True, True], f"MTP history after the round at {r['pos']}"
+  # the MTP history follows the target's (catch-up rows) after every round but the last
+  assert all(r["checks"]["mtp"][0] == r["checks"]["target"][0] for r in rounds[:-1])
+  assert res.metrics["spec_rollback"] == "host" and res.metrics["rollback_h2d_bytes"] > 0
+
+
+def test_verify_logits_are_the_same_bits_on_every_cache_and_rollback(setup, mtp_runs):
+  _, _, _, _, truth = setup
+  (plain, p_rounds, _), (streamed, s_rounds, _) = mtp_runs["plain"], mtp_runs["streamed"]
+  assert plain.tokens == streamed.tokens == truth[:N_MTP]
+  assert [r["drafts"] for r in p_rounds] == [r["drafts"] for r in s_rounds]
+  for a, b in zip(p_rounds, s_rounds):
+    assert np.array_equal(a["logits"], b["logits"]), f"verify forward at {a['pos']}"
+
+
+def test_p_min_stops_mtp_drafting(mtp_runs):
+  """Each MTP round drafts while the top-1 probability is >= p_min, up to n_max."""
+  _, rounds, _ = mtp_runs["plain"]
+  stops = set()
+  for r in rounds:
+    p = r["draft_p"]
+    assert all(x >= P_MIN for x in p[:len(r["drafts"])])
+    if len(r["drafts"]) < 3 and r["pos"] + 3 < 70 + N_MTP - 1:   # not cut by the tokens left
+      assert len(p) == len(r["drafts"]) + 1 and p[-1] < P_MIN
+      stops.add("p_min")
+    elif len(r["drafts"]) == 3:
+      stops.add("n_max")
+  assert stops == {"p_min", "n_max"}      # both ends were exercised
+
+
+def test_eos_inside_accepted_drafts_ends_generation(setup):
   cfg, layout, runner, prompt, truth = setup
-  kv = engine.PlainKV(cfg, layout, 70 + N + 8)
-  res = speculative.generate_speculative(runner, kv, prompt, N, speculative.DraftParams("mtp", n_max=3),
-                                         ubatch=32)
-  assert res.tokens == truth
-  assert res.metrics["draft_generated"] >= N // 2 and res.metrics["spec_type"] == "mtp"
+  eos = truth[2]                         # the second draft of the first round
+  assert eos not in truth[:2]
+  want = generate.generate(runner, engine.PlainKV(cfg, layout, 70 + N + 8), prompt, N, ubatch=32, eos_id=eos)
+  assert want.tokens == truth[:3]
+  res = speculative.generate_speculative(runner, engine.PlainKV(cfg, layout, 70 + N + 8), prompt, N,
+                                         speculative.DraftParams("oracle", n_max=4, oracle_acceptance=1.0),
+                                         ubatch=32, eos_id=eos, oracle_tokens=truth)
+  assert res.tokens == want.tokens
+  assert res.metrics["verify_forwards"] == 1 and res.metrics["draft_accepted"] >= 2
 
 
-def test_ngram_drafting_equals_plain_greedy_and_names_its_drafter(setup):
+def test_oracle_drafter_plants_seeded_rejections():
+  truth = list(range(100, 160))
+  a = speculative.OracleDrafter(truth, 0.5, 7, 384)
+  b = speculative.OracleDrafter(truth, 0.5, 7, 384)
+  rounds = [a(k, 5) for k in range(0, 50, 5)]
+  assert rounds == [b(k, 5) for k in range(0, 50, 5)]              # seeded
+  for k, d in zip(range(0, 50, 5), rounds):
+    good = [x == t for x, t in zip(d, truth[k:k + 5])]
+    assert good == [True] * (len(d) - 1) + [good[-1]] if d else True  # only the last can be wrong
+    assert len(d) == 5 or not good[-1]                                  # a rejection ends the round
+  assert any(len(d) < 5 for d in rounds) and any(len(d) > 1 for d in rounds)
+  assert speculative.OracleDrafter(truth, 1.0, 0, 384)(3, 4) == truth[3:7]
+  assert speculative.OracleDrafter(truth, 0.0, 0, 384)(3, 4) == [truth[3] + 1]
+
+
+def test_narrow_micro_batch_is_refused_before_anything_runs(setup):
+  cfg, layout, runner, prompt, _ = setup
+  kv = _streamed(cfg, layout, 70 + N + 8)
+  draft = speculative.DraftParams("ngram+mtp", n_max=3, ngram_m=48)
+  assert draft.verify_width == 49
+  with pytest.raises(ValueError, match=r"micro-batch of 32 rows .* at least 49 rows"):
+    speculative.generate_speculative(runner, kv, prompt, N, draft, ubatch=32)
+  assert kv.histories["target"].tokens[0] == 0 and kv.counters["forwards"] == 0
+
+
+GRID_N = 12
+DRAFTS = {"mtp": dict(kind="mtp", n_max=3), "ngram": dict(kind="ngram", n_max=3, ngram_n=1),
+          "ngram+mtp": dict(kind="ngram+mtp", n_max=2, ngram_n=1, ngram_m=3),
+          "oracle-0.3": dict(kind="oracle", n_max=3, oracle_acceptance=0.3),
+          "oracle-0.9": dict(kind="oracle", n_max=3, oracle_acceptance=0.9)}   # verify width 4 for all
+
+
+@pytest.mark.parametrize("rollback", ["device", "host"])
+@pytest.mark.parametrize("cache", ["plain", "streamed"])
+@pytest.mark.parametrize("drafter", list(DRAFTS))
+def test_greedy_output_equals_plain_for_every_drafter_cache_and_rollback(setup, drafter, cache, rollback):
   cfg, layout, runner, prompt, truth = setup
-  kv = engine.PlainKV(cfg, layout, 70 + N + 8)
-  res = speculative.generate_speculative(runner, kv, prompt, N, speculative.DraftParams("ngram", n_max=3, ngram_n=2),
-                                         ubatch=32)
+  max_tokens = 70 + N + 8
+  kv = engine.PlainKV(cfg, layout, max_tokens) if cache == "plain" else _streamed(cfg, layout, max_tokens)
+  draft = speculative.DraftParams(**DRAFTS[drafter], rollback=rollback)
+  res = speculative.generate_speculative(runner, kv, prompt, GRID_N, draft, ubatch=32,
+                                         oracle_tokens=truth[:GRID_N] if drafter.startswith("oracle") else None)
+  assert res.tokens == truth[:GRID_N]
+  m = res.metrics
+  assert m["spec_type"] == draft.kind and m["spec_rollback"] == rollback
+  assert m["draft_generated"] > 0 and m["verify_forwards"] < GRID_N
+  assert sum(int(w) for w in m["verify_ms_by_width"]) >= 2
+  if rollback == "host":
+    assert m["rollback_d2h_bytes"] > 0
+
+
+def test_long_ngram_and_mtp_with_host_rollback_equals_plain(setup):
+  """1,000 generated tokens: ngram rounds (wide, often accepted once greedy decoding of the
+  random-weight model falls into a cycle) and MTP rounds (narrow, mostly rejected), host-staged
+  rollback: the output is plain greedy's. (The plain cache: on a streamed one each new page count
+  compiles the steps again, minutes on CPU; the short grid covers streamed caches.)"""
+  cfg, layout, runner, prompt, _ = setup
+  n = 1000
+  max_tokens = 70 + n + 8
+  truth = generate.generate(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, n, ubatch=32).tokens
+  kv = engine.PlainKV(cfg, layout, max_tokens)
+  res = speculative.generate_speculative(
+      runner, kv, prompt, n, speculative.DraftParams("ngram+mtp", n_max=3, ngram_n=3, ngram_m=6,
+                                                     rollback="host"), ubatch=32)
   assert res.tokens == truth
   m = res.metrics
-  assert m["spec_type"] == "ngram" and 0 <= m["draft_accepted"] <= m["draft_generated"]
-  assert not any(k.startswith("mtp_") for k in m)
+  assert m["ngram_rounds"] > 0 and m["draft_accepted"] > 0 and m["draft_accepted"] < m["draft_generated"]
 
 
 def test_rollback_state_is_the_captured_row(setup):
@@ -105,6 +224,22 @@ def test_rollback_state_is_the_captured_row(setup):
   assert any(not np.allclose(a, b) for a, b in zip(first, last))  # the rows really differ
 
 
+def test_host_rollback_restores_the_captured_rows_bit_for_bit(setup):
+  cfg, layout, runner, prompt, _ = setup
+  rows = np.array(prompt[:4], np.int32)
+  cap = runner.forward(rows, 0, 4, runner.zero_states(), engine.PlainKV(cfg, layout, 32), chunked=False,
+                       capture_states=True)
+  host = speculative.HostRollback()
+  live = runner.forward(rows, 0, 4, runner.zero_states(), engine.PlainKV(cfg, layout, 32), chunked=False,
+                        capture_states=True, on_group_states=host.sink()).rec_states
+  for j in range(4):
+    want = jax.tree.leaves(engine.select_row(cap.rec_states, j))
+    got = jax.tree.leaves(host.states_after(live, j, 4))
+    assert all(np.array_equal(a, b) for a, b in zip(want, got))
+  one_row = sum(x.nbytes for x in want)
+  assert host.d2h_bytes == 3 * one_row and host.h2d_bytes == 3 * one_row   # rows 0..2 out, each back once
+
+
 def test_draft_params_and_ngram():
   assert speculative.ngram_draft([1, 2, 3, 9, 1, 2, 3], 3, 2) == [9, 1]
   assert speculative.ngram_draft([1, 2, 3], 3, 2) == []
@@ -113,3 +248,9 @@ def test_draft_params_and_ngram():
     speculative.DraftParams(n_max=0)
   with pytest.raises(ValueError, match="kind"):
     speculative.DraftParams(kind="eagle")
+  with pytest.raises(ValueError, match="rollback"):
+    speculative.DraftParams(rollback="disk")
+  with pytest.raises(ValueError, match="oracle_acceptance"):
+    speculative.DraftParams(kind="oracle", oracle_acceptance=1.5)
+  assert speculative.DraftParams("ngram", n_max=3).verify_width == 4
+  assert speculative.DraftParams("ngram+mtp", n_max=5, ngram_m=2).verify_width == 6

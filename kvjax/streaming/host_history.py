@@ -86,12 +86,31 @@ class HostHistory:
     self.d2h_bytes += k_sn.nbytes + v_sn.nbytes
 
   def truncate(self, tokens: int) -> None:
-    """Forget every token >= `tokens` (rejected speculative rows)."""
+    """Forget every token >= `tokens` (rejected speculative rows): their bytes are zeroed, so the
+    history is byte for byte the one a run that never wrote them holds."""
+    if tokens < 0:
+      raise ValueError(f"{self.name}: truncate to {tokens} tokens; the count must be >= 0")
     for layer in range(self.n_layers):
       if tokens < self.tokens[layer]:
         self._drop_chunks(layer, tokens)
+        self._zero_rows(layer, tokens, int(self.tokens[layer]))
         self.tokens[layer] = tokens
     self.generation += 1
+
+  def _zero_rows(self, layer: int, lo: int, hi: int) -> None:
+    """Zero the K and V bytes of rows [lo, hi) of one layer (whole pages at once)."""
+    lay = self.layout
+    pt = lay.page_tokens
+    first_whole = -(-lo // pt)
+    if first_whole * pt < hi:
+      self.pages_lpn[layer, first_whole:lay.pages_for(hi)] = 0
+      hi = min(hi, first_whole * pt)
+    if lo < hi:                       # the partial page before the whole ones
+      page, rows = lo // pt, np.arange(lo % pt, (hi - 1) % pt + 1)
+      kcols = rows[:, None] * lay.k_row_bytes + np.arange(lay.k_row_bytes)
+      vcols = lay.v_offset + rows[:, None] * lay.v_row_bytes + np.arange(lay.v_row_bytes)
+      self.pages_lpn[layer, page, kcols] = 0
+      self.pages_lpn[layer, page, vcols] = 0
 
   def _drop_chunks(self, layer: int, from_token: int) -> None:
     """Forget pinned snapshots that cover any token >= from_token."""

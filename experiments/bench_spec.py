@@ -1,0 +1,152 @@
+"""Speculative decoding on a streamed cache: tok/s against realized verify width.
+
+For each context (a synthetic streamed history, `experiments.lib.synthetic`, inside `--arena_mib`):
+
+* `plain`   greedy decoding of `--decode_tokens` tokens, one forward a token;
+* `oracle`  the same tokens by speculative decoding with the oracle drafter (plain greedy's tokens,
+            each draft kept with probability `--acceptance`, seeded; the first planted rejection
+            ends the round) for every `--n_max`: tok/s, realized verify width (rows per verify
+            forward), tokens per verify forward, ms per verify forward. The output must equal
+            plain's (checked; a difference stops the run).
+
+Then, at `--width_context`, ms per verify forward for verify widths 1..`--max_width` (what one
+more row costs when the history streams). Each timing excludes compilation (a warm-up first).
+
+  python -m experiments.bench_spec --model=qwen38_27b --contexts=32768,131072,262144 --arena_mib=2240
+  python -m experiments.bench_spec --model=tiny --contexts=1024 --arena_mib=1 --page_tokens=64 \\
+      --decode_tokens=12 --width_context=1024 --max_width=3    # CPU smoke
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("model", "qwen38_27b", "preset name")
+flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
+flags.DEFINE_list("contexts", ["32768", "131072", "262144"], "history lengths (tokens)")
+flags.DEFINE_float("arena_mib", 2240.0, "device KV budget (MiB): pool = arena - decode workspace")
+flags.DEFINE_integer("decode_tokens", 64, "generated tokens per run")
+flags.DEFINE_float("acceptance", 0.75, "oracle: probability each draft is kept")
+flags.DEFINE_list("n_max", ["3", "5"], "oracle draft lengths")
+flags.DEFINE_string("rollback", "device", "recurrent-state rollback: device or host")
+flags.DEFINE_integer("width_context", 131072, "context of the width sweep (0: none)")
+flags.DEFINE_integer("max_width", 6, "width sweep: verify widths 1..max_width")
+flags.DEFINE_integer("width_reps", 5, "width sweep: timed forwards per width")
+flags.DEFINE_integer("page_tokens", 256, "tokens per KV page")
+flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages)")
+flags.DEFINE_string("attn_impl", "reference", "span attention implementation")
+flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
+flags.DEFINE_integer("seed", 0, "oracle seed")
+flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_spec"), "output folder")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from kvjax import api, config, engine, generate, speculative, weights
+  from kvjax.model import AttentionOptions
+  from kvjax.streaming import StreamedKV, arena, fixed_split
+  from experiments.lib import synthetic
+  from kvjax_pallas.page_layout import PageLayout
+
+  os.makedirs(FLAGS.out, exist_ok=True)
+  cfg = config.preset(FLAGS.model)
+  model = engine.build_model(cfg, weights.iter_random_device_tensors(cfg, 0, FLAGS.dtype),
+                             dtype=jnp.dtype(FLAGS.dtype), names=config.gguf_tensor_shapes(cfg))
+  jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", FLAGS.page_tokens)
+  runner = engine.Runner(model, layout, AttentionOptions(FLAGS.attn_impl, api.parse_block_pages(FLAGS.block_pages)))
+  widest = 1 + max(int(n) for n in FLAGS.n_max)
+  workspace = max(engine.group_step_workspace_bytes(runner, r) for r in (1, max(widest, FLAGS.max_width)))
+  pool_pages = int((FLAGS.arena_mib * 2**20 - workspace) // layout.page_bytes)
+  n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
+  log = {"flags": {k: FLAGS[k].value for k in FLAGS if k in (
+      "model", "dtype", "contexts", "arena_mib", "decode_tokens", "acceptance", "n_max", "rollback",
+      "page_tokens", "copy_pages", "attn_impl")}, "device": str(jax.devices()[0]), "jax": jax.__version__,
+      "workspace_mib": workspace / 2**20, "pool_pages": pool_pages}
+  print(json.dumps(log), flush=True)
+
+  def make_kv(ctx):
+    max_tokens = ctx + FLAGS.decode_tokens + max(widest, FLAGS.max_width) + 8
+    kv = StreamedKV(cfg, layout, max_tokens, fixed_split(pool_pages, n_layers, max_tokens, layout, FLAGS.copy_pages))
+    synthetic.fill_streamed(kv, ctx)
+    return kv
+
+  def restart(kv, ctx):
+    kv.truncate("target", ctx)
+    seq = generate.SequenceState(runner, kv)
+    seq.pos = ctx
+    return seq
+
+  def plain(kv, ctx):
+    seq, toks = restart(kv, ctx), [1]
+    t = time.perf_counter()
+    while len(toks) < FLAGS.decode_tokens:
+      toks.append(int(jnp.argmax(seq.forward([toks[-1]]))))
+    return toks, (len(toks) - 1) / (time.perf_counter() - t)
+
+  def spec(kv, ctx, n_max, truth):
+    draft = speculative.DraftParams("oracle", n_max=n_max, oracle_acceptance=FLAGS.acceptance,
+                                    oracle_seed=FLAGS.seed, rollback=FLAGS.rollback)
+    t = time.perf_counter()
+    toks, stats = speculative.speculate(restart(kv, ctx), truth[0], len(truth), draft, [], ubatch=widest,
+                                        oracle_tokens=truth)
+    return toks, (len(toks) - 1) / (time.perf_counter() - t), stats
+
+  rows = []
+  for ctx in [int(c) for c in FLAGS.contexts]:
+    kv = make_kv(ctx)
+    plain(kv, ctx)                                    # warm-up (compiles, uploads resident pages)
+    truth, tps = plain(kv, ctx)
+    rows.append({"context": ctx, "run": "plain", "tok_s": tps, "width": 1.0, "tokens_per_verify": 1.0,
+                 "verify_ms": 1e3 / tps})
+    print(json.dumps(rows[-1]), flush=True)
+    for n_max in [int(n) for n in FLAGS.n_max]:
+      spec(kv, ctx, n_max, truth)                     # warm-up
+      toks, tps, st = spec(kv, ctx, n_max, truth)
+      if toks != truth:
+        raise AssertionError(f"context {ctx}, n_max {n_max}: speculative output differs from plain greedy")
+      rows.append({"context": ctx, "run": f"oracle P={FLAGS.acceptance} n_max={n_max}", "tok_s": tps,
+                   "width": st["realized_verify_width"], "tokens_per_verify": st["tokens_per_verify"],
+                   "verify_ms": st["verify_ms_mean"], "stats": st})
+      print(json.dumps(rows[-1], default=float), flush=True)
+    del kv
+  widths = []
+  if FLAGS.width_context:
+    ctx = FLAGS.width_context
+    kv = make_kv(ctx)
+    for w in range(1, FLAGS.max_width + 1):
+      times = []
+      for _ in range(FLAGS.width_reps + 1):
+        seq = restart(kv, ctx)
+        t = time.perf_counter()
+        out = runner.forward(np.ones((w,), np.int32), ctx, w, seq.rec_states, kv, logits_rows=np.arange(w),
+                             chunked=False, capture_states=True)
+        np.asarray(out.logits_rv)
+        times.append((time.perf_counter() - t) * 1e3)
+      widths.append({"width": w, "verify_ms": float(np.median(times[1:]))})
+      print(json.dumps(widths[-1]), flush=True)
+  log.update(rows=rows, widths=widths)
+  with open(os.path.join(FLAGS.out, "bench_spec.json"), "w") as f:
+    json.dump(log, f, indent=1, default=float)
+  print(f"{'context':>8} {'run':<26} {'tok/s':>8} {'width':>6} {'tok/fwd':>7} {'ms/fwd':>8} {'vs plain':>8}")
+  base = {}
+  for r in rows:
+    base.setdefault(r["context"], r["tok_s"])
+    print(f"{r['context']:>8} {r['run']:<26} {r['tok_s']:>8.2f} {r['width']:>6.2f} {r['tokens_per_verify']:>7.2f} "
+          f"{r['verify_ms']:>8.2f} {r['tok_s'] / base[r['context']]:>8.2f}")
+  if widths:
+    print(f"verify width at {FLAGS.width_context}: " + "  ".join(f"{w['width']}: {w['verify_ms']:.2f} ms"
+                                                                  for w in widths))
+
+
+if __name__ == "__main__":
+  app.run(main)
