@@ -53,7 +53,6 @@ def main(argv):
   from flax import nnx
   from kvjax import api, config, engine, generate, speculative, weights
   from kvjax.model import AttentionOptions
-  from kvjax.streaming import StreamedKV, arena, fixed_split
   from experiments.lib import synthetic
   from kvjax_pallas.page_layout import PageLayout
 
