@@ -53,6 +53,7 @@ def main(argv):
   from flax import nnx
   from kvjax import api, config, engine, generate, speculative, weights
   from kvjax.model import AttentionOptions
+  from kvjax.streaming import StreamedKV, fixed_split
   from experiments.lib import synthetic
   from kvjax_pallas.page_layout import PageLayout
 
