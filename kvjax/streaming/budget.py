@@ -156,15 +156,15 @@ def fit_split(available_pages: int, n_layers: int, max_tokens: int, layout: Page
     split = fixed_split(pool, n_layers, max_tokens, layout, copy_pages)
     return split, pool + staging_reserve_pages(split, max_tokens, layout, prefetch_depth, pinned)
 
-  pool = int(available_pages)
-  while pool >= 1:
+  # pool + staging is not monotonic in the pool (a larger pool streams fewer pages and stages less;
+  # below a ring that holds one layer, copy waves stage one ring's worth), so every size is tried
+  for pool in range(int(available_pages), 0, -1):
     try:
       split, total = need(pool)
     except StreamBudgetError:
       break                                   # smaller pools cannot stream either
     if total <= available_pages:
       return split
-    pool = min(pool - 1, available_pages - (total - pool))
   # report what is missing: the pool size whose pool + staging is smallest (more resident pages
   # stream fewer pages, so a larger pool can need less in all)
   everything = layout.pages_for(max_tokens) * n_layers + 1          # all resident: always streams
