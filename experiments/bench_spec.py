@@ -41,6 +41,10 @@ flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages)")
 flags.DEFINE_string("attn_impl", "reference", "span attention implementation")
 flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
 flags.DEFINE_integer("seed", 0, "oracle seed")
+flags.DEFINE_bool("allow_divergence", False,
+                  "record how many leading tokens equal plain greedy instead of stopping at the first "
+                  "difference (bf16 on a GPU: a verify forward's logits are not the bits of one-row "
+                  "forwards, so near-tied random-weight logits can pick another token)")
 flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_spec"), "output folder")
 FLAGS = flags.FLAGS
 
@@ -112,11 +116,13 @@ def main(argv):
     for n_max in [int(n) for n in FLAGS.n_max]:
       spec(kv, ctx, n_max, truth)                     # warm-up
       toks, tps, st = spec(kv, ctx, n_max, truth)
-      if toks != truth:
-        raise AssertionError(f"context {ctx}, n_max {n_max}: speculative output differs from plain greedy")
+      same = _equal_prefix(toks, truth)
+      if same < len(truth) and not FLAGS.allow_divergence:
+        raise AssertionError(f"context {ctx}, n_max {n_max}: speculative output differs from plain greedy "
+                             f"at token {same} of {len(truth)} (--allow_divergence to measure anyway)")
       rows.append({"context": ctx, "run": f"oracle P={FLAGS.acceptance} n_max={n_max}", "tok_s": tps,
                    "width": st["realized_verify_width"], "tokens_per_verify": st["tokens_per_verify"],
-                   "verify_ms": st["verify_ms_mean"], "stats": st})
+                   "verify_ms": st["verify_ms_mean"], "equal_to_plain": same, "stats": st})
       print(json.dumps(rows[-1], default=float), flush=True)
     del kv
   widths = []
@@ -137,15 +143,26 @@ def main(argv):
   log.update(rows=rows, widths=widths)
   with open(os.path.join(FLAGS.out, "bench_spec.json"), "w") as f:
     json.dump(log, f, indent=1, default=float)
-  print(f"{'context':>8} {'run':<26} {'tok/s':>8} {'width':>6} {'tok/fwd':>7} {'ms/fwd':>8} {'vs plain':>8}")
+  print(f"{'context':>8} {'run':<26} {'tok/s':>8} {'width':>6} {'tok/fwd':>7} {'ms/fwd':>8} {'vs plain':>8} "
+        f"{'= plain':>7}")
   base = {}
   for r in rows:
     base.setdefault(r["context"], r["tok_s"])
     print(f"{r['context']:>8} {r['run']:<26} {r['tok_s']:>8.2f} {r['width']:>6.2f} {r['tokens_per_verify']:>7.2f} "
-          f"{r['verify_ms']:>8.2f} {r['tok_s'] / base[r['context']]:>8.2f}")
+          f"{r['verify_ms']:>8.2f} {r['tok_s'] / base[r['context']]:>8.2f} {r.get('equal_to_plain', ''):>7}")
   if widths:
     print(f"verify width at {FLAGS.width_context}: " + "  ".join(f"{w['width']}: {w['verify_ms']:.2f} ms"
                                                                   for w in widths))
+
+
+def _equal_prefix(a, b) -> int:
+  """How many leading tokens of a and b are equal."""
+  n = 0
+  for x, y in zip(a, b):
+    if x != y:
+      break
+    n += 1
+  return n
 
 
 if __name__ == "__main__":
