@@ -186,8 +186,25 @@ class GatedAttention(nnx.Module):
     o_shd = span_api.span_attention(q_shd, pool_pn, table_t, pos + n_valid, pos_s, layout=layout,
                                     block_pages=opts.block_pages, implementation=opts.implementation,
                                     interpret=opts.interpret)
-    o_se = o_shd.reshape(s, cfg.num_attention_heads * cfg.head_dim) * jax.nn.sigmoid(gate_se)
-    return linear(o_se.astype(self.attn_output[...].dtype), self.attn_output[...]), pool_pn, rows
+    return self._out(o_shd, gate_se), pool_pn, rows
+
+  def causal(self, h_se, pos_s):
+    """The rows attend causally to themselves, without a cache (the training form: differentiable,
+    f32 scores and softmax). Equals `__call__` on an empty cache with f32 K/V pages."""
+    cfg = self.cfg
+    s = h_se.shape[0]
+    G, D = cfg.num_kv_heads, cfg.head_dim
+    q_shd, k_sgd, v_sgd, gate_se = self.project(h_se, pos_s)
+    q_sgrd = q_shd.reshape(s, G, cfg.q_per_kv, D)         # query head h reads KV head h // r
+    sc = jnp.einsum("sgrd,tgd->grst", q_sgrd, k_sgd, precision=_HI) / jnp.sqrt(jnp.float32(D))
+    sc = jnp.where(pos_s[:, None] >= pos_s[None, :], sc, -jnp.inf)
+    o_shd = jnp.einsum("grst,tgd->sgrd", jax.nn.softmax(sc, axis=-1), v_sgd,
+                       precision=_HI).reshape(s, cfg.num_attention_heads, D)
+    return self._out(o_shd, gate_se)
+
+  def _out(self, o_shd, gate_se):
+    o_se = o_shd.reshape(o_shd.shape[0], -1) * jax.nn.sigmoid(gate_se)
+    return linear(o_se.astype(self.attn_output[...].dtype), self.attn_output[...])
 
 
 class RecurrentState(NamedTuple):
@@ -353,6 +370,11 @@ class Block(nnx.Module):
     out, pool_pn, rows = self.mixer(h, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset)
     return self._ffn(x_se + out.astype(x_se.dtype)), pool_pn, rows
 
+  def attend_causal(self, x_se, pos_s):
+    """`attend` in the training form (`GatedAttention.causal`): no cache."""
+    out = self.mixer.causal(rms_norm(x_se, self.attn_norm[...], self.eps), pos_s)
+    return self._ffn(x_se + out.astype(x_se.dtype))
+
 
 class LayerGroup(nnx.Module):
   """A run of recurrent blocks followed by at most one attention block."""
@@ -371,6 +393,16 @@ class LayerGroup(nnx.Module):
     if self.attention is not None:
       x_se, pool_pn, rows = self.attention.attend(x_se, pool_pn, table_t, pos, n_valid, layout, opts)
     return x_se, tuple(new_states), pool_pn, rows
+
+  def causal(self, x_se, pos_s):
+    """The training form of one sequence from position 0: Gated DeltaNet chunked from the zero
+    state, attention over the rows themselves (`Block.attend_causal`); no cache."""
+    s = x_se.shape[0]
+    for blk in self.recurrent:
+      x_se, _ = blk.recurrent(x_se, zero_recurrent_state(blk.mixer.cfg), s, chunked=True)
+    if self.attention is not None:
+      x_se = self.attention.attend_causal(x_se, pos_s)
+    return x_se
 
 
 class MTPHead(nnx.Module):
@@ -395,15 +427,22 @@ class MTPHead(nnx.Module):
     convention: the row for (x_{t+1}, hn_t) sits at position t+1 and cache slot t).
     -> (logits_sv f32, hm_se, pool_pn, rows).
     """
-    eps = self.eps
-    e = rms_norm(emb_se, self.nextn_enorm[...], eps)
-    hh = rms_norm(hn_se.astype(e.dtype), self.nextn_hnorm[...], eps)
-    u = linear(jnp.concatenate([e, hh], axis=-1), self.nextn_eh_proj[...]).astype(e.dtype)
-    u, pool_pn, rows = self.block.attend(u, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset=1)
+    u, pool_pn, rows = self.block.attend(self.fuse(hn_se, emb_se), pool_pn, table_t, pos, n_valid, layout,
+                                         opts, rope_offset=1)
+    logits, hm = self.head(u, output_norm_e, output_ve)
+    return logits, hm, pool_pn, rows
+
+  def fuse(self, hn_se, emb_se):
+    """enorm(embedding) ++ hnorm(hidden) -> eh_proj: the NextN block's input rows."""
+    e = rms_norm(emb_se, self.nextn_enorm[...], self.eps)
+    hh = rms_norm(hn_se.astype(e.dtype), self.nextn_hnorm[...], self.eps)
+    return linear(jnp.concatenate([e, hh], axis=-1), self.nextn_eh_proj[...]).astype(e.dtype)
+
+  def head(self, u_se, output_norm_e, output_ve):
+    """The shared head (its own norm / projection where stored, else the target's) -> (logits, hm)."""
     norm_w = self.nextn_shared_head_norm[...] if self.nextn_shared_head_norm is not None else output_norm_e
     head_w = self.nextn_shared_head_head[...] if self.nextn_shared_head_head is not None else output_ve
-    logits, hm = output_head(u, norm_w, head_w, eps)
-    return logits, hm, pool_pn, rows
+    return output_head(u_se, norm_w, head_w, self.eps)
 
 
 class Qwen38(nnx.Module):
@@ -422,6 +461,22 @@ class Qwen38(nnx.Module):
   def output_weight(self):
     """The output projection [V, E] (the token embeddings when they are tied)."""
     return self.output[...] if self.output is not None else self.token_embd[...]
+
+  def causal(self, tokens_s):
+    """Teacher-forced forward of one sequence from position 0 in the training form (no cache,
+    differentiable) -> (logits_sv f32, hn_se: the post-norm hidden of every row)."""
+    pos_s = jnp.arange(tokens_s.shape[0], dtype=jnp.int32)
+    x_se = self.token_embd[...][tokens_s]
+    for group in self.groups:
+      x_se = group.causal(x_se, pos_s)
+    return output_head(x_se, self.output_norm[...], self.output_weight(), self.cfg.rms_eps)
+
+  def mtp_causal(self, hn_se, next_tokens_s):
+    """The MTP head in the training form: row t from hn_t and token t+1 (predicts token t+2), RoPE
+    position t + 1 as in `MTPHead.__call__` -> logits_sv f32."""
+    pos_s = jnp.arange(hn_se.shape[0], dtype=jnp.int32) + 1
+    u_se = self.mtp.block.attend_causal(self.mtp.fuse(hn_se, self.token_embd[...][next_tokens_s]), pos_s)
+    return self.mtp.head(u_se, self.output_norm[...], self.output_weight())[0]
 
 
 def output_head(x_se, output_norm_e, output_ve, eps):
