@@ -85,8 +85,8 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
   research hook: e.g. an oracle with planted errors to exercise rejection and rollback).
 
   Metrics add, under the drafter's name `spec_type` ("mtp", "ngram", or "custom" for `drafter`):
-  `draft_generated`, `draft_accepted`, `draft_acceptance` (accepted / generated), `verify_forwards`
-  and `realized_verify_width` (rows per verify forward).
+  `draft_generated`, `draft_accepted`, `draft_acceptance` (accepted / generated), `verify_forwards`,
+  `realized_verify_width` (rows per verify forward) and `draft_rounds` ([drafts, accepted] per round).
   """
   spec_type = draft.kind if drafter is None else "custom"
   use_mtp = draft.kind == "mtp" and drafter is None
@@ -108,6 +108,7 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
 
   out_tokens: List[int] = []
   drafted = accepted = rounds = 0
+  round_lengths: List[List[int]] = []   # [drafts, accepted] of every verify round
   with CompileClock() as decode_clock:
     while len(out_tokens) < n_predict:
       out_tokens.append(b)
@@ -141,6 +142,7 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
         j += 1
       accepted += j
       rounds += 1
+      round_lengths.append([len(drafts), j])
       out_tokens.extend(drafts[:j])
       if eos_id is not None and eos_id in drafts[:j]:
         out_tokens = out_tokens[:out_tokens.index(eos_id, len(out_tokens) - j) + 1]
@@ -166,6 +168,7 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
       "draft_acceptance": accepted / drafted if drafted else 0.0,
       "verify_forwards": rounds,
       "realized_verify_width": (drafted + rounds) / rounds if rounds else 0.0,
+      "draft_rounds": round_lengths,
   })
   return GenerationResult(out_tokens, metrics)
 
