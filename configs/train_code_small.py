@@ -31,6 +31,6 @@ def get_config():
   c.eval_every = 200
   c.eval_windows = 256
   c.ckpt_every = 400
-  c.time_limit_s = 500.0           # data + compile + training; evaluation and export follow
+  c.time_limit_s = 420.0           # data + compile + training; evaluation, export and the study follow
   c.compute_dtype = "auto"         # bfloat16 on the GPU
   return c

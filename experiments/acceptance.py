@@ -102,7 +102,7 @@ def study(model, contexts: Sequence[int], prompts: int, n_predict: int, drafters
   """One row per (context, prompt, drafter, n_max); see the module docstring."""
   from kvjax import api
   stream, starts = heldout_stream(model)
-  rows = []
+  rows, skipped = [], set()
   for ctx in contexts:
     usable = [int(s) for s in starts if s + ctx <= len(stream)][:prompts]
     for p, s0 in enumerate(usable):
@@ -112,8 +112,9 @@ def study(model, contexts: Sequence[int], prompts: int, n_predict: int, drafters
         for n_max in n_maxes:
           spec = spec_for(api, drafter, n_max, p_min, ngram_n)
           if spec is None:
-            if p == 0 and ctx == contexts[0]:
+            if drafter not in skipped:
               log(f"skipped {drafter}: kvjax.api.SpecConfig offers no such drafter (drafts: {api.DRAFTS})")
+              skipped.add(drafter)
             continue
           res = api.generate(model, prompt_tokens=prompt, n_predict=n_predict, ignore_eos=True, spec=spec)
           m = res.metrics

@@ -68,8 +68,8 @@ def split_files(files: Sequence[str], heldout_percent: float = 2.0) -> Split:
 
 
 def read_texts(root: str, files: Sequence[str], max_bytes: int = 0) -> Dict[str, str]:
-  """relpath -> text for the files that decode as UTF-8, in order, up to `max_bytes` in total
-  (0: all)."""
+  """relpath -> text for the files that decode as UTF-8, in order, stopping before the first file
+  that would take the total past `max_bytes` (0: all)."""
   out, total = {}, 0
   for f in files:
     with open(os.path.join(root, f), "rb") as fh:

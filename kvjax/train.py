@@ -209,7 +209,8 @@ def prepare_data(c, log: Callable[[str], None] = print) -> Data:
   held_texts = corpus.read_texts(root, split.heldout, c.max_heldout_bytes)
   if not train_texts or not held_texts:
     raise ValueError(f"corpus {root!r}: {len(train_texts)} training and {len(held_texts)} held-out files "
-                     f"decode as UTF-8; at least 1 of each is needed")
+                     f"within max_train_bytes {c.max_train_bytes} / max_heldout_bytes {c.max_heldout_bytes} "
+                     f"(the first files of each list that fit; 0 = all); at least 1 of each is needed")
   t0 = time.perf_counter()
   spec = corpus.learn_tokenizer(list(train_texts.values()), c.vocab_size, c.bpe_bytes)
   tok = tok_lib.from_spec(spec)

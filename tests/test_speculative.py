@@ -43,6 +43,11 @@ def test_oracle_drafts_accept_reject_and_roll_back(setup, wrong_every):
   m = res.metrics
   assert m["draft_accepted"] > 0 and m["spec_type"] == "custom"   # the oracle drafter
   assert m["draft_acceptance"] == m["draft_accepted"] / m["draft_generated"]
+  rounds = np.asarray(m["draft_rounds"])      # [drafts, accepted] per verify round
+  assert len(rounds) == m["verify_forwards"] and rounds.sum(0).tolist() == [m["draft_generated"],
+                                                                          m["draft_accepted"]]
+  if wrong_every == 1:   # the oracle's second draft is always wrong: at most one accepted a round
+    assert rounds[:, 1].max() <= 1 and (rounds[:, 0] >= 2).any()
   if wrong_every == 0:
     assert m["draft_accepted"] == m["draft_generated"]
     assert m["verify_forwards"] < N // 3          # 4 drafts + 1 per forward

@@ -41,10 +41,17 @@ def toy_config(root=""):
 def assert_training_form_matches(model, loaded, toks):
   """Target and MTP logits of the training form within 1e-4 relative of the loaded model's
   teacher-forced logits (f32 K/V pages)."""
-  logits, hn = model.causal(jnp.asarray(toks))
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def forms(state, toks):
+    m = nnx.merge(graphdef, state)
+    logits, hn = m.causal(toks)
+    return logits, m.mtp_causal(hn[:-1], toks[1:])
+
+  logits, mtp = forms(state, jnp.asarray(toks))
   ref = api.teacher_forced_logits(loaded, toks)
   assert np.abs(np.asarray(logits) - ref).max() <= 1e-4 * np.abs(ref).max()
-  mtp = model.mtp_causal(hn[:-1], jnp.asarray(toks[1:]))
   ref = api.teacher_forced_logits(loaded, toks, mtp=True)
   assert np.abs(np.asarray(mtp) - ref).max() <= 1e-4 * np.abs(ref).max()
 
@@ -65,7 +72,7 @@ def test_gradients_reach_every_parameter():
   graphdef, params = nnx.split(model)
   w = np.random.default_rng(1).integers(0, c.vocab_size, (2, 40)).astype(np.int32)
   loss = lambda p: sum(x.mean() for x in train.window_losses_batch(p, graphdef, w, jnp.float32))
-  grads = jax.grad(loss)(params)
+  grads = jax.jit(jax.grad(loss))(params)
   norms = {jax.tree_util.keystr(k): float(jnp.abs(g).max())
            for k, g in jax.tree_util.tree_leaves_with_path(grads)}
   assert all(np.isfinite(v) for v in norms.values())
