@@ -372,11 +372,11 @@ def plot_losses(log_path: str, png: str, baselines: Dict[str, float], title: str
   recs = read_log(log_path)
   ev = [r for r in recs if "heldout_loss" in r]
   fig, ax = plt.subplots(figsize=(7, 4.2))
-  steps = [r["step"] for r in recs]
-  k = max(len(recs) // 200, 1)   # light smoothing of the per-step training losses
-  smooth = lambda key: np.convolve([r[key] for r in recs], np.ones(k) / k, mode="same")
-  ax.plot(steps, smooth("target_loss"), lw=1, color="C0", alpha=0.6, label="train target")
-  ax.plot(steps, smooth("mtp_loss"), lw=1, color="C1", alpha=0.6, label="train MTP (t+2)")
+  k = max(len(recs) // 100, 1)   # training losses: running means of k steps
+  steps = [r["step"] for r in recs][k - 1:]
+  smooth = lambda key: np.convolve([r[key] for r in recs], np.ones(k) / k, mode="valid")
+  ax.plot(steps, smooth("target_loss"), lw=1, color="C0", alpha=0.6, label=f"train target ({k}-step mean)")
+  ax.plot(steps, smooth("mtp_loss"), lw=1, color="C1", alpha=0.6, label=f"train MTP, t+2 ({k}-step mean)")
   ax.plot([r["step"] for r in ev], [r["heldout_loss"] for r in ev], "o-", color="C0", label="held-out target")
   ax.plot([r["step"] for r in ev], [r["heldout_mtp_loss"] for r in ev], "s-", color="C1",
           label="held-out MTP")
