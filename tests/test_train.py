@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax import api, config, corpus, engine, gguf_io, tiny, train, weights
+from kvjax import api, corpus, engine, gguf_io, tiny, train
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +54,6 @@ def assert_training_form_matches(model, loaded, toks):
   assert np.abs(np.asarray(logits) - ref).max() <= 1e-4 * np.abs(ref).max()
   ref = api.teacher_forced_logits(loaded, toks, mtp=True)
   assert np.abs(np.asarray(mtp) - ref).max() <= 1e-4 * np.abs(ref).max()
-
-
-def test_training_form_equals_teacher_forced_inference():
-  """Qwen38.causal / mtp_causal (chunked GDN, attention without a cache) against the runner over
-  f32 K/V pages, on the tiny model; rows span more than one GDN chunk."""
-  cfg = config.tiny()
-  mod = engine.build_model(cfg, weights.random_tensors(cfg, 0).items())
-  m = api.load_model("tiny", k_type="f32", v_type="f32", page_tokens=16)
-  toks = np.random.default_rng(0).integers(0, cfg.vocab_size, 70)
-  assert_training_form_matches(mod, m, toks)
 
 
 def test_gradients_reach_every_parameter():
@@ -152,7 +142,9 @@ def test_code_tiny_tokenizer_round_trips_heldout_files_byte_for_byte():
 
 def test_code_tiny_export_round_trip_logits(tmp_path):
   """The shipped weights as a training-form model, exported as f32 GGUF, loaded by kvjax: teacher-
-  forced target and MTP logits within 1e-4 relative of the in-memory model on held-out code."""
+  forced target and MTP logits within 1e-4 relative of the in-memory model on held-out code
+  (150 tokens: more than one Gated DeltaNet chunk). This is also the check that the training
+  forms (`Qwen38.causal` / `mtp_causal`) compute what the paged inference path computes."""
   cfg, tensors, tok = tiny.load_model_source("code-tiny")
   model = engine.build_model(cfg, tensors)
   with gguf_io.read_gguf(tiny.builtin_path("code-tiny")) as g:
