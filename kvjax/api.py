@@ -115,7 +115,7 @@ def parse_block_pages(value) -> Union[int, str]:
 
 
 def _is_builtin(source: str) -> bool:
-  return source == "tiny" or source.startswith("tiny:")
+  return tiny.is_builtin(source)
 
 
 def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str = "float32",
@@ -125,7 +125,8 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
 
   Args:
     source: "tiny" / "tiny:SEED" (the built-in tiny model: random weights of SEED, its own
-      tokenizer) or the path of a GGUF file.
+      tokenizer), "code-tiny" (the packaged model trained on the Python standard library) or the
+      path of a GGUF file.
     preset: instead of `source`, a `kvjax.config` preset name (e.g. "qwen38_27b") with deterministic
       random weights (`weight_seed`) drawn on the device; it has no tokenizer.
     dtype: weight and activation dtype, "float32" or "bfloat16".
@@ -148,7 +149,8 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       raise ParameterError(f"{name} {kind!r}: expected one of {', '.join(BLOCK_FORMATS)}", name)
   block_pages = parse_block_pages(block_pages)
   if preset is None and not _is_builtin(source) and not os.path.exists(source):
-    raise ModelNotFoundError(f"source {source!r}: no such file (expected a .gguf path or 'tiny')", "source")
+    raise ModelNotFoundError(f"source {source!r}: no such file (expected a .gguf path, 'tiny' or 'code-tiny')",
+                             "source")
   backend = jax.default_backend()
   if attn_impl != "auto" or backend != "gpu":
     attn_impl = resolve_implementation(attn_impl)   # on a GPU "auto" stays: each call picks
@@ -489,6 +491,20 @@ def teacher_forced_logits(model: LoadedModel, tokens: Sequence[int], *, mtp: boo
     raise ParameterError(f"mtp needs at least 2 tokens, got {len(ids)}", "mtp")
   kv = engine.PlainKV(model.cfg, model.layout, len(ids))
   return gen_lib.teacher_forced_logits(model.runner, kv, ids, ubatch, mtp=mtp)
+
+
+# ---------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------
+
+def train(config, out: str, *, resume: bool = False, progress: bool = True) -> Dict[str, Any]:
+  """Train a model per `config` (`kvjax.train.base_config()` fields, e.g. configs/train_code_tiny.py)
+  and write its log, checkpoint, GGUF and loss plot under `out` (`kvjax.train.run`) -> the summary
+  (held-out losses against the unigram / bigram baselines, the GGUF path)."""
+  from kvjax import train as train_lib
+  if not out:
+    raise ParameterError("out: an output folder is needed", "out")
+  return train_lib.run(config, out, resume=resume, progress=progress)
 
 
 # ---------------------------------------------------------------------------

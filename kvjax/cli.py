@@ -59,8 +59,8 @@ class UsageError(ValueError):
 # ---------------------------------------------------------------------------
 
 def _model_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("model", "tiny", "GGUF path, or 'tiny' / 'tiny:SEED' for the built-in tiny model "
-                      "(random weights, its own tokenizer)", flag_values=fv, short_name="m")
+  flags.DEFINE_string("model", "tiny", "GGUF path, 'tiny' / 'tiny:SEED' for the built-in tiny model "
+                      "(random weights, its own tokenizer), or 'code-tiny' (trained on the Python stdlib)", flag_values=fv, short_name="m")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight and activation dtype",
                     flag_values=fv)
   flags.DEFINE_string("cache-type-k", "q8_0", "K cache type: q8_0, q4_0, f16, bf16, f32", flag_values=fv,

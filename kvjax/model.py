@@ -199,6 +199,20 @@ class GatedAttention(nnx.Module):
                                     interpret=opts.interpret)
     return self.end(o_shd, gate_se), pool_pn, rows
 
+  def causal(self, h_se, pos_s):
+    """The rows attend causally to themselves, without a cache (the training form: differentiable,
+    f32 scores and softmax). Equals `__call__` on an empty cache with f32 K/V pages."""
+    cfg = self.cfg
+    s = h_se.shape[0]
+    G, D = cfg.num_kv_heads, cfg.head_dim
+    q_shd, k_sgd, v_sgd, gate_se = self.project(h_se, pos_s)
+    q_sgrd = q_shd.reshape(s, G, cfg.q_per_kv, D)         # query head h reads KV head h // r
+    sc = jnp.einsum("sgrd,tgd->grst", q_sgrd, k_sgd, precision=_HI) / jnp.sqrt(jnp.float32(D))
+    sc = jnp.where(pos_s[:, None] >= pos_s[None, :], sc, -jnp.inf)
+    o_shd = jnp.einsum("grst,tgd->sgrd", jax.nn.softmax(sc, axis=-1), v_sgd,
+                       precision=_HI).reshape(s, cfg.num_attention_heads, D)
+    return self.end(o_shd, gate_se)
+
 
 def attend_wave(pool_pn, table_t, stage, pieces, rows: KVRows, q_shd, carry, pos, n_valid, tile_begin,
                 tile_end, layout: PageLayout, opts: AttentionOptions):
@@ -393,6 +407,11 @@ class Block(nnx.Module):
     """The attention block after span attention: x_se is the block's input."""
     return self._ffn(x_se + self.mixer.end(o_shd, gate_se).astype(x_se.dtype))
 
+  def attend_causal(self, x_se, pos_s):
+    """`attend` in the training form (`GatedAttention.causal`): no cache."""
+    out = self.mixer.causal(rms_norm(x_se, self.attn_norm[...], self.eps), pos_s)
+    return self._ffn(x_se + out.astype(x_se.dtype))
+
 
 class LayerGroup(nnx.Module):
   """A run of recurrent blocks followed by at most one attention block."""
@@ -415,6 +434,16 @@ class LayerGroup(nnx.Module):
     if self.attention is not None:
       x_se, pool_pn, rows = self.attention.attend(x_se, pool_pn, table_t, pos, n_valid, layout, opts)
     return x_se, new_states, pool_pn, rows
+
+  def causal(self, x_se, pos_s):
+    """The training form of one sequence from position 0: Gated DeltaNet chunked from the zero
+    state, attention over the rows themselves (`Block.attend_causal`); no cache."""
+    s = x_se.shape[0]
+    for blk in self.recurrent:
+      x_se, _ = blk.recurrent(x_se, zero_recurrent_state(blk.mixer.cfg), s, chunked=True)
+    if self.attention is not None:
+      x_se = self.attention.attend_causal(x_se, pos_s)
+    return x_se
 
 
 class MTPHead(nnx.Module):
@@ -473,6 +502,22 @@ class Qwen38(nnx.Module):
   def output_weight(self):
     """The output projection [V, E] (the token embeddings when they are tied)."""
     return self.output[...] if self.output is not None else self.token_embd[...]
+
+  def causal(self, tokens_s):
+    """Teacher-forced forward of one sequence from position 0 in the training form (no cache,
+    differentiable) -> (logits_sv f32, hn_se: the post-norm hidden of every row)."""
+    pos_s = jnp.arange(tokens_s.shape[0], dtype=jnp.int32)
+    x_se = self.token_embd[...][tokens_s]
+    for group in self.groups:
+      x_se = group.causal(x_se, pos_s)
+    return output_head(x_se, self.output_norm[...], self.output_weight(), self.cfg.rms_eps)
+
+  def mtp_causal(self, hn_se, next_tokens_s):
+    """The MTP head in the training form: row t from hn_t and token t+1 (predicts token t+2), RoPE
+    position t + 1 as in `MTPHead.__call__` -> logits_sv f32."""
+    pos_s = jnp.arange(hn_se.shape[0], dtype=jnp.int32) + 1
+    u_se = self.mtp.block.attend_causal(self.mtp.block_input(hn_se, self.token_embd[...][next_tokens_s]), pos_s)
+    return self.mtp.head(u_se, self.output_norm[...], self.output_weight())[0]
 
 
 def output_head(x_se, output_norm_e, output_ve, eps):

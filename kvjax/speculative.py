@@ -243,7 +243,7 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
   rounds that drafted it), `verify_forwards`, `realized_verify_width` (rows per verify forward),
   `tokens_per_verify` (committed tokens per verify forward), `verify_ms_by_width`, `ngram_rounds`,
   `mtp_h2d_bytes_per_round` (uploads of the MTP forwards of a round), `rollback_d2h_bytes` /
-  `rollback_h2d_bytes` (host snapshots and restores).
+  `rollback_h2d_bytes` (host snapshots and restores), `draft_rounds` ([drafts, accepted] per round).
   """
   prompt = [int(t) for t in prompt]
   check_ubatch(draft, ubatch)
@@ -305,6 +305,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
   verify_ms: Dict[int, List[float]] = collections.defaultdict(list)
   out_tokens: List[int] = []
   drafted = accepted = rounds = ngram_rounds = mtp_h2d = 0
+  round_lengths: List[List[int]] = []   # [drafts, accepted] of every verify round
   while len(out_tokens) < n_predict:
     out_tokens.append(b)
     if (eos_id is not None and b == eos_id) or len(out_tokens) >= n_predict:
@@ -343,6 +344,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
     accepted += j
     accepted_at[:j] += 1
     rounds += 1
+    round_lengths.append([len(drafts), j])
     out_tokens.extend(drafts[:j])
     if eos_id is not None and eos_id in drafts[:j]:
       out_tokens = out_tokens[:out_tokens.index(eos_id, len(out_tokens) - j) + 1]
@@ -374,7 +376,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
       "tokens_per_verify": (accepted + rounds) / rounds if rounds else 0.0,
       "verify_ms_by_width": {str(w): float(np.mean(v)) for w, v in sorted(verify_ms.items())},
       "verify_ms_mean": float(np.mean([x for v in verify_ms.values() for x in v])) if rounds else 0.0,
-      "ngram_rounds": ngram_rounds,
+      "ngram_rounds": ngram_rounds, "draft_rounds": round_lengths,
       "rollback_d2h_bytes": rollback.d2h_bytes, "rollback_h2d_bytes": rollback.h2d_bytes,
   }
   if use_mtp:

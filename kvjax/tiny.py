@@ -31,14 +31,30 @@ def write_tiny_gguf(path, seed: int = 0, weight_type: str = "f32") -> str:
                             name=f"kvjax-tiny-seed{seed}")
 
 
+MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
+BUILTIN_GGUF = {"code-tiny": "code-tiny.gguf"}
+
+
+def builtin_path(name: str) -> str:
+  """The packaged GGUF of a built-in trained model (`BUILTIN_GGUF`)."""
+  return os.path.join(MODELS_DIR, BUILTIN_GGUF[name])
+
+
+def is_builtin(spec: str) -> bool:
+  return spec == "tiny" or spec.startswith("tiny:") or spec in BUILTIN_GGUF
+
+
 def load_model_source(spec: str, seed: int = 0, dtype=np.float32
                       ) -> Tuple[ModelConfig, Iterator[Tuple[str, np.ndarray]], tok_lib.Tokenizer]:
-  """Resolve a model source ('tiny', 'tiny:SEED' or a GGUF path) -> `(config, tensor iterator, tokenizer)`.
+  """Resolve a model source ('tiny', 'tiny:SEED', 'code-tiny' or a GGUF path) -> `(config, tensor
+  iterator, tokenizer)`.
 
-  "tiny" (or "tiny:SEED") is the built-in model; anything else is a GGUF
-  path, opened and validated (`GGUFError` on a bad file) and read one tensor
-  at a time by the iterator.
+  "tiny" (or "tiny:SEED") is the built-in random model; "code-tiny" the packaged trained GGUF;
+  anything else is a GGUF path, opened and validated (`GGUFError` on a bad file) and read one
+  tensor at a time by the iterator.
   """
+  if spec in BUILTIN_GGUF:
+    spec = builtin_path(spec)
   if spec == "tiny" or spec.startswith("tiny:"):
     if spec.startswith("tiny:"):
       try:
@@ -49,6 +65,6 @@ def load_model_source(spec: str, seed: int = 0, dtype=np.float32
     it = weights_lib.iter_random_tensors(cfg, seed, dtype=dtype)
     return cfg, it, tok_lib.tiny_tokenizer()
   if not os.path.exists(spec):
-    raise FileNotFoundError(f"source {spec!r}: no such file (expected a .gguf path or 'tiny')")
+    raise FileNotFoundError(f"source {spec!r}: no such file (expected a .gguf path, 'tiny' or 'code-tiny')")
   model = gguf_io.read_gguf(spec)
   return model.config, model.iter_tensors(dtype), tok_lib.from_spec(model.tokenizer_spec)

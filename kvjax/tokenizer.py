@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import heapq
 import re
 from typing import Any, Dict, Iterable, List, Mapping, Tuple
 
@@ -201,12 +202,14 @@ the token was in the vocabulary, and the vocabulary was small but sufficient.
 TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def learn_bpe(text: str, vocab_size: int, num_special: int) -> Tuple[List[str], List[str]]:
+def learn_bpe(text, vocab_size: int, num_special: int) -> Tuple[List[str], List[str]]:
   """Deterministic byte-level BPE training: -> (tokens without specials, merges).
 
-  Pair counts are weighted by pre-token frequency; ties go to the
-  lexicographically smallest pair. Stops when `vocab_size - num_special`
-  tokens exist.
+  `text` is a string or an iterable of strings (pre-split separately, e.g. one per file). Pair
+  counts are weighted by pre-token frequency; ties go to the lexicographically smallest pair.
+  Stops when `vocab_size - num_special` tokens exist. Pair counts are kept up to date
+  incrementally (only the words containing the merged pair are re-counted) and the best pair is
+  taken from a lazily invalidated heap, so a merge costs the words it touches, not the corpus.
   """
   b2u = bytes_to_unicode()
   tokens = [b2u[b] for b in range(256)]
@@ -214,34 +217,56 @@ def learn_bpe(text: str, vocab_size: int, num_special: int) -> Tuple[List[str], 
   target = vocab_size - num_special
   if target < 256:
     raise ValueError(f"vocab_size {vocab_size} leaves fewer than 256 byte tokens")
-  freq = collections.Counter(pretokenize(text))
-  words = {tuple(b2u[b] for b in w.encode("utf-8")): c for w, c in sorted(freq.items())}
+  freq: Dict[str, int] = collections.Counter()
+  for part in ([text] if isinstance(text, str) else text):
+    freq.update(pretokenize(part))
+  words = [[b2u[b] for b in w.encode("utf-8", errors="surrogatepass")] for w in sorted(freq)]
+  counts = [freq[w] for w in sorted(freq)]
+  pairs: Dict[Tuple[str, str], int] = collections.Counter()
+  where: Dict[Tuple[str, str], set] = collections.defaultdict(set)
+  for i, w in enumerate(words):
+    for p in zip(w, w[1:]):
+      pairs[p] += counts[i]
+      where[p].add(i)
+  heap = [(-c, p) for p, c in pairs.items()]
+  heapq.heapify(heap)
   merges: List[str] = []
   while len(tokens) < target:
-    pairs: Dict[Tuple[str, str], int] = collections.Counter()
-    for w, c in words.items():
-      for p in zip(w, w[1:]):
-        pairs[p] += c
-    if not pairs:
+    while heap and (pairs.get(heap[0][1], 0) != -heap[0][0] or heap[0][0] == 0):
+      heapq.heappop(heap)
+    if not heap:
       raise ValueError(f"corpus too small: only {len(tokens)} of {target} tokens learned")
-    best = min(pairs, key=lambda p: (-pairs[p], p))
+    best = heap[0][1]
     merges.append(f"{best[0]} {best[1]}")
     new = best[0] + best[1]
     if new not in known:
       known.add(new)
       tokens.append(new)
-    merged_words = {}
-    for w, c in words.items():
-      out, i = [], 0
-      while i < len(w):
-        if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+    changed = set()
+    for i in sorted(where.pop(best)):
+      w, c = words[i], counts[i]
+      for p in zip(w, w[1:]):
+        pairs[p] -= c
+        changed.add(p)
+      out, j = [], 0
+      while j < len(w):
+        if j + 1 < len(w) and w[j] == best[0] and w[j + 1] == best[1]:
           out.append(new)
-          i += 2
+          j += 2
         else:
-          out.append(w[i])
-          i += 1
-      merged_words[tuple(out)] = merged_words.get(tuple(out), 0) + c
-    words = merged_words
+          out.append(w[j])
+          j += 1
+      words[i] = out
+      for p in zip(out, out[1:]):
+        pairs[p] += c
+        where[p].add(i)
+        changed.add(p)
+    for p in changed:
+      if pairs[p] > 0:
+        heapq.heappush(heap, (-pairs[p], p))
+      else:
+        del pairs[p]
+        where.pop(p, None)
   return tokens, merges
 
 

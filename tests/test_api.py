@@ -192,7 +192,7 @@ def test_errors_are_value_errors_naming_the_parameter(model, call, params, needl
 def test_missing_model_file_is_its_own_error(model):
   e = _error(api.load_model, "missing.gguf")
   assert isinstance(e, api.ModelNotFoundError)
-  assert e.renamed({"source": "--model"}) == "--model 'missing.gguf': no such file (expected a .gguf path or 'tiny')"
+  assert e.renamed({"source": "--model"}) == "--model 'missing.gguf': no such file (expected a .gguf path, 'tiny' or 'code-tiny')"
 
 
 def test_budget_too_small_says_how_many_pages_are_missing(model):

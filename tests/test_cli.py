@@ -415,7 +415,7 @@ def test_subprocess_gguf_equals_builtin_tiny(tmp_path, plain_run):
   p = subprocess.run([sys.executable, "-m", "kvjax.cli", "generate", "--model=missing.gguf", "--prompt=hi"],
                      capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
   assert p.returncode == 1
-  assert p.stderr.strip() == "kvjax: error: --model 'missing.gguf': no such file (expected a .gguf path or 'tiny')"
+  assert p.stderr.strip() == "kvjax: error: --model 'missing.gguf': no such file (expected a .gguf path, 'tiny' or 'code-tiny')"
   p = subprocess.run([sys.executable, "-m", "kvjax.cli", "generate", "-p", "hi", "--kv-stream-copy-pages=3"],
                      capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
   assert p.returncode == 2

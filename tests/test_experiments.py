@@ -6,6 +6,7 @@ shows progress; no experiment prints jax's TPU backend probe."""
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -631,3 +632,14 @@ ENTRY %main (p: u8[4]) -> u8[4] {
 """
   events, kernels = hlo_schedule.schedule(text)
   assert kernels == 3 and [(k, op) for k, op, _ in events] == [(0, "copy-start"), (2, "copy-done")]
+
+
+def test_acceptance_by_position_from_rounds():
+  from experiments import acceptance
+  # rounds [drafts, accepted]: position 1 drafted 4x accepted 3x; position 2 drafted 3x, accepted 1x
+  # (of the 2 rounds whose first draft was accepted); position 3 drafted 2x, accepted 0x
+  acc, cond = acceptance.position_acceptance([[3, 1], [3, 2], [2, 0], [1, 1]], 3)
+  assert acc[:2] == [3 / 4, 1 / 3] and acc[2] == 0.0
+  assert cond[:2] == [3 / 4, 1 / 2] and cond[2] == 0.0
+  assert math.isnan(acceptance.position_acceptance([[1, 0]], 2)[1][1])
+  assert acceptance.default_contexts(2048, 69) == [256, 512, 1024, 1979]

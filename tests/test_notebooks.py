@@ -45,3 +45,17 @@ def test_quickstart_runs():
                                      decode_workspace_mib=12.0)["decode_kv_pool_pages"]
   row = next(l for l in text.splitlines() if l.strip().startswith("131072"))
   assert int(row.split()[3]) == want
+
+
+def test_acceptance_runs():
+  """notebooks/acceptance.ipynb: code-tiny generates text, and MTP / ngram speculative decoding on a
+  held-out prompt reproduces greedy decoding, with an acceptance table."""
+  path = os.path.join(REPO, "notebooks", "acceptance.ipynb")
+  nb = nbformat.read(path, as_version=4)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  ExecutePreprocessor(timeout=300, kernel_name="python3").preprocess(nb, {"metadata": {"path": REPO}})
+  text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
+  assert "all match greedy: True" in text
+  rows = [l.split() for l in text.splitlines() if l.startswith(("mtp ", "ngram "))]
+  assert {r[0] for r in rows} == {"mtp", "ngram"} and all(r[2] == "256" for r in rows)
+  assert 0.0 <= float(rows[0][3]) <= 1.0

@@ -182,6 +182,9 @@ def test_greedy_output_equals_plain_for_every_drafter_cache_and_rollback(setup, 
   assert m["spec_type"] == draft.kind and m["spec_rollback"] == rollback
   assert m["draft_generated"] > 0 and m["verify_forwards"] < GRID_N
   assert sum(int(w) for w in m["verify_ms_by_width"]) >= 2
+  rounds = np.asarray(m["draft_rounds"])      # [drafts, accepted] per verify round
+  assert len(rounds) == m["verify_forwards"]
+  assert rounds.sum(0).tolist() == [m["draft_generated"], m["draft_accepted"]]
   if rollback == "host":
     assert m["rollback_d2h_bytes"] > 0
 

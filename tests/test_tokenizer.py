@@ -139,3 +139,43 @@ def test_load_model_source_tiny_and_path(tmp_path):
   assert not np.array_equal(dict(it3)["token_embd.weight"], ref["token_embd.weight"])
   with pytest.raises(FileNotFoundError, match="no such file"):
     tiny.load_model_source(str(tmp_path / "nope.gguf"))
+
+
+def _learn_bpe_naive(text, vocab_size, num_special):
+  """Recount every pair after every merge (the definition the incremental learner must match)."""
+  import collections
+  b2u = T.bytes_to_unicode()
+  tokens = [b2u[b] for b in range(256)]
+  words = {tuple(b2u[b] for b in w.encode()): c
+           for w, c in sorted(collections.Counter(T.pretokenize(text)).items())}
+  merges = []
+  while len(tokens) < vocab_size - num_special:
+    pairs = collections.Counter()
+    for w, c in words.items():
+      for p in zip(w, w[1:]):
+        pairs[p] += c
+    best = min(pairs, key=lambda p: (-pairs[p], p))
+    merges.append(f"{best[0]} {best[1]}")
+    if best[0] + best[1] not in tokens:
+      tokens.append(best[0] + best[1])
+    new = collections.Counter()
+    for w, c in words.items():
+      out, i = [], 0
+      while i < len(w):
+        if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+          out.append(w[i] + w[i + 1])
+          i += 2
+        else:
+          out.append(w[i])
+          i += 1
+      new[tuple(out)] += c
+    words = new
+  return tokens, merges
+
+
+def test_learn_bpe_matches_naive_recount():
+  import os
+  import sysconfig
+  with open(os.path.join(sysconfig.get_paths()["stdlib"], "textwrap.py"), encoding="utf-8") as f:
+    text = f.read()[:12000]
+  assert T.learn_bpe(text, 400, 3) == _learn_bpe_naive(text, 400, 3)

@@ -1,0 +1,173 @@
+"""kvjax.train: the training form equals the inference path, gradients reach every parameter, runs
+are deterministic and resume exactly, checkpoints refuse a wrong structure; and the shipped
+`code-tiny` model: its export round trip, its tokenizer on held-out files, its held-out loss."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kvjax import api, corpus, engine, gguf_io, tiny, train
+
+
+@pytest.fixture(scope="module")
+def toy_corpus(tmp_path_factory):
+  """A small corpus: the first 40 stdlib files under 8 kB, copied (a third held out)."""
+  root = corpus.stdlib_root()
+  out = tmp_path_factory.mktemp("corpus")
+  small = [f for f in corpus.stdlib_files(root) if "/" not in f and os.path.getsize(os.path.join(root, f)) < 8000]
+  for f in small[:40]:
+    with open(os.path.join(root, f), "rb") as src, open(out / f, "wb") as dst:
+      dst.write(src.read())
+  return str(out)
+
+
+def toy_config(root=""):
+  c = train.base_config()
+  c.name = "toy"
+  c.corpus_root, c.heldout_percent = root, 30.0
+  c.max_train_bytes, c.max_heldout_bytes, c.bpe_bytes, c.vocab_size = 0, 0, 0, 288
+  c.model.update(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_kv_heads=1, head_dim=32,
+                 rope_dim=16, linear_num_key_heads=1, linear_num_value_heads=2, linear_head_dim=32)
+  c.seq_len, c.batch_size, c.steps, c.warmup_steps = 32, 4, 4, 2
+  c.eval_every, c.eval_windows, c.ckpt_every, c.export_weight_type = 2, 6, 2, "f32"
+  return c
+
+
+def assert_training_form_matches(model, loaded, toks):
+  """Target and MTP logits of the training form within 1e-4 relative of the loaded model's
+  teacher-forced logits (f32 K/V pages)."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def forms(state, toks):
+    m = nnx.merge(graphdef, state)
+    logits, hn = m.causal(toks)
+    return logits, m.mtp_causal(hn[:-1], toks[1:])
+
+  logits, mtp = forms(state, jnp.asarray(toks))
+  ref = api.teacher_forced_logits(loaded, toks)
+  assert np.abs(np.asarray(logits) - ref).max() <= 1e-4 * np.abs(ref).max()
+  ref = api.teacher_forced_logits(loaded, toks, mtp=True)
+  assert np.abs(np.asarray(mtp) - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_gradients_reach_every_parameter():
+  c = toy_config()
+  model = train.init_model(train.model_config(c), 0)
+  graphdef, params = nnx.split(model)
+  w = np.random.default_rng(1).integers(0, c.vocab_size, (2, 40)).astype(np.int32)
+  loss = lambda p: sum(x.mean() for x in train.window_losses_batch(p, graphdef, w, jnp.float32))
+  grads = jax.jit(jax.grad(loss))(params)
+  norms = {jax.tree_util.keystr(k): float(jnp.abs(g).max())
+           for k, g in jax.tree_util.tree_leaves_with_path(grads)}
+  assert all(np.isfinite(v) for v in norms.values())
+  dead = [k for k, v in norms.items() if v == 0.0]
+  assert not dead, dead        # GDN (chunked form), attention, MTP and embeddings all get gradients
+
+
+def test_bfloat16_compute_casts_matrices_only():
+  c = toy_config()
+  graphdef, params = nnx.split(train.init_model(train.model_config(c), 0))
+  cast = train.cast_for_compute(params, graphdef, jnp.bfloat16)
+  leaves = {jax.tree_util.keystr(k): a.dtype for k, a in jax.tree_util.tree_leaves_with_path(cast)}
+  assert leaves["['token_embd'].value"] == jnp.bfloat16
+  assert leaves["['groups'][0]['recurrent'][0]['mixer']['ssm_alpha'].value"] == jnp.bfloat16
+  assert leaves["['groups'][0]['recurrent'][0]['mixer']['ssm_a'].value"] == jnp.float32
+  assert all(v == jnp.float32 for k, v in leaves.items() if "norm" in k or "conv1d" in k or "['ssm_a']" in k)
+  t, m = train.window_losses_batch(params, graphdef, np.zeros((1, 33), np.int32), jnp.bfloat16)
+  assert np.isfinite(float(t[0])) and np.isfinite(float(m[0]))
+
+
+def _losses(out):
+  return {r["step"]: r["loss"] for r in train.read_log(os.path.join(out, train.LOG_NAME))}
+
+
+def test_run_is_deterministic_and_resumes_exactly(tmp_path, toy_corpus):
+  c = toy_config(toy_corpus)
+  a = train.run(c, str(tmp_path / "a"), progress=False, log=lambda s: None)
+  b = train.run(c, str(tmp_path / "b"), progress=False, log=lambda s: None)
+  la, lb = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+  assert la[4] == lb[4] and la == lb and a["heldout_loss"] == b["heldout_loss"]
+  assert la[4] != la[1]                                        # it trained
+  # stopped at step 2 (schedule still over 4 steps), then resumed: steps 3 and 4 as in one run
+  c.stop_step = 2
+  train.run(c, str(tmp_path / "c"), progress=False, log=lambda s: None)
+  c.stop_step = 0
+  train.run(c, str(tmp_path / "c"), resume=True, progress=False, log=lambda s: None)
+  lc = _losses(tmp_path / "c")
+  assert lc[3] == la[3] and lc[4] == la[4]
+  # the export loads and runs in kvjax; its tokenizer is the one the run learned
+  m = api.load_model(a["gguf"], k_type="f32", v_type="f32", page_tokens=16)
+  spec = json.load(open(tmp_path / "a" / train.TOKENIZER_NAME))
+  assert m.tokenizer.tokens == spec["tokens"] and m.cfg.has_mtp
+  assert os.path.exists(tmp_path / "a" / train.PLOT_NAME)
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+  c = toy_config()
+  g, p = nnx.split(train.init_model(train.model_config(c), 0))
+  opt = train.make_optimizer(c)
+  path = str(tmp_path / "ck.npz")
+  train.save_checkpoint(path, p, opt.init(p), 3)
+  p2, s2, step = train.load_checkpoint(path, p, opt.init(p))
+  assert step == 3
+  c.model.intermediate_size = 96
+  g3, p3 = nnx.split(train.init_model(train.model_config(c), 0))
+  with pytest.raises(ValueError, match=r"ck\.npz: array \d+ has shape"):
+    train.load_checkpoint(path, p3, opt.init(p3))
+
+
+# ---- the shipped code-tiny model ------------------------------------------------------------------
+
+def _heldout_texts():
+  """The held-out files of this machine's stdlib under code-tiny's split rule."""
+  c = train.base_config()
+  root = corpus.stdlib_root()
+  split = corpus.split_files(corpus.stdlib_files(root), c.heldout_percent)
+  return corpus.read_texts(root, split.heldout, c.max_heldout_bytes)
+
+
+def test_code_tiny_tokenizer_round_trips_heldout_files_byte_for_byte():
+  _, _, tok = tiny.load_model_source("code-tiny")
+  texts = _heldout_texts()
+  assert len(texts) >= 5
+  for name, text in texts.items():
+    assert tok.decode(tok.encode(text, allow_special=False)).encode("utf-8") == text.encode("utf-8"), name
+
+
+def test_code_tiny_export_round_trip_logits(tmp_path):
+  """The shipped weights as a training-form model, exported as f32 GGUF, loaded by kvjax: teacher-
+  forced target and MTP logits within 1e-4 relative of the in-memory model on held-out code
+  (150 tokens: more than one Gated DeltaNet chunk). This is also the check that the training
+  forms (`Qwen38.causal` / `mtp_causal`) compute what the paged inference path computes."""
+  cfg, tensors, tok = tiny.load_model_source("code-tiny")
+  model = engine.build_model(cfg, tensors)
+  with gguf_io.read_gguf(tiny.builtin_path("code-tiny")) as g:
+    spec = g.tokenizer_spec
+  path = train.export_gguf(str(tmp_path / "ct.gguf"), model, spec, "f32")
+  loaded = api.load_model(path, k_type="f32", v_type="f32", page_tokens=32)
+  text = next(iter(_heldout_texts().values()))
+  toks = np.asarray(tok.encode(text)[:150])
+  assert_training_form_matches(model, loaded, toks)
+
+
+def test_code_tiny_beats_the_unigram_entropy_of_heldout_code():
+  """Cross-entropy of the shipped model on held-out files below the entropy of those tokens' own
+  unigram distribution (a stricter bar than a unigram fitted on the training split)."""
+  m = api.load_model("code-tiny", page_tokens=64)
+  ce, toks_all = [], []
+  for text in list(_heldout_texts().values())[:3]:
+    toks = np.asarray(m.tokenizer.encode(text)[:257])
+    lg = api.teacher_forced_logits(m, toks[:-1])
+    lp = jax.nn.log_softmax(jnp.asarray(lg), axis=-1)
+    ce.append(-np.asarray(lp)[np.arange(len(toks) - 1), toks[1:]])
+    toks_all.append(toks[1:])
+  y = np.concatenate(toks_all)
+  p = np.bincount(y) / len(y)
+  unigram_entropy = float(-(p[p > 0] * np.log(p[p > 0])).sum())
+  assert float(np.concatenate(ce).mean()) < unigram_entropy - 0.5
