@@ -30,7 +30,6 @@ import dataclasses
 import os
 import re
 import time
-import unicodedata
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
@@ -38,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import config as config_lib
-from kvjax import engine, generate as gen_lib, speculative, tiny, weights
+from kvjax import engine, generate as gen_lib, speculative, text as text_lib, tiny, weights
 from kvjax.generate import GenerationResult
 from kvjax.model import AttentionOptions
 from kvjax.streaming import (StreamedKV, adaptive_staging_reserve_pages, fit_adaptive_pool,
@@ -356,7 +355,8 @@ def check_generation(*, n_predict: int = 32, temperature: float = 0.0, top_k: in
 def encode(model: LoadedModel, text: str, param: str = "prompt") -> List[int]:
   """`text` in the model's tokenizer (at least one token)."""
   if model.tokenizer is None:
-    raise ParameterError(f"{param}: {model.source!r} has no tokenizer (random preset weights); give token ids",
+    raise ParameterError(f"{param}: {model.source!r} has no tokenizer (random preset weights, or a GGUF without "
+                         f"tokenizer.ggml.tokens); give token ids",
                          param)
   ids = model.tokenizer.encode(text)
   if not ids:
@@ -484,18 +484,4 @@ def teacher_forced_logits(model: LoadedModel, tokens: Sequence[int], *, mtp: boo
 # text for a terminal
 # ---------------------------------------------------------------------------
 
-_UNPRINTABLE = ("Cc", "Cs", "Co", "Cn")   # controls, surrogates, private use, unassigned
-
-
-def printable(text: str) -> str:
-  """`text` safe for a terminal: control characters (ESC, BEL, NUL, DEL, C1 ...), surrogates,
-  private-use and unassigned code points become `\\xNN` / `\\uNNNN` / `\\UNNNNNNNN` escapes;
-  newlines and tabs stay."""
-  out = []
-  for ch in text:
-    if ch in "\n\t" or unicodedata.category(ch) not in _UNPRINTABLE:
-      out.append(ch)
-    else:
-      o = ord(ch)
-      out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}")
-  return "".join(out)
+printable = text_lib.printable   # generated text safe for a terminal (newlines and tabs stay)

@@ -19,6 +19,7 @@ naming the file, the tensor or key, and what was expected vs found.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import struct
@@ -30,7 +31,9 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
 from kvjax import config as config_lib
+from kvjax import tokenizer as tok_lib
 from kvjax.config import ARCH, ModelConfig
+from kvjax.text import one_line, quote
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -39,29 +42,45 @@ WEIGHT_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 
 
 class GGUFError(ValueError):
-  """A GGUF file kvjax cannot use (one-line message: file, what, expected vs found)."""
+  """A GGUF file kvjax cannot use (one-line message: file, what, expected vs found; everything
+  read from the file escaped by `kvjax.text.one_line`)."""
 
   def __init__(self, path, what: str):
-    msg = f"{os.fspath(path)}: {what}".replace("\n", " ")
-    super().__init__(msg)
+    super().__init__(one_line(f"{os.fspath(path)}: {what}"))
 
 
 # ---- low-level header parsing ----------------------------------------------
 
 _SCALAR = {
     VT.UINT8: "<B", VT.INT8: "<b", VT.UINT16: "<H", VT.INT16: "<h",
-    VT.UINT32: "<I", VT.INT32: "<i", VT.FLOAT32: "<f", VT.BOOL: "<?",
+    VT.UINT32: "<I", VT.INT32: "<i", VT.FLOAT32: "<f", VT.BOOL: "<B",
     VT.UINT64: "<Q", VT.INT64: "<q", VT.FLOAT64: "<d",
 }
 _NP_SCALAR = {
     VT.UINT8: "<u1", VT.INT8: "<i1", VT.UINT16: "<u2", VT.INT16: "<i2",
-    VT.UINT32: "<u4", VT.INT32: "<i4", VT.FLOAT32: "<f4", VT.BOOL: "?",
+    VT.UINT32: "<u4", VT.INT32: "<i4", VT.FLOAT32: "<f4", VT.BOOL: "u1",
     VT.UINT64: "<u8", VT.INT64: "<i8", VT.FLOAT64: "<f8",
 }
+# the fewest bytes one value of a type takes (a string: its 8-byte length; an array: type + count)
+_MIN_BYTES = {**{t: struct.calcsize(f) for t, f in _SCALAR.items()}, VT.STRING: 8, VT.ARRAY: 12}
+MAX_ARRAY_DEPTH = 2
+GGML_MAX_DIMS = 4
+GGML_MAX_NAME = 64    # ggml's name buffer, NUL included: names of at most 63 bytes
 
 
 class _Truncated(Exception):
   pass
+
+
+class _Bad(Exception):
+  """A malformed value met while parsing (turned into a `GGUFError` naming the key or tensor)."""
+
+
+def _vtype(raw: int, what: str):
+  try:
+    return VT(raw)
+  except ValueError:
+    raise _Bad(f"{what}: expected a GGUF value type 0-{max(VT)}, found unknown type id {raw}") from None
 
 
 class _Cursor:
@@ -70,8 +89,12 @@ class _Cursor:
   def __init__(self, buf):
     self.buf, self.pos = buf, 0
 
+  @property
+  def left(self) -> int:
+    return len(self.buf) - self.pos
+
   def take(self, n: int):
-    if n < 0 or self.pos + n > len(self.buf):
+    if n < 0 or n > self.left:
       raise _Truncated(f"need {n} bytes at offset {self.pos}, file has {len(self.buf)}")
     out = self.buf[self.pos:self.pos + n]
     self.pos += n
@@ -79,24 +102,43 @@ class _Cursor:
 
   def scalar(self, vtype):
     fmt = _SCALAR[vtype]
-    return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+    v = struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+    if vtype == VT.BOOL:
+      if v > 1:
+        raise _Bad(f"expected a bool (0 or 1), found byte {v}")
+      return bool(v)
+    return v
+
+  def raw_string(self) -> bytes:
+    return bytes(self.take(self.scalar(VT.UINT64)))
 
   def string(self) -> str:
-    n = self.scalar(VT.UINT64)
-    return bytes(self.take(n)).decode("utf-8", errors="surrogateescape")
+    return self.raw_string().decode("utf-8", errors="surrogateescape")
 
-  def value(self, vtype):
+  def count(self, vtype, what: str) -> int:
+    """An array's element count, checked against the bytes left (no huge allocation)."""
+    n = self.scalar(VT.UINT64)
+    if n * _MIN_BYTES[vtype] > self.left:
+      raise _Truncated(f"{what}: array of {n} {vtype.name} values needs at least "
+                       f"{n * _MIN_BYTES[vtype]} bytes at offset {self.pos}, file has {len(self.buf)}")
+    return n
+
+  def value(self, vtype, what: str, depth: int = 0):
     if vtype == VT.STRING:
       return self.string()
     if vtype == VT.ARRAY:
-      sub = VT(self.scalar(VT.UINT32))
-      count = self.scalar(VT.UINT64)
-      if sub == VT.STRING:
-        return [self.string() for _ in range(count)]
-      if sub == VT.ARRAY:
-        return [self.value(VT.ARRAY) for _ in range(count)]
+      if depth >= MAX_ARRAY_DEPTH:
+        raise _Bad(f"{what}: arrays nested deeper than {MAX_ARRAY_DEPTH}")
+      sub = _vtype(self.scalar(VT.UINT32), f"{what} array element")
+      count = self.count(sub, what)
+      if sub in (VT.STRING, VT.ARRAY):
+        return [self.value(sub, what, depth + 1) for _ in range(count)]
       dt = np.dtype(_NP_SCALAR[sub])
       arr = np.frombuffer(self.take(count * dt.itemsize), dtype=dt)
+      if sub == VT.BOOL:
+        if arr.size and arr.max() > 1:
+          raise _Bad(f"{what}: expected bools (0 or 1), found byte {int(arr.max())}")
+        arr = arr.astype(bool)
       return arr.tolist()
     return self.scalar(vtype)
 
@@ -124,10 +166,111 @@ def _supported_types():
 SUPPORTED_TYPES = frozenset(_supported_types())
 
 
-# ---- metadata -> config -------------------------------------------------------
+# ---- metadata: what each key must hold ---------------------------------------------
 
 def _k(name: str) -> str:
   return f"{ARCH}.{name}"
+
+
+MAX_DIM = 2**31 - 1    # sizes, counts and lengths: int32 in the compiled model
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_num(v) -> bool:
+  return _is_int(v) or isinstance(v, (float, np.floating))
+
+
+def _kind(v) -> str:
+  """How a value read from a file looks, for 'found ...' (escaped, short)."""
+  if isinstance(v, list):
+    kinds = sorted({_kind(x).split(" ")[0] for x in v})
+    return f"an array of {len(v)} {'/'.join(kinds) or 'values'}"
+  if isinstance(v, bool):
+    return f"bool {v}"
+  if _is_int(v):
+    return f"integer {v}"
+  if isinstance(v, float):
+    return f"float {v}"
+  if isinstance(v, str):
+    return f"string {quote(v)}"
+  return quote(v)
+
+
+# key -> (kind, low, high): "int" (any integer type), "float" (finite number), "str", "ints" /
+# "int|ints" (an integer array / a scalar or a per-layer array), "bools", "strs"
+_MODEL_KEYS = {
+    "block_count": ("int", 1, MAX_DIM), "context_length": ("int", 1, MAX_DIM),
+    "embedding_length": ("int", 1, MAX_DIM), "feed_forward_length": ("int", 1, MAX_DIM),
+    "attention.head_count": ("int|ints", 0, MAX_DIM), "attention.head_count_kv": ("int|ints", 0, MAX_DIM),
+    "attention.key_length": ("int", 1, MAX_DIM), "attention.value_length": ("int", 1, MAX_DIM),
+    "attention.layer_norm_rms_epsilon": ("float", 0.0, 1.0),
+    "rope.dimension_count": ("int", 2, MAX_DIM), "rope.freq_base": ("float", 0.0, float("inf")),
+    "rope.dimension_sections": ("ints", 0, MAX_DIM),
+    "ssm.conv_kernel": ("int", 1, MAX_DIM), "ssm.state_size": ("int", 1, MAX_DIM),
+    "ssm.group_count": ("int", 1, MAX_DIM), "ssm.time_step_rank": ("int", 1, MAX_DIM),
+    "ssm.inner_size": ("int", 1, MAX_DIM), "full_attention_interval": ("int", 1, MAX_DIM),
+    "nextn_predict_layers": ("int", 0, MAX_DIM), "attention.recurrent_layers": ("bools", 0, 1),
+}
+METADATA_SCHEMA = {
+    "general.architecture": ("str", None, None), "general.alignment": ("int", 1, 2**31),
+    **{_k(k): v for k, v in _MODEL_KEYS.items()},
+    "tokenizer.ggml.model": ("str", None, None), "tokenizer.ggml.pre": ("str", None, None),
+    "tokenizer.ggml.tokens": ("strs", None, None), "tokenizer.ggml.merges": ("strs", None, None),
+    "tokenizer.ggml.token_type": ("ints", -2**31, MAX_DIM),
+    "tokenizer.ggml.bos_token_id": ("int", 0, MAX_DIM), "tokenizer.ggml.eos_token_id": ("int", 0, MAX_DIM),
+    "tokenizer.ggml.padding_token_id": ("int", 0, MAX_DIM),
+}
+_BOUND_WORD = {"int": "an integer", "float": "a finite number", "str": "a string",
+               "ints": "an array of integers", "int|ints": "an integer or an array of integers",
+               "bools": "an array of bools", "strs": "an array of strings"}
+
+
+def _range_text(lo, hi, kind) -> str:
+  if kind == "float":
+    return f" > {lo}" + (f" and < {hi}" if hi != float("inf") else "")
+  if lo is None:
+    return ""
+  return f" in [{lo}, {hi}]" if hi != MAX_DIM else f" >= {lo}"
+
+
+def check_metadata(path, md: Mapping[str, Any], schema: Mapping[str, Tuple] = METADATA_SCHEMA) -> None:
+  """Every key of `schema` present in `md` holds the kind of value it must, finite and in range
+  (refused with a `GGUFError` naming the key, what it expects and what it found)."""
+  for key, (kind, lo, hi) in schema.items():
+    if key not in md:
+      continue
+    v = md[key]
+    want = _BOUND_WORD[kind] + ("" if kind in ("str", "strs", "bools") else _range_text(lo, hi, kind))
+    fail = lambda found=None: GGUFError(path, f"metadata {key}: expected {want}, found {found or _kind(v)}")
+    if kind == "str":
+      if not isinstance(v, str):
+        raise fail()
+    elif kind == "strs":
+      if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise fail()
+    elif kind == "bools":
+      if not isinstance(v, list) or not all(isinstance(x, bool) or (_is_int(x) and x in (0, 1)) for x in v):
+        raise fail()
+    elif kind == "float":
+      if not _is_num(v):
+        raise fail()
+      if not (math.isfinite(v) and lo < v < hi):
+        raise fail(f"{v}")
+    else:
+      vals = v if isinstance(v, list) else [v]
+      if (isinstance(v, list) and kind == "int") or (not isinstance(v, list) and kind == "ints"):
+        raise fail()
+      if isinstance(v, list) and not v:
+        raise fail("an empty array")
+      for i, x in enumerate(vals):
+        where = f" (entry {i})" if isinstance(v, list) else ""
+        if not _is_int(x):
+          raise fail(_kind(x) + where)
+        if not lo <= x <= hi:
+          raise fail(f"{x}{where}")
 
 
 def _uniform(path, key, v):
@@ -135,7 +278,7 @@ def _uniform(path, key, v):
   if isinstance(v, list):
     vals = sorted({int(x) for x in v if int(x) != 0})
     if len(vals) != 1:
-      raise GGUFError(path, f"metadata {key}: expected one value for all layers, found {vals}")
+      raise GGUFError(path, f"metadata {key}: expected one value for all layers, found {vals[:8]}")
     return vals[0]
   return v
 
@@ -146,11 +289,17 @@ def _f32_decimal(v) -> float:
   return float(str(np.float32(v)))
 
 
+def _block_index(name: str) -> Optional[int]:
+  m = _BLK.match(name)
+  return int(m.group(1)) if m else None
+
+
 def config_from_metadata(path, md: Mapping[str, Any], tensor_shapes: Mapping[str, Tuple[int, ...]]) -> ModelConfig:
   """Build (and check) the `ModelConfig` of a `qwen35` GGUF."""
+  check_metadata(path, md)
   arch = md.get("general.architecture")
   if arch != ARCH:
-    raise GGUFError(path, f"general.architecture: expected {ARCH!r}, found {arch!r}")
+    raise GGUFError(path, f"general.architecture: expected {ARCH!r}, found {quote(arch)}")
 
   def req(name):
     key = _k(name)
@@ -166,6 +315,10 @@ def config_from_metadata(path, md: Mapping[str, Any], tensor_shapes: Mapping[str
     raise GGUFError(path, f"multi-layer MTP is not supported: {_k('nextn_predict_layers')} "
                     f"expected 0 or 1, found {nextn}")
   block_count = int(req("block_count"))
+  blocks_in_file = 1 + max((b for n in tensor_shapes if (b := _block_index(n)) is not None), default=-1)
+  if block_count > blocks_in_file:
+    raise GGUFError(path, f"metadata {_k('block_count')}: expected at most {blocks_in_file} (the blocks the "
+                    f"file has tensors for), found {block_count}")
   num_layers = block_count - nextn
   hq = int(_uniform(path, _k("attention.head_count"), req("attention.head_count")))
   hkv = int(_uniform(path, _k("attention.head_count_kv"), req("attention.head_count_kv")))
@@ -260,6 +413,10 @@ class GGUFModel:
 
   # -- parsing --
   def _parse(self):
+    """The header, checked as ggml's reader checks it, before anything is trusted: known value
+    types, unique keys and tensor names, alignment a power of two, at most 4 dims, known tensor
+    types, each tensor's offset the running padded total of the tensors before it, the data inside
+    the file (and no bytes after it)."""
     path, mm = self.path, self._mm
     cur = _Cursor(memoryview(mm))
     magic = bytes(cur.take(4)) if len(mm) >= 4 else bytes(mm)
@@ -269,31 +426,45 @@ class GGUFModel:
     if version not in (2, 3):
       raise GGUFError(path, f"GGUF version expected 2 or 3, found {version}")
     n_tensors, n_kv = cur.scalar(VT.UINT64), cur.scalar(VT.UINT64)
-    if n_tensors > len(mm) or n_kv > len(mm):
-      raise _Truncated(f"header claims {n_tensors} tensors / {n_kv} keys")
+    for n, what, least in ((n_kv, "metadata keys", 8 + 4 + 1), (n_tensors, "tensors", 8 + 4 + 4 + 8)):
+      if n * least > cur.left:
+        raise _Truncated(f"header claims {n} {what} (at least {n * least} bytes), file has {len(mm)}")
     md: Dict[str, Any] = {}
-    for _ in range(n_kv):
-      key = cur.string()
-      raw = cur.scalar(VT.UINT32)
+    types: Dict[str, Any] = {}
+    for i in range(n_kv):
+      key = self._name(cur.raw_string(), f"metadata key #{i}")
+      if key in md:
+        raise GGUFError(path, f"metadata {key}: duplicated key (keys must be unique)")
       try:
-        vtype = VT(raw)
-      except ValueError:
-        raise GGUFError(path, f"metadata {key}: unknown value type {raw}") from None
-      md[key] = cur.value(vtype)
+        vtype = _vtype(cur.scalar(VT.UINT32), f"metadata {key}")
+        md[key] = cur.value(vtype, f"metadata {key}")
+      except _Bad as e:
+        raise GGUFError(path, str(e) if str(e).startswith("metadata ") else f"metadata {key}: {e}") from None
+      types[key] = vtype
+    align = md.get("general.alignment", DEFAULT_ALIGNMENT)
+    if "general.alignment" in md and types["general.alignment"] != VT.UINT32:
+      raise GGUFError(path, f"metadata general.alignment: expected a UINT32, found {types['general.alignment'].name}"
+                      f" {quote(align)}")
+    if not (_is_int(align) and align >= 1 and align & (align - 1) == 0):
+      raise GGUFError(path, f"metadata general.alignment: expected a power of two >= 1, found {quote(align)}")
     raw_infos = []
-    for _ in range(n_tensors):
-      name = cur.string()
+    for i in range(n_tensors):
+      name = self._name(cur.raw_string(), f"tensor #{i}")
       n_dims = cur.scalar(VT.UINT32)
-      if n_dims > 8:
-        raise GGUFError(path, f"tensor {name}: expected <= 8 dims, found {n_dims}")
+      if not 1 <= n_dims <= GGML_MAX_DIMS:
+        raise GGUFError(path, f"tensor {name}: expected 1-{GGML_MAX_DIMS} dims, found {n_dims}")
       dims = [cur.scalar(VT.UINT64) for _ in range(n_dims)]
       raw_type = cur.scalar(VT.UINT32)
       offset = cur.scalar(VT.UINT64)
-      raw_infos.append((name, tuple(int(d) for d in reversed(dims)), raw_type, offset))
-    align = int(md.get("general.alignment", DEFAULT_ALIGNMENT))
+      raw_infos.append((name, dims, raw_type, offset))
     data_start = (cur.pos + align - 1) // align * align
     infos: Dict[str, TensorInfo] = {}
-    for name, shape, raw_type, offset in raw_infos:
+    total = 0          # the running padded total: where the next tensor must start
+    for name, dims, raw_type, offset in raw_infos:
+      if name in infos:
+        raise GGUFError(path, f"tensor {name}: duplicated name (tensor names must be unique)")
+      if min(dims) < 1:
+        raise GGUFError(path, f"tensor {name}: expected dims >= 1, found {dims}")
       try:
         qt = QT(raw_type)
       except ValueError:
@@ -303,20 +474,36 @@ class GGUFModel:
         raise GGUFError(path, f"tensor {name}: unsupported tensor type: expected one of "
                         f"{sorted(t.name for t in SUPPORTED_TYPES)}, found {qt.name}")
       block, tsize = gguf.GGML_QUANT_SIZES[qt]
-      n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-      if shape and shape[-1] % block:
+      if dims[0] % block:
         raise GGUFError(path, f"tensor {name}: {qt.name} rows need a multiple of {block} values, "
-                        f"found shape {shape}")
+                        f"found shape {tuple(reversed(dims))}")
+      n = math.prod(dims)                  # python ints: no overflow
       nbytes = n // block * tsize
+      if offset != total:
+        raise GGUFError(path, f"tensor {name}: data offset expected {total} (the tensors before it, each "
+                        f"padded to the alignment {align}), found {offset}")
       start = data_start + offset
       if start + nbytes > len(mm):
-        raise _Truncated(f"tensor {name} needs bytes [{start}, {start + nbytes}), "
-                         f"file has {len(mm)}")
-      if name in infos:
-        raise GGUFError(path, f"tensor {name}: duplicated")
-      infos[name] = TensorInfo(name, qt, shape, start, nbytes)
+        raise _Truncated(f"tensor {name} needs bytes [{start}, {start + nbytes}), file has {len(mm)}")
+      infos[name] = TensorInfo(name, qt, tuple(int(d) for d in reversed(dims)), start, nbytes)
+      total = offset + (nbytes + align - 1) // align * align
+    end = data_start + total
+    if infos and len(mm) not in (end, data_start + offset + nbytes):
+      raise GGUFError(path, f"file size expected {end} (the end of the last tensor's data), found {len(mm)}")
     self.metadata: Dict[str, Any] = md
+    self.metadata_types: Dict[str, Any] = types
     self._infos = infos
+
+  def _name(self, raw: bytes, what: str) -> str:
+    """A key or tensor name: UTF-8 text (names are compared and printed, escaped)."""
+    try:
+      name = raw.decode("utf-8")
+    except UnicodeDecodeError:
+      raise GGUFError(self.path, f"{what}: expected a UTF-8 name, found {quote(raw)}") from None
+    if not name or (what.startswith("tensor") and len(raw) >= GGML_MAX_NAME):
+      raise GGUFError(self.path, f"{what}: expected a name of 1-{GGML_MAX_NAME - 1} bytes, found "
+                      f"{len(raw)} bytes {quote(name)}")
+    return name
 
   def _validate(self):
     path = self.path
@@ -339,13 +526,41 @@ class GGUFModel:
       if name not in shapes:
         raise GGUFError(path, f"missing tensor {name}: expected shape {expected[name]}")
     for name, shape in shapes.items():
-      if name in expected and tuple(shape) != tuple(expected[name]):
+      if name not in expected:   # as llama.cpp: every tensor of the file is used
+        raise GGUFError(path, f"tensor {name}: not a tensor of this {ARCH} model (block_count "
+                        f"{block_count}, nextn_predict_layers {cfg.mtp_layers})")
+      if tuple(shape) != tuple(expected[name]):
         raise GGUFError(path, f"tensor {name}: wrong shape: expected {tuple(expected[name])}, "
                         f"found {tuple(shape)}")
     self.config: ModelConfig = cfg
     self.tokenizer_spec: Dict[str, Any] = {
         k[len("tokenizer.ggml."):]: v for k, v in self.metadata.items()
         if k.startswith("tokenizer.ggml.")}
+    self._tokenizer = self._build_tokenizer()
+
+  def _build_tokenizer(self):
+    """The tokenizer of `tokenizer.ggml.*`, or None when the file has no `tokenizer.ggml.tokens`
+    (then only token ids can be given). Its own checks are refused as `GGUFError`s."""
+    spec = self.tokenizer_spec
+    if "tokens" not in spec:
+      return None
+    n = len(spec["tokens"])
+    if "token_type" in spec and len(spec["token_type"]) != n:
+      raise GGUFError(self.path, f"metadata tokenizer.ggml.token_type: expected {n} entries (one per token), "
+                      f"found {len(spec['token_type'])}")
+    for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
+      if key in spec and spec[key] >= n:
+        raise GGUFError(self.path, f"metadata tokenizer.ggml.{key}: expected a token id < {n} (the tokens), "
+                        f"found {spec[key]}")
+    try:
+      return tok_lib.from_spec(spec)
+    except ValueError as e:
+      raise GGUFError(self.path, f"tokenizer.ggml.*: {e}") from None
+
+  @property
+  def tokenizer(self):
+    """`kvjax.tokenizer.Tokenizer` of the file, None when it has no token list."""
+    return self._tokenizer
 
   # -- tensors --
   def tensor_names(self) -> list:
@@ -377,7 +592,12 @@ class GGUFModel:
       block, tsize = gguf.GGML_QUANT_SIZES[info.ggml_type]
       rows = raw.reshape(-1, shape[-1] // block * tsize)
       out = gguf.quants.dequantize(np.asarray(rows), info.ggml_type).reshape(shape)
-    return np.array(out, dtype=dtype, copy=True).reshape(info.shape)
+    out = np.array(out, dtype=dtype, copy=True).reshape(info.shape)
+    if not np.isfinite(out).all():
+      bad = np.flatnonzero(~np.isfinite(out.reshape(-1)))
+      raise GGUFError(self.path, f"tensor {name}: expected finite values, found {bad.size} NaN / inf "
+                      f"(first at flat index {bad[0]})")
+    return out
 
   def iter_tensors(self, dtype=np.float32, names: Optional[Sequence[str]] = None
                    ) -> Iterator[Tuple[str, np.ndarray]]:
