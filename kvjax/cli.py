@@ -23,7 +23,8 @@ compilation (a run without `--warmup` is mostly that), and notes such as
 Errors a user can cause (bad flags, a missing or malformed GGUF, a KV pool
 too small for the context) are printed as one line `kvjax: error: ...` on
 stderr, without a traceback; the exit status is 2 for usage errors (unknown
-subcommand or flag, bad flag values) and 1 for the rest.
+subcommand or flag, bad flag values, sizes beyond the model's context length or
+the machine's memory) and 1 for the rest; Ctrl-C prints one line and exits 130.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 from absl import flags
+
+from kvjax.text import one_line
 
 PROG = "kvjax"
 SUBCOMMANDS = ("generate", "logits", "memory")
@@ -88,8 +91,10 @@ def _generate_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_float("temperature", 0.0, "sampling temperature (0 = greedy)", flag_values=fv, short_name="temp")
   flags.DEFINE_integer("top-k", 0, "top-k sampling (0 = whole vocabulary)", flag_values=fv)
   flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=fv, short_name="s")
-  flags.DEFINE_integer("ctx-size", 0, "KV capacity in tokens (0 = prompt + n-predict)", flag_values=fv,
-                       short_name="c")
+  flags.DEFINE_integer("ctx-size", 0, "KV capacity in tokens (0 = prompt + n-predict); at most the model's "
+                       "context length", flag_values=fv, short_name="c")
+  flags.DEFINE_bool("exceed-context-length", False, "allow a KV capacity beyond the model's context length "
+                    "(its GGUF context_length)", flag_values=fv)
   flags.DEFINE_bool("ignore-eos", False, "keep generating past the end-of-sequence token", flag_values=fv)
   flags.DEFINE_bool("json", False, "print one JSON line {tokens, text, metrics} instead of the text",
                     flag_values=fv)
@@ -153,7 +158,7 @@ FLAG_OF = {
     "pool_pages": "--kv-stream-pool-pages", "copy_pages": "--kv-stream-copy-pages",
     "policy": "--kv-stream-policy", "phased": "--kv-stream-phased", "spec": "--spec-type",
     "spec.draft": "--spec-type", "spec.n_max": "--spec-draft-n-max", "spec.p_min": "--spec-draft-p-min",
-    "spec.ngram_n": "--spec-ngram-size-n",
+    "spec.ngram_n": "--spec-ngram-size-n", "exceed_context_length": "--exceed-context-length",
 }
 _SPEC_DRAFT = {"draft-mtp": "mtp", "ngram-simple": "ngram"}
 
@@ -230,7 +235,7 @@ def cmd_generate(fv: flags.FlagValues, out=None, err=None) -> int:
   model = _load(fv)
   prompt = api.prompt_ids(model, fv["prompt"].value, ids)
   ctx = api.context_tokens(len(prompt), n_predict, spec, fv["ctx-size"].value)
-  kv = api.make_kv(model, ctx, ubatch=ubatch, **budget)
+  kv = api.make_kv(model, ctx, ubatch=ubatch, exceed_context_length=fv["exceed-context-length"].value, **budget)
   res = api.generate(model, kv, prompt_tokens=prompt, n_predict=n_predict, seed=fv["seed"].value,
                      ignore_eos=fv["ignore-eos"].value, spec=spec, ubatch=ubatch, warmup=fv["warmup"].value,
                      **sampling)
@@ -296,7 +301,7 @@ def _json_default(x):
 
 
 def _error(msg: str) -> None:
-  msg = " ".join(str(msg).split())  # one line
+  msg = one_line(" ".join(str(msg).split()))  # one line, nothing from a file printed raw
   print(f"{PROG}: error: {msg}", file=sys.stderr, flush=True)
 
 
@@ -351,6 +356,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2
   try:
     return _COMMANDS[sub](fv)
+  except KeyboardInterrupt:
+    _error("interrupted")
+    return 130
   except UsageError as e:
     _error(e)
     return 2

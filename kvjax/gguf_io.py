@@ -361,7 +361,7 @@ def config_from_metadata(path, md: Mapping[str, Any], tensor_shapes: Mapping[str
       bad = next(i for i in range(num_layers) if rec[i] != want[i])
       raise GGUFError(path, f"{rec_key}: layer {bad} expected recurrent={want[bad]} for "
                       f"full_attention_interval {interval}, found {rec[bad]}")
-  sections = tuple(int(s) for s in opt("rope.dimension_sections", (11, 11, 10, 0)))
+  sections = tuple(int(s) for s in req("rope.dimension_sections"))
 
   if "token_embd.weight" not in tensor_shapes:
     raise GGUFError(path, "missing tensor token_embd.weight")
@@ -383,7 +383,7 @@ def config_from_metadata(path, md: Mapping[str, Any], tensor_shapes: Mapping[str
         linear_head_dim=state, conv_kernel=conv,
         full_attention_interval=int(interval),
         rms_eps=_f32_decimal(req("attention.layer_norm_rms_epsilon")),
-        context_length=int(opt("context_length", 262144)),
+        context_length=int(req("context_length")),
         mtp_layers=nextn,
         tie_embeddings="output.weight" not in tensor_shapes,
         rope_sections=sections)
@@ -532,6 +532,9 @@ class GGUFModel:
       if tuple(shape) != tuple(expected[name]):
         raise GGUFError(path, f"tensor {name}: wrong shape: expected {tuple(expected[name])}, "
                         f"found {tuple(shape)}")
+      qt = self._infos[name].ggml_type
+      if len(shape) == 1 and qt != QT.F32:   # as llama.cpp writes them: never converted or quantized
+        raise GGUFError(path, f"tensor {name}: 1-D tensors are stored as F32, found {qt.name}")
     self.config: ModelConfig = cfg
     self.tokenizer_spec: Dict[str, Any] = {
         k[len("tokenizer.ggml."):]: v for k, v in self.metadata.items()
