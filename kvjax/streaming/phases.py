@@ -168,6 +168,10 @@ class AdaptiveStreamedKV(StreamedKV):
     self._ring_peak_before = self.counters["ring_peak_slots"]
     self.counters["ring_peak_slots"] = 0   # per-forward peak for the window
 
+  def reset(self):
+    super().reset()
+    self._last = dict(self.counters)
+
   def end_forward(self):
     super().end_forward()
     c, last = self.counters, self._last
