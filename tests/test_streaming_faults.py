@@ -7,12 +7,8 @@ import pytest
 
 from kvjax import engine
 from kvjax.streaming import StreamedKV, fixed_split
-from kvjax.streaming import provider as provider_lib
+from experiments.lib.faults import RetryingRunner, copy_faults
 from tiny_setup import build_tiny_runner
-
-
-class InjectedCopyFault(RuntimeError):
-  pass
 
 
 @pytest.fixture(scope="module")
@@ -20,28 +16,16 @@ def tiny_runner():
   return build_tiny_runner(0, page_tokens=16)
 
 
-def decode(runner, kv, prompt, steps, fail_calls=()):
-  """Prefill + greedy decode with `runner.forward`; the `_to_device` calls numbered in `fail_calls`
-  raise, and the failed forward is retried with the same arguments. -> (logits per step, faults)."""
-  calls, faults = [0], [0]
-  real = provider_lib._to_device
+def decode(runner, kv, prompt, steps, fault_every=0):
+  """Prefill + greedy decode with `runner.forward`; a host-to-device copy fails after every
+  `fault_every` - 1 good ones, and the failed forward is retried with the same arguments
+  (`RetryingRunner`). -> (logits per step, faults injected)."""
+  with copy_faults(every=fault_every) as faults:
+    run = RetryingRunner(runner)
 
-  def flaky(src):
-    calls[0] += 1
-    if calls[0] in fail_calls:
-      faults[0] += 1
-      raise InjectedCopyFault(f"copy {calls[0]}")
-    return real(src)
+    def forward(tokens, pos, states):
+      return run.forward(np.asarray(tokens, np.int32), pos, len(tokens), states, kv)
 
-  def forward(tokens, pos, states):
-    while True:
-      try:
-        return runner.forward(np.asarray(tokens, np.int32), pos, len(tokens), states, kv)
-      except InjectedCopyFault:
-        continue   # retried on the same provider: nothing of the failed forward may remain
-
-  provider_lib._to_device = flaky
-  try:
     out = forward(prompt, 0, runner.zero_states())
     logits = [np.asarray(out.logits_rv[-1])]
     pos, states = len(prompt), out.rec_states
@@ -49,15 +33,14 @@ def decode(runner, kv, prompt, steps, fail_calls=()):
       out = forward([int(np.argmax(logits[-1]))], pos, states)
       logits.append(np.asarray(out.logits_rv[-1]))
       pos, states = pos + 1, out.rec_states
-  finally:
-    provider_lib._to_device = real
-  return logits, faults[0]
+  assert run.retries == faults.injected
+  return logits, faults.injected
 
 
 def test_failed_copies_retried_give_plain_logits_and_clean_counters(tiny_runner):
   cfg, runner, layout = tiny_runner
-  prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 70))
-  steps, max_tokens = 12, 70 + 12 + 1
+  prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 50))
+  steps, max_tokens = 8, 50 + 8 + 1
   plain, _ = decode(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, steps)
 
   def streamed():
@@ -68,8 +51,8 @@ def test_failed_copies_retried_give_plain_logits_and_clean_counters(tiny_runner)
   clean_kv = streamed()
   clean, _ = decode(runner, clean_kv, prompt, steps)
   kv = streamed()
-  faulty, faults = decode(runner, kv, prompt, steps, fail_calls=set(range(3, 400, 5)))
-  assert faults >= 10
+  faulty, faults = decode(runner, kv, prompt, steps, fault_every=9)
+  assert faults >= 3
   for step, (a, b, c) in enumerate(zip(plain, clean, faulty)):
     np.testing.assert_array_equal(b, a, err_msg=f"step {step}: streamed vs plain")
     np.testing.assert_array_equal(c, a, err_msg=f"step {step}: streamed with failed copies vs plain")
