@@ -34,6 +34,7 @@ flags.DEFINE_integer("n_max", 3, "drafts per speculative round")
 flags.DEFINE_integer("wrong_every", 5, "every N-th drafted position is wrong (planted rejection)")
 flags.DEFINE_integer("fault_every", 23, "a host-to-device copy fails after every N - 1 good ones (0: none)")
 flags.DEFINE_integer("seed", 0, "prompt and weight seed")
+flags.DEFINE_string("attn_impl", "auto", "span attention implementation (kvjax.api.load_model)")
 flags.DEFINE_string("out", None, "folder for soak.json")
 FLAGS = flags.FLAGS
 
@@ -48,13 +49,14 @@ def planted_drafter(prompt, truth, wrong_every: int, vocab: int):
 
 
 def soak(steps: int, prompt_tokens: int = 100, page_tokens: int = 16, pool_pages: int = 12, copy_pages: int = 4,
-         n_max: int = 3, wrong_every: int = 5, fault_every: int = 23, seed: int = 0) -> dict:
+         n_max: int = 3, wrong_every: int = 5, fault_every: int = 23, seed: int = 0,
+         attn_impl: str = "auto") -> dict:
   """Run the soak -> its checks and counts (see the module docstring)."""
   import numpy as np
   from experiments.lib.faults import RetryingRunner, copy_faults
   from kvjax import api, engine, generate as gen_lib, speculative
   from kvjax.streaming.phases import AdaptiveStreamedKV
-  model = api.load_model(f"tiny:{seed}", page_tokens=page_tokens, attn_impl="reference")
+  model = api.load_model(f"tiny:{seed}", page_tokens=page_tokens, attn_impl=attn_impl)
   cfg, runner, layout = model.cfg, model.runner, model.layout
   prompt = [int(t) for t in np.random.default_rng(seed).integers(0, cfg.vocab_size, prompt_tokens)]
   max_tokens = prompt_tokens + steps + n_max
@@ -98,6 +100,7 @@ def soak(steps: int, prompt_tokens: int = 100, page_tokens: int = 16, pool_pages
       "repartitions": sum(1 for d in kv.decisions if d.partition_changed),
       "ring_wraps": kv.counters["ring_wraps"], "streamed_pages": kv.counters["streamed_pages"],
       "staging_peak_bytes": kv.counters["staging_peak_bytes"], "staging_live_bytes_after": kv._staging_live,
+      "attn_impl": runner.opts.implementation, "device": str(__import__("jax").devices()[0]),
       "plain_s": t1 - t0, "spec_plain_s": t2 - t1, "soak_s": t3 - t2,
   }
 
@@ -109,7 +112,7 @@ def main(argv):
     if getattr(FLAGS, name) < 1:
       raise app.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
   r = soak(FLAGS.steps, FLAGS.prompt_tokens, FLAGS.page_tokens, FLAGS.pool_pages, FLAGS.copy_pages, FLAGS.n_max,
-           FLAGS.wrong_every, FLAGS.fault_every, FLAGS.seed)
+           FLAGS.wrong_every, FLAGS.fault_every, FLAGS.seed, FLAGS.attn_impl)
   if FLAGS.out:
     os.makedirs(FLAGS.out, exist_ok=True)
     with open(os.path.join(FLAGS.out, "soak.json"), "w") as f:

@@ -2,9 +2,12 @@
 streamed cache through a small pool, with failed host-to-device copies retried: tokens equal plain
 greedy decoding, the host history equals the plain cache of the same rounds byte for byte."""
 
+import pytest
+
 from experiments import soak_stream
 
 
+@pytest.mark.slow
 def test_short_soak():
   r = soak_stream.soak(steps=10, prompt_tokens=40, page_tokens=16, pool_pages=8, copy_pages=2, n_max=3,
                        wrong_every=3, fault_every=8)
