@@ -205,7 +205,7 @@ def check_kv_budget(*, arena_mib: Optional[float] = None, pool_pages: Optional[i
   if pool_pages is not None and pool_pages < 1:
     raise ParameterError(f"pool_pages must be >= 1, got {pool_pages}", "pool_pages")
   if arena_mib is not None and not 0 < arena_mib < float("inf"):
-    raise ParameterError(f"arena_mib must be a finite number > 0, got {arena_mib}", "arena_mib")
+    raise ParameterError(f"arena_mib must be > 0 and finite, got {arena_mib}", "arena_mib")
 
 
 MAX_POSITIONS = 2**31 - 1   # token positions are int32 in the compiled steps

@@ -168,7 +168,7 @@ def test_streamed_pool_pages_matches_plain(capsys, plain_run):
   assert m["resident_pages_per_layer"] == [1, 1, 1]
   # pages 1..2 of each layer streamed through the ring every forward after the prompt
   assert m["h2d_bytes"] > 0 and m["streamed_pages"] > 0 and m["ring_wraps"] > 0
-  assert m["d2h_bytes"] > 0 and m["readiness_misses"] >= 0
+  assert m["d2h_bytes"] > 0 and 0 < m["deadline_samples"] and m["readiness_misses"] <= m["deadline_samples"]
   for k in ("h2d_bytes", "d2h_bytes", "ring_wraps", "resident_pages", "ring_slots", "readiness_misses"):
     assert k in m
 
@@ -482,7 +482,7 @@ def test_speculative_needs_greedy(capsys):
 # ---- sizes and flags refused before anything is allocated, with their exit status ----------
 
 @pytest.mark.parametrize("flags_,status,needles", [
-    (["--kv-stream-arena-mib", "inf"], 2, ["--kv-stream-arena-mib must be a finite number > 0, got inf"]),
+    (["--kv-stream-arena-mib", "inf"], 2, ["--kv-stream-arena-mib must be > 0 and finite, got inf"]),
     (["--ctx-size", "-5"], 2, ["--ctx-size must be >= 0", "got -5"]),
     (["--ctx-size", "1000000000000"], 2, ["--ctx-size 1000000000000 is beyond the 2147483647 token positions"]),
     (["--n-predict", "1000000000000"], 2, ["beyond the 2147483647 token positions"]),
