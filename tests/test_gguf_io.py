@@ -416,3 +416,11 @@ def test_file_without_tokenizer_loads_without_one(tmp_path, records):
   g = gf._drop_key(g, b"tokenizer.ggml.merges")
   m = gguf_io.read_gguf(_write(tmp_path, g.to_bytes()))
   assert m.tokenizer is None and m.config == config.tiny()
+
+
+@pytest.mark.parametrize("kw", [dict(num_kv_heads=0), dict(rms_eps=float("nan")), dict(context_length=0),
+                                dict(rope_theta=-1.0), dict(hidden_size=True)])
+def test_model_config_refuses_non_positive_sizes(kw):
+  """`ModelConfig` itself: sizes >= 1 and finite positive floats, checked before anything divides."""
+  with pytest.raises(ValueError, match="expected positive sizes and positive finite floats, found " + list(kw)[0]):
+    config.tiny(**kw)
