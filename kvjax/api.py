@@ -473,6 +473,9 @@ def context_tokens(n_prompt: int, n_predict: int, spec: Optional[SpecConfig] = N
   need = n_prompt + n_predict
   if max_tokens < 0:
     raise ParameterError(f"max_tokens must be >= 0 (0: prompt + n_predict), got {max_tokens}", "max_tokens")
+  if not max_tokens and need > MAX_POSITIONS:
+    raise ParameterError(f"prompt {n_prompt} + n_predict {n_predict} needs {need} token positions, beyond the "
+                         f"{MAX_POSITIONS} the model indexes (int32)", "n_predict")
   if max_tokens and max_tokens < need:
     raise ParameterError(f"max_tokens {max_tokens} is too small: prompt {n_prompt} + n_predict {n_predict} "
                          f"needs {need} tokens ({need - max_tokens} more)", "max_tokens", "n_predict")

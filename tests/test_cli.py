@@ -485,7 +485,8 @@ def test_speculative_needs_greedy(capsys):
     (["--kv-stream-arena-mib", "inf"], 2, ["--kv-stream-arena-mib must be > 0 and finite, got inf"]),
     (["--ctx-size", "-5"], 2, ["--ctx-size must be >= 0", "got -5"]),
     (["--ctx-size", "1000000000000"], 2, ["--ctx-size 1000000000000 is beyond the 2147483647 token positions"]),
-    (["--n-predict", "1000000000000"], 2, ["beyond the 2147483647 token positions"]),
+    (["--n-predict", "1000000000000"], 2, ["prompt 3 + --n-predict 1000000000000 needs 1000000000003 token "
+                                            "positions, beyond the 2147483647"]),
     (["--ctx-size", "9000"], 2, ["--ctx-size 9000 is beyond the model's context length of 8192 tokens",
                                  "808 more", "--exceed-context-length"]),
     (["--kv-page-tokens", "48", "--attn-impl", "mosaic"], 2, ["--kv-page-tokens 48", "multiple of 64"]),
