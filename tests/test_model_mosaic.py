@@ -24,9 +24,12 @@ from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import api
 
 ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"
-# the attention core's "f16" operand rounding (~4e-4 relative, tests/test_span_attention*.py)
-# carried through the random-weight layers to the logits
-LOGITS_TOL = 5e-3
+# the attention core's "f16" operand rounding carried through the random-weight layers to the
+# logits: measured 3.9e-5 .. 4.4e-5 relative for 1, 4 and 40 rows (interpreted kernels on the CPU,
+# 2026-12-03; 4e-5 reported for the compiled decode on the H200); the bound is ~4.5x that
+LOGITS_TOL = 2e-4
+# mosaic against triton on a 256-token prefill chunk (GPU only; not measured with the bound above)
+TRITON_TOL = 5e-3
 
 
 def rel(a, b):
@@ -132,4 +135,4 @@ if ON_GPU:
       outs.append(np.asarray(runner.forward(chunk, 0, 256, runner.zero_states(), kv).logits_rv))
     np.testing.assert_array_equal(outs[0], outs[1])
     assert jnp.isfinite(outs[0]).all()
-    assert rel(outs[1], outs[2]) <= LOGITS_TOL, rel(outs[1], outs[2])
+    assert rel(outs[1], outs[2]) <= TRITON_TOL, rel(outs[1], outs[2])
