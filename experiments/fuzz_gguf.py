@@ -8,7 +8,7 @@ duplicate keys and tensors, bad offsets / alignment / type ids / dims / counts /
 non-finite, out-of-range and impossible metadata, non-finite tensor data) and judges each in this
 process (`gguf_fuzz.judge`, each under a `--timeout_s` alarm: a hang is a failure). Every
 `--cli_every`-th case also runs `kvjax generate --model FILE --prompt-tokens 1,2,3 --n-predict 2`
-in-process: a refused file must give exit status 1 and one `kvjax: error:` line naming the file, an
+(a subprocess): a refused file must give exit status 1 and one `kvjax: error:` line naming the file, an
 accepted one status 0.
 
 Prints a table of counts per mutation class and outcome, then the failures (none expected); with
@@ -18,11 +18,11 @@ Prints a table of counts per mutation class and outcome, then the failures (none
 from __future__ import annotations
 
 import collections
-import contextlib
-import io
 import json
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -46,23 +46,21 @@ def _alarm(signum, frame):
 
 
 def run_cli(path: str):
-  """`kvjax generate` on `path` in this process -> (exit status, stderr)."""
-  from kvjax import cli
-  err = io.StringIO()
-  with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-    rc = cli.main(["generate", "--model", path, "--prompt-tokens", "1,2,3", "--n-predict", "2"])
-  return rc, err.getvalue()
+  """`kvjax generate` on `path` in a subprocess -> (exit status, stderr)."""
+  p = subprocess.run([sys.executable, "-m", "kvjax.cli", "generate", "--model", path, "--prompt-tokens", "1,2,3",
+                      "--n-predict", "2"], capture_output=True, text=True)
+  return p.returncode, p.stderr
 
 
-def cli_outcome(path: str, outcome: str) -> str:
-  """Check the command line agrees with the reader: a refused file exits 1 with one line."""
-  rc, err = run_cli(path)
+def check_cli(path: str, outcome: str, rc: int, err: str) -> str:
+  """The command line agrees with the reader: a refused file exits 1 with one `kvjax: error:` line
+  naming the file; an accepted one exits 0."""
   lines = [l for l in err.splitlines() if l.startswith("kvjax: error:")]
   if outcome == "refused":
     if rc != 1 or len(lines) != 1 or path not in lines[0] or len(err.strip().splitlines()) != 1:
       return f"FAIL cli: status {rc}, stderr {err.strip()[:120]!r}"
   elif rc != 0:
-    return f"FAIL cli: accepted file exits {rc}: {err.strip()[:120]!r}"
+    return f"FAIL cli: accepted file exits {rc}: {err.strip()[-120:]!r}"
   return outcome
 
 
@@ -87,7 +85,7 @@ def run(n: int, seed: int, cli_every: int = 0, timeout_s: float = 20.0, cli_time
         outcome = gguf_fuzz.judge(path, case, original)
         if cli_every and i % cli_every == 0 and not outcome.startswith("FAIL"):
           signal.setitimer(signal.ITIMER_REAL, cli_timeout_s)
-          outcome = cli_outcome(path, outcome)
+          outcome = check_cli(path, outcome, *run_cli(path))
       except _Hang:
         outcome = "FAIL hang (past --timeout_s / --cli_timeout_s)"
       finally:

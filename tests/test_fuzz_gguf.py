@@ -2,8 +2,19 @@
 one escaped line naming the file, or accepted as a valid model (the same one where it must be)."""
 
 import collections
+import contextlib
+import io
 
 from experiments import fuzz_gguf
+from kvjax import cli
+
+
+def run_main(path):
+  """`kvjax generate --model path` in this process -> (exit status, stderr)."""
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    rc = cli.main(["generate", "--model", path, "--prompt-tokens", "1,2,3", "--n-predict", "2"])
+  return rc, err.getvalue()
 
 
 def test_fuzz_cases_refused_or_valid(tmp_path):
@@ -30,4 +41,5 @@ def test_fuzz_refusals_through_the_command_line(tmp_path):
   for i, case in enumerate(picked.values()):
     path = str(tmp_path / f"c{i}.gguf")
     open(path, "wb").write(case.data)
-    assert fuzz_gguf.cli_outcome(path, "refused") == "refused", (case.cls, case.what)
+    rc, err = run_main(path)
+    assert fuzz_gguf.check_cli(path, "refused", rc, err) == "refused", (case.cls, case.what)
