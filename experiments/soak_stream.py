@@ -27,8 +27,9 @@ from absl import app, flags
 
 flags.DEFINE_integer("steps", 4000, "tokens to decode")
 flags.DEFINE_integer("prompt_tokens", 100, "seeded random prompt length")
-flags.DEFINE_integer("page_tokens", 16, "tokens per KV page")
-flags.DEFINE_integer("pool_pages", 12, "device pool of the streamed cache (pages)")
+flags.DEFINE_integer("page_tokens", 64, "tokens per KV page")
+flags.DEFINE_integer("pool_pages", 0, "device pool of the streamed cache in pages (0: one cache layer's pages + 4, "
+                     "so the ring holds a layer that streams every page; the cache has 3 layers)")
 flags.DEFINE_integer("copy_pages", 4, "host copy unit (pages, a power of two)")
 flags.DEFINE_integer("n_max", 3, "drafts per speculative round")
 flags.DEFINE_integer("wrong_every", 5, "every N-th drafted position is wrong (planted rejection)")
@@ -48,7 +49,7 @@ def planted_drafter(prompt, truth, wrong_every: int, vocab: int):
   return drafter
 
 
-def soak(steps: int, prompt_tokens: int = 100, page_tokens: int = 16, pool_pages: int = 12, copy_pages: int = 4,
+def soak(steps: int, prompt_tokens: int = 100, page_tokens: int = 64, pool_pages: int = 0, copy_pages: int = 4,
          n_max: int = 3, wrong_every: int = 5, fault_every: int = 23, seed: int = 0,
          attn_impl: str = "auto") -> dict:
   """Run the soak -> its checks and counts (see the module docstring)."""
@@ -60,6 +61,7 @@ def soak(steps: int, prompt_tokens: int = 100, page_tokens: int = 16, pool_pages
   cfg, runner, layout = model.cfg, model.runner, model.layout
   prompt = [int(t) for t in np.random.default_rng(seed).integers(0, cfg.vocab_size, prompt_tokens)]
   max_tokens = prompt_tokens + steps + n_max
+  pool_pages = pool_pages or layout.pages_for(max_tokens) + 4
   t0 = time.perf_counter()
   plain_kv = engine.PlainKV(cfg, layout, max_tokens)
   plain = gen_lib.generate(runner, plain_kv, prompt, steps)
@@ -96,6 +98,7 @@ def soak(steps: int, prompt_tokens: int = 100, page_tokens: int = 16, pool_pages
       "history_bytes_equal_plain_greedy": rows_equal(plain_kv),
       "faults_injected": faults.injected, "retries": retrying.retries, "copies": faults.calls,
       "verify_rounds": m["verify_forwards"], "drafts": m["draft_generated"], "accepted": m["draft_accepted"],
+      "pool_pages": pool_pages, "cache_pages": kv.n_layers * layout.pages_for(max_tokens),
       "forwards": kv.counters["forwards"], "policy_decisions": len(kv.decisions),
       "repartitions": sum(1 for d in kv.decisions if d.partition_changed),
       "ring_wraps": kv.counters["ring_wraps"], "streamed_pages": kv.counters["streamed_pages"],
@@ -108,7 +111,7 @@ def soak(steps: int, prompt_tokens: int = 100, page_tokens: int = 16, pool_pages
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  for name in ("steps", "prompt_tokens", "page_tokens", "pool_pages", "copy_pages", "n_max", "wrong_every"):
+  for name in ("steps", "prompt_tokens", "page_tokens", "copy_pages", "n_max", "wrong_every"):
     if getattr(FLAGS, name) < 1:
       raise app.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
   r = soak(FLAGS.steps, FLAGS.prompt_tokens, FLAGS.page_tokens, FLAGS.pool_pages, FLAGS.copy_pages, FLAGS.n_max,
