@@ -29,7 +29,7 @@ flags.DEFINE_integer("steps", 4000, "tokens to decode")
 flags.DEFINE_integer("prompt_tokens", 100, "seeded random prompt length")
 flags.DEFINE_integer("page_tokens", 64, "tokens per KV page")
 flags.DEFINE_integer("pool_pages", 0, "device pool of the streamed cache in pages (0: one cache layer's pages + 4, "
-                     "so the ring holds a layer that streams every page; the cache has 3 layers)")
+                     "so the ring holds a layer that streams every page; the tiny cache has 3 layers)")
 flags.DEFINE_integer("copy_pages", 4, "host copy unit (pages, a power of two)")
 flags.DEFINE_integer("n_max", 3, "drafts per speculative round")
 flags.DEFINE_integer("wrong_every", 5, "every N-th drafted position is wrong (planted rejection)")
@@ -53,6 +53,7 @@ def soak(steps: int, prompt_tokens: int = 100, page_tokens: int = 64, pool_pages
          n_max: int = 3, wrong_every: int = 5, fault_every: int = 23, seed: int = 0,
          attn_impl: str = "auto") -> dict:
   """Run the soak -> its checks and counts (see the module docstring)."""
+  import jax
   import numpy as np
   from experiments.lib.faults import RetryingRunner, copy_faults
   from kvjax import api, engine, generate as gen_lib, speculative
@@ -103,7 +104,7 @@ def soak(steps: int, prompt_tokens: int = 100, page_tokens: int = 64, pool_pages
       "repartitions": sum(1 for d in kv.decisions if d.partition_changed),
       "ring_wraps": kv.counters["ring_wraps"], "streamed_pages": kv.counters["streamed_pages"],
       "staging_peak_bytes": kv.counters["staging_peak_bytes"], "staging_live_bytes_after": kv._staging_live,
-      "attn_impl": runner.opts.implementation, "device": str(__import__("jax").devices()[0]),
+      "attn_impl": runner.opts.implementation, "device": str(jax.devices()[0]),
       "plain_s": t1 - t0, "spec_plain_s": t2 - t1, "soak_s": t3 - t2,
   }
 

@@ -22,7 +22,7 @@ import dataclasses
 import math
 import random
 import struct
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 
