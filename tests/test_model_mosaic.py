@@ -103,36 +103,36 @@ def test_interpreted_mosaic_in_the_model_matches_the_reference():
     assert rel(got, want) <= LOGITS_TOL, (rows, rel(got, want))
 
 
-if ON_GPU:
+# compiled on the GPU: named test_gpu_*, skipped without KVJAX_TEST_GPU=1 (tests/conftest.py)
 
-  @pytest.fixture(scope="module")
-  def real():
-    return _setup(4, 24, 256, prompt=3 * 256 - 40, ubatch=256)
+@pytest.fixture(scope="module")
+def real():
+  return _setup(4, 24, 256, prompt=3 * 256 - 40, ubatch=256)
 
-  @pytest.mark.parametrize("rows", [1, 4])
-  def test_gpu_mosaic_in_the_model(real, rows):
-    """Compiled: mosaic within the reference's rounding; "auto" bit for bit mosaic."""
-    _, model, layout, kv, states, tokens = real
-    pos = 3 * 256 - 40
-    want, _ = _forward(model, layout, AttentionOptions("reference"), kv, states, tokens, pos,
-                       rows)
-    got, _ = _forward(model, layout, AttentionOptions("mosaic"), kv, states, tokens, pos, rows)
-    auto, _ = _forward(model, layout, AttentionOptions("auto"), kv, states, tokens, pos, rows)
-    assert rel(got, want) <= LOGITS_TOL, rel(got, want)
-    np.testing.assert_array_equal(auto, got)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_mosaic_in_the_model(real, rows):
+  """Compiled: mosaic within the reference's rounding; "auto" bit for bit mosaic."""
+  _, model, layout, kv, states, tokens = real
+  pos = 3 * 256 - 40
+  want, _ = _forward(model, layout, AttentionOptions("reference"), kv, states, tokens, pos,
+                     rows)
+  got, _ = _forward(model, layout, AttentionOptions("mosaic"), kv, states, tokens, pos, rows)
+  auto, _ = _forward(model, layout, AttentionOptions("auto"), kv, states, tokens, pos, rows)
+  assert rel(got, want) <= LOGITS_TOL, rel(got, want)
+  np.testing.assert_array_equal(auto, got)
 
-  def test_gpu_auto_prefill_is_mosaic(real):
-    """A 256-token prefill chunk: "auto" gives the bits of "mosaic" (the prefill kernel), within
-    the rounding of the Triton kernel's logits."""
-    cfg, model, layout, kv, states, tokens = real
-    kv0 = engine.PlainKV(cfg, layout, max_tokens=512)
-    chunk = np.asarray(tokens[:256], np.int32)
-    outs = []
-    for impl in ("auto", "mosaic", "triton"):
-      runner = engine.Runner(model, layout, AttentionOptions(impl))
-      kv = copy.copy(kv0)
-      kv.pool_pn = jnp.copy(kv0.pool_pn)
-      outs.append(np.asarray(runner.forward(chunk, 0, 256, runner.zero_states(), kv).logits_rv))
-    np.testing.assert_array_equal(outs[0], outs[1])
-    assert jnp.isfinite(outs[0]).all()
-    assert rel(outs[1], outs[2]) <= TRITON_TOL, rel(outs[1], outs[2])
+def test_gpu_auto_prefill_is_mosaic(real):
+  """A 256-token prefill chunk: "auto" gives the bits of "mosaic" (the prefill kernel), within
+  the rounding of the Triton kernel's logits."""
+  cfg, model, layout, kv, states, tokens = real
+  kv0 = engine.PlainKV(cfg, layout, max_tokens=512)
+  chunk = np.asarray(tokens[:256], np.int32)
+  outs = []
+  for impl in ("auto", "mosaic", "triton"):
+    runner = engine.Runner(model, layout, AttentionOptions(impl))
+    kv = copy.copy(kv0)
+    kv.pool_pn = jnp.copy(kv0.pool_pn)
+    outs.append(np.asarray(runner.forward(chunk, 0, 256, runner.zero_states(), kv).logits_rv))
+  np.testing.assert_array_equal(outs[0], outs[1])
+  assert jnp.isfinite(outs[0]).all()
+  assert rel(outs[1], outs[2]) <= TRITON_TOL, rel(outs[1], outs[2])
