@@ -211,16 +211,17 @@ def check_kv_budget(*, arena_mib: Optional[float] = None, pool_pages: Optional[i
 MAX_POSITIONS = 2**31 - 1   # token positions are int32 in the compiled steps
 
 
-def check_context_length(model: LoadedModel, max_tokens: int, exceed_context_length: bool = False) -> None:
-  """`max_tokens` within the model's trained context (`cfg.context_length`) unless
-  `exceed_context_length`, and within int32 positions always."""
+def check_context_length(model: LoadedModel, max_tokens: int, exceed_context_length: bool = False,
+                         param: str = "max_tokens") -> None:
+  """`max_tokens` (named `param` in errors) within the model's trained context
+  (`cfg.context_length`) unless `exceed_context_length`, and within int32 positions always."""
   if max_tokens > MAX_POSITIONS:
-    raise ParameterError(f"max_tokens {max_tokens} is beyond the {MAX_POSITIONS} token positions the model "
-                         f"indexes (int32)", "max_tokens")
+    raise ParameterError(f"{param} {max_tokens} is beyond the {MAX_POSITIONS} token positions the model "
+                         f"indexes (int32)", param)
   limit = model.cfg.context_length
   if max_tokens > limit and not exceed_context_length:
-    raise ParameterError(f"max_tokens {max_tokens} is beyond the model's context length of {limit} tokens "
-                         f"({max_tokens - limit} more; exceed_context_length allows it)", "max_tokens",
+    raise ParameterError(f"{param} {max_tokens} is beyond the model's context length of {limit} tokens "
+                         f"({max_tokens - limit} more; exceed_context_length allows it)", param,
                          "exceed_context_length")
 
 
@@ -554,10 +555,11 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
 
 
 def teacher_forced_logits(model: LoadedModel, tokens: Sequence[int], *, mtp: bool = False,
-                          ubatch: int = 256) -> np.ndarray:
+                          ubatch: int = 256, exceed_context_length: bool = False) -> np.ndarray:
   """float32 logits of every row of `tokens` [n, vocab], fed in micro-batches of `ubatch` through a
   plain cache; with `mtp`, the MTP head's logits [n - 1, vocab]: row t from the target's post-norm
-  hidden at t and token t + 1 (it predicts token t + 2)."""
+  hidden at t and token t + 1 (it predicts token t + 2). More tokens than the model's context length
+  need `exceed_context_length`."""
   ids = _token_ids(model, tokens, "tokens")
   if ubatch < 1:
     raise ParameterError(f"ubatch must be >= 1, got {ubatch}", "ubatch")
@@ -565,6 +567,8 @@ def teacher_forced_logits(model: LoadedModel, tokens: Sequence[int], *, mtp: boo
     raise ParameterError(f"mtp: {model.source!r} has no MTP head (nextn_predict_layers = 0)", "mtp")
   if mtp and len(ids) < 2:
     raise ParameterError(f"mtp needs at least 2 tokens, got {len(ids)}", "mtp")
+  check_context_length(model, len(ids), exceed_context_length, param="tokens")
+  check_kv_memory(model, len(ids))
   kv = engine.PlainKV(model.cfg, model.layout, len(ids))
   return gen_lib.teacher_forced_logits(model.runner, kv, ids, ubatch, mtp=mtp)
 
