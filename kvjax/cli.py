@@ -131,6 +131,8 @@ def _logits_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("out", None, "output .npy file", flag_values=fv)
   flags.DEFINE_bool("mtp", False, "write the MTP head's teacher-forced logits [n_tokens - 1, vocab] "
                     "(row t predicts token t + 2)", flag_values=fv)
+  flags.DEFINE_bool("exceed-context-length", False, "allow more tokens than the model's context length",
+                    flag_values=fv)
 
 
 def _memory_flags(fv: flags.FlagValues, args: Sequence[str] = ()) -> None:
@@ -268,7 +270,8 @@ def cmd_logits(fv: flags.FlagValues, out=None) -> int:
   ids = None if ids is None else parse_token_list(ids, "--tokens")
   model = _load(fv)
   tokens = ids if ids is not None else api.encode(model, text)
-  arr = api.teacher_forced_logits(model, tokens, mtp=fv["mtp"].value, ubatch=fv["ubatch-size"].value)
+  arr = api.teacher_forced_logits(model, tokens, mtp=fv["mtp"].value, ubatch=fv["ubatch-size"].value,
+                                  exceed_context_length=fv["exceed-context-length"].value)
   np.save(path, arr)
   print(f"wrote {path}: float32 {list(arr.shape)} ({'MTP' if fv['mtp'].value else 'target'} logits)",
         file=out, flush=True)
