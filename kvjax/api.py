@@ -220,7 +220,7 @@ def check_context_length(model: LoadedModel, max_tokens: int, exceed_context_len
                          f"indexes (int32)", param)
   limit = model.cfg.context_length
   if max_tokens > limit and not exceed_context_length:
-    raise ParameterError(f"{param} {max_tokens} is beyond the model's context length of {limit} tokens "
+    raise ParameterError(f"{param} {max_tokens} is beyond the model's context length of {limit} positions "
                          f"({max_tokens - limit} more; exceed_context_length allows it)", param,
                          "exceed_context_length")
 

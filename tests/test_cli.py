@@ -487,7 +487,7 @@ def test_speculative_needs_greedy(capsys):
     (["--ctx-size", "1000000000000"], 2, ["--ctx-size 1000000000000 is beyond the 2147483647 token positions"]),
     (["--n-predict", "1000000000000"], 2, ["prompt 3 + --n-predict 1000000000000 needs 1000000000003 token "
                                             "positions, beyond the 2147483647"]),
-    (["--ctx-size", "9000"], 2, ["--ctx-size 9000 is beyond the model's context length of 8192 tokens",
+    (["--ctx-size", "9000"], 2, ["--ctx-size 9000 is beyond the model's context length of 8192 positions",
                                  "808 more", "--exceed-context-length"]),
     (["--kv-page-tokens", "48", "--attn-impl", "mosaic"], 2, ["--kv-page-tokens 48", "multiple of 64"]),
     (["--kv-page-tokens", "3", "--attn-impl", "triton"], 2, ["--kv-page-tokens 3", "multiple of 16"]),
