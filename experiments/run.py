@@ -14,7 +14,8 @@ through `kvjax.api`; its errors are reported with the config field names
 
 Writes one JSON line to `<out_dir>/<name>.jsonl` and one row to
 `<out_dir>/<name>.csv` (the header grows if a later run adds columns), and
-prints the JSON line.
+prints the JSON line. A bad config field is refused before the model loads, in one line
+`run: error: ...` naming the field (exit status 2; 1 for a bad model file or budget).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import csv
 import json
 import logging
 import os
+import sys
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -51,14 +53,28 @@ def prompt_of(cfg, model) -> list:
   return api.encode(model, cfg.prompt)
 
 
+def check_config(cfg) -> None:
+  """The checks that need no model (`kvjax.api.ParameterError`, named by the API's parameters)."""
+  from kvjax import api
+  if cfg.kv not in ("plain", "streamed"):
+    raise api.ParameterError(f"config.kv {cfg.kv!r}: expected 'plain' or 'streamed'")
+  if cfg.kv == "streamed" and not (cfg.arena_mib > 0 or cfg.pool_pages > 0):
+    raise api.ParameterError("kv='streamed' needs config.arena_mib > 0 or config.pool_pages > 0")
+  if cfg.prompt_tokens < 0 or cfg.ctx_size < 0:
+    raise api.ParameterError(f"config.prompt_tokens and config.ctx_size must be >= 0 (0: not set), got "
+                             f"{cfg.prompt_tokens} and {cfg.ctx_size}")
+  api.check_generation(n_predict=cfg.n_predict, temperature=cfg.temperature, top_k=cfg.top_k, ubatch=cfg.ubatch)
+  budget = {}
+  if cfg.kv == "streamed":
+    budget = {"arena_mib": cfg.arena_mib} if cfg.arena_mib > 0 else {"pool_pages": cfg.pool_pages}
+  api.check_kv_budget(copy_pages=cfg.copy_pages, **budget)
+
+
 def run_config(cfg) -> dict:
   """Load the model, generate per `cfg`, -> the result row (flat dict)."""
   import jax
   from kvjax import api
-  if cfg.kv not in ("plain", "streamed"):
-    raise ValueError(f"config.kv {cfg.kv!r}: expected 'plain' or 'streamed'")
-  if cfg.kv == "streamed" and not (cfg.arena_mib > 0 or cfg.pool_pages > 0):
-    raise ValueError("kv='streamed' needs config.arena_mib > 0 or config.pool_pages > 0")
+  check_config(cfg)
   model = api.load_model(cfg.model, preset=cfg.preset or None, dtype=cfg.dtype, k_type=cfg.k_type,
                          v_type=cfg.v_type, page_tokens=cfg.page_tokens, attn_impl=cfg.attn_impl,
                          block_pages=cfg.block_pages)
@@ -117,11 +133,13 @@ def main(argv):
   if cfg is None:
     raise app.UsageError("--config is required, e.g. --config=configs/tiny_stream.py")
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)   # its backend probe: "Unable to initialize backend 'tpu'"
-  from kvjax import api
+  from kvjax import api, text
   try:
     row = run_config(cfg)
-  except api.ParameterError as e:
-    raise app.UsageError(e.renamed(CONFIG_FIELD_OF)) from None
+  except (api.ParameterError, ValueError) as e:   # bad config fields, a bad GGUF, a budget too small
+    msg = e.renamed(CONFIG_FIELD_OF) if isinstance(e, api.ParameterError) else str(e)
+    print(f"run: error: {text.one_line(msg)}", file=sys.stderr, flush=True)
+    sys.exit(2 if isinstance(e, api.ParameterError) else 1)
   append_results(cfg.out_dir, cfg.name, row)
   print(json.dumps(row, default=float), flush=True)
 

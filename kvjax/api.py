@@ -30,7 +30,6 @@ import dataclasses
 import os
 import re
 import time
-import unicodedata
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
@@ -38,21 +37,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import config as config_lib
-from kvjax import engine, generate as gen_lib, speculative, tiny, weights
+from kvjax import engine, generate as gen_lib, speculative, text as text_lib, tiny, weights
 from kvjax.generate import GenerationResult
 from kvjax.model import AttentionOptions
 from kvjax.streaming import (StreamedKV, adaptive_staging_reserve_pages, fit_adaptive_pool,
                              staging_reserve_pages, stream_config_from_budget)
 from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV
 from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout
-from kvjax_pallas.span_attention.api import IMPLEMENTATIONS, resolve_implementation
+from kvjax_pallas.span_attention.api import IMPLEMENTATIONS, check_page_tokens, resolve_implementation
 
 DTYPES = ("float32", "bfloat16")
 POLICIES = ("fixed", "adaptive")
 DRAFTS = speculative.DRAFT_KINDS
 
 __all__ = ["ParameterError", "ModelNotFoundError", "LoadedModel", "KVCache", "SpecConfig", "GenerationResult",
-           "load_model", "make_kv", "check_kv_budget", "check_generation", "encode", "prompt_ids",
+           "load_model", "make_kv", "check_kv_budget", "check_generation", "check_context_length", "check_kv_memory",
+           "available_memory", "kv_bytes", "encode", "prompt_ids",
            "context_tokens", "generate", "teacher_forced_logits", "parse_block_pages", "printable"]
 
 
@@ -154,6 +154,10 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
   backend = jax.default_backend()
   if attn_impl != "auto" or backend != "gpu":
     attn_impl = resolve_implementation(attn_impl)   # on a GPU "auto" stays: each call picks
+  try:   # what the attention implementation takes ("auto" on a GPU may give any call to Triton)
+    check_page_tokens(page_tokens, "triton" if attn_impl == "auto" else attn_impl)
+  except ValueError as e:
+    raise ParameterError(f"page_tokens {page_tokens}: {e}", "page_tokens") from None
   # the Pallas kernels compile for NVIDIA GPUs only; elsewhere they run in interpret mode
   interpret = attn_impl not in ("auto", "reference") and backend != "gpu"
   jdtype = jnp.dtype(dtype)
@@ -202,8 +206,79 @@ def check_kv_budget(*, arena_mib: Optional[float] = None, pool_pages: Optional[i
     raise ParameterError(f"copy_pages must be a power of two >= 1, got {copy_pages}", "copy_pages")
   if pool_pages is not None and pool_pages < 1:
     raise ParameterError(f"pool_pages must be >= 1, got {pool_pages}", "pool_pages")
-  if arena_mib is not None and not arena_mib > 0:
-    raise ParameterError(f"arena_mib must be > 0, got {arena_mib}", "arena_mib")
+  if arena_mib is not None and not 0 < arena_mib < float("inf"):
+    raise ParameterError(f"arena_mib must be > 0 and finite, got {arena_mib}", "arena_mib")
+
+
+MAX_POSITIONS = 2**31 - 1   # token positions are int32 in the compiled steps
+
+
+def check_context_length(model: LoadedModel, max_tokens: int, exceed_context_length: bool = False,
+                         param: str = "max_tokens") -> None:
+  """`max_tokens` (named `param` in errors) within the model's trained context
+  (`cfg.context_length`) unless `exceed_context_length`, and within int32 positions always."""
+  if max_tokens > MAX_POSITIONS:
+    raise ParameterError(f"{param} {max_tokens} is beyond the {MAX_POSITIONS} token positions the model "
+                         f"indexes (int32)", param)
+  limit = model.cfg.context_length
+  if max_tokens > limit and not exceed_context_length:
+    raise ParameterError(f"{param} {max_tokens} is beyond the model's context length of {limit} positions "
+                         f"({max_tokens - limit} more; exceed_context_length allows it)", param,
+                         "exceed_context_length")
+
+
+def available_memory() -> Dict[str, Optional[int]]:
+  """Bytes available now: "host" (MemAvailable, or physical pages free) and "device" (the default
+  device's limit minus what is in use, where the backend reports it; None elsewhere, e.g. on a CPU,
+  whose KV lives in host memory)."""
+  host = None
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          host = int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  if host is None:
+    try:
+      host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+      host = None
+  device = None
+  dev = jax.devices()[0]
+  if dev.platform != "cpu":
+    stats = dev.memory_stats() or {}
+    if "bytes_limit" in stats:
+      device = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+  return {"host": host, "device": device}
+
+
+def kv_bytes(model: LoadedModel, max_tokens: int) -> int:
+  """Bytes of every cache layer's pages for `max_tokens` positions (the plain cache on the device;
+  the host history of a streamed cache)."""
+  layout = model.layout
+  layers = model.cfg.num_attention_layers + (1 if model.cfg.has_mtp else 0)
+  return layers * layout.pages_for(max_tokens) * layout.page_bytes
+
+
+def check_kv_memory(model: LoadedModel, max_tokens: int, streamed: bool = False,
+                    available: Optional[Dict[str, Optional[int]]] = None) -> None:
+  """The KV bytes of `max_tokens` positions fit the memory they live in: a plain cache's pages on
+  the device (host memory on a CPU), a streamed cache's history on the host (twice: the pages and
+  their pinned mirrors). Refused with the bytes needed and available."""
+  avail = available_memory() if available is None else available
+  need = kv_bytes(model, max_tokens)
+  checks = []
+  if streamed or avail.get("device") is None:
+    checks.append(("host", need * (2 if streamed else 1)))
+  if not streamed and avail.get("device") is not None:
+    checks.append(("device", need))
+  for where, n in checks:
+    have = avail.get(where)
+    if have is not None and n > have:
+      raise ParameterError(f"max_tokens {max_tokens}: the KV cache needs {n / 2**20:,.1f} MiB of {where} memory "
+                           f"({model.layout.pages_for(max_tokens)} pages of {model.layout.page_bytes} B per "
+                           f"cache layer), {have / 2**20:,.1f} MiB available", "max_tokens")
 
 
 class KVCache:
@@ -284,7 +359,7 @@ def _build_kv(model: LoadedModel, max_tokens: int, arena_mib, pool_pages, copy_p
 
 def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] = None,
             pool_pages: Optional[int] = None, copy_pages: int = 32, policy: str = "fixed",
-            phased: bool = False, ubatch: int = 256) -> KVCache:
+            phased: bool = False, ubatch: int = 256, exceed_context_length: bool = False) -> KVCache:
   """A KV cache of `max_tokens` token positions for `model` (its page layout).
 
   Plain (every page on the device) unless a budget is given; streamed (the history on the host,
@@ -297,6 +372,10 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
     (`kvjax.streaming.policy` re-splits the pool every forward).
   phased: lay the arena out per phase (prefill: the larger workspace of `ubatch` rows; decode: a
     larger pool); needs `arena_mib` and the fixed policy; `generate` must then use this `ubatch`.
+  exceed_context_length: allow more than the model's trained context (`cfg.context_length`).
+
+  Refused before anything is allocated (`ParameterError`): a capacity beyond the model's context
+  length, or KV bytes beyond the host's available memory or the device's (where it reports it).
   """
   check_kv_budget(arena_mib=arena_mib, pool_pages=pool_pages, copy_pages=copy_pages, policy=policy,
                   phased=phased)
@@ -304,6 +383,8 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
     raise ParameterError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
   if ubatch < 1:
     raise ParameterError(f"ubatch must be >= 1, got {ubatch}", "ubatch")
+  check_context_length(model, max_tokens, exceed_context_length)
+  check_kv_memory(model, max_tokens, streamed=arena_mib is not None or pool_pages is not None)
   return KVCache(lambda: _build_kv(model, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased,
                                    ubatch))
 
@@ -370,7 +451,8 @@ def check_generation(*, n_predict: int = 32, temperature: float = 0.0, top_k: in
 def encode(model: LoadedModel, text: str, param: str = "prompt") -> List[int]:
   """`text` in the model's tokenizer (at least one token)."""
   if model.tokenizer is None:
-    raise ParameterError(f"{param}: {model.source!r} has no tokenizer (random preset weights); give token ids",
+    raise ParameterError(f"{param}: {model.source!r} has no tokenizer (random preset weights, or a GGUF without "
+                         f"tokenizer.ggml.tokens); give token ids",
                          param)
   ids = model.tokenizer.encode(text)
   if not ids:
@@ -404,6 +486,11 @@ def context_tokens(n_prompt: int, n_predict: int, spec: Optional[SpecConfig] = N
   """KV capacity for a generation: `max_tokens` (0: prompt + n_predict), refused when smaller than
   prompt + n_predict; with `spec`, at least n_max more (verify rows may run past the last token)."""
   need = n_prompt + n_predict
+  if max_tokens < 0:
+    raise ParameterError(f"max_tokens must be >= 0 (0: prompt + n_predict), got {max_tokens}", "max_tokens")
+  if not max_tokens and need > MAX_POSITIONS:
+    raise ParameterError(f"prompt {n_prompt} + n_predict {n_predict} needs {need} token positions, beyond the "
+                         f"{MAX_POSITIONS} the model indexes (int32)", "n_predict")
   if max_tokens and max_tokens < need:
     raise ParameterError(f"max_tokens {max_tokens} is too small: prompt {n_prompt} + n_predict {n_predict} "
                          f"needs {need} tokens ({need - max_tokens} more)", "max_tokens", "n_predict")
@@ -414,8 +501,8 @@ def context_tokens(n_prompt: int, n_predict: int, spec: Optional[SpecConfig] = N
 def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Optional[str] = None,
              prompt_tokens: Optional[Sequence[int]] = None, n_predict: int = 32, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, ignore_eos: bool = False, spec: Optional[SpecConfig] = None,
-             ubatch: int = 256, warmup: bool = False,
-             on_token: Optional[Callable[[int], None]] = None) -> GenerationResult:
+             ubatch: int = 256, warmup: bool = False, on_token: Optional[Callable[[int], None]] = None,
+             exceed_context_length: bool = False) -> GenerationResult:
   """Prefill a prompt (`prompt` text or `prompt_tokens` ids) and generate up to `n_predict` tokens.
 
   kv: a cache from `make_kv` (reset first when used); None = a plain cache of `context_tokens`.
@@ -426,6 +513,7 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   warmup: run the whole generation once first, so the timings of the returned run exclude
     compilation (otherwise `compile_ms` says how much of them it is).
   on_token: called with each generated token as it is committed (plain generation only).
+  exceed_context_length: with kv None, allow a cache beyond the model's context length.
 
   -> `GenerationResult(tokens, metrics, text)`. metrics: prompt_tokens, decode_tokens, prompt_ms,
   predicted_ms, prefill_tps, decode_tps, compile_ms (prompt_compile_ms + predicted_compile_ms: jax
@@ -437,10 +525,12 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
                    phased=kv is not None and kv.info["kv"] == "streamed+phased")
   if spec is not None and on_token is not None:
     raise ParameterError("on_token is called by plain generation only: drop spec or on_token", "on_token", "spec")
+  if top_k > model.cfg.vocab_size:
+    raise ParameterError(f"top_k {top_k} is larger than the vocabulary of {model.cfg.vocab_size} tokens", "top_k")
   ids = prompt_ids(model, prompt, prompt_tokens)
   need = context_tokens(len(ids), n_predict, spec)
   if kv is None:
-    kv = make_kv(model, need, ubatch=ubatch)
+    kv = make_kv(model, need, ubatch=ubatch, exceed_context_length=exceed_context_length)
   elif kv.max_tokens < need:
     raise ParameterError(f"kv holds {kv.max_tokens} tokens: prompt {len(ids)} + n_predict {n_predict}"
                          f"{f' + spec.n_max {spec.n_max}' if spec is not None else ''} needs {need} "
@@ -478,10 +568,11 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
 
 
 def teacher_forced_logits(model: LoadedModel, tokens: Sequence[int], *, mtp: bool = False,
-                          ubatch: int = 256) -> np.ndarray:
+                          ubatch: int = 256, exceed_context_length: bool = False) -> np.ndarray:
   """float32 logits of every row of `tokens` [n, vocab], fed in micro-batches of `ubatch` through a
   plain cache; with `mtp`, the MTP head's logits [n - 1, vocab]: row t from the target's post-norm
-  hidden at t and token t + 1 (it predicts token t + 2)."""
+  hidden at t and token t + 1 (it predicts token t + 2). More tokens than the model's context length
+  need `exceed_context_length`."""
   ids = _token_ids(model, tokens, "tokens")
   if ubatch < 1:
     raise ParameterError(f"ubatch must be >= 1, got {ubatch}", "ubatch")
@@ -489,6 +580,8 @@ def teacher_forced_logits(model: LoadedModel, tokens: Sequence[int], *, mtp: boo
     raise ParameterError(f"mtp: {model.source!r} has no MTP head (nextn_predict_layers = 0)", "mtp")
   if mtp and len(ids) < 2:
     raise ParameterError(f"mtp needs at least 2 tokens, got {len(ids)}", "mtp")
+  check_context_length(model, len(ids), exceed_context_length, param="tokens")
+  check_kv_memory(model, len(ids))
   kv = engine.PlainKV(model.cfg, model.layout, len(ids))
   return gen_lib.teacher_forced_logits(model.runner, kv, ids, ubatch, mtp=mtp)
 
@@ -511,18 +604,4 @@ def train(config, out: str, *, resume: bool = False, progress: bool = True) -> D
 # text for a terminal
 # ---------------------------------------------------------------------------
 
-_UNPRINTABLE = ("Cc", "Cs", "Co", "Cn")   # controls, surrogates, private use, unassigned
-
-
-def printable(text: str) -> str:
-  """`text` safe for a terminal: control characters (ESC, BEL, NUL, DEL, C1 ...), surrogates,
-  private-use and unassigned code points become `\\xNN` / `\\uNNNN` / `\\UNNNNNNNN` escapes;
-  newlines and tabs stay."""
-  out = []
-  for ch in text:
-    if ch in "\n\t" or unicodedata.category(ch) not in _UNPRINTABLE:
-      out.append(ch)
-    else:
-      o = ord(ch)
-      out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}")
-  return "".join(out)
+printable = text_lib.printable   # generated text safe for a terminal (newlines and tabs stay)

@@ -23,7 +23,8 @@ compilation (a run without `--warmup` is mostly that), and notes such as
 Errors a user can cause (bad flags, a missing or malformed GGUF, a KV pool
 too small for the context) are printed as one line `kvjax: error: ...` on
 stderr, without a traceback; the exit status is 2 for usage errors (unknown
-subcommand or flag, bad flag values) and 1 for the rest.
+subcommand or flag, bad flag values, sizes beyond the model's context length or
+the machine's memory) and 1 for the rest; Ctrl-C prints one line and exits 130.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 from absl import flags
+
+from kvjax.text import one_line
 
 PROG = "kvjax"
 SUBCOMMANDS = ("generate", "logits", "memory")
@@ -88,8 +91,10 @@ def _generate_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_float("temperature", 0.0, "sampling temperature (0 = greedy)", flag_values=fv, short_name="temp")
   flags.DEFINE_integer("top-k", 0, "top-k sampling (0 = whole vocabulary)", flag_values=fv)
   flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=fv, short_name="s")
-  flags.DEFINE_integer("ctx-size", 0, "KV capacity in tokens (0 = prompt + n-predict)", flag_values=fv,
-                       short_name="c")
+  flags.DEFINE_integer("ctx-size", 0, "KV capacity in tokens (0 = prompt + n-predict); at most the model's "
+                       "context length", flag_values=fv, short_name="c")
+  flags.DEFINE_bool("exceed-context-length", False, "allow a KV capacity beyond the model's context length "
+                    "(its GGUF context_length)", flag_values=fv)
   flags.DEFINE_bool("ignore-eos", False, "keep generating past the end-of-sequence token", flag_values=fv)
   flags.DEFINE_bool("json", False, "print one JSON line {tokens, text, metrics} instead of the text",
                     flag_values=fv)
@@ -135,6 +140,8 @@ def _logits_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("out", None, "output .npy file", flag_values=fv)
   flags.DEFINE_bool("mtp", False, "write the MTP head's teacher-forced logits [n_tokens - 1, vocab] "
                     "(row t predicts token t + 2)", flag_values=fv)
+  flags.DEFINE_bool("exceed-context-length", False, "allow more tokens than the model's context length",
+                    flag_values=fv)
 
 
 def _memory_flags(fv: flags.FlagValues, args: Sequence[str] = ()) -> None:
@@ -164,6 +171,7 @@ FLAG_OF = {
     "spec.draft": "--spec-type", "spec.n_max": "--spec-draft-n-max", "spec.p_min": "--spec-draft-p-min",
     "spec.ngram_n": "--spec-ngram-size-n", "spec.ngram_m": "--spec-ngram-size-m",
     "spec.oracle_acceptance": "--spec-oracle-acceptance", "spec.rollback": "--spec-rollback",
+    "exceed_context_length": "--exceed-context-length",
 }
 _SPEC_DRAFT = {"draft-mtp": "mtp", "ngram-simple": "ngram", "ngram-simple,draft-mtp": "ngram+mtp",
                "oracle": "oracle"}
@@ -243,7 +251,7 @@ def cmd_generate(fv: flags.FlagValues, out=None, err=None) -> int:
   model = _load(fv)
   prompt = api.prompt_ids(model, fv["prompt"].value, ids)
   ctx = api.context_tokens(len(prompt), n_predict, spec, fv["ctx-size"].value)
-  kv = api.make_kv(model, ctx, ubatch=ubatch, **budget)
+  kv = api.make_kv(model, ctx, ubatch=ubatch, exceed_context_length=fv["exceed-context-length"].value, **budget)
   res = api.generate(model, kv, prompt_tokens=prompt, n_predict=n_predict, seed=fv["seed"].value,
                      ignore_eos=fv["ignore-eos"].value, spec=spec, ubatch=ubatch, warmup=fv["warmup"].value,
                      **sampling)
@@ -276,7 +284,8 @@ def cmd_logits(fv: flags.FlagValues, out=None) -> int:
   ids = None if ids is None else parse_token_list(ids, "--tokens")
   model = _load(fv)
   tokens = ids if ids is not None else api.encode(model, text)
-  arr = api.teacher_forced_logits(model, tokens, mtp=fv["mtp"].value, ubatch=fv["ubatch-size"].value)
+  arr = api.teacher_forced_logits(model, tokens, mtp=fv["mtp"].value, ubatch=fv["ubatch-size"].value,
+                                  exceed_context_length=fv["exceed-context-length"].value)
   np.save(path, arr)
   print(f"wrote {path}: float32 {list(arr.shape)} ({'MTP' if fv['mtp'].value else 'target'} logits)",
         file=out, flush=True)
@@ -309,7 +318,7 @@ def _json_default(x):
 
 
 def _error(msg: str) -> None:
-  msg = " ".join(str(msg).split())  # one line
+  msg = one_line(" ".join(str(msg).split()))  # one line, nothing from a file printed raw
   print(f"{PROG}: error: {msg}", file=sys.stderr, flush=True)
 
 
@@ -364,6 +373,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2
   try:
     return _COMMANDS[sub](fv)
+  except KeyboardInterrupt:
+    _error("interrupted")
+    return 130
   except UsageError as e:
     _error(e)
     return 2

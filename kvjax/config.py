@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Dict, Tuple
 
 ARCH = "qwen35"
@@ -43,6 +44,16 @@ class ModelConfig:
   rope_sections: Tuple[int, ...] = (11, 11, 10, 0)
 
   def __post_init__(self):
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads", "num_kv_heads",
+             "head_dim", "rope_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_head_dim",
+             "conv_kernel", "full_attention_interval", "context_length")
+    bad = [f"{k} {getattr(self, k)!r}" for k in sizes
+           if not isinstance(getattr(self, k), numbers.Integral) or isinstance(getattr(self, k), bool)
+           or getattr(self, k) < 1]
+    bad += [f"{k} {getattr(self, k)!r}" for k in ("rope_theta", "rms_eps")
+            if not (isinstance(getattr(self, k), numbers.Real) and 0 < getattr(self, k) < float("inf"))]
+    if bad:   # checked first: the checks below divide by these
+      raise ValueError(f"invalid ModelConfig: expected positive sizes and positive finite floats, found {', '.join(bad)}")
     problems = []
     if self.num_attention_heads % self.num_kv_heads:
       problems.append(

@@ -13,14 +13,15 @@ conventions.
     write_gguf(path, cfg, tensors, tokenizer_spec, weight_type="q8_0")
 
 Every refusal raises `GGUFError` (a `ValueError`) with a one-line message
-naming the file, the tensor or key, and what was expected vs found.
+naming the file, the tensor or key, and what was expected vs found; what each
+metadata key must hold, and the config built from them, are in `kvjax.gguf_meta`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-import re
 import struct
 from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
@@ -30,7 +31,11 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
 from kvjax import config as config_lib
+from kvjax import tokenizer as tok_lib
 from kvjax.config import ARCH, ModelConfig
+from kvjax.gguf_meta import (_BLK, METADATA_SCHEMA, GGUFError, _is_int, _k, check_metadata,  # noqa: F401
+                             config_from_metadata)
+from kvjax.text import quote
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -38,30 +43,38 @@ DEFAULT_ALIGNMENT = 32
 WEIGHT_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 
 
-class GGUFError(ValueError):
-  """A GGUF file kvjax cannot use (one-line message: file, what, expected vs found)."""
-
-  def __init__(self, path, what: str):
-    msg = f"{os.fspath(path)}: {what}".replace("\n", " ")
-    super().__init__(msg)
-
-
 # ---- low-level header parsing ----------------------------------------------
 
 _SCALAR = {
     VT.UINT8: "<B", VT.INT8: "<b", VT.UINT16: "<H", VT.INT16: "<h",
-    VT.UINT32: "<I", VT.INT32: "<i", VT.FLOAT32: "<f", VT.BOOL: "<?",
+    VT.UINT32: "<I", VT.INT32: "<i", VT.FLOAT32: "<f", VT.BOOL: "<B",
     VT.UINT64: "<Q", VT.INT64: "<q", VT.FLOAT64: "<d",
 }
 _NP_SCALAR = {
     VT.UINT8: "<u1", VT.INT8: "<i1", VT.UINT16: "<u2", VT.INT16: "<i2",
-    VT.UINT32: "<u4", VT.INT32: "<i4", VT.FLOAT32: "<f4", VT.BOOL: "?",
+    VT.UINT32: "<u4", VT.INT32: "<i4", VT.FLOAT32: "<f4", VT.BOOL: "u1",
     VT.UINT64: "<u8", VT.INT64: "<i8", VT.FLOAT64: "<f8",
 }
+# the fewest bytes one value of a type takes (a string: its 8-byte length; an array: type + count)
+_MIN_BYTES = {**{t: struct.calcsize(f) for t, f in _SCALAR.items()}, VT.STRING: 8, VT.ARRAY: 12}
+MAX_ARRAY_DEPTH = 2
+GGML_MAX_DIMS = 4
+GGML_MAX_NAME = 64    # ggml's name buffer, NUL included: names of at most 63 bytes
 
 
 class _Truncated(Exception):
   pass
+
+
+class _Bad(Exception):
+  """A malformed value met while parsing (turned into a `GGUFError` naming the key or tensor)."""
+
+
+def _vtype(raw: int, what: str):
+  try:
+    return VT(raw)
+  except ValueError:
+    raise _Bad(f"{what}: expected a GGUF value type 0-{max(VT)}, found unknown type id {raw}") from None
 
 
 class _Cursor:
@@ -70,8 +83,12 @@ class _Cursor:
   def __init__(self, buf):
     self.buf, self.pos = buf, 0
 
+  @property
+  def left(self) -> int:
+    return len(self.buf) - self.pos
+
   def take(self, n: int):
-    if n < 0 or self.pos + n > len(self.buf):
+    if n < 0 or n > self.left:
       raise _Truncated(f"need {n} bytes at offset {self.pos}, file has {len(self.buf)}")
     out = self.buf[self.pos:self.pos + n]
     self.pos += n
@@ -79,24 +96,43 @@ class _Cursor:
 
   def scalar(self, vtype):
     fmt = _SCALAR[vtype]
-    return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+    v = struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+    if vtype == VT.BOOL:
+      if v > 1:
+        raise _Bad(f"expected a bool (0 or 1), found byte {v}")
+      return bool(v)
+    return v
+
+  def raw_string(self) -> bytes:
+    return bytes(self.take(self.scalar(VT.UINT64)))
 
   def string(self) -> str:
-    n = self.scalar(VT.UINT64)
-    return bytes(self.take(n)).decode("utf-8", errors="surrogateescape")
+    return self.raw_string().decode("utf-8", errors="surrogateescape")
 
-  def value(self, vtype):
+  def count(self, vtype, what: str) -> int:
+    """An array's element count, checked against the bytes left (no huge allocation)."""
+    n = self.scalar(VT.UINT64)
+    if n * _MIN_BYTES[vtype] > self.left:
+      raise _Truncated(f"{what}: array of {n} {vtype.name} values needs at least "
+                       f"{n * _MIN_BYTES[vtype]} bytes at offset {self.pos}, file has {len(self.buf)}")
+    return n
+
+  def value(self, vtype, what: str, depth: int = 0):
     if vtype == VT.STRING:
       return self.string()
     if vtype == VT.ARRAY:
-      sub = VT(self.scalar(VT.UINT32))
-      count = self.scalar(VT.UINT64)
-      if sub == VT.STRING:
-        return [self.string() for _ in range(count)]
-      if sub == VT.ARRAY:
-        return [self.value(VT.ARRAY) for _ in range(count)]
+      if depth >= MAX_ARRAY_DEPTH:
+        raise _Bad(f"{what}: arrays nested deeper than {MAX_ARRAY_DEPTH}")
+      sub = _vtype(self.scalar(VT.UINT32), f"{what} array element")
+      count = self.count(sub, what)
+      if sub in (VT.STRING, VT.ARRAY):
+        return [self.value(sub, what, depth + 1) for _ in range(count)]
       dt = np.dtype(_NP_SCALAR[sub])
       arr = np.frombuffer(self.take(count * dt.itemsize), dtype=dt)
+      if sub == VT.BOOL:
+        if arr.size and arr.max() > 1:
+          raise _Bad(f"{what}: expected bools (0 or 1), found byte {int(arr.max())}")
+        arr = arr.astype(bool)
       return arr.tolist()
     return self.scalar(vtype)
 
@@ -124,123 +160,8 @@ def _supported_types():
 SUPPORTED_TYPES = frozenset(_supported_types())
 
 
-# ---- metadata -> config -------------------------------------------------------
-
-def _k(name: str) -> str:
-  return f"{ARCH}.{name}"
-
-
-def _uniform(path, key, v):
-  """Scalar, or a per-layer array whose nonzero entries agree -> that scalar."""
-  if isinstance(v, list):
-    vals = sorted({int(x) for x in v if int(x) != 0})
-    if len(vals) != 1:
-      raise GGUFError(path, f"metadata {key}: expected one value for all layers, found {vals}")
-    return vals[0]
-  return v
-
-
-def _f32_decimal(v) -> float:
-  """A float32 metadata value -> the shortest decimal that rounds to it
-  (1e-6 stored as float32 reads back as 1e-06, not 9.99999997e-07)."""
-  return float(str(np.float32(v)))
-
-
-def config_from_metadata(path, md: Mapping[str, Any], tensor_shapes: Mapping[str, Tuple[int, ...]]) -> ModelConfig:
-  """Build (and check) the `ModelConfig` of a `qwen35` GGUF."""
-  arch = md.get("general.architecture")
-  if arch != ARCH:
-    raise GGUFError(path, f"general.architecture: expected {ARCH!r}, found {arch!r}")
-
-  def req(name):
-    key = _k(name)
-    if key not in md:
-      raise GGUFError(path, f"missing metadata key {key}")
-    return md[key]
-
-  def opt(name, default):
-    return md.get(_k(name), default)
-
-  nextn = int(opt("nextn_predict_layers", 0))
-  if nextn > 1:
-    raise GGUFError(path, f"multi-layer MTP is not supported: {_k('nextn_predict_layers')} "
-                    f"expected 0 or 1, found {nextn}")
-  block_count = int(req("block_count"))
-  num_layers = block_count - nextn
-  hq = int(_uniform(path, _k("attention.head_count"), req("attention.head_count")))
-  hkv = int(_uniform(path, _k("attention.head_count_kv"), req("attention.head_count_kv")))
-  kl, vl = int(req("attention.key_length")), int(req("attention.value_length"))
-  conv, state = int(req("ssm.conv_kernel")), int(req("ssm.state_size"))
-  groups, rank = int(req("ssm.group_count")), int(req("ssm.time_step_rank"))
-  inner = int(req("ssm.inner_size"))
-  if hkv <= 0 or hq % hkv:
-    raise GGUFError(path, f"inconsistent heads: {_k('attention.head_count')}={hq} is not a "
-                    f"multiple of {_k('attention.head_count_kv')}={hkv}")
-  if kl != vl:
-    raise GGUFError(path, f"inconsistent heads: {_k('attention.key_length')}={kl} must equal "
-                    f"{_k('attention.value_length')}={vl}")
-  if inner != rank * state:
-    raise GGUFError(path, f"inconsistent heads: {_k('ssm.inner_size')} expected "
-                    f"time_step_rank*state_size = {rank}*{state} = {rank * state}, found {inner}")
-  if groups <= 0 or rank % groups:
-    raise GGUFError(path, f"inconsistent heads: {_k('ssm.time_step_rank')}={rank} is not a "
-                    f"multiple of {_k('ssm.group_count')}={groups}")
-  if num_layers < 1:
-    raise GGUFError(path, f"{_k('block_count')}={block_count} leaves no target layers "
-                    f"(nextn_predict_layers={nextn})")
-
-  interval = opt("full_attention_interval", None)
-  rec_key = _k("attention.recurrent_layers")
-  rec = md.get(rec_key)
-  if interval is None and rec is None:
-    raise GGUFError(path, f"missing metadata key {_k('full_attention_interval')} "
-                    f"(or {rec_key})")
-  if rec is not None:
-    rec = [bool(x) for x in rec]
-    if len(rec) < num_layers:
-      raise GGUFError(path, f"{rec_key}: expected >= {num_layers} entries, found {len(rec)}")
-    if interval is None:
-      if all(rec[:num_layers]):
-        raise GGUFError(path, f"{rec_key}: no full-attention layer among {num_layers}")
-      interval = rec.index(False) + 1
-    want = [(i + 1) % int(interval) != 0 for i in range(num_layers)]
-    if rec[:num_layers] != want:
-      bad = next(i for i in range(num_layers) if rec[i] != want[i])
-      raise GGUFError(path, f"{rec_key}: layer {bad} expected recurrent={want[bad]} for "
-                      f"full_attention_interval {interval}, found {rec[bad]}")
-  sections = tuple(int(s) for s in opt("rope.dimension_sections", (11, 11, 10, 0)))
-
-  if "token_embd.weight" not in tensor_shapes:
-    raise GGUFError(path, "missing tensor token_embd.weight")
-  vocab = int(tensor_shapes["token_embd.weight"][0])
-  tokens = md.get("tokenizer.ggml.tokens")
-  if tokens is not None and len(tokens) > vocab:
-    raise GGUFError(path, f"tokenizer.ggml.tokens: expected <= {vocab} tokens (token_embd rows), "
-                    f"found {len(tokens)}")
-  try:
-    return ModelConfig(
-        vocab_size=vocab,
-        hidden_size=int(req("embedding_length")),
-        intermediate_size=int(req("feed_forward_length")),
-        num_layers=num_layers,
-        num_attention_heads=hq, num_kv_heads=hkv, head_dim=kl,
-        rope_dim=int(req("rope.dimension_count")),
-        rope_theta=_f32_decimal(req("rope.freq_base")),
-        linear_num_key_heads=groups, linear_num_value_heads=rank,
-        linear_head_dim=state, conv_kernel=conv,
-        full_attention_interval=int(interval),
-        rms_eps=_f32_decimal(req("attention.layer_norm_rms_epsilon")),
-        context_length=int(opt("context_length", 262144)),
-        mtp_layers=nextn,
-        tie_embeddings="output.weight" not in tensor_shapes,
-        rope_sections=sections)
-  except ValueError as e:
-    raise GGUFError(path, str(e)) from None
-
-
 # ---- the model file --------------------------------------------------------------
 
-_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 class GGUFModel:
@@ -260,6 +181,10 @@ class GGUFModel:
 
   # -- parsing --
   def _parse(self):
+    """The header, checked as ggml's reader checks it, before anything is trusted: known value
+    types, unique keys and tensor names, alignment a power of two, at most 4 dims, known tensor
+    types, each tensor's offset the running padded total of the tensors before it, the data inside
+    the file (and no bytes after it)."""
     path, mm = self.path, self._mm
     cur = _Cursor(memoryview(mm))
     magic = bytes(cur.take(4)) if len(mm) >= 4 else bytes(mm)
@@ -269,31 +194,45 @@ class GGUFModel:
     if version not in (2, 3):
       raise GGUFError(path, f"GGUF version expected 2 or 3, found {version}")
     n_tensors, n_kv = cur.scalar(VT.UINT64), cur.scalar(VT.UINT64)
-    if n_tensors > len(mm) or n_kv > len(mm):
-      raise _Truncated(f"header claims {n_tensors} tensors / {n_kv} keys")
+    for n, what, least in ((n_kv, "metadata keys", 8 + 4 + 1), (n_tensors, "tensors", 8 + 4 + 4 + 8)):
+      if n * least > cur.left:
+        raise _Truncated(f"header claims {n} {what} (at least {n * least} bytes), file has {len(mm)}")
     md: Dict[str, Any] = {}
-    for _ in range(n_kv):
-      key = cur.string()
-      raw = cur.scalar(VT.UINT32)
+    types: Dict[str, Any] = {}
+    for i in range(n_kv):
+      key = self._name(cur.raw_string(), f"metadata key #{i}")
+      if key in md:
+        raise GGUFError(path, f"metadata {key}: duplicated key (keys must be unique)")
       try:
-        vtype = VT(raw)
-      except ValueError:
-        raise GGUFError(path, f"metadata {key}: unknown value type {raw}") from None
-      md[key] = cur.value(vtype)
+        vtype = _vtype(cur.scalar(VT.UINT32), f"metadata {key}")
+        md[key] = cur.value(vtype, f"metadata {key}")
+      except _Bad as e:
+        raise GGUFError(path, str(e) if str(e).startswith("metadata ") else f"metadata {key}: {e}") from None
+      types[key] = vtype
+    align = md.get("general.alignment", DEFAULT_ALIGNMENT)
+    if "general.alignment" in md and types["general.alignment"] != VT.UINT32:
+      raise GGUFError(path, f"metadata general.alignment: expected a UINT32, found {types['general.alignment'].name}"
+                      f" {quote(align)}")
+    if not (_is_int(align) and align >= 1 and align & (align - 1) == 0):
+      raise GGUFError(path, f"metadata general.alignment: expected a power of two >= 1, found {quote(align)}")
     raw_infos = []
-    for _ in range(n_tensors):
-      name = cur.string()
+    for i in range(n_tensors):
+      name = self._name(cur.raw_string(), f"tensor #{i}")
       n_dims = cur.scalar(VT.UINT32)
-      if n_dims > 8:
-        raise GGUFError(path, f"tensor {name}: expected <= 8 dims, found {n_dims}")
+      if not 1 <= n_dims <= GGML_MAX_DIMS:
+        raise GGUFError(path, f"tensor {name}: expected 1-{GGML_MAX_DIMS} dims, found {n_dims}")
       dims = [cur.scalar(VT.UINT64) for _ in range(n_dims)]
       raw_type = cur.scalar(VT.UINT32)
       offset = cur.scalar(VT.UINT64)
-      raw_infos.append((name, tuple(int(d) for d in reversed(dims)), raw_type, offset))
-    align = int(md.get("general.alignment", DEFAULT_ALIGNMENT))
+      raw_infos.append((name, dims, raw_type, offset))
     data_start = (cur.pos + align - 1) // align * align
     infos: Dict[str, TensorInfo] = {}
-    for name, shape, raw_type, offset in raw_infos:
+    total = 0          # the running padded total: where the next tensor must start
+    for name, dims, raw_type, offset in raw_infos:
+      if name in infos:
+        raise GGUFError(path, f"tensor {name}: duplicated name (tensor names must be unique)")
+      if min(dims) < 1:
+        raise GGUFError(path, f"tensor {name}: expected dims >= 1, found {dims}")
       try:
         qt = QT(raw_type)
       except ValueError:
@@ -303,20 +242,36 @@ class GGUFModel:
         raise GGUFError(path, f"tensor {name}: unsupported tensor type: expected one of "
                         f"{sorted(t.name for t in SUPPORTED_TYPES)}, found {qt.name}")
       block, tsize = gguf.GGML_QUANT_SIZES[qt]
-      n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-      if shape and shape[-1] % block:
+      if dims[0] % block:
         raise GGUFError(path, f"tensor {name}: {qt.name} rows need a multiple of {block} values, "
-                        f"found shape {shape}")
+                        f"found shape {tuple(reversed(dims))}")
+      n = math.prod(dims)                  # python ints: no overflow
       nbytes = n // block * tsize
+      if offset != total:
+        raise GGUFError(path, f"tensor {name}: data offset expected {total} (the tensors before it, each "
+                        f"padded to the alignment {align}), found {offset}")
       start = data_start + offset
       if start + nbytes > len(mm):
-        raise _Truncated(f"tensor {name} needs bytes [{start}, {start + nbytes}), "
-                         f"file has {len(mm)}")
-      if name in infos:
-        raise GGUFError(path, f"tensor {name}: duplicated")
-      infos[name] = TensorInfo(name, qt, shape, start, nbytes)
+        raise _Truncated(f"tensor {name} needs bytes [{start}, {start + nbytes}), file has {len(mm)}")
+      infos[name] = TensorInfo(name, qt, tuple(int(d) for d in reversed(dims)), start, nbytes)
+      total = offset + (nbytes + align - 1) // align * align
+    end = data_start + total
+    if infos and len(mm) not in (end, data_start + offset + nbytes):
+      raise GGUFError(path, f"file size expected {end} (the end of the last tensor's data), found {len(mm)}")
     self.metadata: Dict[str, Any] = md
+    self.metadata_types: Dict[str, Any] = types
     self._infos = infos
+
+  def _name(self, raw: bytes, what: str) -> str:
+    """A key or tensor name: UTF-8 text (names are compared and printed, escaped)."""
+    try:
+      name = raw.decode("utf-8")
+    except UnicodeDecodeError:
+      raise GGUFError(self.path, f"{what}: expected a UTF-8 name, found {quote(raw)}") from None
+    if not name or (what.startswith("tensor") and len(raw) >= GGML_MAX_NAME):
+      raise GGUFError(self.path, f"{what}: expected a name of 1-{GGML_MAX_NAME - 1} bytes, found "
+                      f"{len(raw)} bytes {quote(name)}")
+    return name
 
   def _validate(self):
     path = self.path
@@ -339,13 +294,44 @@ class GGUFModel:
       if name not in shapes:
         raise GGUFError(path, f"missing tensor {name}: expected shape {expected[name]}")
     for name, shape in shapes.items():
-      if name in expected and tuple(shape) != tuple(expected[name]):
+      if name not in expected:   # as llama.cpp: every tensor of the file is used
+        raise GGUFError(path, f"tensor {name}: not a tensor of this {ARCH} model (block_count "
+                        f"{block_count}, nextn_predict_layers {cfg.mtp_layers})")
+      if tuple(shape) != tuple(expected[name]):
         raise GGUFError(path, f"tensor {name}: wrong shape: expected {tuple(expected[name])}, "
                         f"found {tuple(shape)}")
+      qt = self._infos[name].ggml_type
+      if len(shape) == 1 and qt != QT.F32:   # as llama.cpp writes them: never converted or quantized
+        raise GGUFError(path, f"tensor {name}: 1-D tensors are stored as F32, found {qt.name}")
     self.config: ModelConfig = cfg
     self.tokenizer_spec: Dict[str, Any] = {
         k[len("tokenizer.ggml."):]: v for k, v in self.metadata.items()
         if k.startswith("tokenizer.ggml.")}
+    self._tokenizer = self._build_tokenizer()
+
+  def _build_tokenizer(self):
+    """The tokenizer of `tokenizer.ggml.*`, or None when the file has no `tokenizer.ggml.tokens`
+    (then only token ids can be given). Its own checks are refused as `GGUFError`s."""
+    spec = self.tokenizer_spec
+    if "tokens" not in spec:
+      return None
+    n = len(spec["tokens"])
+    if "token_type" in spec and len(spec["token_type"]) != n:
+      raise GGUFError(self.path, f"metadata tokenizer.ggml.token_type: expected {n} entries (one per token), "
+                      f"found {len(spec['token_type'])}")
+    for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
+      if key in spec and spec[key] >= n:
+        raise GGUFError(self.path, f"metadata tokenizer.ggml.{key}: expected a token id < {n} (the tokens), "
+                        f"found {spec[key]}")
+    try:
+      return tok_lib.from_spec(spec)
+    except ValueError as e:
+      raise GGUFError(self.path, f"tokenizer.ggml.*: {e}") from None
+
+  @property
+  def tokenizer(self):
+    """`kvjax.tokenizer.Tokenizer` of the file, None when it has no token list."""
+    return self._tokenizer
 
   # -- tensors --
   def tensor_names(self) -> list:
@@ -377,7 +363,12 @@ class GGUFModel:
       block, tsize = gguf.GGML_QUANT_SIZES[info.ggml_type]
       rows = raw.reshape(-1, shape[-1] // block * tsize)
       out = gguf.quants.dequantize(np.asarray(rows), info.ggml_type).reshape(shape)
-    return np.array(out, dtype=dtype, copy=True).reshape(info.shape)
+    out = np.array(out, dtype=dtype, copy=True).reshape(info.shape)
+    if not np.isfinite(out).all():
+      bad = np.flatnonzero(~np.isfinite(out.reshape(-1)))
+      raise GGUFError(self.path, f"tensor {name}: expected finite values, found {bad.size} NaN / inf "
+                      f"(first at flat index {bad[0]})")
+    return out
 
   def iter_tensors(self, dtype=np.float32, names: Optional[Sequence[str]] = None
                    ) -> Iterator[Tuple[str, np.ndarray]]:

@@ -4,7 +4,7 @@ resolver (`"tiny"`, `"tiny:SEED"` or a GGUF path) behind `kvjax.api.load_model`.
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -45,13 +45,13 @@ def is_builtin(spec: str) -> bool:
 
 
 def load_model_source(spec: str, seed: int = 0, dtype=np.float32
-                      ) -> Tuple[ModelConfig, Iterator[Tuple[str, np.ndarray]], tok_lib.Tokenizer]:
+                      ) -> Tuple[ModelConfig, Iterator[Tuple[str, np.ndarray]], Optional[tok_lib.Tokenizer]]:
   """Resolve a model source ('tiny', 'tiny:SEED', 'code-tiny' or a GGUF path) -> `(config, tensor
   iterator, tokenizer)`.
 
   "tiny" (or "tiny:SEED") is the built-in random model; "code-tiny" the packaged trained GGUF;
   anything else is a GGUF path, opened and validated (`GGUFError` on a bad file) and read one
-  tensor at a time by the iterator.
+  tensor at a time by the iterator; its tokenizer is None when the file has no token list.
   """
   if spec in BUILTIN_GGUF:
     spec = builtin_path(spec)
@@ -67,4 +67,4 @@ def load_model_source(spec: str, seed: int = 0, dtype=np.float32
   if not os.path.exists(spec):
     raise FileNotFoundError(f"source {spec!r}: no such file (expected a .gguf path, 'tiny' or 'code-tiny')")
   model = gguf_io.read_gguf(spec)
-  return model.config, model.iter_tensors(dtype), tok_lib.from_spec(model.tokenizer_spec)
+  return model.config, model.iter_tensors(dtype), model.tokenizer

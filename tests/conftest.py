@@ -22,3 +22,19 @@ def _release_compiled_programs():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+  """The compiled GPU tests (named test_gpu_*) exist everywhere and are reported as skipped
+  without KVJAX_TEST_GPU=1, so a CPU run shows what it did not check."""
+  del config
+  if ON_GPU:
+    return
+  skip = pytest.mark.skip(reason="compiled GPU kernels: run with KVJAX_TEST_GPU=1 JAX_PLATFORMS=cuda,cpu on an "
+                                 "NVIDIA GPU")
+  for item in items:
+    if item.name.startswith("test_gpu_"):
+      item.add_marker(skip)

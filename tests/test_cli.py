@@ -168,7 +168,7 @@ def test_streamed_pool_pages_matches_plain(capsys, plain_run):
   assert m["resident_pages_per_layer"] == [1, 1, 1]
   # pages 1..2 of each layer streamed through the ring every forward after the prompt
   assert m["h2d_bytes"] > 0 and m["streamed_pages"] > 0 and m["ring_wraps"] > 0
-  assert m["d2h_bytes"] > 0 and m["readiness_misses"] >= 0
+  assert m["d2h_bytes"] > 0 and 0 < m["deadline_samples"] and m["readiness_misses"] <= m["deadline_samples"]
   for k in ("h2d_bytes", "d2h_bytes", "ring_wraps", "resident_pages", "ring_slots", "readiness_misses"):
     assert k in m
 
@@ -477,3 +477,56 @@ def test_attn_impl_auto_resolves_on_cpu(plain_run):
 def test_speculative_needs_greedy(capsys):
   rc, _, err = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, "--spec-type=draft-mtp", "--temperature=0.7")
   assert_one_line_error(rc, err, "--temperature 0")
+
+
+# ---- sizes and flags refused before anything is allocated, with their exit status ----------
+
+@pytest.mark.parametrize("flags_,status,needles", [
+    (["--kv-stream-arena-mib", "inf"], 2, ["--kv-stream-arena-mib must be > 0 and finite, got inf"]),
+    (["--ctx-size", "-5"], 2, ["--ctx-size must be >= 0", "got -5"]),
+    (["--ctx-size", "1000000000000"], 2, ["--ctx-size 1000000000000 is beyond the 2147483647 token positions"]),
+    (["--n-predict", "1000000000000"], 2, ["prompt 3 + --n-predict 1000000000000 needs 1000000000003 token "
+                                            "positions, beyond the 2147483647"]),
+    (["--ctx-size", "9000"], 2, ["--ctx-size 9000 is beyond the model's context length of 8192 positions",
+                                 "808 more", "--exceed-context-length"]),
+    (["--kv-page-tokens", "48", "--attn-impl", "mosaic"], 2, ["--kv-page-tokens 48", "multiple of 64"]),
+    (["--kv-page-tokens", "3", "--attn-impl", "triton"], 2, ["--kv-page-tokens 3", "multiple of 16"]),
+    (["--kv-page-tokens", "2147483648", "--exceed-context-length"], 2,
+     ["--ctx-size 5: the KV cache needs", "MiB of", "available"]),
+    (["--top-k", "100000"], 2, ["--top-k 100000 is larger than the vocabulary of 384 tokens"]),
+    (["--model", "tiny:abc"], 2, ["--model 'tiny:abc'"]),
+    (["--temperature", "nan"], 2, ["--temperature must be >= 0, got nan"]),
+    (["--spec-type", "ngram-simple", "--spec-draft-n-max", "0"], 2, ["--spec-draft-n-max must be >= 1"]),
+    (["--model", "/nonexistent/m.gguf"], 1, ["--model '/nonexistent/m.gguf': no such file"]),
+])
+def test_generate_refusals_exit_status(capsys, flags_, status, needles):
+  argv = ["generate", "--prompt-tokens", "1,2,3"] + flags_
+  if "--n-predict" not in flags_:
+    argv += ["--n-predict", "2"]
+  rc, out, err = run_main(capsys, *argv)
+  assert rc == status, err
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("kvjax: error: "), err
+  for n in needles:
+    assert n in lines[0], lines[0]
+
+
+def test_bad_gguf_exits_1_with_one_escaped_line(capsys, tmp_path):
+  from experiments.lib import gguf_fuzz as gf
+  from kvjax import tiny
+  g = gf.Gguf.parse(open(tiny.write_tiny_gguf(tmp_path / "t.gguf"), "rb").read())
+  p = tmp_path / "bad.gguf"
+  p.write_bytes(gf._set(g, b"general.architecture", gf.VT_STRING, "x\x1b]0;t\x07").to_bytes())
+  rc, out, err = run_main(capsys, "generate", "--model", str(p), "--prompt-tokens", "1,2,3", "--n-predict", "2")
+  assert rc == 1 and len(err.strip().splitlines()) == 1, err
+  assert "\x1b" not in err and "\\x1b]0;t\\x07" in err and str(p) in err
+
+
+def test_ctrl_c_one_line_status_130(capsys, monkeypatch):
+  from kvjax import api
+
+  def interrupted(*a, **k):
+    raise KeyboardInterrupt()
+  monkeypatch.setattr(api, "load_model", interrupted)
+  rc, out, err = run_main(capsys, "generate", "--prompt-tokens", "1,2,3", "--n-predict", "2")
+  assert rc == 130 and err == "kvjax: error: interrupted\n"

@@ -283,3 +283,144 @@ def test_refuse_multi_layer_mtp(tmp_path, cfg, tensors):
 def test_refuse_missing_key(tmp_path, cfg, tensors):
   p = build(tmp_path / "key.gguf", cfg, tensors, meta={"ssm.state_size": None})
   refuse(p, "missing metadata key qwen35.ssm.state_size")
+
+
+# ---- every refusal branch of the validating reader -------------------------------------
+
+from experiments.lib import gguf_fuzz as gf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def records(good):
+  return gf.Gguf.parse(open(good, "rb").read())
+
+
+def _write(tmp_path, data, name="m.gguf"):
+  p = tmp_path / name
+  p.write_bytes(data)
+  return p
+
+
+def _set(g, key, vtype, value):
+  return gf._set(g, key.encode(), vtype, value).to_bytes()
+
+
+@pytest.mark.parametrize("key,vtype,value,needles", [
+    ("qwen35.context_length", gf.VT_UINT32, 0, ["qwen35.context_length", "expected an integer >= 1", "found 0"]),
+    ("qwen35.context_length", gf.VT_FLOAT32, float("inf"), ["expected an integer", "found float inf"]),
+    ("qwen35.block_count", gf.VT_UINT64, 2**63, ["block_count", "found 9223372036854775808"]),
+    ("qwen35.block_count", gf.VT_UINT32, 100, ["block_count", "expected at most 9", "found 100"]),
+    ("qwen35.embedding_length", gf.VT_STRING, "abc", ["embedding_length", "found string 'abc'"]),
+    ("qwen35.embedding_length", gf.VT_ARRAY, (gf.VT_UINT32, [64, 64]), ["embedding_length", "array of 2"]),
+    ("qwen35.attention.head_count", gf.VT_ARRAY, (gf.VT_UINT32, [6, 3]), ["expected one value for all layers"]),
+    ("qwen35.rope.freq_base", gf.VT_FLOAT32, float("nan"), ["rope.freq_base", "finite number > 0.0", "found nan"]),
+    ("qwen35.attention.layer_norm_rms_epsilon", gf.VT_FLOAT32, -1.0, ["rms_epsilon", "found -1.0"]),
+    ("qwen35.rope.dimension_sections", gf.VT_UINT32, 11, ["dimension_sections", "array of integers"]),
+    ("qwen35.rope.dimension_count", gf.VT_UINT32, 3, ["rope dims 3 must be even"]),
+    ("qwen35.nextn_predict_layers", gf.VT_INT32, -1, ["nextn_predict_layers", "found -1"]),
+    ("qwen35.attention.recurrent_layers", gf.VT_ARRAY, (gf.VT_UINT32, [7] * 9), ["array of bools"]),
+    ("tokenizer.ggml.tokens", gf.VT_UINT32, 5, ["tokenizer.ggml.tokens", "array of strings", "found integer 5"]),
+    ("tokenizer.ggml.merges", gf.VT_ARRAY, (gf.VT_STRING, ["nospace"]), ["tokenizer.ggml.*", "not 'left right'"]),
+    ("tokenizer.ggml.token_type", gf.VT_ARRAY, (gf.VT_INT32, [1, 1]), ["token_type", "expected 384 entries"]),
+    ("tokenizer.ggml.eos_token_id", gf.VT_UINT32, 10**6, ["eos_token_id", "token id < 384"]),
+    ("tokenizer.ggml.model", gf.VT_STRING, "llama", ["not supported"]),
+    ("general.architecture", gf.VT_STRING, "qwen35" + gf.ESCAPES, ["general.architecture", "\\x1b]0;owned\\x07"]),
+    ("general.alignment", gf.VT_UINT32, 0, ["general.alignment", "power of two", "found 0"]),
+    ("general.alignment", gf.VT_UINT32, 3, ["general.alignment", "found 3"]),
+    ("general.alignment", gf.VT_INT32, -32, ["general.alignment", "expected a UINT32, found INT32"]),
+])
+def test_refuse_bad_metadata(tmp_path, records, key, vtype, value, needles):
+  msg = refuse(_write(tmp_path, _set(records, key, vtype, value)), *needles)
+  assert "\x1b" not in msg and "\x07" not in msg
+
+
+def test_refuse_duplicates_and_names(tmp_path, records):
+  g = records.copy()
+  g.kvs.insert(0, gf.KV(b"qwen35.context_length", gf.VT_UINT32, gf.enc(gf.VT_UINT32, 4096)))
+  refuse(_write(tmp_path, g.to_bytes(), "k.gguf"), "qwen35.context_length", "duplicated key")
+  g = records.copy()
+  g.infos.append(g.infos[3])
+  g.data.append(g.data[3])
+  refuse(_write(tmp_path, g.to_bytes(), "t.gguf"), g.infos[3].name.decode(), "duplicated name")
+  for name, needles in [(b"blk.0.\xff\xfe", ["tensor #", "UTF-8", "\\udcff"]), (b"", ["1-63 bytes"]),
+                        (b"x" * 64, ["1-63 bytes", "found 64 bytes"])]:
+    g = records.copy()
+    g.infos[0].name = name
+    refuse(_write(tmp_path, g.to_bytes(), "n.gguf"), *needles)
+  g = records.copy()
+  g.infos.append(gf.TInfo("blk.0.a\x1b[2J".encode(), [32], 0, 0))
+  g.data.append(b"\0" * 128)
+  msg = refuse(_write(tmp_path, g.to_bytes(), "esc.gguf"), "not a tensor of this qwen35 model", "\\x1b[2J")
+  assert "\x1b" not in msg
+  g = records.copy()
+  bad = gf._raw_kv(g, gf._str(b"x.v") + gf.struct.pack("<I", 13) + b"\0" * 8)
+  refuse(_write(tmp_path, gf._bytes_of(bad, False), "v.gguf"), "x.v", "unknown type id 13")
+  nested = gf.struct.pack("<IQ", gf.VT_ARRAY, 1) * 3 + gf.struct.pack("<IQ", gf.VT_UINT8, 0)
+  bad = gf._raw_kv(g, gf._str(b"x.a") + gf.struct.pack("<I", gf.VT_ARRAY) + nested)
+  refuse(_write(tmp_path, gf._bytes_of(bad, False), "a.gguf"), "x.a", "nested deeper")
+  bad = gf._raw_kv(g, gf._str(b"x.b") + gf.struct.pack("<I", gf.VT_BOOL) + b"\x07")
+  refuse(_write(tmp_path, gf._bytes_of(bad, False), "b.gguf"), "x.b", "found byte 7")
+  bad = gf._raw_kv(g, gf._str(b"x.c") + gf.struct.pack("<IIQ", gf.VT_ARRAY, gf.VT_UINT32, 2**63))
+  refuse(_write(tmp_path, gf._bytes_of(bad, False), "c.gguf"), "truncated file", "x.c")
+
+
+def test_refuse_bad_tensor_records(tmp_path, records):
+  def edit(fn, keep=False):
+    g = records.copy()
+    fn(g)
+    return _write(tmp_path, g.to_bytes(keep_offsets=keep), "e.gguf")
+
+  first = records.infos[0].name.decode()
+  second = records.infos[1].name.decode()
+  refuse(edit(lambda g: setattr(g.infos[0], "dims", [])), first, "expected 1-4 dims, found 0")
+  refuse(edit(lambda g: setattr(g.infos[0], "dims", [1] * 5)), first, "found 5")
+  refuse(edit(lambda g: setattr(g.infos[0], "dims", [0, 64])), first, "expected dims >= 1")
+  refuse(edit(lambda g: setattr(g.infos[0], "dims", [33, 64])) if records.infos[0].ttype else
+         edit(lambda g: (setattr(g.infos[0], "ttype", 8), setattr(g.infos[0], "dims", [33, 64]))),
+         first, "rows need a multiple of 32")
+
+  refuse(_write(tmp_path, _shifted(records, 1, 1), "o.gguf"), second, "data offset expected", "found")
+  g = records.copy()
+  g.n_tensors = 2**63
+  refuse(_write(tmp_path, g.to_bytes(), "n.gguf"), "truncated file", "header claims")
+  g = records.copy()
+  g.version = 4
+  refuse(_write(tmp_path, g.to_bytes(), "ver.gguf"), "GGUF version expected 2 or 3, found 4")
+  refuse(_write(tmp_path, open(_write(tmp_path, records.to_bytes(), "ok.gguf"), "rb").read() + b"x" * 32,
+                "app.gguf"), "file size expected")
+  name = "blk.2.ssm_a"   # 16 bytes in F32; as F16 the same padded slot: refused by the F32 rule
+  g = records.copy()
+  i = [t.name for t in g.infos].index(name.encode())
+  g.infos[i].ttype = 1
+  refuse(_write(tmp_path, g.to_bytes(), "f16.gguf"), name, "1-D tensors are stored as F32, found F16")
+  g = records.copy()
+  g.infos.append(gf.TInfo(b"blk.0.extra.weight", [32], 0, 0))
+  g.data.append(b"\0" * 128)
+  refuse(_write(tmp_path, g.to_bytes(), "x.gguf"), "blk.0.extra.weight", "not a tensor of this")
+  g = records.copy()
+  g.data[0] = np.float32([np.nan] * (len(g.data[0]) // 4)).tobytes()
+  p = _write(tmp_path, g.to_bytes(), "nan.gguf")
+  m = gguf_io.read_gguf(p)
+  with pytest.raises(GGUFError, match=f"tensor {first}: expected finite values"):
+    m.load_tensor(first)
+
+
+def _shifted(records, i, by):
+  g = gf.Gguf.parse(records.to_bytes())
+  g.infos[i].offset += by
+  return g.to_bytes(keep_offsets=True)
+
+
+def test_file_without_tokenizer_loads_without_one(tmp_path, records):
+  g = gf._drop_key(records, b"tokenizer.ggml.tokens")
+  g = gf._drop_key(g, b"tokenizer.ggml.merges")
+  m = gguf_io.read_gguf(_write(tmp_path, g.to_bytes()))
+  assert m.tokenizer is None and m.config == config.tiny()
+
+
+@pytest.mark.parametrize("kw", [dict(num_kv_heads=0), dict(rms_eps=float("nan")), dict(context_length=0),
+                                dict(rope_theta=-1.0), dict(hidden_size=True)])
+def test_model_config_refuses_non_positive_sizes(kw):
+  """`ModelConfig` itself: sizes >= 1 and finite positive floats, checked before anything divides."""
+  with pytest.raises(ValueError, match="expected positive sizes and positive finite floats, found " + list(kw)[0]):
+    config.tiny(**kw)

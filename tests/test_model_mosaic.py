@@ -24,9 +24,12 @@ from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import api
 
 ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"
-# the attention core's "f16" operand rounding (~4e-4 relative, tests/test_span_attention*.py)
-# carried through the random-weight layers to the logits
-LOGITS_TOL = 5e-3
+# the attention core's "f16" operand rounding carried through the random-weight layers to the
+# logits: measured 3.9e-5 .. 4.4e-5 relative for 1, 4 and 40 rows (interpreted kernels on the CPU,
+# 2026-12-03; 4e-5 reported for the compiled decode on the H200); the bound is ~4.5x that
+LOGITS_TOL = 2e-4
+# mosaic against triton on a 256-token prefill chunk (GPU only; not measured with the bound above)
+TRITON_TOL = 5e-3
 
 
 def rel(a, b):
@@ -100,36 +103,36 @@ def test_interpreted_mosaic_in_the_model_matches_the_reference():
     assert rel(got, want) <= LOGITS_TOL, (rows, rel(got, want))
 
 
-if ON_GPU:
+# compiled on the GPU: named test_gpu_*, skipped without KVJAX_TEST_GPU=1 (tests/conftest.py)
 
-  @pytest.fixture(scope="module")
-  def real():
-    return _setup(4, 24, 256, prompt=3 * 256 - 40, ubatch=256)
+@pytest.fixture(scope="module")
+def real():
+  return _setup(4, 24, 256, prompt=3 * 256 - 40, ubatch=256)
 
-  @pytest.mark.parametrize("rows", [1, 4])
-  def test_gpu_mosaic_in_the_model(real, rows):
-    """Compiled: mosaic within the reference's rounding; "auto" bit for bit mosaic."""
-    _, model, layout, kv, states, tokens = real
-    pos = 3 * 256 - 40
-    want, _ = _forward(model, layout, AttentionOptions("reference"), kv, states, tokens, pos,
-                       rows)
-    got, _ = _forward(model, layout, AttentionOptions("mosaic"), kv, states, tokens, pos, rows)
-    auto, _ = _forward(model, layout, AttentionOptions("auto"), kv, states, tokens, pos, rows)
-    assert rel(got, want) <= LOGITS_TOL, rel(got, want)
-    np.testing.assert_array_equal(auto, got)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_mosaic_in_the_model(real, rows):
+  """Compiled: mosaic within the reference's rounding; "auto" bit for bit mosaic."""
+  _, model, layout, kv, states, tokens = real
+  pos = 3 * 256 - 40
+  want, _ = _forward(model, layout, AttentionOptions("reference"), kv, states, tokens, pos,
+                     rows)
+  got, _ = _forward(model, layout, AttentionOptions("mosaic"), kv, states, tokens, pos, rows)
+  auto, _ = _forward(model, layout, AttentionOptions("auto"), kv, states, tokens, pos, rows)
+  assert rel(got, want) <= LOGITS_TOL, rel(got, want)
+  np.testing.assert_array_equal(auto, got)
 
-  def test_gpu_auto_prefill_is_mosaic(real):
-    """A 256-token prefill chunk: "auto" gives the bits of "mosaic" (the prefill kernel), within
-    the rounding of the Triton kernel's logits."""
-    cfg, model, layout, kv, states, tokens = real
-    kv0 = engine.PlainKV(cfg, layout, max_tokens=512)
-    chunk = np.asarray(tokens[:256], np.int32)
-    outs = []
-    for impl in ("auto", "mosaic", "triton"):
-      runner = engine.Runner(model, layout, AttentionOptions(impl))
-      kv = copy.copy(kv0)
-      kv.pool_pn = jnp.copy(kv0.pool_pn)
-      outs.append(np.asarray(runner.forward(chunk, 0, 256, runner.zero_states(), kv).logits_rv))
-    np.testing.assert_array_equal(outs[0], outs[1])
-    assert jnp.isfinite(outs[0]).all()
-    assert rel(outs[1], outs[2]) <= LOGITS_TOL, rel(outs[1], outs[2])
+def test_gpu_auto_prefill_is_mosaic(real):
+  """A 256-token prefill chunk: "auto" gives the bits of "mosaic" (the prefill kernel), within
+  the rounding of the Triton kernel's logits."""
+  cfg, model, layout, kv, states, tokens = real
+  kv0 = engine.PlainKV(cfg, layout, max_tokens=512)
+  chunk = np.asarray(tokens[:256], np.int32)
+  outs = []
+  for impl in ("auto", "mosaic", "triton"):
+    runner = engine.Runner(model, layout, AttentionOptions(impl))
+    kv = copy.copy(kv0)
+    kv.pool_pn = jnp.copy(kv0.pool_pn)
+    outs.append(np.asarray(runner.forward(chunk, 0, 256, runner.zero_states(), kv).logits_rv))
+  np.testing.assert_array_equal(outs[0], outs[1])
+  assert jnp.isfinite(outs[0]).all()
+  assert rel(outs[1], outs[2]) <= TRITON_TOL, rel(outs[1], outs[2])

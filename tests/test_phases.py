@@ -57,7 +57,7 @@ def test_prefill_decode_prefill_across_two_requests(setup):
   assert phases_seen == ["prefill", "decode", "prefill", "decode"]
   assert pools_seen == [pre, dec, pre, dec]
   assert phased.arena.generation >= 4
-  assert kv.metrics()["rebinds"] == 4
+  assert kv.metrics()["rebinds"] == 2   # reset starts the counters again: this request's prefill and decode
   assert int(kv.pool_pn.shape[0]) == dec
   # the staging buffers the provider held never exceeded the reserve carved for them
   peak = kv.metrics()["staging_peak_bytes"]

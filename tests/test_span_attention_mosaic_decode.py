@@ -213,21 +213,21 @@ def test_api_routes_to_the_decode_kernel():
 
 # ----------------------------------------------------------------------------- GPU only
 
-if ON_GPU:
+# compiled on the GPU: named test_gpu_*, skipped without KVJAX_TEST_GPU=1 (tests/conftest.py)
 
-  @pytest.mark.parametrize("s_tok", [1, 2, 4, 5, 6])
-  def test_gpu_compiled_matches_reference(s_tok):
-    """The compiled kernel at the real shape against the jnp reference and the float64 oracle:
-    decode (N=8, 2 K slots), verify (N=16 .. 40)."""
-    layout = _layout(REAL)
-    tokens = 9 * 256 - 37
-    hist = History(layout, tokens, seed=21)
-    pool, table = hist.shuffled(seed=4)
-    q, q_pos = _query(21, s_tok, REAL["q_heads"], REAL["head_dim"], tokens)
-    out = km.span_attention_mosaic_decode(q, pool, table, tokens, q_pos, layout=layout,
-                                          block_pages=4)
-    check_against_reference(out, hist, q, pool, table, q_pos, block_pages=4, tol=2e-3)
+@pytest.mark.parametrize("s_tok", [1, 2, 4, 5, 6])
+def test_gpu_compiled_matches_reference(s_tok):
+  """The compiled kernel at the real shape against the jnp reference and the float64 oracle:
+  decode (N=8, 2 K slots), verify (N=16 .. 40)."""
+  layout = _layout(REAL)
+  tokens = 9 * 256 - 37
+  hist = History(layout, tokens, seed=21)
+  pool, table = hist.shuffled(seed=4)
+  q, q_pos = _query(21, s_tok, REAL["q_heads"], REAL["head_dim"], tokens)
+  out = km.span_attention_mosaic_decode(q, pool, table, tokens, q_pos, layout=layout,
+                                        block_pages=4)
+  check_against_reference(out, hist, q, pool, table, q_pos, block_pages=4, tol=2e-3)
 
-  @pytest.mark.parametrize("s_tok", [1, 4])
-  def test_gpu_placement_invariance_and_waves_bit_exact(s_tok):
-    _placement_and_waves(False, REAL, 7 * 256 - 11, 2, s_tok)
+@pytest.mark.parametrize("s_tok", [1, 4])
+def test_gpu_placement_invariance_and_waves_bit_exact(s_tok):
+  _placement_and_waves(False, REAL, 7 * 256 - 11, 2, s_tok)

@@ -164,20 +164,20 @@ def test_api_routes_prefill_chunks():
 
 # ----------------------------------------------------------------------------- GPU only
 
-if ON_GPU:
+# compiled on the GPU: named test_gpu_*, skipped without KVJAX_TEST_GPU=1 (tests/conftest.py)
 
-  @pytest.mark.parametrize("s_tok", [7, 37, 256])
-  def test_gpu_compiled_matches_reference(s_tok):
-    """The compiled kernel at the real shape against the jnp reference and the float64 oracle:
-    1, 2 and 12 row blocks."""
-    layout = _layout(REAL)
-    tokens = 9 * 256 - 37
-    hist = History(layout, tokens, seed=21)
-    pool, table = hist.shuffled(seed=4)
-    q, q_pos = _query(21, s_tok, REAL["q_heads"], REAL["head_dim"], tokens)
-    out = kp.span_attention_mosaic_prefill(q, pool, table, tokens, q_pos, layout=layout,
-                                           block_pages=4)
-    check_against_reference(out, hist, q, pool, table, q_pos, block_pages=4, tol=2e-3)
+@pytest.mark.parametrize("s_tok", [7, 37, 256])
+def test_gpu_compiled_matches_reference(s_tok):
+  """The compiled kernel at the real shape against the jnp reference and the float64 oracle:
+  1, 2 and 12 row blocks."""
+  layout = _layout(REAL)
+  tokens = 9 * 256 - 37
+  hist = History(layout, tokens, seed=21)
+  pool, table = hist.shuffled(seed=4)
+  q, q_pos = _query(21, s_tok, REAL["q_heads"], REAL["head_dim"], tokens)
+  out = kp.span_attention_mosaic_prefill(q, pool, table, tokens, q_pos, layout=layout,
+                                         block_pages=4)
+  check_against_reference(out, hist, q, pool, table, q_pos, block_pages=4, tol=2e-3)
 
-  def test_gpu_placement_invariance_and_waves_bit_exact():
-    _placement_and_waves(False, REAL, 7 * 256 - 11, 2, 64)
+def test_gpu_placement_invariance_and_waves_bit_exact():
+  _placement_and_waves(False, REAL, 7 * 256 - 11, 2, 64)

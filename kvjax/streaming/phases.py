@@ -189,6 +189,10 @@ class AdaptiveStreamedKV(StreamedKV):
              policy_repartitions=sum(d.partition_changed for d in self.decisions))
     return m
 
+  def reset(self):
+    super().reset()
+    self._last = dict(self.counters)
+
   def end_forward(self):
     super().end_forward()
     c, last = self.counters, self._last

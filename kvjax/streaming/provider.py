@@ -239,11 +239,25 @@ class StreamedKV:
     self._shape_key = None
 
   def reset(self) -> None:
-    """Start a new request: forget every token (host and device)."""
+    """Start a new request: forget every token (host and device), and every counter."""
     for h in self.histories.values():
       h.truncate(0)
+      h.d2h_bytes = 0
     self.resident_valid[:] = 0
     self._forget_layout()
+    self._drop_forward_state()
+    self.deadline_samples[:] = 0
+    self.deadline_misses[:] = 0
+    for k, v in self.counters.items():
+      self.counters[k] = type(v)(0)
+
+  def _drop_forward_state(self) -> None:
+    """Let go of what a forward holds (a failed one's too): staged uploads, rows not yet published."""
+    self._pending.clear()
+    self._stage = {}
+    self._wave_stage = {}
+    self._staging_live = 0
+    self._held_bytes = 0
 
   # -- mapping -----------------------------------------------------------------
   def history_of(self, cache_layer: int) -> Tuple[HostHistory, int]:
@@ -284,9 +298,7 @@ class StreamedKV:
     self._content = lay.pages_for(pos)  # pages that already hold tokens
     self._full = pos // lay.page_tokens  # pages whose every token is committed
     self._order = tuple(cache_layers)
-    self._pending.clear()
-    self._stage = {}
-    self._wave_stage = {}
+    self._drop_forward_state()     # a forward that failed half-way left its stage and counts behind
     key = (self._bind_generation, self._full, self._content, active, self._order, self._wave_pages)
     if key != self._shape_key:
       self._lay_out_forward()
@@ -578,6 +590,7 @@ class StreamedKV:
     while first < need:
       end = min(need, (first // piece + 1) * piece)
       pool = self._place(pool, self._upload(hist, l, first, end), lambda p: base + p)
+      self.pool_pn = pool    # the old buffer was donated: the live one stays even if a later copy fails
       first = end
     return pool
 

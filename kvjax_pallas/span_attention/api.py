@@ -201,6 +201,22 @@ def get_implementation(name: str) -> Implementation:
   return _REGISTRY[name]
 
 
+# the page sizes each implementation takes: "reference" any; "triton" key tiles of a power of two
+# >= 16 that divide the page (`triton.tile_config`); "mosaic" whole 64-token tiles
+# (`mosaic_common.check_layout`). None needs a power of two.
+PAGE_TOKENS_MULTIPLE = {"reference": 1, "triton": 16, "mosaic": _mc.BLOCK_TOKENS}
+
+
+def check_page_tokens(page_tokens: int, implementation: str) -> None:
+  """ValueError unless `implementation` ("reference", "triton", "mosaic") takes pages of
+  `page_tokens` tokens (`PAGE_TOKENS_MULTIPLE`)."""
+  m = PAGE_TOKENS_MULTIPLE[get_implementation(implementation).name]
+  if page_tokens < 1 or page_tokens % m:
+    raise ValueError(f"the {implementation} attention takes pages of a multiple of {m} tokens >= {m}"
+                     + (" (key tiles of a power of two >= 16 that divide the page)" if implementation == "triton"
+                        else " (64-token tiles)" if implementation == "mosaic" else ""))
+
+
 def resolve_implementation(implementation: str, *, layout: Optional[PageLayout] = None,
                            q_shape=None, precision: str = _triton.DEFAULT_PRECISION,
                            path: Optional[str] = None, backend: Optional[str] = None) -> str:
