@@ -43,8 +43,8 @@ flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int)
 flags.DEFINE_integer("seed", 0, "oracle seed")
 flags.DEFINE_bool("allow_divergence", False,
                   "record how many leading tokens equal plain greedy instead of stopping at the first "
-                  "difference (bf16 on a GPU: a verify forward's logits are not the bits of one-row "
-                  "forwards, so near-tied random-weight logits can pick another token)")
+                  "difference (seen on the H200 at the 27B geometry; docs/DESIGN.md, 'Speculative "
+                  "decoding')")
 flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_spec"), "output folder")
 FLAGS = flags.FLAGS
 
