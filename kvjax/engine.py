@@ -149,9 +149,9 @@ class PlainKV:
     self.n_layers = len(cache_layers_of(cfg))
     self.pages_per_layer = layout.pages_for(max_tokens)
     self.max_tokens = self.pages_per_layer * layout.page_tokens
-    self.pool_pn = jnp.zeros((self.n_layers * self.pages_per_layer, layout.page_bytes), jnp.uint8)
-    self.tables_lt = jnp.arange(self.n_layers * self.pages_per_layer, dtype=jnp.int32).reshape(
-        self.n_layers, self.pages_per_layer)
+    self.pool_pn = on_device(jnp.zeros((self.n_layers * self.pages_per_layer, layout.page_bytes), jnp.uint8))
+    self.tables_lt = on_device(jnp.arange(self.n_layers * self.pages_per_layer, dtype=jnp.int32).reshape(
+        self.n_layers, self.pages_per_layer))
     self.h2d_bytes = 0
     self.d2h_bytes = 0
 
@@ -226,6 +226,17 @@ def intern_structures(pairs):
   group of every forward otherwise)."""
   seen = {}
   return [(seen.setdefault(s, s), leaves) for s, leaves in pairs]
+
+
+def on_device(tree):
+  """The arrays of `tree` committed to the default device (no copy when they are already there).
+
+  jit caches an executable per argument placement as well as per shape: a committed array (the
+  output of a step that took one, a staged page, a restored checkpoint) and an uncommitted one of the
+  same shape lower separately, so a run that mixed them compiled each group step twice (measured
+  2026-12-03: 18 group / 12 MTP compiles of a streamed speculative run, half of them repeats). The
+  runner's parameters, zero states and the caches' pools are committed, so every step output is."""
+  return jax.device_put(tree, jax.devices()[0])
 
 
 def merge_static(structure: StaticStructure, leaves):
@@ -325,21 +336,25 @@ class Runner:
     self.cfg = model.cfg
     self.layout = layout
     self.opts = opts
-    self.groups = intern_structures([split_static(g) for g in model.groups])
+    self.groups = [(structure, on_device(leaves))
+                   for structure, leaves in intern_structures([split_static(g) for g in model.groups])]
     self.n_recurrent = [len(g.recurrent) for g in model.groups]
     self.attn_index = []  # cache layer of each group's attention block (or None)
     a = 0
     for _, att in layer_groups(self.cfg):
       self.attn_index.append(a if att is not None else None)
       a += att is not None
-    self.token_embd = model.token_embd[...]
-    self.output_norm = model.output_norm[...]
-    self.output = model.output_weight()
-    self.mtp = split_static(model.mtp) if model.mtp is not None else None
+    self.token_embd, self.output_norm, self.output = on_device(
+        (model.token_embd[...], model.output_norm[...], model.output_weight()))
+    if model.mtp is not None:
+      mtp_structure, mtp_leaves = split_static(model.mtp)
+      self.mtp = (mtp_structure, on_device(mtp_leaves))
+    else:
+      self.mtp = None
     self.mtp_layer = self.cfg.num_attention_layers if self.cfg.has_mtp else None
 
   def zero_states(self):
-    return tuple(tuple(zero_recurrent_state(self.cfg) for _ in range(n)) for n in self.n_recurrent)
+    return on_device(tuple(tuple(zero_recurrent_state(self.cfg) for _ in range(n)) for n in self.n_recurrent))
 
   def forward(self, tokens_s, pos: int, n_valid: int, rec_states, kv: KVProvider,
               logits_rows: Optional[np.ndarray] = None, chunked: Optional[bool] = None,

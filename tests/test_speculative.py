@@ -11,7 +11,7 @@ from kvjax.streaming.host_history import HostHistory
 from tiny_setup import build_tiny_runner
 
 N = 48
-N_MTP = 20        # the MTP runs compared round by round (each streamed page count compiles the steps)
+N_MTP = 20        # the MTP runs compared round by round (committed tokens cross a page boundary at 80)
 P_MIN = 0.03      # the tiny MTP head's top-1 probabilities spread around it (0.02 .. 0.05)
 
 
@@ -53,10 +53,14 @@ def _history_at(final: HostHistory, tokens: int) -> HostHistory:
 def mtp_runs(setup):
   """MTP drafting (p_min P_MIN; the tiny head's drafts are nearly all rejected) on the plain cache with
   device rollback and on a streamed cache with host rollback. After every round of the streamed run
-  its histories are compared with the plain run's at the same committed length."""
+  its histories are compared with the plain run's at the same committed length. The reference run
+  writes its host histories through a streamed cache whose pool holds every page resident (7 pages
+  a layer; the histories do not depend on the split): nothing streams, so its steps are the plain
+  cache's executables (same pool shape) and a streaming fault cannot cancel out on both sides."""
   cfg, layout, runner, prompt, truth = setup
   max_tokens = 70 + N + 8
-  ref = _streamed(cfg, layout, max_tokens)
+  ref = _streamed(cfg, layout, max_tokens, pool_pages=24)
+  assert ref.stream.resident_pages_per_layer == (7, 7, 7) and ref.pool_pn.shape[0] == 24
   assert _plain_mtp_run(runner, ref, prompt, N_MTP) == truth[:N_MTP]
   runs = {}
   for cache, rollback in (("plain", "device"), ("streamed", "host")):
@@ -129,7 +133,7 @@ def test_eos_inside_accepted_drafts_ends_generation(setup):
   want = generate.generate(runner, engine.PlainKV(cfg, layout, 70 + N + 8), prompt, N, ubatch=32, eos_id=eos)
   assert want.tokens == truth[:3]
   res = speculative.generate_speculative(runner, engine.PlainKV(cfg, layout, 70 + N + 8), prompt, N,
-                                         speculative.DraftParams("oracle", n_max=4, oracle_acceptance=1.0),
+                                         speculative.DraftParams("oracle", n_max=3, oracle_acceptance=1.0),
                                          ubatch=32, eos_id=eos, oracle_tokens=truth)
   assert res.tokens == want.tokens
   assert res.metrics["verify_forwards"] == 1 and res.metrics["draft_accepted"] >= 2
@@ -208,33 +212,34 @@ def test_long_ngram_and_mtp_with_host_rollback_equals_plain(setup):
 
 
 def test_rollback_state_is_the_captured_row(setup):
-  """capture_states returns the state after each row; row j equals a forward over rows 0..j."""
+  """capture_states returns the state after each row; row j equals the state after decoding rows
+  0..j one forward a row. (The verify width and the setup's cache: the compiled steps are shared.)"""
   cfg, layout, runner, prompt, _ = setup
-  rows = np.array(prompt[:5], np.int32)
-  kv = engine.PlainKV(cfg, layout, 32)
-  cap = runner.forward(rows, 0, 5, runner.zero_states(), kv, chunked=False, capture_states=True)
-  for j in (0, 2, 4):
-    kv2 = engine.PlainKV(cfg, layout, 32)
-    ref = runner.forward(rows[:j + 1], 0, j + 1, runner.zero_states(), kv2, chunked=False)
+  rows = np.array(prompt[:4], np.int32)
+  kv = engine.PlainKV(cfg, layout, 70 + N + 8)
+  cap = runner.forward(rows, 0, 4, runner.zero_states(), kv, chunked=False, capture_states=True)
+  kv2, states = engine.PlainKV(cfg, layout, 70 + N + 8), runner.zero_states()
+  for j in range(4):
+    states = runner.forward(rows[j:j + 1], j, 1, states, kv2, chunked=False).rec_states
     got = engine.select_row(cap.rec_states, j)
     ga = [np.asarray(x) for x in jax.tree.leaves(got)]
-    ra = [np.asarray(x) for x in jax.tree.leaves(ref.rec_states)]
+    ra = [np.asarray(x) for x in jax.tree.leaves(states)]
     assert len(ga) == len(ra) == 2 * sum(runner.n_recurrent)  # conv + delta state per GDN layer
-    for x, y in zip(ga, ra):
-      np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    for x, y in zip(ga, ra):     # one row a forward vs 4 in one: float rounding apart (~1e-6)
+      np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
   first = jax.tree.leaves(engine.select_row(cap.rec_states, 0))
-  last = jax.tree.leaves(engine.select_row(cap.rec_states, 4))
+  last = jax.tree.leaves(engine.select_row(cap.rec_states, 3))
   assert any(not np.allclose(a, b) for a, b in zip(first, last))  # the rows really differ
 
 
 def test_host_rollback_restores_the_captured_rows_bit_for_bit(setup):
   cfg, layout, runner, prompt, _ = setup
   rows = np.array(prompt[:4], np.int32)
-  cap = runner.forward(rows, 0, 4, runner.zero_states(), engine.PlainKV(cfg, layout, 32), chunked=False,
-                       capture_states=True)
+  cap = runner.forward(rows, 0, 4, runner.zero_states(), engine.PlainKV(cfg, layout, 70 + N + 8),
+                       chunked=False, capture_states=True)
   host = speculative.HostRollback()
-  live = runner.forward(rows, 0, 4, runner.zero_states(), engine.PlainKV(cfg, layout, 32), chunked=False,
-                        capture_states=True, on_group_states=host.sink()).rec_states
+  live = runner.forward(rows, 0, 4, runner.zero_states(), engine.PlainKV(cfg, layout, 70 + N + 8),
+                        chunked=False, capture_states=True, on_group_states=host.sink()).rec_states
   for j in range(4):
     want = jax.tree.leaves(engine.select_row(cap.rec_states, j))
     got = jax.tree.leaves(host.states_after(live, j, 4))

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig
-from kvjax.engine import LayerKV
+from kvjax.engine import LayerKV, on_device
 from kvjax.model import KVRows
 from kvjax.streaming.budget import StreamBudgetError, StreamConfig, staging_unit_pages
 from kvjax.streaming.host_history import HostHistory
@@ -203,7 +203,7 @@ class StreamedKV:
     """Lay out resident regions and the ring in a pool of `stream.pool_pages` (reused if same size)."""
     if self.pool_pn is None or int(self.pool_pn.shape[0]) != stream.pool_pages:
       self.pool_pn = None  # free the old buffer before taking the new one
-      self.pool_pn = jnp.zeros((stream.pool_pages, self.layout.page_bytes), jnp.uint8)
+      self.pool_pn = on_device(jnp.zeros((stream.pool_pages, self.layout.page_bytes), jnp.uint8))
     self.stream = stream
     self.staging_unit = staging_unit_pages(stream, self.max_tokens, self.layout, self.pinned)
     caps = stream.resident_pages_per_layer
@@ -388,7 +388,7 @@ class StreamedKV:
       self.counters["ring_peak_slots"] = max(self.counters["ring_peak_slots"], min(streamed, ring))
       plan, table = self._plan_and_table(a, live, slots)
       units, pieces, tail = self._stage_layout(a, live, slots)
-      plans[a] = _LayerPlan(plan, jnp.asarray(table), None if pieces is None else jnp.asarray(pieces),
+      plans[a] = _LayerPlan(plan, on_device(table), None if pieces is None else on_device(pieces),
                             units, tail, streamed, wraps)
       self.counters["max_spans"] = max(self.counters["max_spans"], len(plan.spans))
     self._layer_plans = plans
@@ -414,8 +414,8 @@ class StreamedKV:
       table[:live] = self.resident_base[a] + np.arange(live)
       table[first:hi] = self.ring_base + np.arange(hi - first)
       count = max(0, min(hi, need) - first)
-      pieces = None if count == 0 else jnp.asarray(np.array([[[self.ring_base, 0, count]]], np.int32))
-      waves.append(_Wave((lo, hi), jnp.asarray(table), pieces, first, count))
+      pieces = None if count == 0 else on_device(np.array([[[self.ring_base, 0, count]]], np.int32))
+      waves.append(_Wave((lo, hi), on_device(table), pieces, first, count))
     return _LayerPlan(None, waves[0].table_t, waves[0].pieces, (), -1, streamed, 0, tuple(waves))
 
   def _plan_and_table(self, a: int, live: int, slots: np.ndarray):
