@@ -30,16 +30,21 @@ from typing import Dict, List, Sequence
 import numpy as np
 from absl import app, flags
 
-flags.DEFINE_string("model", "code-tiny", "'code-tiny' or a GGUF path")
-flags.DEFINE_list("contexts", [], "prompt lengths in tokens (default: 256, 512, ... up to the model's limit)")
-flags.DEFINE_integer("prompts", 4, "held-out prompts per context")
-flags.DEFINE_integer("n_predict", 64, "tokens generated per prompt")
-flags.DEFINE_list("drafters", ["mtp", "ngram", "both"], "mtp, ngram, both")
-flags.DEFINE_list("n_max", ["3", "5"], "drafts per round")
-flags.DEFINE_float("p_min", 0.0, "MTP drafting stops below this top-1 probability")
-flags.DEFINE_integer("ngram_n", 3, "ngram-simple key length")
-flags.DEFINE_integer("page_tokens", 64, "KV page size")
-flags.DEFINE_string("out", "runs/acceptance", "output folder")
+def define_flags():
+  """The command line's flags, defined when the module runs as a program (not at import: tests
+  import several experiments into one process, and absl refuses a flag name defined twice)."""
+  flags.DEFINE_string("model", "code-tiny", "'code-tiny' or a GGUF path")
+  flags.DEFINE_list("contexts", [], "prompt lengths in tokens (default: 256, 512, ... up to the model's limit)")
+  flags.DEFINE_integer("prompts", 4, "held-out prompts per context")
+  flags.DEFINE_integer("n_predict", 64, "tokens generated per prompt")
+  flags.DEFINE_list("drafters", ["mtp", "ngram", "both"], "mtp, ngram, both")
+  flags.DEFINE_list("n_max", ["3", "5"], "drafts per round")
+  flags.DEFINE_float("p_min", 0.0, "MTP drafting stops below this top-1 probability")
+  flags.DEFINE_integer("ngram_n", 3, "ngram-simple key length")
+  flags.DEFINE_integer("page_tokens", 64, "KV page size")
+  flags.DEFINE_string("out", "runs/acceptance", "output folder")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -218,4 +223,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -28,12 +28,17 @@ import time
 
 from absl import app, flags
 
-flags.DEFINE_integer("cases", 1000, "mutated files to generate and judge")
-flags.DEFINE_integer("seed", 0, "generator seed (the same cases for the same seed)")
-flags.DEFINE_integer("cli_every", 50, "run every N-th case through `kvjax generate` too (0: never)")
-flags.DEFINE_float("timeout_s", 20.0, "reading a case taking longer is a hang (a failure)")
-flags.DEFINE_float("cli_timeout_s", 600.0, "the same for a `kvjax generate` run (compiles the model)")
-flags.DEFINE_string("out", None, "folder for cases.jsonl")
+def define_flags():
+  """The command line's flags, defined when the module runs as a program (not at import: tests
+  import several experiments into one process, and absl refuses a flag name defined twice)."""
+  flags.DEFINE_integer("cases", 1000, "mutated files to generate and judge")
+  flags.DEFINE_integer("seed", 0, "generator seed (the same cases for the same seed)")
+  flags.DEFINE_integer("cli_every", 50, "run every N-th case through `kvjax generate` too (0: never)")
+  flags.DEFINE_float("timeout_s", 20.0, "reading a case taking longer is a hang (a failure)")
+  flags.DEFINE_float("cli_timeout_s", 600.0, "the same for a `kvjax generate` run (compiles the model)")
+  flags.DEFINE_string("out", None, "folder for cases.jsonl")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -132,4 +137,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -25,18 +25,23 @@ import time
 
 from absl import app, flags
 
-flags.DEFINE_integer("steps", 4000, "tokens to decode")
-flags.DEFINE_integer("prompt_tokens", 100, "seeded random prompt length")
-flags.DEFINE_integer("page_tokens", 64, "tokens per KV page")
-flags.DEFINE_integer("pool_pages", 0, "device pool of the streamed cache in pages (0: one cache layer's pages + 4, "
-                     "so the ring holds a layer that streams every page; the tiny cache has 3 layers)")
-flags.DEFINE_integer("copy_pages", 4, "host copy unit (pages, a power of two)")
-flags.DEFINE_integer("n_max", 3, "drafts per speculative round")
-flags.DEFINE_integer("wrong_every", 5, "every N-th drafted position is wrong (planted rejection)")
-flags.DEFINE_integer("fault_every", 23, "a host-to-device copy fails after every N - 1 good ones (0: none)")
-flags.DEFINE_integer("seed", 0, "prompt and weight seed")
-flags.DEFINE_string("attn_impl", "auto", "span attention implementation (kvjax.api.load_model)")
-flags.DEFINE_string("out", None, "folder for soak.json")
+def define_flags():
+  """The command line's flags, defined when the module runs as a program (not at import: tests
+  import several experiments into one process, and absl refuses a flag name defined twice)."""
+  flags.DEFINE_integer("steps", 4000, "tokens to decode")
+  flags.DEFINE_integer("prompt_tokens", 100, "seeded random prompt length")
+  flags.DEFINE_integer("page_tokens", 64, "tokens per KV page")
+  flags.DEFINE_integer("pool_pages", 0, "device pool of the streamed cache in pages (0: one cache layer's pages + 4, "
+                       "so the ring holds a layer that streams every page; the tiny cache has 3 layers)")
+  flags.DEFINE_integer("copy_pages", 4, "host copy unit (pages, a power of two)")
+  flags.DEFINE_integer("n_max", 3, "drafts per speculative round")
+  flags.DEFINE_integer("wrong_every", 5, "every N-th drafted position is wrong (planted rejection)")
+  flags.DEFINE_integer("fault_every", 23, "a host-to-device copy fails after every N - 1 good ones (0: none)")
+  flags.DEFINE_integer("seed", 0, "prompt and weight seed")
+  flags.DEFINE_string("attn_impl", "auto", "span attention implementation (kvjax.api.load_model)")
+  flags.DEFINE_string("out", None, "folder for soak.json")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -129,4 +134,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
