@@ -31,7 +31,7 @@ def write_tiny_gguf(path, seed: int = 0, weight_type: str = "f32") -> str:
                             name=f"kvjax-tiny-seed{seed}")
 
 
-MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
+MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 BUILTIN_GGUF = {"code-tiny": "code-tiny.gguf"}
 
 
