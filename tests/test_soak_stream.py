@@ -9,7 +9,7 @@ from experiments import soak_stream
 
 @pytest.mark.slow
 def test_short_soak():
-  r = soak_stream.soak(steps=10, prompt_tokens=40, page_tokens=16, pool_pages=8, copy_pages=2, n_max=3,
+  r = soak_stream.soak(steps=16, prompt_tokens=40, page_tokens=16, pool_pages=8, copy_pages=2, n_max=3,
                        wrong_every=3, fault_every=8)
   assert r["tokens_equal_plain_greedy"] and r["tokens_equal_spec_plain"]
   assert r["history_bytes_equal_spec_plain"]
