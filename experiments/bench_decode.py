@@ -45,6 +45,7 @@ flags.DEFINE_list("pool_pages", [], "more streamed runs with these KV pools (pag
 flags.DEFINE_integer("decode_steps", 8, "timed decode forwards per configuration")
 flags.DEFINE_integer("page_tokens", 256, "tokens per KV page")
 flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages)")
+flags.DEFINE_integer("pipeline_depth", 1, "layers whose copies are queued ahead of the running step")
 flags.DEFINE_string("attn_impl", "reference", "span attention implementation")
 flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
 flags.DEFINE_integer("prompt", 256, "real prompt tokens for the end-to-end plain check")
@@ -162,6 +163,7 @@ def _streamed_row(row, pool_pages, pk, runner, cfg, layout, ctx, max_tokens, dec
   n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
   split = fixed_split(pool_pages, n_layers, max_tokens, layout, FLAGS.copy_pages)
   sk = StreamedKV(cfg, layout, max_tokens, split)
+  sk.prefetch_depth = FLAGS.pipeline_depth
   synthetic.fill_streamed(sk, ctx)
   if FLAGS.check_steps:
     row["bit_exact_steps"] = _check_bit_exact(runner, pk, sk, ctx, FLAGS.check_steps)

@@ -152,6 +152,9 @@ class PlainKV:
     self.pool_pn = on_device(jnp.zeros((self.n_layers * self.pages_per_layer, layout.page_bytes), jnp.uint8))
     self.tables_lt = on_device(jnp.arange(self.n_layers * self.pages_per_layer, dtype=jnp.int32).reshape(
         self.n_layers, self.pages_per_layer))
+    # one device array a layer, made once: indexing `tables_lt` in `layer_kv` ran an eager slice (a
+    # dispatch of its own) for every layer of every forward
+    self._table_of = tuple(self.tables_lt[a] for a in range(self.n_layers))
     self.h2d_bytes = 0
     self.d2h_bytes = 0
 
@@ -161,7 +164,7 @@ class PlainKV:
                        f"({pos + n_tokens - self.max_tokens} more; raise --ctx-size)")
 
   def layer_kv(self, cache_layer):
-    return LayerKV(self.pool_pn, self.tables_lt[cache_layer])
+    return LayerKV(self.pool_pn, self._table_of[cache_layer])
 
   def wave_kv(self, cache_layer, wave):
     raise RuntimeError("the plain cache attends every layer in one call (no copy waves)")

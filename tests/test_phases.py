@@ -96,7 +96,8 @@ def test_adaptive_policy_split_streams_identically(setup):
 
 def _check_placement(kv, tokens):
   """The pool holds what `policy.layout` says: layer a's capacity, its first min(active, capacity)
-  pages resident at its region, byte for byte the host history's pages."""
+  pages resident at its region, byte for byte the host history's pages (a streamed layer's last
+  region page is its open slot: the rows of the page it writes)."""
   lay = policy_lib.layout(kv.policy_config, kv.policy_state, tokens)
   caps = tuple(l.capacity_pages for l in lay.layers)
   assert kv.stream.resident_pages_per_layer == policy_capacities(kv.policy_config, kv.policy_state,
@@ -104,10 +105,21 @@ def _check_placement(kv, tokens):
   if lay.deficit_pages:
     assert kv.stream.resident_pages_per_layer == caps
   pool = np.asarray(kv.pool_pn)
+  lt = kv.layout
   for a, l in enumerate(lay.layers):
     hist, h = kv.history_of(a)
-    live = min(l.resident_live_pages, int(hist.tokens[h]) // kv.layout.page_tokens)  # full pages
+    live = min(l.resident_live_pages, int(hist.tokens[h]) // lt.page_tokens)  # full pages
     base = int(kv.resident_base[a])
+    open_page = int(kv.open_page[a])
+    if open_page >= 0:     # a streamed layer: the region's last page is its open slot
+      live = min(live, caps[a] - 1)
+      slot, rows = pool[base + caps[a] - 1], int(kv.open_rows[a])
+      assert rows == int(hist.tokens[h]) - open_page * lt.page_tokens > 0, f"layer {a}"
+      page = hist.pages_lpn[h, open_page]
+      k, v = rows * lt.k_row_bytes, rows * lt.v_row_bytes
+      np.testing.assert_array_equal(slot[:k], page[:k], err_msg=f"layer {a} open slot K rows")
+      np.testing.assert_array_equal(slot[lt.v_offset:lt.v_offset + v], page[lt.v_offset:lt.v_offset + v],
+                                    err_msg=f"layer {a} open slot V rows")
     np.testing.assert_array_equal(pool[base:base + live], hist.pages_lpn[h, :live], err_msg=f"layer {a}")
 
 

@@ -123,6 +123,7 @@ class _LayerPlan(NamedTuple):
   streamed: int
   wraps: int
   waves: Tuple[_Wave, ...] = ()      # copy waves (empty: one attention call, the common case)
+  open_page: int = -1                # the logical page written in the layer's open slot, or -1
 
 
 PIPELINE_DEPTH = 1   # layers whose copies are in flight beside the step being run
@@ -159,6 +160,12 @@ class StreamedKV:
     self.max_pages = max_pages
     self.pool_pn = None
     self.resident_valid = np.zeros((self.n_layers,), np.int64)  # valid prefix pages on the device
+    # The open slot of a streamed layer (the last page of its resident region) holds the page its
+    # rows are written to; `open_page` / `open_rows`: which logical page and how many of its rows
+    # the device holds there (-1: none), so a decode forward uploads no partial page.
+    self.open_page = np.full((self.n_layers,), -1, np.int64)
+    self.open_rows = np.zeros((self.n_layers,), np.int64)
+    self.open_slots = True
     self.plans: Dict[int, SpanPlan] = {}
     self._bind_generation = 0
     self._prefetch: Optional[Tuple[int, int, int, jax.Array]] = None  # (layer, lo, hi, device block)
@@ -179,7 +186,7 @@ class StreamedKV:
                          forwards=0, host_ms=0.0, max_spans=0, ring_peak_slots=0, timed_copy_ms=0.0,
                          timed_bytes=0, elapsed_ms=0.0, staging_peak_bytes=0, deadline_samples=0,
                          layout_changes=0, prefetch_hits=0, prefetch_dropped=0, waves=0,
-                         waved_layers=0)
+                         waved_layers=0, tail_uploads=0, open_hits=0)
 
   # -- re-layout (phase change, policy repartition, new request) ---------------------
   def rebind(self, stream: StreamConfig) -> None:
@@ -210,6 +217,7 @@ class StreamedKV:
     self.resident_base = np.concatenate([[0], np.cumsum(caps)[:-1]]).astype(np.int64)
     self.ring_base = stream.resident_total
     self.resident_valid[:] = 0
+    self.open_page[:] = -1
     self._forget_layout()
     self._bind_generation += 1
 
@@ -244,6 +252,7 @@ class StreamedKV:
       h.truncate(0)
       h.d2h_bytes = 0
     self.resident_valid[:] = 0
+    self.open_page[:] = -1
     self._forget_layout()
     self._drop_forward_state()
     self.deadline_samples[:] = 0
@@ -270,6 +279,20 @@ class StreamedKV:
     """(resident live pages, streamed pages) of cache layer a with `active` pages."""
     live = min(self.stream.resident_pages_per_layer[a], active)
     return live, active - live
+
+  def _open_split(self, a: int) -> Tuple[int, int, int]:
+    """-> (resident live pages, ring pages, open page or -1) of cache layer a in this forward.
+
+    A layer that streams without copy waves writes its rows to its open slot: the last page of its
+    resident region takes the forward's first written page (`full`) instead of resident page
+    `cap - 1`, which streams instead. The rows written stay there for the next forward, so decode
+    uploads no partial page (one copy a layer: the sealed block, and the open unit when one exists)."""
+    cap, active, full = self.stream.resident_pages_per_layer[a], self._active, self._full
+    if active <= cap:
+      return active, 0, -1
+    if self.open_slots and cap >= 1 and active - cap <= self.stream.ring_slots and cap - 1 <= full < active:
+      return cap - 1, active - cap, full
+    return cap, active - cap, -1
 
   # -- KVProvider ----------------------------------------------------------------
   def begin_forward(self, pos: int, n_tokens: int, cache_layers: Tuple[int, ...],
@@ -299,8 +322,13 @@ class StreamedKV:
     self._full = pos // lay.page_tokens  # pages whose every token is committed
     self._order = tuple(cache_layers)
     self._drop_forward_state()     # a forward that failed half-way left its stage and counts behind
-    key = (self._bind_generation, self._full, self._content, active, self._order, self._wave_pages)
+    held = tuple(self._open_held(a) for a in self._order)
+    for a in self._order:    # a slot about to take another page is not trusted until this forward ends
+      if self._open_split(a)[2] != self.open_page[a]:
+        self.open_page[a] = -1
+    key = (self._bind_generation, self._full, self._content, active, self._order, self._wave_pages, held)
     if key != self._shape_key:
+      self._held = held
       self._lay_out_forward()
       self._shape_key = key
     for a in self._order:
@@ -309,11 +337,15 @@ class StreamedKV:
       self.counters["ring_wraps"] += lp.wraps
       self.counters["waves"] += len(lp.waves) or int(lp.streamed > 0)
       self.counters["waved_layers"] += bool(lp.waves)
+      self.counters["tail_uploads"] += lp.tail_page >= 0
+      self.counters["open_hits"] += lp.open_page >= 0 and lp.tail_page < 0 and self._content > self._full
       self.plans[a] = lp.plan
     self._t_begin = time.perf_counter()
     c = self.counters
     self._sampling = self.timing_interval > 0 and c["forwards"] % self.timing_interval == 1 % self.timing_interval
     c["host_ms"] += (self._t_begin - t_host) * 1e3
+    # layers whose copies are queued ahead of the step being run (one when any layer is in waves)
+    self._depth = 1 if any(self._layer_plans[a].waves for a in self._order) else max(1, self.prefetch_depth)
     first = self._order[0] if self._order else None
     if first is not None:
       t0 = time.perf_counter()
@@ -323,6 +355,15 @@ class StreamedKV:
         jax.block_until_ready(self._stage[first])
         c["timed_copy_ms"] += (time.perf_counter() - t0) * 1e3
         c["timed_bytes"] += nbytes
+      t0 = time.perf_counter()
+      for a in self._order[1:self._depth]:
+        self._issue(a)
+      c["host_ms"] += (time.perf_counter() - t0) * 1e3
+
+  def _open_held(self, a: int) -> bool:
+    """Does layer a's open slot hold the committed rows of this forward's partial page?"""
+    pt = self.layout.page_tokens
+    return bool(self.open_page[a] == self._full and self.open_rows[a] >= self._pos - self._full * pt)
 
   def _issue(self, a: int, wave: int = 0) -> int:
     """Queue the host-to-device copies of layer a's stage, or of its copy wave `wave` (-> bytes);
@@ -369,8 +410,8 @@ class StreamedKV:
     self.counters["layout_changes"] += 1
     ring, head = self.stream.ring_slots, 0
     plans = {}
-    for a in self._order:
-      live, streamed = self._split(a, self._active)
+    for a, held in zip(self._order, self._held):
+      live, streamed, open_page = self._open_split(a)
       wraps = 0
       if streamed > ring:       # more streamed pages than slots: copy waves through the whole ring
         plans[a] = self._wave_layout(a, live, streamed)
@@ -386,10 +427,13 @@ class StreamedKV:
       slots = (head + np.arange(streamed)) % ring
       head = (head + streamed) % ring
       self.counters["ring_peak_slots"] = max(self.counters["ring_peak_slots"], min(streamed, ring))
-      plan, table = self._plan_and_table(a, live, slots)
-      units, pieces, tail = self._stage_layout(a, live, slots)
+      phys = self.ring_base + slots                 # pool page of each streamed page [live, active)
+      if open_page >= 0:                            # the open page takes the open slot, not the ring
+        phys = np.insert(phys, open_page - live, self.resident_base[a] + live)
+      plan, table = self._plan_and_table(a, live, phys)
+      units, pieces, tail = self._stage_layout(a, live, phys, skip_tail=open_page >= 0 and held)
       plans[a] = _LayerPlan(plan, on_device(table), None if pieces is None else on_device(pieces),
-                            units, tail, streamed, wraps)
+                            units, tail, streamed, wraps, open_page=open_page)
       self.counters["max_spans"] = max(self.counters["max_spans"], len(plan.spans))
     self._layer_plans = plans
 
@@ -418,22 +462,29 @@ class StreamedKV:
       waves.append(_Wave((lo, hi), on_device(table), pieces, first, count))
     return _LayerPlan(None, waves[0].table_t, waves[0].pieces, (), -1, streamed, 0, tuple(waves))
 
-  def _plan_and_table(self, a: int, live: int, slots: np.ndarray):
-    streamed = len(slots)
+  def _plan_and_table(self, a: int, live: int, phys: np.ndarray):
+    """Span plan and page table of layer a: its resident prefix, then the pool pages `phys` of its
+    logical pages [live, active) as contiguous runs (ring, a wrapped ring run, the open slot)."""
     runs = [(int(self.resident_base[a]), live, "resident")]
-    if streamed:
-      wrap = int(np.argmax(slots[1:] < slots[:-1]) + 1) if streamed > 1 and np.any(slots[1:] < slots[:-1]) \
-          else streamed
-      runs.append((self.ring_base + int(slots[0]), wrap, "ring"))
-      if wrap < streamed:
-        runs.append((self.ring_base + int(slots[wrap]), streamed - wrap, "ring_wrapped"))
+    i, ring_runs = 0, 0
+    while i < len(phys):
+      j = i + 1
+      while j < len(phys) and phys[j] == phys[j - 1] + 1:
+        j += 1
+      if phys[i] < self.ring_base:
+        kind = "open"
+      else:
+        kind = "ring" if ring_runs == 0 else "ring_wrapped"
+        ring_runs += 1
+      runs.append((int(phys[i]), j - i, kind))
+      i = j
     kv_len = self._pos + self._n
     spans, kinds = spans_from_pages(self.layout, "pool", runs, kv_len)
     plan = make_plan(self.layout, {"pool": self.stream.pool_pages * self.layout.page_bytes}, spans,
                      kv_len, self._n, kinds)
     return plan, page_table(plan, self.layout, self.max_pages, buffer="pool")
 
-  def _stage_layout(self, a: int, live: int, slots: np.ndarray):
+  def _stage_layout(self, a: int, live: int, phys: np.ndarray, skip_tail: bool = False):
     """-> (sources, pieces [n, k, 3] int32 or None, tail page or -1): which host arrays carry
     layer a's streamed pages that hold committed tokens, and where their rows go.
 
@@ -443,7 +494,7 @@ class StreamedKV:
     streams is uploaded on its own (`tail`). One large copy and one unit per layer: XLA keeps at
     most two asynchronous copies of a step in flight, so fewer copies overlap compute better."""
     c = self.stream.copy_pages
-    slot_of = lambda p: self.ring_base + int(slots[p - live])
+    slot_of = lambda p: int(phys[p - live])
     need = min(self._active, self._content)       # streamed pages holding committed tokens: [live, need)
     full = min(need, self._full)
     sources, rows = [], []
@@ -466,7 +517,7 @@ class StreamedKV:
       unit = sealed // c
       sources.append(("unit", unit, 0))
       rows.append(runs(sealed, full, unit * c))
-    tail = full if need > full and full >= live else -1
+    tail = full if need > full and full >= live and not skip_tail else -1
     if tail >= 0:
       rows.append([(slot_of(tail), 0, 1)])
     if not rows:
@@ -526,11 +577,12 @@ class StreamedKV:
                          f"begin_forward: {self._order})")
     self._held_bytes = sum(int(s.nbytes) for s in stage)
     pool = self._fill_resident(a, self.pool_pn)      # refills (rare) before the next layer's copies
+    ahead = idx + self._depth
     if len(lp.waves) > 1:               # the layer's next wave goes out before this wave's step
       self._issue(a, 1)
-    elif idx + 1 < len(self._order):    # the next layer's copies go out before this layer's step
-      self._issue(self._order[idx + 1])
-    else:                               # ... and after the last one, the next forward's first
+    elif ahead < len(self._order):      # the copies `depth` layers ahead go out before this step
+      self._issue(self._order[ahead])
+    elif ahead == len(self._order):     # ... and then the next forward's first
       self._issue_prefetch()
     self._note_staging()
     if stage and idx > 0:       # a deadline sample: were this layer's pages there when enqueued?
@@ -581,7 +633,7 @@ class StreamedKV:
     (first forwards, and after a rebind: the resident mirror is rebuilt from the host), in
     unit-aligned pieces whose staging fits one staging unit (`staging_unit_pages`)."""
     hist, l = self.history_of(a)
-    live, _ = self._split(a, self._active)
+    live = self._open_split(a)[0]
     need = min(live, self._content)
     first = int(self.resident_valid[a])
     base = int(self.resident_base[a])
@@ -658,12 +710,15 @@ class StreamedKV:
     packed = np.asarray(_pack_rows(tuple(self._pending[a] for a in layers)))  # one D2H of every row
     t0 = time.perf_counter()
     self._drop_prefetch(self._pos)         # rows rewritten inside the prefetched block (rare)
-    kb = self.layout.k_row_bytes
+    kb, pt = self.layout.k_row_bytes, self.layout.page_tokens
     for a, rows_sr in zip(layers, packed):
       hist, l = self.history_of(a)
       hist.write_rows(l, self._pos, rows_sr[:self._n, :kb], rows_sr[:self._n, kb:])
-      live, _ = self._split(a, self._active)
+      live, _, open_page = self._open_split(a)
       self.resident_valid[a] = live
+      if open_page >= 0 and not self._layer_plans[a].waves:   # the rows written stay in the open slot
+        self.open_page[a] = open_page
+        self.open_rows[a] = min(self._pos + self._n, (open_page + 1) * pt) - open_page * pt
     self._pending.clear()
     c = self.counters
     c["forwards"] += 1

@@ -3,8 +3,10 @@
 A plan says where each logical token range of one layer's history sits
 physically: `Span(buffer, token_begin, tokens, k_offset, v_offset)`, with
 byte offsets into a named buffer (the device pool). Production plans have at
-most three spans — resident pages, ring slots before the wrap, ring slots
-after the wrap — but validation accepts any number.
+most five spans — resident pages, ring slots before the wrap, ring slots
+after the wrap, the open slot (the page a forward writes first), ring slots of
+the pages a multi-page forward writes after it — but validation accepts any
+number.
 
 `validate_plan` enforces the rules of the original design
 (design-details.md, "Ordered span plan") and names the rule that broke:
