@@ -198,8 +198,6 @@ def check_kv_budget(*, arena_mib: Optional[float] = None, pool_pages: Optional[i
     raise ParameterError(f"policy must be 'fixed' or 'adaptive', got {policy!r}", "policy")
   if phased and arena_mib is None:
     raise ParameterError("phased needs arena_mib (the arena it lays out)", "phased", "arena_mib")
-  if phased and policy != "fixed":
-    raise ParameterError("phased takes the fixed split in each phase: use policy 'fixed'", "phased", "policy")
   if arena_mib is not None and pool_pages is not None:
     raise ParameterError("give only one of arena_mib and pool_pages", "arena_mib", "pool_pages")
   if copy_pages < 1 or copy_pages & (copy_pages - 1):
@@ -343,10 +341,10 @@ def _build_kv(model: LoadedModel, max_tokens: int, arena_mib, pool_pages, copy_p
     info["staging_reserve_mib"] = (adaptive_staging_reserve_pages(pool, max_tokens, layout, copy_pages)
                                    * layout.page_bytes / 2**20)
     info["all_pages_resident"] = _all_resident(kv.stream, layout, max_tokens)   # the starting split
-    return kv, info
-  kv = StreamedKV(cfg, layout, max_tokens, stream)
-  info["all_pages_resident"] = _all_resident(stream, layout, max_tokens)
-  if phased:
+  else:
+    kv = StreamedKV(cfg, layout, max_tokens, stream)
+    info["all_pages_resident"] = _all_resident(stream, layout, max_tokens)
+  if phased:   # each phase's pool: a fixed split, or the policy rebound on it (adaptive)
     ws_prefill = engine.group_step_workspace_bytes(runner, ubatch, max_tokens)
     kv = PhasedKV(kv, int(arena_mib * 2**20), ws_prefill, ws, max_tokens)
     info["kv"] = "streamed+phased"
@@ -371,7 +369,8 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
   policy: "fixed" (a uniform resident prefix per layer, `stream_config_from_budget`) or "adaptive"
     (`kvjax.streaming.policy` re-splits the pool every forward).
   phased: lay the arena out per phase (prefill: the larger workspace of `ubatch` rows; decode: a
-    larger pool); needs `arena_mib` and the fixed policy; `generate` must then use this `ubatch`.
+    larger pool; the adaptive policy rebinds on each); needs `arena_mib`; `generate` must then use
+    this `ubatch`.
   exceed_context_length: allow more than the model's trained context (`cfg.context_length`).
 
   Refused before anything is allocated (`ParameterError`): a capacity beyond the model's context

@@ -430,6 +430,23 @@ def test_adaptive_policy_streams_identically(capsys, plain_run):
   assert d["tokens"] == plain_run["tokens"]
   m = d["metrics"]
   assert m["kv_policy"] == "adaptive" and m["pool_pages"] == 9 and m["streamed_pages"] > 0
+  # the policy's decisions (one a forward), copy waves and the placed capacities are reported
+  assert m["policy_decisions"] == m["forwards"] > 0 and m["waves"] > 0 and m["waves_per_forward"] > 0
+  assert sum(int(n) for n, _ in (run.split("x") for run in m["capacities"].split(","))) == 3
+  assert m["policy_repartitions"] >= 0 and "admission_refusals" in m
+
+
+def test_phased_adaptive_arena_streams_identically(capsys, plain_run):
+  """--kv-stream-phased with the adaptive policy: the policy rebinds on each phase's pool."""
+  rc, out, err = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, "--kv-stream-arena-mib=2.5",
+                          "--kv-stream-phased", "--kv-stream-policy=adaptive")
+  assert rc == 0, err
+  d = json_line(out)
+  assert d["tokens"] == plain_run["tokens"]
+  m = d["metrics"]
+  assert m["kv"] == "streamed+phased" and m["kv_policy"] == "adaptive"
+  assert m["policy_rebinds"] == 2 and m["policy_decisions"] == m["forwards"] + 2
+  assert m["pool_pages"] == m["decode_pool_pages"] > m["prefill_pool_pages"]
 
 
 def test_phased_arena_streams_identically(capsys, plain_run):

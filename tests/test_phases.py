@@ -5,9 +5,9 @@ import pytest
 
 from kvjax.streaming import arena as arena_lib
 from kvjax import engine, generate
-from kvjax.streaming import StreamedKV, fixed_split, staging_reserve_pages
+from kvjax.streaming import StreamedKV, adaptive_staging_reserve_pages, fixed_split, staging_reserve_pages
 from kvjax.streaming import policy as policy_lib
-from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV, policy_capacities
+from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV
 from tiny_setup import build_tiny_runner
 
 UBATCH = 64
@@ -99,21 +99,20 @@ def _check_placement(kv, tokens):
   pages resident at its region, byte for byte the host history's pages (a streamed layer's last
   region page is its open slot: the rows of the page it writes)."""
   lay = policy_lib.layout(kv.policy_config, kv.policy_state, tokens)
-  caps = tuple(l.capacity_pages for l in lay.layers)
-  assert kv.stream.resident_pages_per_layer == policy_capacities(kv.policy_config, kv.policy_state,
-                                                                 tokens, False)
-  if lay.deficit_pages:
-    assert kv.stream.resident_pages_per_layer == caps
+  assert kv.stream.resident_pages_per_layer == lay.capacities
   pool = np.asarray(kv.pool_pn)
   lt = kv.layout
   for a, l in enumerate(lay.layers):
     hist, h = kv.history_of(a)
+    assert (l.cache_id, l.cache_layer) == ((policy_lib.TARGET_CACHE, a) if hist.name == "target"
+                                           else (policy_lib.MTP_CACHE, 0))
     live = min(l.resident_live_pages, int(hist.tokens[h]) // lt.page_tokens)  # full pages
     base = int(kv.resident_base[a])
     open_page = int(kv.open_page[a])
     if open_page >= 0:     # a streamed layer: the region's last page is its open slot
-      live = min(live, caps[a] - 1)
-      slot, rows = pool[base + caps[a] - 1], int(kv.open_rows[a])
+      cap = lay.capacities[a]
+      live = min(live, cap - 1)
+      slot, rows = pool[base + cap - 1], int(kv.open_rows[a])
       assert rows == int(hist.tokens[h]) - open_page * lt.page_tokens > 0, f"layer {a}"
       page = hist.pages_lpn[h, open_page]
       k, v = rows * lt.k_row_bytes, rows * lt.v_row_bytes
@@ -125,14 +124,15 @@ def _check_placement(kv, tokens):
 
 def test_adaptive_concentrated_capacities_and_waves(setup):
   """Decode concentrates the streaming into the fewest layers (the others hold every active page):
-  a 20-page pool of 3 layers (resident 4 a layer, ring 8) at 5 active pages places (5, 5, 2),
-  rebinding from the prefill's uniform (4, 4, 4); the minimum adaptive pool (4 pages: ring 1)
-  streams every layer in copy waves. Tokens equal the plain cache's."""
+  a 20-page pool of 3 layers (resident 4 a layer, ring 8) at 5 active pages places (2, 5, 5)
+  (the deficit 3 in layer floor(0 * 3 / 1) = 0), rebinding from the prefill's uniform (4, 4, 4);
+  the minimum adaptive pool (4 pages: ring 1) streams every layer in copy waves (its prefill
+  admission is refused: no ring covers 1.1 x 3 pages). Tokens equal the plain cache's."""
   cfg, runner, layout = setup
   max_tokens = 96
   prompt = list(np.random.default_rng(8).integers(0, cfg.vocab_size, 70))
   plain = generate.generate(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 6, ubatch=UBATCH)
-  for pool, caps in ((20, (5, 5, 2)), (4, (1, 1, 1))):
+  for pool, caps in ((20, (2, 5, 5)), (4, (1, 1, 1))):
     kv = AdaptiveStreamedKV(cfg, layout, max_tokens, pool_pages=pool, copy_pages=2)
     got = generate.generate(runner, kv, prompt, 6, ubatch=UBATCH)
     assert got.tokens == plain.tokens, pool
@@ -141,6 +141,43 @@ def test_adaptive_concentrated_capacities_and_waves(setup):
     m = kv.metrics()
     assert m["policy_decisions"] == m["forwards"]
     if pool == 20:
-      assert m["capacities"] == "2x5,1x2" and m["rebinds"] >= 1 and m["waved_layers"] == 0
+      assert m["capacities"] == "1x2,2x5" and m["rebinds"] >= 1 and m["waved_layers"] == 0
+      assert m["admission_refusals"] == 0
     else:   # 5 pages a layer, 1 resident: 4 streamed through 1 slot -> 4 waves a layer in decode
       assert m["capacities"] == "3x1" and m["waved_layers"] >= 5 * 2 and m["waves_per_forward"] > 4
+      assert m["admission_refusals"] == 1
+
+
+def test_adaptive_policy_rebinds_on_arena_change(setup):
+  """The adaptive provider inside the phase arena: each phase's pool (the decode one larger by the
+  workspace difference) rebinds the policy (`policy.rebind`: a fresh state on that pool, one step
+  at the committed length) and places its capacities; tokens equal the plain cache's."""
+  cfg, runner, layout = setup
+  ws_prefill = engine.group_step_workspace_bytes(runner, UBATCH)
+  ws_decode = engine.group_step_workspace_bytes(runner, 1)
+  max_tokens = 256
+  kv = AdaptiveStreamedKV(cfg, layout, max_tokens, pool_pages=20, copy_pages=2, pinned=False)
+  phased = PhasedKV(kv, ws_prefill + 64 * layout.page_bytes, ws_prefill, ws_decode, max_tokens)
+  pre, dec = phased.pool_pages["prefill"], phased.pool_pages["decode"]
+  assert dec > pre
+  prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 150))
+  plain = generate.generate(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 30, ubatch=UBATCH)
+  seen = []
+
+  def on_phase(p):
+    tokens = int(kv.histories["target"].tokens.max())
+    phased.enter(p)
+    want = policy_lib.rebind(kv.policy_config, kv.policy_config.pool_bytes, tokens)
+    seen.append((p, kv.stream.pool_pages, kv.policy_state.pages, tokens))
+    assert kv.policy_state == want.decision.next
+    assert kv.stream.resident_pages_per_layer == want.layout.capacities
+
+  got = generate.generate(runner, phased, prompt, 30, ubatch=UBATCH, on_phase=on_phase)
+  assert got.tokens == plain.tokens
+  assert seen == [("prefill", pre, pre, 0), ("decode", dec, dec, 150)]
+  m = phased.metrics()
+  assert m["policy_rebinds"] == 2 and m["streamed_pages"] > 0
+  assert m["policy_decisions"] == m["forwards"] + 2      # a decision a forward + one a rebind
+  _check_placement(kv, len(prompt) + 29)
+  reserve = max(adaptive_staging_reserve_pages(p, max_tokens, layout, 2, pinned=False) for p in (pre, dec))
+  assert 0 < m["staging_peak_bytes"] <= reserve * layout.page_bytes

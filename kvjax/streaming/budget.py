@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 
 from kvjax.config import ModelConfig
 from kvjax.streaming.host_history import pinned_available
+from kvjax.streaming.policy import minimum_pool_pages  # 1 resident page a layer + 1 ring slot
 from kvjax_pallas.page_layout import PageLayout
 
 
@@ -41,12 +42,6 @@ class StreamConfig:
   @property
   def ring_slots(self) -> int:
     return self.pool_pages - self.resident_total
-
-
-def minimum_pool_pages(n_layers: int) -> int:
-  """The smallest pool that streams any context: one resident page a layer and one ring slot (a
-  layer whose streamed pages exceed the ring streams them in copy waves)."""
-  return n_layers + 1
 
 
 def fixed_split(pool_pages: int, n_layers: int, max_tokens: int, layout: PageLayout,

@@ -15,25 +15,30 @@ workspace region is a ledger entry (reserved by accounting, sized from
 region. The bookkeeping (transactions, leases, fences, stale views) is the
 reference design's.
 
-`AdaptiveStreamedKV` asks `kvjax.streaming.policy.step` before every forward and applies
-the capacity of every cache layer that `policy.layout` gives (`policy_capacities`:
-concentrated or spread in decode, uniform in prefill); a new partition or a new
-capacity profile rebinds the pool, and the resident mirror is rebuilt from the
-host history. Its feedback comes from a
-`policy.FeedbackWindow` fed after every forward with the provider's counters:
-samples = layers served, misses = readiness misses, peak ring slots in use,
-copy time of the sampled (timed) uploads over the forward's wall time. A
-repartition starts a new feedback epoch (the policy re-baselines).
+`AdaptiveStreamedKV` asks `kvjax.streaming.policy.step` before every forward (and, in a prefill,
+`policy.admit_prefill`: the ring grows to cover the overlap; where no ring can, copy waves carry
+the prefill) and places the capacity of every cache layer that `policy.capacities` gives
+(concentrated or spread in decode, uniform otherwise); a new partition or a new capacity profile
+rebinds the pool, and the resident mirror is rebuilt from the host history. The target's
+attention layers and the MTP layer are the policy's two caches of one budget. A pool of another
+size (a phase change of the arena) rebinds the policy itself (`policy.rebind`). Its feedback comes
+from a `policy.FeedbackWindow` fed after every forward with the provider's counters: samples and
+misses (the deadline counters per cache layer, one sample per streamed layer after the first, a
+miss when its staged pages were not on the device when its step was enqueued), peak ring slots in
+use, copy time of the sampled (timed) uploads over the forward's wall time. A repartition starts
+a new feedback epoch (the policy resets its cursor).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import dataclasses
+from typing import Optional
 
+import numpy as np
 
 from kvjax.streaming import arena as arena_lib
 from kvjax.streaming import policy as policy_lib
-from kvjax.streaming.budget import StreamBudgetError, StreamConfig
+from kvjax.streaming.budget import StreamBudgetError, StreamConfig, fit_adaptive_pool, fit_split
 from kvjax.streaming.provider import StreamedKV
 
 
@@ -86,10 +91,14 @@ class PhasedKV:
 
   def split_for(self, region_pages: int) -> StreamConfig:
     """The split of a KV region of `region_pages` pages: the pool plus the staging reserve of its
-    in-flight uploads (`fit_split`)."""
-    from kvjax.streaming.budget import fit_split
-    return fit_split(region_pages, self.kv.n_layers, self.max_tokens, self.kv.layout,
-                     self.kv.stream.copy_pages, self.kv.prefetch_depth)
+    in-flight uploads (`fit_split`; an adaptive provider's pool leaves room for the staging of any
+    split, `fit_adaptive_pool`, and its policy splits it on rebind)."""
+    kv = self.kv
+    if isinstance(kv, AdaptiveStreamedKV):
+      return kv.initial_split(fit_adaptive_pool(region_pages, self.max_tokens, kv.layout,
+                                                kv.stream.copy_pages, kv.prefetch_depth))
+    return fit_split(region_pages, kv.n_layers, self.max_tokens, kv.layout, kv.stream.copy_pages,
+                     kv.prefetch_depth)
 
   def enter(self, phase: str) -> None:
     if phase not in self.pool_pages:
@@ -131,33 +140,36 @@ class PhasedKV:
     return m
 
 
-def policy_capacities(config: policy_lib.PolicyConfig, state: policy_lib.PolicyState, active_tokens: int,
-                      prefill: bool) -> Tuple[int, ...]:
-  """Resident capacity per cache layer under `state`: `policy.layout`'s (concentrated or spread)
-  in decode, the uniform `resident_pages_per_layer` in a prefill (whose active count grows every
-  chunk) and while nothing needs streaming. The capacities sum to the same resident total, so
-  the ring keeps the policy's size."""
-  r = state.resident_pages_per_layer
-  if prefill or policy_lib.active_pages(config, active_tokens) <= r:
-    return (r,) * config.layers
-  return tuple(l.capacity_pages for l in policy_lib.layout(config, state, active_tokens).layers)
-
-
 class AdaptiveStreamedKV(StreamedKV):
-  """StreamedKV whose resident/ring split and per-layer capacities follow `kvjax.streaming.policy`."""
+  """StreamedKV whose resident/ring split and per-layer capacities follow `kvjax.streaming.policy`:
+  the target's attention layers and the MTP layer are the policy's two caches of one budget."""
 
   def __init__(self, cfg, layout, max_tokens, pool_pages: int, copy_pages: int = 32,
                policy_config: Optional[policy_lib.PolicyConfig] = None, pinned=None):
-    n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
+    n_target = cfg.num_attention_layers
+    n_layers = n_target + (1 if cfg.has_mtp else 0)
     self.policy_config = policy_config or policy_lib.PolicyConfig(
         page_bytes=layout.page_bytes, pool_bytes=pool_pages * layout.page_bytes, layers=n_layers,
-        page_tokens=layout.page_tokens)
+        page_tokens=layout.page_tokens, caches=policy_lib.model_caches(n_target, n_layers - n_target))
     self.policy_state = policy_lib.initialize(self.policy_config)
-    caps = policy_capacities(self.policy_config, self.policy_state, 0, True)
+    caps = policy_lib.capacities(self.policy_config, self.policy_state)
     super().__init__(cfg, layout, max_tokens, StreamConfig(pool_pages, caps, copy_pages), pinned)
     self.decisions = []
-    self.window = policy_lib.FeedbackWindow()
+    self.window = policy_lib.FeedbackWindow(layers=n_layers)
+    self.counters.update(policy_admissions=0, admission_refusals=0, policy_rebinds=0)
+    self._snapshot()
+
+  def initial_split(self, pool_pages: int) -> StreamConfig:
+    """The split a fresh policy gives a pool of `pool_pages` (`PhasedKV` sizes its phases with it;
+    `rebind` then applies the policy's own step on that pool)."""
+    config = dataclasses.replace(self.policy_config, pool_bytes=pool_pages * self.layout.page_bytes
+                                 + self.policy_config.conversion_bytes)
+    return StreamConfig(pool_pages, policy_lib.capacities(config, policy_lib.initialize(config)),
+                        self.stream.copy_pages)
+
+  def _snapshot(self):
     self._last = dict(self.counters)
+    self._last_layers = (self.deadline_samples.copy(), self.deadline_misses.copy())
 
   def begin_forward(self, pos, n_tokens, cache_layers, wave_pages=1):
     feedback = self.window.roll() if self.window.elapsed_ms > 0 else None
@@ -165,8 +177,15 @@ class AdaptiveStreamedKV(StreamedKV):
     obs = policy_lib.Observation(active_tokens=pos + n_tokens, query_tokens=n_tokens, feedback=feedback,
                                  uniform_prefill=prefill)
     decision = policy_lib.step(self.policy_config, self.policy_state, obs)
+    state, admitted = decision.next, False
+    if prefill:
+      try:
+        admission = policy_lib.admit_prefill(self.policy_config, state, obs)
+        state, admitted = admission.next, admission.partition_changed
+      except policy_lib.PolicyError:   # no ring covers the prefill: copy waves carry it instead
+        self.counters["admission_refusals"] += 1
     old = self.stream
-    caps = policy_capacities(self.policy_config, decision.next, pos + n_tokens, prefill)
+    caps = policy_lib.capacities(self.policy_config, state)
     relaid = caps != old.resident_pages_per_layer
     if relaid:     # a new partition or capacity profile: the resident mirror is rebuilt from the host
       self.rebind(StreamConfig(old.pool_pages, caps, old.copy_pages))
@@ -176,12 +195,29 @@ class AdaptiveStreamedKV(StreamedKV):
       if relaid:   # leave the previous committed split in force
         self.rebind(old)
       raise
-    self.policy_state = decision.next
+    self.policy_state = state
     self.decisions.append(decision)
-    if decision.partition_changed:
+    self.counters["policy_admissions"] += admitted
+    if decision.partition_changed or admitted:
       self.window.new_epoch()
     self._ring_peak_before = self.counters["ring_peak_slots"]
     self.counters["ring_peak_slots"] = 0   # per-forward peak for the window
+
+  def rebind(self, stream: StreamConfig) -> None:
+    """A pool of another size (the arena grew or shrank: a phase change) rebinds the policy too
+    (`policy.rebind`: a fresh state on the new pool, one step at the committed length) and places
+    its capacities; the same pool takes `stream` as given."""
+    if stream.pool_pages == self.stream.pool_pages:
+      super().rebind(stream)
+      return
+    tokens = max(int(np.max(h.tokens)) for h in self.histories.values())
+    r = policy_lib.rebind(self.policy_config, stream.pool_pages * self.layout.page_bytes
+                          + self.policy_config.conversion_bytes, tokens)
+    super().rebind(StreamConfig(stream.pool_pages, r.layout.capacities, stream.copy_pages))
+    self.policy_config, self.policy_state = r.config, r.decision.next
+    self.decisions.append(r.decision)
+    self.counters["policy_rebinds"] += 1
+    self.window.new_epoch()
 
   def metrics(self):
     m = super().metrics()
@@ -191,16 +227,19 @@ class AdaptiveStreamedKV(StreamedKV):
 
   def reset(self):
     super().reset()
-    self._last = dict(self.counters)
+    self._snapshot()
 
   def end_forward(self):
     super().end_forward()
     c, last = self.counters, self._last
     d = {k: c[k] - last[k] for k in ("elapsed_ms", "timed_copy_ms", "h2d_bytes", "timed_bytes",
                                       "readiness_misses", "deadline_samples")}
+    layer_samples = tuple(int(x) for x in self.deadline_samples - self._last_layers[0])
+    layer_misses = tuple(int(x) for x in self.deadline_misses - self._last_layers[1])
     self.window.add(elapsed_ms=max(d["elapsed_ms"], 1e-6), copy_ms=d["timed_copy_ms"],
                     bytes=int(d["h2d_bytes"]), timed_bytes=int(min(d["timed_bytes"], d["h2d_bytes"])),
                     samples=int(d["deadline_samples"]), misses=int(d["readiness_misses"]),
-                    peak_slots=int(c["ring_peak_slots"]))
+                    peak_slots=int(c["ring_peak_slots"]), layer_samples=layer_samples,
+                    layer_misses=layer_misses)
     c["ring_peak_slots"] = max(c["ring_peak_slots"], self._ring_peak_before)
-    self._last = dict(c)
+    self._snapshot()
