@@ -394,10 +394,10 @@ class Runner:
       if a is not None:
         kv.end_layer(a, pool_pn, rows)
       new_states.append(on_group_states(g, st) if on_group_states is not None else st)
-    kv.end_forward()
     if logits_rows is None:
       logits_rows = np.arange(n_valid)
-    logits, hn_all = self.head(x, logits_rows)
+    logits, hn_all = self.head(x, logits_rows)   # dispatched before the provider waits for its rows
+    kv.end_forward()
     return ForwardOut(logits, hn_all, tuple(new_states))
 
   def _waves(self, kv: KVProvider, a: int, lkv: LayerKV, q_shd, rows, pos, n_valid):

@@ -171,6 +171,7 @@ class StreamedKV:
     self._prefetch: Optional[Tuple[int, int, int, jax.Array]] = None  # (layer, lo, hi, device block)
     self._bind(stream)
     self._pending: Dict[int, KVRows] = {}
+    self._packed: Optional[jax.Array] = None     # the forward's rows on their way to the host
     self._stage: Dict[int, Tuple[jax.Array, ...]] = {}
     self._wave_stage: Dict[Tuple[int, int], Tuple[jax.Array, ...]] = {}
     self._wave_pages = 1
@@ -263,6 +264,7 @@ class StreamedKV:
   def _drop_forward_state(self) -> None:
     """Let go of what a forward holds (a failed one's too): staged uploads, rows not yet published."""
     self._pending.clear()
+    self._packed = None
     self._stage = {}
     self._wave_stage = {}
     self._staging_live = 0
@@ -704,10 +706,15 @@ class StreamedKV:
   def end_layer(self, cache_layer: int, pool_pn, rows: KVRows) -> None:
     self.pool_pn = pool_pn
     self._pending[cache_layer] = rows
+    if len(self._pending) == len(self._order):   # the last layer: its rows start for the host now
+      self._packed = _pack_rows(tuple(self._pending[a] for a in self._order))
+      self._packed.copy_to_host_async()
 
   def end_forward(self) -> None:
     layers = tuple(self._pending)
-    packed = np.asarray(_pack_rows(tuple(self._pending[a] for a in layers)))  # one D2H of every row
+    if self._packed is None or layers != self._order:
+      self._packed = _pack_rows(tuple(self._pending[a] for a in layers))
+    packed, self._packed = np.asarray(self._packed), None     # one D2H of every row
     t0 = time.perf_counter()
     self._drop_prefetch(self._pos)         # rows rewritten inside the prefetched block (rare)
     kb, pt = self.layout.k_row_bytes, self.layout.page_tokens
