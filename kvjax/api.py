@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import config as config_lib
-from kvjax import engine, generate as gen_lib, speculative, text as text_lib, tiny, weights
+from kvjax import engine, generate as gen_lib, parallel, speculative, text as text_lib, tiny, weights
 from kvjax.generate import GenerationResult
 from kvjax.model import AttentionOptions
 from kvjax.streaming import (StreamedKV, adaptive_staging_reserve_pages, fit_adaptive_pool,
@@ -120,7 +120,8 @@ def _is_builtin(source: str) -> bool:
 
 def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str = "float32",
                page_tokens: int = 256, k_type: str = "q8_0", v_type: str = "q4_0", attn_impl: str = "auto",
-               block_pages: Union[int, str] = "auto", weight_seed: int = 0) -> LoadedModel:
+               block_pages: Union[int, str] = "auto", weight_seed: int = 0,
+               tensor_parallel: int = 1) -> LoadedModel:
   """Build a model and its runner.
 
   Args:
@@ -136,6 +137,9 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       elsewhere), "reference", or a kernel of `kvjax_pallas.span_attention.api.IMPLEMENTATIONS`.
       Without a GPU a kernel runs in Pallas interpret mode (slow; for checking the kernel).
     block_pages: pages per logical partition of the attention core, an int >= 1 or "auto".
+    tensor_parallel: shard the model over this many devices (`kvjax.parallel`: attention and Gated
+      DeltaNet heads and FFN columns split, each device holding its own KV heads); it must divide the
+      model's KV heads, Gated DeltaNet key heads and FFN width.
   """
   if dtype not in DTYPES:
     raise ParameterError(f"dtype {dtype!r}: expected float32 or bfloat16", "dtype")
@@ -148,6 +152,8 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
     if kind not in BLOCK_FORMATS:
       raise ParameterError(f"{name} {kind!r}: expected one of {', '.join(BLOCK_FORMATS)}", name)
   block_pages = parse_block_pages(block_pages)
+  if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
+    raise ParameterError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}", "tensor_parallel")
   if preset is None and not _is_builtin(source) and not os.path.exists(source):
     raise ModelNotFoundError(f"source {source!r}: no such file (expected a .gguf path, 'tiny' or 'code-tiny')",
                              "source")
@@ -167,6 +173,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       cfg = config_lib.preset(preset)
     except ValueError as e:
       raise ParameterError(f"preset: {e}", "preset") from None
+    _check_tensor_parallel(cfg, tensor_parallel)
     model = engine.build_model(cfg, weights.iter_random_device_tensors(cfg, weight_seed, dtype), dtype=jdtype,
                                names=config_lib.gguf_tensor_shapes(cfg))
     tok = None
@@ -179,12 +186,30 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       if _is_builtin(source):
         raise ParameterError(str(e), "source") from None
       raise
+    _check_tensor_parallel(cfg, tensor_parallel)
     model = engine.build_model(cfg, tensors, dtype=jdtype)
     cfg = model.cfg
   layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, k_type, v_type, page_tokens)
-  runner = engine.Runner(model, layout, AttentionOptions(attn_impl, block_pages, interpret))
+  opts = AttentionOptions(attn_impl, block_pages, interpret)
+  if tensor_parallel > 1:
+    runner = parallel.ShardedRunner(model, layout, opts, tensor_parallel)
+    del model   # the shards hold what each device needs
+  else:
+    runner = engine.Runner(model, layout, opts)
   jax.block_until_ready(runner.token_embd)
   return LoadedModel(runner, tok, cfg, time.perf_counter() - t0, preset or source)
+
+
+def _check_tensor_parallel(cfg: config_lib.ModelConfig, n: int) -> None:
+  try:
+    parallel.check_tensor_parallel(cfg, n)
+  except ValueError as e:
+    raise ParameterError(str(e), "tensor_parallel") from None
+
+
+def tensor_parallel(model: LoadedModel) -> int:
+  """The devices `model` is sharded over (1: not sharded)."""
+  return getattr(model.runner, "tensor_parallel", 1)
 
 
 # ---------------------------------------------------------------------------
@@ -253,10 +278,10 @@ def available_memory() -> Dict[str, Optional[int]]:
 
 def kv_bytes(model: LoadedModel, max_tokens: int) -> int:
   """Bytes of every cache layer's pages for `max_tokens` positions (the plain cache on the device;
-  the host history of a streamed cache)."""
+  the host history of a streamed cache), summed over the devices of a sharded model."""
   layout = model.layout
   layers = model.cfg.num_attention_layers + (1 if model.cfg.has_mtp else 0)
-  return layers * layout.pages_for(max_tokens) * layout.page_bytes
+  return layers * layout.pages_for(max_tokens) * layout.page_bytes * tensor_parallel(model)
 
 
 def check_kv_memory(model: LoadedModel, max_tokens: int, streamed: bool = False,
@@ -270,7 +295,7 @@ def check_kv_memory(model: LoadedModel, max_tokens: int, streamed: bool = False,
   if streamed or avail.get("device") is None:
     checks.append(("host", need * (2 if streamed else 1)))
   if not streamed and avail.get("device") is not None:
-    checks.append(("device", need))
+    checks.append(("device", need // tensor_parallel(model)))   # each device holds its own KV heads
   for where, n in checks:
     have = avail.get(where)
     if have is not None and n > have:
@@ -312,7 +337,25 @@ def _all_resident(split, layout: PageLayout, max_tokens: int) -> bool:
 
 def _build_kv(model: LoadedModel, max_tokens: int, arena_mib, pool_pages, copy_pages, policy, phased,
               ubatch) -> Tuple[Any, Dict[str, Any]]:
+  """The cache of one device, or of a sharded model one cache per device (each with the whole
+  budget: `arena_mib` / `pool_pages` are per device) driven as one (`parallel.ShardedKV`)."""
   runner = model.runner
+  if tensor_parallel(model) == 1:
+    return _build_device_kv(runner, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased, ubatch)
+  ws = (engine.group_step_workspace_bytes(runner.device_runners[0], 1, max_tokens) if arena_mib is not None
+        else None)   # the same on every device
+  parts = []
+  for dev, device_runner in zip(runner.mesh.devices.flat, runner.device_runners):
+    with jax.default_device(dev):
+      kv, info = _build_device_kv(device_runner, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased,
+                                  ubatch, ws)
+    parts.append(kv)
+  info["tensor_parallel"] = tensor_parallel(model)
+  return parallel.ShardedKV(runner.mesh, parts), info
+
+
+def _build_device_kv(runner: engine.Runner, max_tokens: int, arena_mib, pool_pages, copy_pages, policy, phased,
+                     ubatch, ws=None) -> Tuple[Any, Dict[str, Any]]:
   cfg, layout = runner.cfg, runner.layout
   info: Dict[str, Any] = {"kv": "plain", "ctx_size": max_tokens, "page_tokens": layout.page_tokens,
                           "kv_layout": layout.describe()}
@@ -320,7 +363,8 @@ def _build_kv(model: LoadedModel, max_tokens: int, arena_mib, pool_pages, copy_p
     return engine.PlainKV(cfg, layout, max_tokens), info
   info["kv"] = "streamed"
   if arena_mib is not None:
-    ws = engine.group_step_workspace_bytes(runner, 1, max_tokens)   # one decode forward's scratch
+    if ws is None:
+      ws = engine.group_step_workspace_bytes(runner, 1, max_tokens)   # one decode forward's scratch
     info["arena_mib"] = arena_mib
     info["decode_workspace_mib"] = ws / 2**20
     stream = stream_config_from_budget(cfg, layout, max_tokens, arena_bytes=int(arena_mib * 2**20),
@@ -368,6 +412,8 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
   copy_pages: host -> device copy unit in pages (a power of two).
   policy: "fixed" (a uniform resident prefix per layer, `stream_config_from_budget`) or "adaptive"
     (`kvjax.streaming.policy` re-splits the pool every forward).
+  A model sharded over N devices (`load_model(tensor_parallel=N)`) gets one cache per device, each
+  holding its own KV heads; `arena_mib` and `pool_pages` are then per device.
   phased: lay the arena out per phase (prefill: the larger workspace of `ubatch` rows; decode: a
     larger pool; the adaptive policy rebinds on each); needs `arena_mib`; `generate` must then use
     this `ubatch`.
@@ -383,6 +429,9 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
   if ubatch < 1:
     raise ParameterError(f"ubatch must be >= 1, got {ubatch}", "ubatch")
   check_context_length(model, max_tokens, exceed_context_length)
+  if tensor_parallel(model) > 1 and (policy != "fixed" or phased):
+    raise ParameterError(f"tensor_parallel {tensor_parallel(model)} runs the fixed split without phases (every "
+                         f"device the same layout): use policy 'fixed' and no phased", "policy", "phased")
   check_kv_memory(model, max_tokens, streamed=arena_mib is not None or pool_pages is not None)
   return KVCache(lambda: _build_kv(model, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased,
                                    ubatch))
@@ -522,6 +571,9 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   """
   check_generation(n_predict=n_predict, temperature=temperature, top_k=top_k, ubatch=ubatch, spec=spec,
                    phased=kv is not None and kv.info["kv"] == "streamed+phased")
+  if spec is not None and tensor_parallel(model) > 1:
+    raise ParameterError(f"spec and tensor_parallel {tensor_parallel(model)} cannot be combined yet", "spec",
+                         "tensor_parallel")
   if spec is not None and on_token is not None:
     raise ParameterError("on_token is called by plain generation only: drop spec or on_token", "on_token", "spec")
   if top_k > model.cfg.vocab_size:
@@ -581,7 +633,7 @@ def teacher_forced_logits(model: LoadedModel, tokens: Sequence[int], *, mtp: boo
     raise ParameterError(f"mtp needs at least 2 tokens, got {len(ids)}", "mtp")
   check_context_length(model, len(ids), exceed_context_length, param="tokens")
   check_kv_memory(model, len(ids))
-  kv = engine.PlainKV(model.cfg, model.layout, len(ids))
+  kv, _ = _build_kv(model, len(ids), None, None, 32, "fixed", False, ubatch)
   return gen_lib.teacher_forced_logits(model.runner, kv, ids, ubatch, mtp=mtp)
 
 

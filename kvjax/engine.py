@@ -239,7 +239,14 @@ def on_device(tree):
   same shape lower separately, so a run that mixed them compiled each group step twice (measured
   2026-12-03: 18 group / 12 MTP compiles of a streamed speculative run, half of them repeats). The
   runner's parameters, zero states and the caches' pools are committed, so every step output is."""
-  return jax.device_put(tree, jax.devices()[0])
+  return jax.device_put(tree, default_device())
+
+
+def default_device():
+  """The device new arrays go to: `jax.default_device`'s when one is set (a tensor-parallel cache
+  builds and drives one provider per device under it: `kvjax.parallel`), else the first device."""
+  dev = jax.config.jax_default_device
+  return dev if isinstance(dev, jax.Device) else jax.devices()[0]
 
 
 def merge_static(structure: StaticStructure, leaves):
@@ -333,7 +340,17 @@ class ForwardOut(NamedTuple):
 
 
 class Runner:
-  """Runs the split model group by group against a KV provider."""
+  """Runs the split model group by group against a KV provider.
+
+  The compiled steps are class attributes, so a runner over a device mesh
+  (`kvjax.parallel.ShardedRunner`) drives the same loop with its per-device (shard_map) steps."""
+  group_step = staticmethod(_group_step)
+  group_attn_begin = staticmethod(_group_attn_begin)
+  group_attn_end = staticmethod(_group_attn_end)
+  wave_step = staticmethod(_wave_step)
+  mtp_step = staticmethod(_mtp_step)
+  mtp_attn_begin = staticmethod(_mtp_attn_begin)
+  mtp_attn_end = staticmethod(_mtp_attn_end)
 
   def __init__(self, model: Qwen38, layout: PageLayout, opts: AttentionOptions = AttentionOptions()):
     self.cfg = model.cfg
@@ -383,12 +400,12 @@ class Runner:
     for g, ((gdef, gstate), st, a) in enumerate(zip(self.groups, rec_states, self.attn_index)):
       lkv = kv.layer_kv(a) if a is not None else LayerKV(None, None)
       if lkv.waves > 1:     # the layer's streamed pages exceed the ring: attention in copy waves
-        x_in, st, q, gate, rows = _group_attn_begin(gdef, gstate, x, st, pos_a, nv_a, layout=self.layout,
+        x_in, st, q, gate, rows = self.group_attn_begin(gdef, gstate, x, st, pos_a, nv_a, layout=self.layout,
                                                     chunked=chunked, capture=capture_states)
         pool_pn, carry = self._waves(kv, a, lkv, q, rows, pos_a, nv_a)
-        x = _group_attn_end(gdef, gstate, x_in, carry, gate)
+        x = self.group_attn_end(gdef, gstate, x_in, carry, gate)
       else:
-        x, st, pool_pn, rows = _group_step(gdef, gstate, x, st, lkv.pool_pn, lkv.table_t, pos_a, nv_a,
+        x, st, pool_pn, rows = self.group_step(gdef, gstate, x, st, lkv.pool_pn, lkv.table_t, pos_a, nv_a,
                                            lkv.stage, lkv.pieces, layout=self.layout, opts=self.opts,
                                            chunked=chunked, capture=capture_states)
       if a is not None:
@@ -407,7 +424,7 @@ class Runner:
     for w in range(lkv.waves):
       wkv = lkv if w == 0 else kv.wave_kv(a, w)
       lo, hi = wkv.tiles
-      pool_pn, carry = _wave_step(pool_pn, wkv.table_t, wkv.stage, wkv.pieces, rows, q_shd, carry, pos,
+      pool_pn, carry = self.wave_step(pool_pn, wkv.table_t, wkv.stage, wkv.pieces, rows, q_shd, carry, pos,
                                   n_valid, jnp.int32(lo), jnp.int32(hi), layout=self.layout, opts=self.opts)
     return pool_pn, carry
 
@@ -431,11 +448,11 @@ class Runner:
     gdef, gstate = self.mtp
     next_s, pos_a, nv_a = jnp.asarray(next_tokens_s, jnp.int32), jnp.int32(pos), jnp.int32(n_valid)
     if lkv.waves > 1:
-      u, q, gate, rows = _mtp_attn_begin(gdef, gstate, self.token_embd, hn_se, next_s, pos_a, layout=self.layout)
+      u, q, gate, rows = self.mtp_attn_begin(gdef, gstate, self.token_embd, hn_se, next_s, pos_a, layout=self.layout)
       pool_pn, carry = self._waves(kv, self.mtp_layer, lkv, q, rows, pos_a, nv_a)
-      logits, hm = _mtp_attn_end(gdef, gstate, self.output_norm, self.output, u, carry, gate)
+      logits, hm = self.mtp_attn_end(gdef, gstate, self.output_norm, self.output, u, carry, gate)
     else:
-      logits, hm, pool_pn, rows = _mtp_step(gdef, gstate, self.token_embd, self.output_norm, self.output,
+      logits, hm, pool_pn, rows = self.mtp_step(gdef, gstate, self.token_embd, self.output_norm, self.output,
                                             hn_se, next_s, lkv.pool_pn, lkv.table_t, pos_a, nv_a,
                                             lkv.stage, lkv.pieces, layout=self.layout, opts=self.opts)
     kv.end_layer(self.mtp_layer, pool_pn, rows)

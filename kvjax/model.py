@@ -19,6 +19,8 @@ is the same pool with an identity page table.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any, List, NamedTuple, Optional, Tuple, Union
 
@@ -43,6 +45,27 @@ class AttentionOptions:
   implementation: str = "reference"       # "auto" or one of span_api.IMPLEMENTATIONS
   block_pages: Union[int, str] = "auto"   # pages per logical partition, or "auto" (span_api)
   interpret: bool = False
+
+
+_SUM_AXIS: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("kvjax_sum_axis", default=None)
+
+
+@contextlib.contextmanager
+def sum_over(axis: str):
+  """Trace the modules as one shard of a tensor-parallel model (`kvjax.parallel`): each block's
+  output projections (attention output, Gated DeltaNet output, FFN down) hold a partial sum over
+  the heads / FFN columns of this device, and `block_sum` all-reduces it over mesh axis `axis`."""
+  token = _SUM_AXIS.set(axis)
+  try:
+    yield
+  finally:
+    _SUM_AXIS.reset(token)
+
+
+def block_sum(y):
+  """A block's output projection summed over the tensor-parallel axis (none: unchanged)."""
+  axis = _SUM_AXIS.get()
+  return y if axis is None else lax.psum(y, axis)
 
 
 def attr_name(leaf: str) -> str:
@@ -150,7 +173,7 @@ class SwiGLU(nnx.Module):
     g = linear(h_se, self.ffn_gate[...])
     u = linear(h_se, self.ffn_up[...])
     a = (jax.nn.silu(g) * u).astype(self.ffn_down[...].dtype)
-    return linear(a, self.ffn_down[...])
+    return block_sum(linear(a, self.ffn_down[...]))
 
 
 class GatedAttention(nnx.Module):
@@ -186,7 +209,7 @@ class GatedAttention(nnx.Module):
     """Attention output o_shd [S, H, D] -> the block's mixer output."""
     cfg = self.cfg
     o_se = o_shd.reshape(o_shd.shape[0], cfg.num_attention_heads * cfg.head_dim) * jax.nn.sigmoid(gate_se)
-    return linear(o_se.astype(self.attn_output[...].dtype), self.attn_output[...])
+    return block_sum(linear(o_se.astype(self.attn_output[...].dtype), self.attn_output[...]))
 
   def __call__(self, h_se, pool_pn, table_t, pos, n_valid, layout: PageLayout, opts: AttentionOptions,
                rope_offset=0):
@@ -371,7 +394,7 @@ class GatedDeltaNet(nnx.Module):
     else:
       delta, o_shv = delta_rule_scan(state.delta_hkv, q, k, v, g_sh, beta_sh, capture=capture)
     o_shv = rms_norm(o_shv, self.ssm_norm[...], cfg.rms_eps) * jax.nn.silu(z_shv)
-    out = linear(o_shv.reshape(s, Hv * dk).astype(self.ssm_out[...].dtype), self.ssm_out[...])
+    out = block_sum(linear(o_shv.reshape(s, Hv * dk).astype(self.ssm_out[...].dtype), self.ssm_out[...]))
     return out, RecurrentState(new_conv, delta)
 
 

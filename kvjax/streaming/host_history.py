@@ -23,6 +23,7 @@ from typing import Dict, Optional, Tuple
 import jax
 import numpy as np
 
+from kvjax.engine import default_device
 from kvjax_pallas.page_layout import PageLayout
 
 _ids = itertools.count()
@@ -152,8 +153,7 @@ class HostHistory:
     cached = self._pinned_chunks.get(key)
     if cached is not None and cached[1] >= valid:
       return cached[0], cached[1]
-    dev = jax.devices()[0]
-    sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    sharding = jax.sharding.SingleDeviceSharding(default_device(), memory_kind="pinned_host")
     first = chunk * c
     host = self.pages_lpn[layer, first:first + c]
     if host.shape[0] < c:  # last chunk of a history whose max_pages is not a multiple of c
@@ -176,7 +176,7 @@ class HostHistory:
     if cached is not None and cached[:2] == (lo, hi):
       return cached[2]
     self._pinned_blocks.pop(layer, None)      # free the old block first
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    sharding = jax.sharding.SingleDeviceSharding(default_device(), memory_kind="pinned_host")
     arr = jax.device_put(self.pages_lpn[layer, lo:hi], sharding)
     self._pinned_blocks[layer] = (lo, hi, arr)
     return arr

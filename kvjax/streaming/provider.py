@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig
-from kvjax.engine import LayerKV, on_device
+from kvjax.engine import LayerKV, default_device, on_device
 from kvjax.model import KVRows
 from kvjax.streaming.budget import StreamBudgetError, StreamConfig, staging_unit_pages
 from kvjax.streaming.host_history import HostHistory
@@ -101,7 +101,7 @@ def _to_device(src):
   """Host pages (numpy, or a pinned_host jax array) -> a device array (async copy)."""
   if isinstance(src, jax.Array):
     return jax.device_put(src, src.sharding.with_memory_kind("device"))
-  return jax.device_put(src, jax.devices()[0])
+  return jax.device_put(src, default_device())
 
 
 class _Wave(NamedTuple):
