@@ -37,6 +37,7 @@ def get_config():
   c.arena_mib = 2240.0
   c.pool_pages = 0
   c.copy_pages = 32
+  c.tensor_parallel = 1   # devices the model is sharded over (arena / pool per device)
   c.compare_plain = False
   c.warmup = True
   c.out_dir = "runs/"

@@ -16,6 +16,8 @@ Fields (0 / "" mean "not set"):
   kv             'streamed' or 'plain'
   arena_mib      > 0: streamed pool = arena - measured decode workspace
   pool_pages     > 0: streamed pool size in pages (used when arena_mib is 0)
+  tensor_parallel  shard the model over this many devices (`kvjax.parallel`); arena_mib and
+                 pool_pages are then per device
   compare_plain  streamed runs also run the plain cache and report tokens_match
   warmup         run each generation once before the measured run (excludes compile time;
                  without it, compile_ms says how much of the timings was compilation)
@@ -49,6 +51,7 @@ def get_config():
   c.arena_mib = 0.0
   c.pool_pages = 6
   c.copy_pages = 32
+  c.tensor_parallel = 1   # devices the model is sharded over (arena / pool per device)
   c.compare_plain = True
   c.warmup = False
   c.out_dir = "runs/"

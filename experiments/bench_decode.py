@@ -24,8 +24,15 @@ Long histories are synthetic (validly encoded random pages; see
 real content, without a 128K-token prefill. A short real prefill + decode
 checks the plain path end to end first.
 
+`--tensor_parallel=N` shards the model over N devices (`kvjax.parallel`): every
+device holds its own KV heads (resident), or streams them through its own
+`--arena_mib` arena over its own host link; `GB/s` is then the aggregate of all
+devices' uploads, issued together, and `MiB/fwd` the sum over the devices.
+
   python -m experiments.bench_decode --model=qwen38_27b --contexts=32768,131072 --arena_mib=2240
   python -m experiments.bench_decode --model=tiny --contexts=2048 --arena_mib=1 --page_tokens=64   # CPU smoke
+  python -m experiments.bench_decode --model=qwen38_27b --contexts=131072,262144 --arena_mib=2240 \
+      --attn_impl=auto --tensor_parallel=2 --out=runs/bench_decode_tp2      # arena per device
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_decode"), "output f
 flags.DEFINE_float("hbm_gbs", 4800.0, "HBM bandwidth for the floor (GB/s)")
 flags.DEFINE_float("h2d_gbs", 52.6, "host-to-device bandwidth for the floor (GB/s)")
 flags.DEFINE_integer("check_steps", 64, "decode steps compared bit for bit, streamed against resident (0: none)")
+flags.DEFINE_integer("tensor_parallel", 1, "devices the model is sharded over (arena_mib and pool_pages "
+                     "are per device)")
 flags.DEFINE_bool("profile", False, "device timeline of two streamed forwards per context (experiments.lib.timeline)")
 FLAGS = flags.FLAGS
 
@@ -74,7 +83,7 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from kvjax import api, config, engine, generate, weights
+  from kvjax import api, config, engine, generate, parallel, weights
   from kvjax.streaming import arena
   from kvjax.model import AttentionOptions
   from experiments.lib import synthetic
@@ -83,8 +92,11 @@ def main(argv):
   os.makedirs(FLAGS.out, exist_ok=True)
   log = {"flags": {k: FLAGS[k].value for k in FLAGS if k in (
       "model", "dtype", "contexts", "arena_mib", "decode_steps", "page_tokens", "copy_pages", "attn_impl",
-      "block_pages", "k_type", "v_type")}, "device": str(jax.devices()[0]), "jax": jax.__version__}
+      "block_pages", "k_type", "v_type", "tensor_parallel")}, "device": str(jax.devices()[0]),
+      "jax": jax.__version__}
   cfg = config.preset(FLAGS.model)
+  tp = FLAGS.tensor_parallel
+  parallel.check_tensor_parallel(cfg, tp)
   dtype = jnp.dtype(FLAGS.dtype)
   t0 = time.perf_counter()
   model = engine.build_model(cfg, weights.iter_random_device_tensors(cfg, 0, FLAGS.dtype),
@@ -103,11 +115,21 @@ def main(argv):
 
   layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, FLAGS.k_type, FLAGS.v_type, FLAGS.page_tokens)
   opts = AttentionOptions(FLAGS.attn_impl, api.parse_block_pages(FLAGS.block_pages))
-  runner = engine.Runner(model, layout, opts)
+  if tp > 1:
+    runner = parallel.ShardedRunner(model, layout, opts, tp)
+    layout = runner.layout          # one device's KV heads
+    device_runner = runner.device_runners[0]
+    # what one device reads a decode forward: its shard of the target's weights, the replicated head
+    decode_weight_bytes = sum(x.size * x.dtype.itemsize for _, leaves in device_runner.groups for x in leaves) + \
+        device_runner.output.size * device_runner.output.dtype.itemsize
+    log["decode_weight_gib_per_device"] = decode_weight_bytes / 2**30
+    del model, embd                 # the shards hold what each device needs
+  else:
+    runner = device_runner = engine.Runner(model, layout, opts)
 
   # --- end-to-end plain check: real prefill + decode --------------------------------------------
   prompt = list(np.random.default_rng(0).integers(0, cfg.vocab_size, FLAGS.prompt))
-  kv = engine.PlainKV(cfg, layout, FLAGS.prompt + 64)
+  kv = _cache(runner, lambda d: engine.PlainKV(cfg, layout, FLAGS.prompt + 64))
   seq = generate.SequenceState(runner, kv)
   t = time.perf_counter()
   logits = generate.prefill(seq, prompt, ubatch=min(256, FLAGS.prompt))
@@ -126,8 +148,8 @@ def main(argv):
   print(json.dumps(log, default=float), flush=True)
 
   # --- the decode workspace, from the compiled group step's own memory analysis ---------------
-  gd, gs = runner.groups[0]
-  st = runner.zero_states()[0]
+  gd, gs = device_runner.groups[0]
+  st = device_runner.zero_states()[0]
   pool_probe = jnp.zeros((4, layout.page_bytes), jnp.uint8)
   comp = engine._group_step.lower(gd, gs, jnp.zeros((1, cfg.hidden_size), dtype), st, pool_probe,
                                   jnp.zeros((4,), jnp.int32), jnp.int32(0), jnp.int32(1), (), None,
@@ -141,10 +163,10 @@ def main(argv):
   rows = []
   for ctx in [int(c) for c in FLAGS.contexts]:
     max_tokens = ctx + FLAGS.decode_steps + 8
-    row = {"context": ctx}
+    row = {"context": ctx, "tensor_parallel": tp}
     # resident (compute only)
-    pk = engine.PlainKV(cfg, layout, max_tokens)
-    synthetic.fill_plain(pk, ctx)
+    pk = _cache(runner, lambda d: engine.PlainKV(cfg, layout, max_tokens))
+    _each_part(pk, lambda part: synthetic.fill_plain(part, ctx))
     row["resident_ms"], _ = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg)
     print(json.dumps(row, default=float), flush=True)
     for pool in [pool_pages] + [int(p) for p in FLAGS.pool_pages]:
@@ -162,9 +184,12 @@ def _streamed_row(row, pool_pages, pk, runner, cfg, layout, ctx, max_tokens, dec
   from kvjax.streaming import StreamedKV, fixed_split
   n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
   split = fixed_split(pool_pages, n_layers, max_tokens, layout, FLAGS.copy_pages)
-  sk = StreamedKV(cfg, layout, max_tokens, split)
-  sk.prefetch_depth = FLAGS.pipeline_depth
-  synthetic.fill_streamed(sk, ctx)
+  sk = _cache(runner, lambda d: StreamedKV(cfg, layout, max_tokens, split))
+
+  def fill(part):
+    part.prefetch_depth = FLAGS.pipeline_depth
+    synthetic.fill_streamed(part, ctx)
+  _each_part(sk, fill)
   if FLAGS.check_steps:
     row["bit_exact_steps"] = _check_bit_exact(runner, pk, sk, ctx, FLAGS.check_steps)
   row["streamed_ms"], per_fwd = _time_decode(runner, sk, ctx, FLAGS.decode_steps, cfg)
@@ -191,7 +216,9 @@ def _streamed_row(row, pool_pages, pk, runner, cfg, layout, ctx, max_tokens, dec
   overlap = (row["copy_ms"] + row["resident_ms"] - row["streamed_ms"]) / shorter if h2d and shorter > 0 else 1.0
   row["overlap_share"] = float(min(max(overlap, 0.0), 1.0))
   row["slowdown"] = row["streamed_ms"] / max(row["resident_ms"], row["copy_ms"])
-  row["floor_ms"] = 1e3 * (decode_weight_bytes / (FLAGS.hbm_gbs * 1e9) + h2d / (FLAGS.h2d_gbs * 1e9))
+  # per device: its weights from HBM, its uploads over its own link
+  row["floor_ms"] = 1e3 * (decode_weight_bytes / (FLAGS.hbm_gbs * 1e9) + h2d / FLAGS.tensor_parallel /
+                           (FLAGS.h2d_gbs * 1e9))
   row["mem"] = _mem()
   print(json.dumps(row, default=float), flush=True)
   del sk
@@ -202,15 +229,31 @@ def _report(log, rows):
   with open(os.path.join(FLAGS.out, "bench_decode.json"), "w") as f:
     json.dump(log, f, indent=1, default=float)
   print(json.dumps({k: v for k, v in log.items() if k != "rows"}, default=float))
-  print(f"{'context':>8} {'resident':>9} {'streamed':>9} {'copy':>7} {'x max':>6} {'hidden':>6} {'overlap':>7} {'GB/s':>6} "
+  print(f"{'tp':>2} {'context':>8} {'resident':>9} {'streamed':>9} {'copy':>7} {'x max':>6} {'hidden':>6} {'overlap':>7} {'GB/s':>6} "
         f"{'MiB/fwd':>8} {'host ms':>7} {'misses':>6} {'exact':>5} {'r/layer':>7} {'ring':>5} {'pool':>5} "
         f"{'waves':>6}")
   for r in rows:
-    print(f"{r['context']:>8} {r['resident_ms']:>9.2f} {r['streamed_ms']:>9.2f} {r['copy_ms']:>7.2f} "
+    print(f"{r['tensor_parallel']:>2} {r['context']:>8} {r['resident_ms']:>9.2f} {r['streamed_ms']:>9.2f} {r['copy_ms']:>7.2f} "
           f"{r['slowdown']:>6.3f} {r['hidden_share']:>6.2f} {r['overlap_share']:>7.2f} {r['upload_gbs']:>6.1f} {r['streamed_mib_per_forward']:>8.1f} "
           f"{r['host_ms_per_forward']:>7.2f} {r['readiness_miss_share']:>6.2f} "
           f"{r.get('bit_exact_steps', 0):>5} {r['resident_pages_per_layer']:>7} {r['ring_slots']:>5} "
           f"{r['pool_pages']:>5} {r['waves_per_forward']:>6.1f}")
+
+
+def _cache(runner, make):
+  """make(d) -> one device's KV provider; with a sharded runner, one per device as one provider."""
+  from kvjax import parallel
+  if not isinstance(runner, parallel.ShardedRunner):
+    return make(0)
+  return parallel.ShardedKV(runner.mesh, parallel.per_device(runner.mesh, make))
+
+
+def _each_part(kv, fn):
+  """fn(provider) for each device's provider (under its device), or for kv itself."""
+  from kvjax import parallel
+  if isinstance(kv, parallel.ShardedKV):
+    return parallel.per_device(kv.mesh, lambda d: fn(kv.parts[d]))
+  return [fn(kv)]
 
 
 def nnx_state(module):
@@ -245,7 +288,7 @@ def _profile_forwards(runner, kv, ctx, cfg):
   from experiments.lib import timeline
   from kvjax import generate
   seq = generate.SequenceState(runner, kv)
-  seq.pos = int(kv.histories["target"].tokens[0])
+  seq.pos = int(_each_part(kv, lambda part: part.histories["target"].tokens[0])[0])
 
   def two():
     tok = 1
@@ -269,24 +312,41 @@ def _profile_forwards(runner, kv, ctx, cfg):
 
 def _time_copies(kv, ctx, steps, runner):
   """The streamed uploads of one decode forward without compute: every layer's stage copied to the
-  device as a forward issues it (`jax.device_put` of the same host arrays), waited for at the end."""
+  device as a forward issues it (`jax.device_put` of the same host arrays), waited for at the end;
+  with a sharded cache every device's uploads, to its own device, issued together."""
   import jax
   import numpy as np
   from kvjax.streaming.provider import _to_device
   layers = tuple(a for a in runner.attn_index if a is not None)
-  pos = int(kv.histories["target"].tokens[0])
-  kv.begin_forward(pos, 1, layers)
-  sources = [kv._stage_sources(a, w) for a in layers
-             for w in range(max(1, len(kv._layer_plans[a].waves)))]   # copy waves included
-  kv._stage, kv._wave_stage = {}, {}
+
+  def sources_of(part):
+    pos = int(part.histories["target"].tokens[0])
+    part.begin_forward(pos, 1, layers)
+    sources = [x for a in layers for w in range(max(1, len(part._layer_plans[a].waves)))   # copy waves too
+               for x in part._stage_sources(a, w)]
+    part._stage, part._wave_stage = {}, {}
+    return sources
+
+  sources = _each_part(kv, sources_of)
   times = []
   for _ in range(max(steps // 2, 2) + 1):
     t = time.perf_counter()
-    out = [_to_device(x) for s in sources for x in s]
+    out = [y for d, srcs in enumerate(sources)
+           for y in _on_part_device(kv, d, lambda: [_to_device(x) for x in srcs])]
     jax.block_until_ready(out)
     times.append(time.perf_counter() - t)
     del out
   return 1e3 * float(np.median(times[1:]))
+
+
+def _on_part_device(kv, d, fn):
+  """fn() under the device of provider d of a sharded cache (or as is)."""
+  import jax
+  from kvjax import parallel
+  if isinstance(kv, parallel.ShardedKV):
+    with jax.default_device(kv.mesh.devices.flat[d]):
+      return fn()
+  return fn()
 
 
 def _check_bit_exact(runner, plain_kv, streamed_kv, ctx, steps):

@@ -40,6 +40,7 @@ CONFIG_FIELD_OF = {
     "n_predict": "config.n_predict", "ubatch": "config.ubatch", "max_tokens": "config.ctx_size",
     "temperature": "config.temperature", "top_k": "config.top_k", "seed": "config.seed",
     "arena_mib": "config.arena_mib", "pool_pages": "config.pool_pages", "copy_pages": "config.copy_pages",
+    "tensor_parallel": "config.tensor_parallel",
 }
 
 
@@ -77,7 +78,7 @@ def run_config(cfg) -> dict:
   check_config(cfg)
   model = api.load_model(cfg.model, preset=cfg.preset or None, dtype=cfg.dtype, k_type=cfg.k_type,
                          v_type=cfg.v_type, page_tokens=cfg.page_tokens, attn_impl=cfg.attn_impl,
-                         block_pages=cfg.block_pages)
+                         block_pages=cfg.block_pages, tensor_parallel=cfg.get("tensor_parallel", 1))
   prompt = prompt_of(cfg, model)
   ctx = api.context_tokens(len(prompt), cfg.n_predict, max_tokens=cfg.ctx_size)
 
@@ -94,7 +95,8 @@ def run_config(cfg) -> dict:
   m = res.metrics
   row = {"name": cfg.name, "model": cfg.preset or cfg.model, "device": str(jax.devices()[0]),
          "dtype": cfg.dtype, "k_type": cfg.k_type, "v_type": cfg.v_type, "n_predict": cfg.n_predict,
-         "ubatch": cfg.ubatch, "wall_seconds": (m["prompt_ms"] + m["predicted_ms"]) / 1e3}
+         "ubatch": cfg.ubatch, "tensor_parallel": cfg.get("tensor_parallel", 1),
+         "wall_seconds": (m["prompt_ms"] + m["predicted_ms"]) / 1e3}
   row.update(m)
   row["resident_pages_per_layer"] = ",".join(map(str, m.get("resident_pages_per_layer", [])))
   if cfg.kv == "streamed" and cfg.compare_plain:

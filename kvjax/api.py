@@ -344,14 +344,10 @@ def _build_kv(model: LoadedModel, max_tokens: int, arena_mib, pool_pages, copy_p
     return _build_device_kv(runner, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased, ubatch)
   ws = (engine.group_step_workspace_bytes(runner.device_runners[0], 1, max_tokens) if arena_mib is not None
         else None)   # the same on every device
-  parts = []
-  for dev, device_runner in zip(runner.mesh.devices.flat, runner.device_runners):
-    with jax.default_device(dev):
-      kv, info = _build_device_kv(device_runner, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased,
-                                  ubatch, ws)
-    parts.append(kv)
-  info["tensor_parallel"] = tensor_parallel(model)
-  return parallel.ShardedKV(runner.mesh, parts), info
+  parts = parallel.per_device(runner.mesh, lambda d: _build_device_kv(
+      runner.device_runners[d], max_tokens, arena_mib, pool_pages, copy_pages, policy, phased, ubatch, ws))
+  info = dict(parts[0][1], tensor_parallel=tensor_parallel(model))
+  return parallel.ShardedKV(runner.mesh, [kv for kv, _ in parts]), info
 
 
 def _build_device_kv(runner: engine.Runner, max_tokens: int, arena_mib, pool_pages, copy_pages, policy, phased,

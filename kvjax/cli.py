@@ -79,6 +79,9 @@ def _model_flags(fv: flags.FlagValues) -> None:
                       "Pallas interpret mode (slow)", flag_values=fv)
   flags.DEFINE_string("attn-block-pages", "auto", "pages per logical partition of the attention "
                       "core (an int >= 1), or auto (sized to the table and the GPU)", flag_values=fv)
+  flags.DEFINE_integer("tensor-parallel", 1, "shard the model over this many devices (attention and Gated "
+                       "DeltaNet heads, FFN columns; each device holds and streams its own KV heads, the KV "
+                       "budget flags are per device); must divide the model's KV heads", flag_values=fv)
 
 
 def _generate_flags(fv: flags.FlagValues) -> None:
@@ -171,7 +174,7 @@ FLAG_OF = {
     "spec.draft": "--spec-type", "spec.n_max": "--spec-draft-n-max", "spec.p_min": "--spec-draft-p-min",
     "spec.ngram_n": "--spec-ngram-size-n", "spec.ngram_m": "--spec-ngram-size-m",
     "spec.oracle_acceptance": "--spec-oracle-acceptance", "spec.rollback": "--spec-rollback",
-    "exceed_context_length": "--exceed-context-length",
+    "exceed_context_length": "--exceed-context-length", "tensor_parallel": "--tensor-parallel",
 }
 _SPEC_DRAFT = {"draft-mtp": "mtp", "ngram-simple": "ngram", "ngram-simple,draft-mtp": "ngram+mtp",
                "oracle": "oracle"}
@@ -201,7 +204,8 @@ def _load(fv: flags.FlagValues):
   from kvjax import api  # pylint: disable=import-outside-toplevel
   return api.load_model(fv["model"].value, dtype=fv["dtype"].value, k_type=fv["cache-type-k"].value,
                         v_type=fv["cache-type-v"].value, page_tokens=fv["kv-page-tokens"].value,
-                        attn_impl=fv["attn-impl"].value, block_pages=fv["attn-block-pages"].value)
+                        attn_impl=fv["attn-impl"].value, block_pages=fv["attn-block-pages"].value,
+                        tensor_parallel=fv["tensor-parallel"].value)
 
 
 def _spec(fv: flags.FlagValues):

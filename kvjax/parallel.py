@@ -267,11 +267,7 @@ class ShardedRunner(engine.Runner):
                 static=tuple(sorted(static.items())))
 
   def zero_states(self):
-    states = []
-    for dev, r in zip(self.mesh.devices.flat, self.device_runners):
-      with jax.default_device(dev):
-        states.append(r.zero_states())
-    return _join_tree(self.mesh, states)
+    return _join_tree(self.mesh, per_device(self.mesh, lambda d: self.device_runners[d].zero_states()))
 
   def partition_pages(self, rows: int, max_tokens: int) -> int:
     return self.device_runners[0].partition_pages(rows, max_tokens)
@@ -281,6 +277,16 @@ class ShardedRunner(engine.Runner):
 # the KV of every device as one provider
 # ---------------------------------------------------------------------------
 
+def per_device(mesh: Mesh, make):
+  """[make(d) for each mesh device d], each called under `jax.default_device` of its device (what
+  it allocates or copies lands there)."""
+  out = []
+  for d, dev in enumerate(mesh.devices.flat):
+    with jax.default_device(dev):
+      out.append(make(d))
+  return out
+
+
 class ShardedKV:
   """One KV provider per mesh device (each built under `jax.default_device` of its device, holding
   that device's KV heads), driven as one: `layer_kv` joins the devices' pools, tables and staged
@@ -289,16 +295,11 @@ class ShardedKV:
 
   def __init__(self, mesh: Mesh, parts: Sequence[Any]):
     self.mesh, self.parts = mesh, list(parts)
-    self.devices = list(mesh.devices.flat)
     self.max_tokens = self.parts[0].max_tokens
     self.layout = self.parts[0].layout
 
   def _each(self, method, *args):
-    out = []
-    for dev, part in zip(self.devices, self.parts):
-      with jax.default_device(dev):
-        out.append(getattr(part, method)(*args))
-    return out
+    return per_device(self.mesh, lambda d: getattr(self.parts[d], method)(*args))
 
   def begin_forward(self, pos, n_tokens, cache_layers, wave_pages=1):
     self._each("begin_forward", pos, n_tokens, cache_layers, wave_pages)
@@ -323,15 +324,19 @@ class ShardedKV:
   def end_layer(self, cache_layer, pool_pn, rows):
     pools = split(self.mesh, pool_pn)
     ks, vs = split(self.mesh, rows.k_sn), split(self.mesh, rows.v_sn)
-    for d, (dev, part) in enumerate(zip(self.devices, self.parts)):
-      with jax.default_device(dev):
-        part.end_layer(cache_layer, pools[d], KVRows(ks[d], vs[d]))
+    per_device(self.mesh, lambda d: self.parts[d].end_layer(cache_layer, pools[d], KVRows(ks[d], vs[d])))
 
   def end_forward(self):
     self._each("end_forward")
 
   def truncate(self, cache: str, tokens: int) -> None:
     self._each("truncate", cache, tokens)
+
+  @property
+  def counters(self) -> Dict[str, float]:
+    """The providers' counters summed over the devices (streamed providers only)."""
+    parts = [p.counters for p in self.parts]
+    return {k: sum(c[k] for c in parts) for k in parts[0]}
 
   def metrics(self) -> Dict[str, Any]:
     """Byte and time counters summed over the devices (what crossed all host links), every other

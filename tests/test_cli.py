@@ -517,6 +517,9 @@ def test_speculative_needs_greedy(capsys):
     (["--temperature", "nan"], 2, ["--temperature must be >= 0, got nan"]),
     (["--spec-type", "ngram-simple", "--spec-draft-n-max", "0"], 2, ["--spec-draft-n-max must be >= 1"]),
     (["--model", "/nonexistent/m.gguf"], 1, ["--model '/nonexistent/m.gguf': no such file"]),
+    (["--tensor-parallel", "3"], 2, ["--tensor-parallel 3 must divide the model's 2 KV heads"]),
+    (["--tensor-parallel", "2"], 2, ["--tensor-parallel 2 needs 2 devices, 1 available"]),
+    (["--tensor-parallel", "0"], 2, ["--tensor-parallel must be an int >= 1, got 0"]),
 ])
 def test_generate_refusals_exit_status(capsys, flags_, status, needles):
   argv = ["generate", "--prompt-tokens", "1,2,3"] + flags_
