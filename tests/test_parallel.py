@@ -80,6 +80,15 @@ def worker(n: int) -> dict:
                      n_predict=DECODE, ignore_eos=True, ubatch=UBATCH)
   out["api_tokens_tp"] = gen.tokens
   out["api_tensor_parallel"] = gen.metrics.get("tensor_parallel")
+  refusals = []
+  for call in (lambda: api.make_kv(tp, cap, pool_pages=POOL_PAGES, policy="adaptive"),
+               lambda: api.generate(tp, prompt_tokens=PROMPT, n_predict=2, spec=api.SpecConfig("ngram"))):
+    try:
+      call()
+      refusals.append(None)
+    except api.ParameterError as e:
+      refusals.append(str(e))
+  out["refusals"] = refusals
   mtp_one = api.teacher_forced_logits(one, PROMPT, mtp=True, ubatch=UBATCH)
   mtp_tp = api.teacher_forced_logits(tp, PROMPT, mtp=True, ubatch=UBATCH)
   out["mtp_logit_diff"] = float(np.abs(mtp_one - mtp_tp).max())
@@ -112,6 +121,9 @@ def test_sharded_greedy_equals_one_device(n):
   assert out["api_tokens_tp"] == out["tokens_one"]
   assert out["api_tensor_parallel"] == n
   assert out["mtp_logit_diff"] <= LOGIT_TOL and out["mtp_logit_max"] > 1.0, out
+  adaptive, spec = out["refusals"]   # not built for several devices: refused in one line
+  assert adaptive.startswith(f"tensor_parallel {n} runs the fixed split without phases"), adaptive
+  assert spec == f"spec and tensor_parallel {n} cannot be combined yet", spec
 
 
 def test_refuses_n_not_dividing_kv_heads():
