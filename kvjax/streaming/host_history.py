@@ -54,7 +54,8 @@ class HostHistory:
     self.tokens = np.zeros((n_layers,), np.int64)  # committed tokens per layer
     self.generation = 0
     self.pinned = pinned_available() if pinned is None else pinned
-    self._pinned_chunks: Dict[Tuple[int, int], jax.Array] = {}
+    self._pinned_chunks: Dict[Tuple[int, int], Tuple[jax.Array, int]] = {}
+    self._chunk_end = np.zeros((n_layers,), np.int64)   # 1 + the highest chunk mirrored, per layer
     self._pinned_blocks: Dict[int, Tuple[int, int, jax.Array]] = {}   # layer -> (lo, hi, array)
     self.d2h_bytes = 0
 
@@ -75,12 +76,15 @@ class HostHistory:
     if pos > self.tokens[layer]:
       raise ValueError(f"{self.name} layer {layer}: write at {pos} leaves a gap after {self.tokens[layer]} "
                        f"committed tokens")
-    p = np.arange(pos, pos + s)
-    page, row = p // lay.page_tokens, p % lay.page_tokens
-    kcols = row[:, None] * lay.k_row_bytes + np.arange(lay.k_row_bytes)
-    vcols = lay.v_offset + row[:, None] * lay.v_row_bytes + np.arange(lay.v_row_bytes)
-    self.pages_lpn[layer, page[:, None], kcols] = k_sn
-    self.pages_lpn[layer, page[:, None], vcols] = v_sn
+    pt, kb, vb = lay.page_tokens, lay.k_row_bytes, lay.v_row_bytes
+    i = 0
+    while i < s:                      # one contiguous byte range per plane and page
+      page, row = divmod(pos + i, pt)
+      n = min(s - i, pt - row)
+      self.pages_lpn[layer, page, row * kb:(row + n) * kb] = k_sn[i:i + n].reshape(-1)
+      self.pages_lpn[layer, page, lay.v_offset + row * vb:lay.v_offset + (row + n) * vb] = \
+          v_sn[i:i + n].reshape(-1)
+      i += n
     self._drop_chunks(layer, pos)
     self.tokens[layer] = pos + s
     self.generation += 1
@@ -116,9 +120,10 @@ class HostHistory:
   def _drop_chunks(self, layer: int, from_token: int) -> None:
     """Forget pinned snapshots that cover any token >= from_token."""
     pt, c = self.layout.page_tokens, self.copy_pages
-    for key in [k for k, (_, valid) in self._pinned_chunks.items()
-                if k[0] == layer and (k[1] * c + valid) * pt > from_token]:
-      del self._pinned_chunks[key]
+    for chunk in range(from_token // (c * pt), int(self._chunk_end[layer])):   # only chunks at or past it
+      cached = self._pinned_chunks.get((layer, chunk))
+      if cached is not None and (chunk * c + cached[1]) * pt > from_token:
+        del self._pinned_chunks[(layer, chunk)]
     block = self._pinned_blocks.get(layer)
     if block is not None and block[1] * pt > from_token:
       del self._pinned_blocks[layer]
@@ -160,6 +165,7 @@ class HostHistory:
       host = np.concatenate([host, np.zeros((c - host.shape[0], host.shape[1]), np.uint8)])
     arr = jax.device_put(host, sharding)
     self._pinned_chunks[key] = (arr, valid)
+    self._chunk_end[layer] = max(int(self._chunk_end[layer]), chunk + 1)
     return arr, valid
 
   def pinned_block(self, layer: int, lo: int, hi: int):

@@ -187,7 +187,8 @@ class StreamedKV:
                          forwards=0, host_ms=0.0, max_spans=0, ring_peak_slots=0, timed_copy_ms=0.0,
                          timed_bytes=0, elapsed_ms=0.0, staging_peak_bytes=0, deadline_samples=0,
                          layout_changes=0, prefetch_hits=0, prefetch_dropped=0, waves=0,
-                         waved_layers=0, tail_uploads=0, open_hits=0)
+                         waved_layers=0, tail_uploads=0, open_hits=0, host_begin_ms=0.0,
+                         host_end_ms=0.0, rows_wait_ms=0.0)
 
   # -- re-layout (phase change, policy repartition, new request) ---------------------
   def rebind(self, stream: StreamConfig) -> None:
@@ -346,6 +347,7 @@ class StreamedKV:
     c = self.counters
     self._sampling = self.timing_interval > 0 and c["forwards"] % self.timing_interval == 1 % self.timing_interval
     c["host_ms"] += (self._t_begin - t_host) * 1e3
+    c["host_begin_ms"] += (self._t_begin - t_host) * 1e3
     # layers whose copies are queued ahead of the step being run (one when any layer is in waves)
     self._depth = 1 if any(self._layer_plans[a].waves for a in self._order) else max(1, self.prefetch_depth)
     first = self._order[0] if self._order else None
@@ -353,6 +355,7 @@ class StreamedKV:
       t0 = time.perf_counter()
       nbytes = self._issue(first)
       c["host_ms"] += (time.perf_counter() - t0) * 1e3
+      c["host_begin_ms"] += (time.perf_counter() - t0) * 1e3
       if self._sampling and nbytes:   # the first layer's copies run alone: the copy rate
         jax.block_until_ready(self._stage[first])
         c["timed_copy_ms"] += (time.perf_counter() - t0) * 1e3
@@ -361,6 +364,7 @@ class StreamedKV:
       for a in self._order[1:self._depth]:
         self._issue(a)
       c["host_ms"] += (time.perf_counter() - t0) * 1e3
+      c["host_begin_ms"] += (time.perf_counter() - t0) * 1e3
 
   def _open_held(self, a: int) -> bool:
     """Does layer a's open slot hold the committed rows of this forward's partial page?"""
@@ -714,7 +718,9 @@ class StreamedKV:
     layers = tuple(self._pending)
     if self._packed is None or layers != self._order:
       self._packed = _pack_rows(tuple(self._pending[a] for a in layers))
+    t0 = time.perf_counter()
     packed, self._packed = np.asarray(self._packed), None     # one D2H of every row
+    self.counters["rows_wait_ms"] += (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
     self._drop_prefetch(self._pos)         # rows rewritten inside the prefetched block (rare)
     kb, pt = self.layout.k_row_bytes, self.layout.page_tokens
@@ -730,6 +736,7 @@ class StreamedKV:
     c = self.counters
     c["forwards"] += 1
     c["host_ms"] += (time.perf_counter() - t0) * 1e3
+    c["host_end_ms"] += (time.perf_counter() - t0) * 1e3
     c["elapsed_ms"] += (time.perf_counter() - self._t_begin) * 1e3
 
   # -- reporting -------------------------------------------------------------------
