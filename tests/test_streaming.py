@@ -15,7 +15,7 @@ from kvjax.streaming.budget import staging_pages
 from kvjax.streaming.span_plan import SpanPlan, validate_plan
 from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import reference as ref_attn
-from tiny_setup import build_tiny_runner
+from tiny_setup import assert_same_logits, build_tiny_runner, generate_logged
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +30,17 @@ def test_streamed_greedy_equals_plain_long(tiny_runner):
   n_predict = 512
   max_tokens = len(prompt) + n_predict
   plain_kv = engine.PlainKV(cfg, layout, max_tokens)
-  plain = generate.generate(runner, plain_kv, prompt, n_predict)
+  plain, plain_logits = generate_logged(runner, plain_kv, prompt, n_predict)
 
   n_layers = cfg.num_attention_layers + 1
   stream = fixed_split(pool_pages=14, n_layers=n_layers, max_tokens=max_tokens, layout=layout, copy_pages=4)
   assert stream.resident_pages_per_layer == (1, 1, 1) and stream.ring_slots == 11
   kv = StreamedKV(cfg, layout, max_tokens, stream)
-  streamed = generate.generate(runner, kv, prompt, n_predict)
+  streamed, logits = generate_logged(runner, kv, prompt, n_predict)
 
   assert len(plain.tokens) == n_predict
   assert streamed.tokens == plain.tokens
+  assert_same_logits(logits, plain_logits)
   m = streamed.metrics
   active_pages = layout.pages_for(max_tokens)
   # every layer streams all but its open page on the last forwards (its one resident page is the
@@ -223,11 +224,12 @@ def test_pinned_chunks_stream_identically():
   cfg, runner, layout = build_tiny_runner(1, page_tokens=16)
   prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 150))
   max_tokens = 150 + 40
-  plain = generate.generate(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 40, ubatch=64)
+  plain, plain_logits = generate_logged(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 40, ubatch=64)
   stream = fixed_split(pool_pages=16, n_layers=3, max_tokens=max_tokens, layout=layout, copy_pages=2)
   kv = StreamedKV(cfg, layout, max_tokens, stream, pinned=True, split_at_wrap=True)
-  streamed = generate.generate(runner, kv, prompt, 40, ubatch=64)
+  streamed, logits = generate_logged(runner, kv, prompt, 40, ubatch=64)
   assert streamed.tokens == plain.tokens
+  assert_same_logits(logits, plain_logits)
   # resident, ring before the wrap, ring after it; a prefill chunk adds the open slot (its first
   # written page) and the ring pages written after it
   assert 3 <= kv.counters["max_spans"] <= 5
@@ -244,7 +246,7 @@ def test_staging_reserve_bounds_uploads_in_flight(pinned):
   cfg, runner, layout = build_tiny_runner(1, page_tokens=16)
   prompt = list(np.random.default_rng(4).integers(0, cfg.vocab_size, 200))
   max_tokens = 200 + 30
-  plain = generate.generate(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 30, ubatch=64)
+  plain, plain_logits = generate_logged(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 30, ubatch=64)
   stream = fixed_split(pool_pages=20, n_layers=3, max_tokens=max_tokens, layout=layout, copy_pages=2)
   kv = StreamedKV(cfg, layout, max_tokens, stream, pinned=pinned)
   wider = fixed_split(pool_pages=26, n_layers=3, max_tokens=max_tokens, layout=layout, copy_pages=2)
@@ -253,8 +255,9 @@ def test_staging_reserve_bounds_uploads_in_flight(pinned):
     if phase == "decode":
       kv.rebind(wider)
 
-  tokens = generate.generate(runner, kv, prompt, 30, ubatch=64, on_phase=on_phase).tokens
-  assert tokens == plain.tokens and kv.counters["rebinds"] == 1
+  res, logits = generate_logged(runner, kv, prompt, 30, ubatch=64, on_phase=on_phase)
+  assert res.tokens == plain.tokens and kv.counters["rebinds"] == 1
+  assert_same_logits(logits, plain_logits)
   for split in (stream, kv.stream):
     reserve = staging_reserve_pages(split, max_tokens, layout, 1, pinned=pinned)
     assert kv.counters["staging_peak_bytes"] <= reserve * layout.page_bytes
@@ -375,8 +378,9 @@ def test_streamed_logits_bit_for_bit_and_layout_cached(pinned, split_at_wrap, de
   pages_crossed = layout.pages_for(100 + steps) - layout.pages_for(100) + 1
   assert c["layout_changes"] <= 2 * pages_crossed + 3 < steps   # per page (and prefill), not per token
   assert c["deadline_samples"] >= steps * (cfg.num_attention_layers - 1)
-  assert 0 <= c["readiness_misses"] <= c["deadline_samples"]
+  assert c["readiness_misses"] <= c["deadline_samples"]
   assert skv.deadline_samples.sum() == c["deadline_samples"]
+  assert skv.deadline_misses.sum() == c["readiness_misses"]
   # the first layer's sealed block came from the previous forward's prefetch on most steps (not on
   # the timed forward, nor when the block grew); the staging peak counts it
   assert c["prefetch_hits"] >= steps // 2 and c["prefetch_hits"] + c["prefetch_dropped"] <= steps + 2
@@ -389,6 +393,26 @@ def test_streamed_logits_bit_for_bit_and_layout_cached(pinned, split_at_wrap, de
   # page went up from the host only in the prefill and at the first decode forward
   assert c["open_hits"] >= (steps - 2) * cfg.num_attention_layers
   assert c["tail_uploads"] <= (layout.pages_for(100) + 1) * cfg.num_attention_layers
+
+
+@pytest.mark.parametrize("ready", [False, True])
+def test_readiness_misses_count_pages_not_there_in_time(monkeypatch, ready):
+  """A deadline sample is a miss exactly when a staged page is not ready as its layer is enqueued:
+  with every copy reported still in flight each sample is a miss; with every copy done, none is."""
+  cfg, runner, layout = build_tiny_runner(2, page_tokens=16)
+  kv = StreamedKV(cfg, layout, 124, fixed_split(14, 3, 124, layout, copy_pages=2), pinned=False)
+  seq = generate.SequenceState(runner, kv)
+  generate.prefill(seq, list(range(1, 101)), ubatch=64)
+  sample = kv.histories["target"].pages_lpn[0, :1]
+  staged = type(jnp.asarray(sample))
+  monkeypatch.setattr(staged, "is_ready", lambda self: ready)
+  before = dict(kv.counters)
+  for tok in (5, 6, 7):
+    seq.forward([tok])
+  samples = kv.counters["deadline_samples"] - before["deadline_samples"]
+  misses = kv.counters["readiness_misses"] - before["readiness_misses"]
+  assert samples >= 3 * (cfg.num_attention_layers - 1)
+  assert misses == (0 if ready else samples)
 
 
 def test_prefetched_block_dropped_only_when_rows_inside_it_change():
