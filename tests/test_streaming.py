@@ -438,10 +438,12 @@ def test_prefetched_block_dropped_only_when_rows_inside_it_change():
 def test_copy_waves_bit_for_bit_from_the_minimum_pool(kv_types):
   """The minimum pool, layers + 1 pages (1 resident page a layer, 1 ring slot): every layer, the
   MTP layer included, streams in copy waves; the logits of every prefill row and decode
-  step and the MTP head's are the plain cache's bits."""
+  step and the MTP head's are the plain cache's bits, and those are the float64 oracle's."""
   from kvjax import config, weights
+  import reference_model
   cfg = config.tiny()
-  model = engine.build_model(cfg, weights.random_tensors(cfg, 3).items())
+  tensors = weights.random_tensors(cfg, 3)
+  model = engine.build_model(cfg, tensors.items())
   layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, *kv_types, page_tokens=16)
   runner = engine.Runner(model, layout)
   prompt = list(np.random.default_rng(12).integers(0, cfg.vocab_size, 45))
@@ -473,3 +475,78 @@ def test_copy_waves_bit_for_bit_from_the_minimum_pool(kv_types):
     # both target layers of that chunk and of 2 decode steps, and for the MTP layer
     assert c["waved_layers"] == 2 + 2 * 2 + 1 and c["waves"] == 2 * c["waved_layers"] + 2
     assert kv.plans[2] is None and kv.metrics()["waves_per_forward"] > 2  # the MTP layer waved too
+  # streamed == plain cannot see a fault both share (an attention mask off by one changes both
+  # alike): the target's logits of every row against the float64 oracle, K/V through the same
+  # round trip (per-position error measured 2.3e-6 / 5.7e-6 median, 1.1e-5 / 3.3e-5 max for
+  # q8_0-q4_0 / f16, 2026-12-03; the off-by-one mask: ~0.3)
+  oracle = reference_model.forward(cfg, tensors, np.asarray(toks[:-1]), kv_roundtrip=kv_types)
+  rows = np.concatenate([want[0], np.stack(want[1:1 + steps])])
+  err = np.max(np.abs(rows - oracle), axis=-1) / np.max(np.abs(oracle))
+  assert np.median(err) < 2e-5 and err.max() < 1e-4, (np.median(err), err.max())
+
+
+# ---- the kernels end to end: compiled on the GPU, named test_gpu_*, skipped without KVJAX_TEST_GPU=1
+# (tests/conftest.py)
+
+def kernel_setup():
+  """A model with 256-dim attention heads (the Mosaic GPU kernels' shape; the rest tiny), 64-token
+  Q8_0 K / Q4_0 V pages, a 300-token prompt -> (cfg, model, layout, prompt)."""
+  from kvjax import config, weights
+  cfg = config.tiny(head_dim=256, rope_dim=64, num_attention_heads=6, num_kv_heads=2)
+  model = engine.build_model(cfg, weights.random_tensors(cfg, 3).items())
+  layout = PageLayout(2, 256, "q8_0", "q4_0", page_tokens=64)
+  prompt = [int(t) for t in np.random.default_rng(13).integers(0, cfg.vocab_size, 300)]
+  return cfg, model, layout, prompt
+
+
+def kernel_runs(setup, impl: str, interpret: bool = False, steps: int = 16, pools=(9, 4)):
+  """Greedy generation through span attention `impl` (1-page partitions): the plain cache, then
+  streamed caches of `pools` pages (9: resident 2 a layer + a 3-slot ring that holds a layer's
+  3 streamed pages; 4, the minimum: resident 1 a layer, every layer's 4 streamed pages in copy
+  waves through 1 slot)
+  -> [(pool or None, result, logits [steps, V], kv)]."""
+  from kvjax.model import AttentionOptions
+  cfg, model, layout, prompt = setup
+  runner = engine.Runner(model, layout, AttentionOptions(impl, block_pages=1, interpret=interpret))
+  max_tokens = len(prompt) + steps      # 5 pages a cache layer (2 target attention layers + MTP)
+  runs = []
+  for pool in (None,) + tuple(pools):
+    kv = engine.PlainKV(cfg, layout, max_tokens) if pool is None else \
+        StreamedKV(cfg, layout, max_tokens, fixed_split(pool, 3, max_tokens, layout, copy_pages=2))
+    res, logits = generate_logged(runner, kv, prompt, steps, ubatch=64)
+    runs.append((pool, res, logits, kv))
+  return runs
+
+
+def check_kernel_runs(impl, runs):
+  """Every streamed run: the plain run's tokens and logits bits at every step, pages streamed;
+  the last one in copy waves."""
+  (_, plain, want, _), *streamed = runs
+  assert np.isfinite(want).all()
+  for pool, res, logits, kv in streamed:
+    assert res.tokens == plain.tokens, (impl, pool)
+    assert_same_logits(logits, want, f"{impl}, pool {pool}")
+    assert kv.counters["streamed_pages"] > 0 and kv.stream.pool_pages == pool
+  assert runs[1][3].counters["waved_layers"] == 0 and runs[-1][3].counters["waved_layers"] > 0
+
+
+@pytest.mark.parametrize("impl", ["auto", "mosaic", "triton"])
+def test_gpu_streamed_logits_bit_for_bit_on_the_kernels(impl):
+  """The compiled kernels ("auto": the Mosaic GPU decode kernel for decode, its prefill kernel for
+  64-token prefill chunks) read streamed pages as they read the plain cache: the same logits bits
+  at every step, copy waves included. And they are the kernels, not the reference: the first
+  step's logits differ from the reference's, by the f16 operand rounding."""
+  from kvjax.model import AttentionOptions
+  from kvjax_pallas.span_attention import api as span_api
+  setup = kernel_setup()
+  cfg, model, layout, prompt = setup
+  for rows in (1, 64):
+    assert span_api.resolve_implementation(impl, layout=layout, q_shape=(rows, 6, 256)) == \
+        ("mosaic" if impl == "auto" else impl)
+  runs = kernel_runs(setup, impl)
+  check_kernel_runs(impl, runs)
+  ref = engine.Runner(model, layout, AttentionOptions("reference", block_pages=1))
+  seq = generate.SequenceState(ref, engine.PlainKV(cfg, layout, len(prompt)))
+  want = np.asarray(generate.prefill(seq, prompt, 64))
+  err = float(np.max(np.abs(runs[0][2][0] - want)) / np.max(np.abs(want)))
+  assert 0 < err < 1e-2, err
