@@ -43,28 +43,33 @@ import time
 
 from absl import app, flags
 
-flags.DEFINE_string("model", "qwen38_27b", "preset name")
-flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
-flags.DEFINE_list("contexts", ["32768", "131072"], "history lengths (tokens)")
-flags.DEFINE_float("arena_mib", 2240.0, "device KV budget for the streamed run (MiB)")
-flags.DEFINE_list("pool_pages", [], "more streamed runs with these KV pools (pages; the smallest that "
-                  "runs is layers + the attention partition: copy waves), besides the arena's")
-flags.DEFINE_integer("decode_steps", 8, "timed decode forwards per configuration")
-flags.DEFINE_integer("page_tokens", 256, "tokens per KV page")
-flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages)")
-flags.DEFINE_integer("pipeline_depth", 1, "layers whose copies are queued ahead of the running step")
-flags.DEFINE_string("attn_impl", "reference", "span attention implementation")
-flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
-flags.DEFINE_integer("prompt", 256, "real prompt tokens for the end-to-end plain check")
-flags.DEFINE_string("k_type", "q8_0", "K cache type")
-flags.DEFINE_string("v_type", "q4_0", "V cache type")
-flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_decode"), "output folder")
-flags.DEFINE_float("hbm_gbs", 4800.0, "HBM bandwidth for the floor (GB/s)")
-flags.DEFINE_float("h2d_gbs", 52.6, "host-to-device bandwidth for the floor (GB/s)")
-flags.DEFINE_integer("check_steps", 64, "decode steps compared bit for bit, streamed against resident (0: none)")
-flags.DEFINE_integer("tensor_parallel", 1, "devices the model is sharded over (arena_mib and pool_pages "
-                     "are per device)")
-flags.DEFINE_bool("profile", False, "device timeline of two streamed forwards per context (experiments.lib.timeline)")
+
+def define_flags():
+  """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
+  flags.DEFINE_string("model", "qwen38_27b", "preset name")
+  flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
+  flags.DEFINE_list("contexts", ["32768", "131072"], "history lengths (tokens)")
+  flags.DEFINE_float("arena_mib", 2240.0, "device KV budget for the streamed run (MiB)")
+  flags.DEFINE_list("pool_pages", [], "more streamed runs with these KV pools (pages; the smallest that "
+                    "runs is layers + the attention partition: copy waves), besides the arena's")
+  flags.DEFINE_integer("decode_steps", 8, "timed decode forwards per configuration")
+  flags.DEFINE_integer("page_tokens", 256, "tokens per KV page")
+  flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages)")
+  flags.DEFINE_integer("pipeline_depth", 1, "layers whose copies are queued ahead of the running step")
+  flags.DEFINE_string("attn_impl", "reference", "span attention implementation")
+  flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
+  flags.DEFINE_integer("prompt", 256, "real prompt tokens for the end-to-end plain check")
+  flags.DEFINE_string("k_type", "q8_0", "K cache type")
+  flags.DEFINE_string("v_type", "q4_0", "V cache type")
+  flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_decode"), "output folder")
+  flags.DEFINE_float("hbm_gbs", 4800.0, "HBM bandwidth for the floor (GB/s)")
+  flags.DEFINE_float("h2d_gbs", 52.6, "host-to-device bandwidth for the floor (GB/s)")
+  flags.DEFINE_integer("check_steps", 64, "decode steps compared bit for bit, streamed against resident (0: none)")
+  flags.DEFINE_integer("tensor_parallel", 1, "devices the model is sharded over (arena_mib and pool_pages "
+                       "are per device)")
+  flags.DEFINE_bool("profile", False, "device timeline of two streamed forwards per context (experiments.lib.timeline)")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -372,4 +377,5 @@ def _check_bit_exact(runner, plain_kv, streamed_kv, ctx, steps):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -12,8 +12,13 @@ import logging
 
 from absl import app, flags
 
-flags.DEFINE_list("sizes_mib", ["13", "64", "1024"], "copy sizes (MiB)")
-flags.DEFINE_integer("reps", 5, "timed repetitions")
+
+def define_flags():
+  """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
+  flags.DEFINE_list("sizes_mib", ["13", "64", "1024"], "copy sizes (MiB)")
+  flags.DEFINE_integer("reps", 5, "timed repetitions")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -49,4 +54,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

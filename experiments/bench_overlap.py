@@ -32,15 +32,20 @@ import os
 
 from absl import app, flags
 
-flags.DEFINE_integer("layers", 16, "layers per forward")
-flags.DEFINE_float("copy_mib", 91.0, "MiB copied per layer")
-flags.DEFINE_integer("matmuls", 1, "bf16 matmuls per layer step")
-flags.DEFINE_integer("dim", 8192, "matmul size")
-flags.DEFINE_integer("reps", 5, "timed repetitions (median)")
-flags.DEFINE_list("methods", ["ahead", "after", "ahead_small", "small_first", "all_first", "in_step",
-                              "one_program"], "issuing methods")
-flags.DEFINE_bool("profile", False, "also read the device timeline of one forward per method")
-flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_overlap"), "output folder")
+
+def define_flags():
+  """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
+  flags.DEFINE_integer("layers", 16, "layers per forward")
+  flags.DEFINE_float("copy_mib", 91.0, "MiB copied per layer")
+  flags.DEFINE_integer("matmuls", 1, "bf16 matmuls per layer step")
+  flags.DEFINE_integer("dim", 8192, "matmul size")
+  flags.DEFINE_integer("reps", 5, "timed repetitions (median)")
+  flags.DEFINE_list("methods", ["ahead", "after", "ahead_small", "small_first", "all_first", "in_step",
+                                "one_program"], "issuing methods")
+  flags.DEFINE_bool("profile", False, "also read the device timeline of one forward per method")
+  flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_overlap"), "output folder")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -209,4 +214,5 @@ def _fold(work, a, xs):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -41,49 +41,54 @@ from kvjax_pallas.span_attention import reference as ref
 from kvjax_pallas.span_attention import triton as kt
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("contexts", ["8192", "32768", "131072", "163840", "262144"], "history tokens")
-flags.DEFINE_list("rows", ["1", "4", "6", "256"], "query tokens per call")
-flags.DEFINE_integer("kv_heads", 4, "KV heads")
-flags.DEFINE_integer("q_heads", 24, "query heads")
-flags.DEFINE_integer("head_dim", 256, "head dim")
-flags.DEFINE_integer("page_tokens", 256, "tokens per page")
-flags.DEFINE_string("block_pages", "auto", "logical partition (pages) of the kernel split-K: an "
-                    "int, or auto (triton.choose_block_pages of the shapes)")
-flags.DEFINE_string("precision", kt.DEFAULT_PRECISION, f"kernel dot precision {kt.PRECISIONS}")
-flags.DEFINE_integer("iters", 10, "dependent calls per timed loop")
-flags.DEFINE_integer("rounds", 5, "timed loops (median)")
-flags.DEFINE_enum("timing", "dispatch", ["loop", "dispatch"], "loop: --iters dependent calls inside "
-                  "one jitted fori_loop (XLA's while loop adds a host round trip an iteration); "
-                  "dispatch: --dispatch_iters dependent calls of a jitted step dispatched from "
-                  "Python (the GPU runs them back to back while the host queues ahead)")
-flags.DEFINE_integer("dispatch_iters", 50, "dependent calls per round with --timing=dispatch")
-flags.DEFINE_float("max_seconds", 300.0, "stop starting new measurements after this")
-flags.DEFINE_bool("sweep", True, "tile sweep at --sweep_contexts x --sweep_rows")
-flags.DEFINE_list("sweep_contexts", ["131072"], "contexts of the tile sweep (the first one is also "
-                  "the --profile_config context)")
-flags.DEFINE_list("sweep_rows", ["1"], "query tokens of the tile sweep")
-flags.DEFINE_bool("check", True, "correctness vs the jnp reference at real shapes")
-flags.DEFINE_list("check_precisions", list(kt.PRECISIONS), "precisions checked (1 row)")
-flags.DEFINE_string("compare_module", "", "path of another kernel module (same API) for sweep "
-                    "configs with old=1 (version comparisons)")
-flags.DEFINE_list("check_rows", ["1", "6", "256"], "query tokens checked")
-flags.DEFINE_list("sweep_configs", [], "kernel configs of the sweep as k=v;k=v (empty: built-in list)")
-flags.DEFINE_integer("num_stages", 0, "kernel num_stages (0: path default)")
-flags.DEFINE_integer("reference_max_rows", 6, "skip the jnp reference above this many rows")
-flags.DEFINE_string("profile_config", "", "only run the kernel (config k=v;k=v) at the first --sweep_contexts "
-                    "for --profile_calls calls (a target for ncu) and exit")
-flags.DEFINE_integer("profile_calls", 5, "calls in --profile_config mode")
-flags.DEFINE_bool("triton", True, "time the Triton kernel (kernel_contiguous / kernel_ring) in "
-                  "the main table (false: the Mosaic GPU kernels and the baselines only, fewer "
-                  "compiles)")
-flags.DEFINE_bool("mosaic", False, "also time the Mosaic GPU kernels (mosaic_decode: magic "
-                  "conversion + wgmma, up to 40 folded rows; mosaic_prefill past that) on "
-                  "the contiguous and the ring placement, and check them")
-flags.DEFINE_string("mosaic_block_pages", "auto", "the Mosaic GPU kernels' pages a partition: "
-                    "an int or auto (their own choose_block_pages)")
-flags.DEFINE_integer("copy_probe_mib", 2048, "size of the device copy-bandwidth probe (0: skip)")
-flags.DEFINE_bool("interpret", False, "run kernels in interpret mode (CPU smoke test)")
-flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_span"), "CSV / log folder")
+
+
+def define_flags():
+  """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
+  flags.DEFINE_list("contexts", ["8192", "32768", "131072", "163840", "262144"], "history tokens")
+  flags.DEFINE_list("rows", ["1", "4", "6", "256"], "query tokens per call")
+  flags.DEFINE_integer("kv_heads", 4, "KV heads")
+  flags.DEFINE_integer("q_heads", 24, "query heads")
+  flags.DEFINE_integer("head_dim", 256, "head dim")
+  flags.DEFINE_integer("page_tokens", 256, "tokens per page")
+  flags.DEFINE_string("block_pages", "auto", "logical partition (pages) of the kernel split-K: an "
+                      "int, or auto (triton.choose_block_pages of the shapes)")
+  flags.DEFINE_string("precision", kt.DEFAULT_PRECISION, f"kernel dot precision {kt.PRECISIONS}")
+  flags.DEFINE_integer("iters", 10, "dependent calls per timed loop")
+  flags.DEFINE_integer("rounds", 5, "timed loops (median)")
+  flags.DEFINE_enum("timing", "dispatch", ["loop", "dispatch"], "loop: --iters dependent calls inside "
+                    "one jitted fori_loop (XLA's while loop adds a host round trip an iteration); "
+                    "dispatch: --dispatch_iters dependent calls of a jitted step dispatched from "
+                    "Python (the GPU runs them back to back while the host queues ahead)")
+  flags.DEFINE_integer("dispatch_iters", 50, "dependent calls per round with --timing=dispatch")
+  flags.DEFINE_float("max_seconds", 300.0, "stop starting new measurements after this")
+  flags.DEFINE_bool("sweep", True, "tile sweep at --sweep_contexts x --sweep_rows")
+  flags.DEFINE_list("sweep_contexts", ["131072"], "contexts of the tile sweep (the first one is also "
+                    "the --profile_config context)")
+  flags.DEFINE_list("sweep_rows", ["1"], "query tokens of the tile sweep")
+  flags.DEFINE_bool("check", True, "correctness vs the jnp reference at real shapes")
+  flags.DEFINE_list("check_precisions", list(kt.PRECISIONS), "precisions checked (1 row)")
+  flags.DEFINE_string("compare_module", "", "path of another kernel module (same API) for sweep "
+                      "configs with old=1 (version comparisons)")
+  flags.DEFINE_list("check_rows", ["1", "6", "256"], "query tokens checked")
+  flags.DEFINE_list("sweep_configs", [], "kernel configs of the sweep as k=v;k=v (empty: built-in list)")
+  flags.DEFINE_integer("num_stages", 0, "kernel num_stages (0: path default)")
+  flags.DEFINE_integer("reference_max_rows", 6, "skip the jnp reference above this many rows")
+  flags.DEFINE_string("profile_config", "", "only run the kernel (config k=v;k=v) at the first --sweep_contexts "
+                      "for --profile_calls calls (a target for ncu) and exit")
+  flags.DEFINE_integer("profile_calls", 5, "calls in --profile_config mode")
+  flags.DEFINE_bool("triton", True, "time the Triton kernel (kernel_contiguous / kernel_ring) in "
+                    "the main table (false: the Mosaic GPU kernels and the baselines only, fewer "
+                    "compiles)")
+  flags.DEFINE_bool("mosaic", False, "also time the Mosaic GPU kernels (mosaic_decode: magic "
+                    "conversion + wgmma, up to 40 folded rows; mosaic_prefill past that) on "
+                    "the contiguous and the ring placement, and check them")
+  flags.DEFINE_string("mosaic_block_pages", "auto", "the Mosaic GPU kernels' pages a partition: "
+                      "an int or auto (their own choose_block_pages)")
+  flags.DEFINE_integer("copy_probe_mib", 2048, "size of the device copy-bandwidth probe (0: skip)")
+  flags.DEFINE_bool("interpret", False, "run kernels in interpret mode (CPU smoke test)")
+  flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_span"), "CSV / log folder")
+
 
 HBM_TBPS = 4.8
 _T0 = time.time()
@@ -494,4 +499,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -25,27 +25,32 @@ import time
 
 from absl import app, flags
 
-flags.DEFINE_string("model", "qwen38_27b", "preset name")
-flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
-flags.DEFINE_list("contexts", ["32768", "131072", "262144"], "history lengths (tokens)")
-flags.DEFINE_float("arena_mib", 2240.0, "device KV budget (MiB): pool = arena - decode workspace")
-flags.DEFINE_integer("decode_tokens", 64, "generated tokens per run")
-flags.DEFINE_float("acceptance", 0.75, "oracle: probability each draft is kept")
-flags.DEFINE_list("n_max", ["3", "5"], "oracle draft lengths")
-flags.DEFINE_string("rollback", "device", "recurrent-state rollback: device or host")
-flags.DEFINE_integer("width_context", 131072, "context of the width sweep (0: none)")
-flags.DEFINE_integer("max_width", 6, "width sweep: verify widths 1..max_width")
-flags.DEFINE_integer("width_reps", 5, "width sweep: timed forwards per width")
-flags.DEFINE_integer("page_tokens", 256, "tokens per KV page")
-flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages)")
-flags.DEFINE_string("attn_impl", "reference", "span attention implementation")
-flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
-flags.DEFINE_integer("seed", 0, "oracle seed")
-flags.DEFINE_bool("allow_divergence", False,
-                  "record how many leading tokens equal plain greedy instead of stopping at the first "
-                  "difference (seen on the H200 at the 27B geometry; docs/DESIGN.md, 'Speculative "
-                  "decoding')")
-flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_spec"), "output folder")
+
+def define_flags():
+  """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
+  flags.DEFINE_string("model", "qwen38_27b", "preset name")
+  flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
+  flags.DEFINE_list("contexts", ["32768", "131072", "262144"], "history lengths (tokens)")
+  flags.DEFINE_float("arena_mib", 2240.0, "device KV budget (MiB): pool = arena - decode workspace")
+  flags.DEFINE_integer("decode_tokens", 64, "generated tokens per run")
+  flags.DEFINE_float("acceptance", 0.75, "oracle: probability each draft is kept")
+  flags.DEFINE_list("n_max", ["3", "5"], "oracle draft lengths")
+  flags.DEFINE_string("rollback", "device", "recurrent-state rollback: device or host")
+  flags.DEFINE_integer("width_context", 131072, "context of the width sweep (0: none)")
+  flags.DEFINE_integer("max_width", 6, "width sweep: verify widths 1..max_width")
+  flags.DEFINE_integer("width_reps", 5, "width sweep: timed forwards per width")
+  flags.DEFINE_integer("page_tokens", 256, "tokens per KV page")
+  flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages)")
+  flags.DEFINE_string("attn_impl", "reference", "span attention implementation")
+  flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
+  flags.DEFINE_integer("seed", 0, "oracle seed")
+  flags.DEFINE_bool("allow_divergence", False,
+                    "record how many leading tokens equal plain greedy instead of stopping at the first "
+                    "difference (seen on the H200 at the 27B geometry; docs/DESIGN.md, 'Speculative "
+                    "decoding')")
+  flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_spec"), "output folder")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -166,4 +171,5 @@ def _equal_prefix(a, b) -> int:
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

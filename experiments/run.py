@@ -29,7 +29,12 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-config_flags.DEFINE_config_file("config", None, "experiment config, e.g. configs/tiny_stream.py")
+
+def define_flags():
+  """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
+  config_flags.DEFINE_config_file("config", None, "experiment config, e.g. configs/tiny_stream.py")
+
+
 FLAGS = flags.FLAGS
 
 # the `kvjax.api` parameter each config field sets (to name fields in the API's errors)
@@ -147,4 +152,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -41,23 +41,28 @@ import time
 from absl import app, flags
 from tqdm import tqdm
 
-flags.DEFINE_string("model", "tiny", "'tiny', 'tiny:SEED' or a GGUF path")
-flags.DEFINE_string("preset", None, "kvjax.config preset with random device weights (overrides --model)")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight/activation dtype")
-flags.DEFINE_list("contexts", ["256", "512"], "context capacities (tokens): prompt + decode")
-flags.DEFINE_list("arena_mib", ["0.25"], "device arena budgets (MiB); empty for none")
-flags.DEFINE_list("pool_pages", [], "KV pool budgets in pages (instead of / besides --arena_mib)")
-flags.DEFINE_integer("decode_tokens", 16, "tokens decoded per run")
-flags.DEFINE_integer("page_tokens", 64, "tokens per KV page")
-flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages, a power of two)")
-flags.DEFINE_integer("ubatch", 64, "prefill micro-batch")
-flags.DEFINE_string("k_type", "q8_0", "K cache type")
-flags.DEFINE_string("v_type", "q4_0", "V cache type")
-flags.DEFINE_string("attn_impl", "reference", "span attention implementation")
-flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
-flags.DEFINE_integer("seed", 0, "prompt seed")
-flags.DEFINE_bool("warmup", True, "run each configuration once before the measured run (compile)")
-flags.DEFINE_string("out", "runs/sweep_fixed_span", "output folder")
+
+def define_flags():
+  """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
+  flags.DEFINE_string("model", "tiny", "'tiny', 'tiny:SEED' or a GGUF path")
+  flags.DEFINE_string("preset", None, "kvjax.config preset with random device weights (overrides --model)")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight/activation dtype")
+  flags.DEFINE_list("contexts", ["256", "512"], "context capacities (tokens): prompt + decode")
+  flags.DEFINE_list("arena_mib", ["0.25"], "device arena budgets (MiB); empty for none")
+  flags.DEFINE_list("pool_pages", [], "KV pool budgets in pages (instead of / besides --arena_mib)")
+  flags.DEFINE_integer("decode_tokens", 16, "tokens decoded per run")
+  flags.DEFINE_integer("page_tokens", 64, "tokens per KV page")
+  flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages, a power of two)")
+  flags.DEFINE_integer("ubatch", 64, "prefill micro-batch")
+  flags.DEFINE_string("k_type", "q8_0", "K cache type")
+  flags.DEFINE_string("v_type", "q4_0", "V cache type")
+  flags.DEFINE_string("attn_impl", "reference", "span attention implementation")
+  flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
+  flags.DEFINE_integer("seed", 0, "prompt seed")
+  flags.DEFINE_bool("warmup", True, "run each configuration once before the measured run (compile)")
+  flags.DEFINE_string("out", "runs/sweep_fixed_span", "output folder")
+
+
 FLAGS = flags.FLAGS
 
 COLUMNS = ["context_capacity", "prompt_tokens", "decode_tokens", "arena_mib", "pool_pages", "prefill_tps",
@@ -216,4 +221,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

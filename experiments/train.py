@@ -17,13 +17,18 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-config_flags.DEFINE_config_file("config", "configs/train_code_tiny.py", "training config")
-flags.DEFINE_string("out", None, "output folder", required=True)
-flags.DEFINE_bool("resume", False, "continue from <out>/checkpoint.npz")
-flags.DEFINE_bool("progress", True, "tqdm progress bar")
-flags.DEFINE_list("acceptance_contexts", [], "after training, run the acceptance study (experiments.acceptance) "
-                  "on the exported GGUF at these contexts; results under <out>/acceptance")
-flags.DEFINE_integer("acceptance_prompts", 4, "held-out prompts per context for the acceptance study")
+
+def define_flags():
+  """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
+  config_flags.DEFINE_config_file("config", "configs/train_code_tiny.py", "training config")
+  flags.DEFINE_string("out", None, "output folder", required=True)
+  flags.DEFINE_bool("resume", False, "continue from <out>/checkpoint.npz")
+  flags.DEFINE_bool("progress", True, "tqdm progress bar")
+  flags.DEFINE_list("acceptance_contexts", [], "after training, run the acceptance study (experiments.acceptance) "
+                    "on the exported GGUF at these contexts; results under <out>/acceptance")
+  flags.DEFINE_integer("acceptance_prompts", 4, "held-out prompts per context for the acceptance study")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -68,4 +73,5 @@ def run_acceptance(gguf: str, contexts, prompts: int, out: str) -> str:
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

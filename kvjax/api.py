@@ -546,6 +546,7 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
              prompt_tokens: Optional[Sequence[int]] = None, n_predict: int = 32, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, ignore_eos: bool = False, spec: Optional[SpecConfig] = None,
              ubatch: int = 256, warmup: bool = False, on_token: Optional[Callable[[int], None]] = None,
+             on_logits: Optional[Callable[[int, Any], None]] = None,
              exceed_context_length: bool = False) -> GenerationResult:
   """Prefill a prompt (`prompt` text or `prompt_tokens` ids) and generate up to `n_predict` tokens.
 
@@ -557,6 +558,8 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   warmup: run the whole generation once first, so the timings of the returned run exclude
     compilation (otherwise `compile_ms` says how much of them it is).
   on_token: called with each generated token as it is committed (plain generation only).
+  on_logits: called as `on_logits(step, logits)` with the logits row each token is sampled from
+    (plain generation only; with `warmup`, only for the returned run).
   exceed_context_length: with kv None, allow a cache beyond the model's context length.
 
   -> `GenerationResult(tokens, metrics, text)`. metrics: prompt_tokens, decode_tokens, prompt_ms,
@@ -570,8 +573,9 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   if spec is not None and tensor_parallel(model) > 1:
     raise ParameterError(f"spec and tensor_parallel {tensor_parallel(model)} cannot be combined yet", "spec",
                          "tensor_parallel")
-  if spec is not None and on_token is not None:
-    raise ParameterError("on_token is called by plain generation only: drop spec or on_token", "on_token", "spec")
+  for name, hook in (("on_token", on_token), ("on_logits", on_logits)):
+    if spec is not None and hook is not None:
+      raise ParameterError(f"{name} is called by plain generation only: drop spec or {name}", name, "spec")
   if top_k > model.cfg.vocab_size:
     raise ParameterError(f"top_k {top_k} is larger than the vocabulary of {model.cfg.vocab_size} tokens", "top_k")
   ids = prompt_ids(model, prompt, prompt_tokens)
@@ -592,7 +596,7 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   runner = model.runner
   sampling = gen_lib.SamplingParams(temperature, top_k, seed)
 
-  def run_once():
+  def run_once(on_logits=None):
     if kv.used:
       kv.reset()
     kv.used = True
@@ -600,11 +604,12 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
       return speculative.generate_speculative(runner, kv.provider, ids, n_predict, _draft_params(spec),
                                               ubatch=ubatch, eos_id=eos)
     return gen_lib.generate(runner, kv.provider, ids, n_predict, sampling=sampling, ubatch=ubatch, eos_id=eos,
-                            on_token=on_token, on_phase=getattr(kv.provider, "enter", None))
+                            on_token=on_token, on_phase=getattr(kv.provider, "enter", None),
+                            on_logits=on_logits)
 
   if warmup:
     run_once()
-  res = run_once()
+  res = run_once(on_logits)
   metrics = dict(res.metrics)
   metrics.setdefault("spec_type", "none")
   metrics["warmup"] = warmup

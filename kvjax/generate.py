@@ -200,11 +200,13 @@ def generation_metrics(kv: KVProvider, n_prompt: int, n_out: int, t0: float, t1:
 def generate(runner: Runner, kv: KVProvider, prompt: Sequence[int], n_predict: int,
              sampling: SamplingParams = SamplingParams(), ubatch: int = 256, eos_id: Optional[int] = None,
              on_token: Optional[Callable[[int], None]] = None,
-             on_phase: Optional[Callable[[str], None]] = None) -> GenerationResult:
+             on_phase: Optional[Callable[[str], None]] = None,
+             on_logits: Optional[Callable[[int, jax.Array], None]] = None) -> GenerationResult:
   """Prefill `prompt`, then decode up to `n_predict` tokens.
 
   `on_phase("prefill" | "decode")` runs before each phase (the phase arena's
-  layout change hooks in here).
+  layout change hooks in here). `on_logits(step, logits_v)` sees the logits row each generated
+  token is sampled from (step 0: the prompt's last row), e.g. to compare two caches bit for bit.
   """
   seq = SequenceState(runner, kv)
   with CompileClock() as prefill_clock:
@@ -212,6 +214,8 @@ def generate(runner: Runner, kv: KVProvider, prompt: Sequence[int], n_predict: i
     if on_phase:
       on_phase("prefill")
     logits = prefill(seq, list(prompt), ubatch)
+    if on_logits:
+      on_logits(0, logits)
     tok = sample_token(logits, sampling, 0)
     if on_phase:
       on_phase("decode")
@@ -225,6 +229,8 @@ def generate(runner: Runner, kv: KVProvider, prompt: Sequence[int], n_predict: i
       if (eos_id is not None and tok == eos_id) or step == n_predict - 1:
         break
       logits = seq.forward([tok])
+      if on_logits:
+        on_logits(step + 1, logits)
       tok = sample_token(logits, sampling, step + 1)
     t2 = time.perf_counter()
   return GenerationResult(out, generation_metrics(kv, len(prompt), len(out), t0, t1, t2,

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvjax import api, cli
+from tiny_setup import assert_same_logits
 
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, 381, 90)]   # 90 ids, no specials
 N = 30   # 90 + 30 = 120 tokens: 2 pages of 64 per cache layer
@@ -21,9 +22,22 @@ def model():
   return api.load_model("tiny", page_tokens=64)
 
 
+def generate_logged(model, kv=None, **kwargs):
+  """api.generate -> (result, logits [n, V] of every generated token's step)."""
+  rows = []
+  res = api.generate(model, kv, prompt_tokens=PROMPT, n_predict=N, ignore_eos=True, ubatch=32,
+                     on_logits=lambda _, l: rows.append(np.asarray(l)), **kwargs)
+  return res, np.stack(rows)
+
+
 @pytest.fixture(scope="module")
-def plain(model):
-  return api.generate(model, prompt_tokens=PROMPT, n_predict=N, ignore_eos=True, ubatch=32)
+def plain_run(model):
+  return generate_logged(model)
+
+
+@pytest.fixture(scope="module")
+def plain(plain_run):
+  return plain_run[0]
 
 
 def cli_json(*argv):
@@ -50,13 +64,15 @@ def test_plain_generation_equals_the_cli(model, plain):
 
 @pytest.mark.parametrize("budget", [dict(pool_pages=5), dict(pool_pages=4, copy_pages=2),
                                     dict(pool_pages=9, policy="adaptive")])
-def test_streamed_equals_plain_and_the_cli(model, plain, budget):
-  """Streamed caches smaller than the context (something streams) give the plain tokens, and the
-  command line with the same budget gives the same tokens and budget."""
+def test_streamed_equals_plain_and_the_cli(model, plain_run, budget):
+  """Streamed caches smaller than the context (something streams) give the plain logits, bit for
+  bit at every step, and the command line with the same budget gives the same tokens and budget."""
+  plain, plain_logits = plain_run
   kv = api.make_kv(model, 90 + N, ubatch=32, **budget)
   assert kv.info["kv"] == "streamed" and kv.info["all_pages_resident"] is False
-  res = api.generate(model, kv, prompt_tokens=PROMPT, n_predict=N, ignore_eos=True, ubatch=32)
+  res, logits = generate_logged(model, kv)
   assert res.tokens == plain.tokens
+  assert_same_logits(logits, plain_logits)
   assert res.metrics["streamed_pages"] > 0 and res.metrics["h2d_bytes"] > 0
   flag = {"pool_pages": "--kv-stream-pool-pages", "arena_mib": "--kv-stream-arena-mib",
           "copy_pages": "--kv-stream-copy-pages", "policy": "--kv-stream-policy"}
@@ -66,12 +82,15 @@ def test_streamed_equals_plain_and_the_cli(model, plain, budget):
     assert got["metrics"][k] == res.metrics[k], k
 
 
-def test_a_used_cache_is_reset_and_warmup_reuses_it(model, plain):
+def test_a_used_cache_is_reset_and_warmup_reuses_it(model, plain_run):
+  plain, plain_logits = plain_run
   kv = api.make_kv(model, 90 + N, pool_pages=5)
-  first = api.generate(model, kv, prompt_tokens=PROMPT, n_predict=N, ignore_eos=True, ubatch=32)
+  first, first_logits = generate_logged(model, kv)
   provider = kv.provider
-  again = api.generate(model, kv, prompt_tokens=PROMPT, n_predict=N, ignore_eos=True, ubatch=32, warmup=True)
+  again, again_logits = generate_logged(model, kv, warmup=True)
   assert first.tokens == again.tokens == plain.tokens
+  assert_same_logits(first_logits, plain_logits, "first run")
+  assert_same_logits(again_logits, plain_logits, "reused cache")
   assert kv.provider is not provider and kv.used
   # the measured run starts from a fresh cache: its counters are one run's, equal to the first run's
   for k in ("h2d_bytes", "d2h_bytes", "streamed_pages", "forwards"):
@@ -168,6 +187,8 @@ def _error(fn, *a, **kw):
     (lambda m: api.generate(m, prompt="hi", spec=api.SpecConfig(), temperature=0.5), ("spec", "temperature"),
      "spec verifies greedily"),
     (lambda m: api.generate(m, prompt="hi", spec=api.SpecConfig("eagle")), ("spec.draft",), "spec.draft must be"),
+    (lambda m: api.generate(m, prompt="hi", spec=api.SpecConfig(), on_logits=print), ("on_logits", "spec"),
+     "on_logits is called by plain generation only"),
     (lambda m: api.generate(m, api.make_kv(m, 8), prompt="hi", n_predict=8), ("kv",), "kv holds 8 tokens"),
     (lambda m: api.context_tokens(10, 8, max_tokens=12), ("max_tokens",), "max_tokens 12 is too small"),
     (lambda m: api.teacher_forced_logits(m, [3], mtp=True), ("mtp",), "mtp needs at least 2 tokens"),

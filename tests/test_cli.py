@@ -56,8 +56,9 @@ def plain_run():
   return json_line(buf.getvalue())
 
 
-def assert_one_line_error(rc, err, *needles):
-  assert rc != 0
+def assert_one_line_error(rc, err, status, *needles):
+  """One `kvjax: error:` line naming `needles`, exit `status` (2 usage errors, 1 the rest)."""
+  assert rc == status, (rc, err)
   lines = [l for l in err.splitlines() if l.strip()]
   assert lines, "no error message"
   assert lines[-1].startswith("kvjax: error: "), err
@@ -138,7 +139,7 @@ def test_llama_cpp_short_flags(capsys):
   assert m["decode_tokens"] == 3 and m["ctx_size"] == 96 and m["prompt_tokens"] == 5
   assert m["kv_layout"].startswith("F16 K / Q8_0 V")
   rc, out, err = run_main(capsys, "logits", "-m", "tiny", "-p", "Hi", "--out=/nonexistent-dir/x.npy")
-  assert_one_line_error(rc, err, "--out")   # -p reached the logits flags too
+  assert_one_line_error(rc, err, 1, "--out", "/nonexistent-dir")   # -p reached the logits flags too
 
 
 def test_all_pages_resident_is_reported(capsys, plain_run):
@@ -308,7 +309,7 @@ def test_memory_report(capsys):
 def test_error_missing_model_file(capsys, tmp_path):
   missing = str(tmp_path / "nope.gguf")
   rc, _, err = run_main(capsys, "generate", f"--model={missing}", "--prompt=hi")
-  assert_one_line_error(rc, err, "nope.gguf", "no such file")
+  assert_one_line_error(rc, err, 1, "nope.gguf", "no such file")
 
 
 def test_error_truncated_gguf(capsys, tmp_path):
@@ -318,13 +319,13 @@ def test_error_truncated_gguf(capsys, tmp_path):
   cut = tmp_path / "cut.gguf"
   cut.write_bytes(data[:len(data) // 2])
   rc, _, err = run_main(capsys, "generate", f"--model={cut}", "--prompt=hi")
-  assert_one_line_error(rc, err, "cut.gguf")
+  assert_one_line_error(rc, err, 1, "cut.gguf", "truncated file")
 
 
 def test_error_pool_too_small(capsys):
   rc, _, err = run_main(capsys, "generate", "--prompt=hi", "--kv-stream-pool-pages=2", "--ctx-size=1024",
                         "--kv-page-tokens=64")
-  assert_one_line_error(rc, err, "too small", "the minimum is 4 pages", "2 more pages")
+  assert_one_line_error(rc, err, 1, "too small", "the minimum is 4 pages", "2 more pages")
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -355,8 +356,7 @@ def test_error_pool_too_small(capsys):
 ])
 def test_error_bad_flags(capsys, argv, needle):
   rc, _, err = run_main(capsys, *argv)
-  assert_one_line_error(rc, err, needle)
-  assert rc == 2
+  assert_one_line_error(rc, err, 2, needle)
 
 
 def test_block_pages_flag_values():
@@ -469,7 +469,7 @@ def test_phased_arena_streams_identically(capsys, plain_run):
 def test_phased_needs_an_arena(capsys):
   rc, _, err = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, "--kv-stream-pool-pages=9",
                         "--kv-stream-phased")
-  assert_one_line_error(rc, err, "--kv-stream-phased needs --kv-stream-arena-mib")
+  assert_one_line_error(rc, err, 2, "--kv-stream-phased needs --kv-stream-arena-mib")
 
 
 @pytest.mark.parametrize("spec", ["draft-mtp", "ngram-simple"])
@@ -495,7 +495,7 @@ def test_attn_impl_auto_resolves_on_cpu(plain_run):
 
 def test_speculative_needs_greedy(capsys):
   rc, _, err = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, "--spec-type=draft-mtp", "--temperature=0.7")
-  assert_one_line_error(rc, err, "--temperature 0")
+  assert_one_line_error(rc, err, 2, "--temperature 0")
 
 
 # ---- sizes and flags refused before anything is allocated, with their exit status ----------
@@ -520,6 +520,7 @@ def test_speculative_needs_greedy(capsys):
     (["--tensor-parallel", "3"], 2, ["--tensor-parallel 3 must divide the model's 2 KV heads"]),
     (["--tensor-parallel", "2"], 2, ["--tensor-parallel 2 needs 2 devices, 1 available"]),
     (["--tensor-parallel", "0"], 2, ["--tensor-parallel must be an int >= 1, got 0"]),
+    (["--model", "/"], 1, ["/: cannot open", "Is a directory"]),
 ])
 def test_generate_refusals_exit_status(capsys, flags_, status, needles):
   argv = ["generate", "--prompt-tokens", "1,2,3"] + flags_

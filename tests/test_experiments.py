@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -55,7 +56,7 @@ def test_run_config_errors_name_the_config_field(tmp_path):
   p = subprocess.run([sys.executable, "-m", "experiments.run", "--config=configs/tiny_stream.py",
                       "--config.ctx_size=10", f"--config.out_dir={tmp_path}"],
                      capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
-  assert p.returncode != 0 and "Traceback" not in p.stderr
+  assert p.returncode == 2 and "Traceback" not in p.stderr     # a usage error (1: a bad model file or budget)
   assert "config.ctx_size 10 is too small" in p.stderr and "config.n_predict 32" in p.stderr
 
 
@@ -643,3 +644,35 @@ def test_acceptance_by_position_from_rounds():
   assert cond[:2] == [3 / 4, 1 / 2] and cond[2] == 0.0
   assert math.isnan(acceptance.position_acceptance([[1, 0]], 2)[1][1])
   assert acceptance.default_contexts(2048, 69) == [256, 512, 1024, 1979]
+
+
+def test_every_experiment_imports_into_one_process():
+  """Importing every experiment (and its lib helpers) into one process defines no absl flag: the
+  programs define theirs in `define_flags()` when run (two modules defining `--out` at import
+  collide). Each program's `define_flags()` runs on its own (its flags removed after)."""
+  code = """
+import importlib, pathlib, re
+from absl import app, flags, logging  # absl's own flags (--v, --log_dir, ...) come with these
+names = sorted("experiments." + p.stem for p in pathlib.Path("experiments").glob("*.py") if p.stem != "__init__")
+names += sorted("experiments.lib." + p.stem for p in pathlib.Path("experiments/lib").glob("*.py")
+                if p.stem != "__init__")
+before = set(flags.FLAGS)
+mods = [importlib.import_module(n) for n in names]
+assert set(flags.FLAGS) == before, sorted(set(flags.FLAGS) - before)
+programs = 0
+for name, mod in zip(names, mods):
+  src = pathlib.Path(mod.__file__).read_text()
+  if "app.run(" not in src:
+    continue
+  assert hasattr(mod, "define_flags"), name
+  mod.define_flags()
+  added = set(flags.FLAGS) - before
+  assert added, name
+  for f in added:
+    delattr(flags.FLAGS, f)
+  programs += 1
+print("imported", len(mods), "programs", programs)
+"""
+  p = _run(["-c", code], cwd=REPO, timeout=120)
+  n_mods, n_programs = map(int, re.findall(r"imported (\d+) programs (\d+)", p.stdout)[0])
+  assert n_programs >= 11 and n_mods > n_programs, p.stdout

@@ -424,3 +424,70 @@ def test_model_config_refuses_non_positive_sizes(kw):
   """`ModelConfig` itself: sizes >= 1 and finite positive floats, checked before anything divides."""
   with pytest.raises(ValueError, match="expected positive sizes and positive finite floats, found " + list(kw)[0]):
     config.tiny(**kw)
+
+
+# ---- the refusal branches the tests above leave out (one crafted file each) ------------------
+
+@pytest.mark.parametrize("key,vtype,value,needles", [
+    ("tokenizer.ggml.model", gf.VT_UINT32, 7, ["tokenizer.ggml.model", "expected a string", "found integer 7"]),
+    ("qwen35.rope.freq_base", gf.VT_STRING, "1e4", ["rope.freq_base", "expected a finite number > 0.0",
+                                                    "found string '1e4'"]),
+    ("qwen35.rope.dimension_sections", gf.VT_ARRAY, (gf.VT_INT32, []),
+     ["rope.dimension_sections", "expected an array of integers >= 0", "found an empty array"]),
+    ("qwen35.rope.dimension_sections", gf.VT_ARRAY, (gf.VT_INT32, [11, -3, 0, 0]),
+     ["rope.dimension_sections", ">= 0", "found -3 (entry 1)"]),
+    ("qwen35.block_count", gf.VT_UINT32, 1, ["qwen35.block_count=1 leaves no target layers",
+                                             "nextn_predict_layers=1"]),
+    ("qwen35.attention.recurrent_layers", gf.VT_ARRAY, (gf.VT_BOOL, [True] * 3),
+     ["qwen35.attention.recurrent_layers", "expected >= 8 entries, found 3"]),
+    ("tokenizer.ggml.tokens", gf.VT_ARRAY, (gf.VT_STRING, [f"t{i}" for i in range(400)]),
+     ["tokenizer.ggml.tokens", "expected <= 384 tokens (token_embd rows), found 400"]),
+    ("tokenizer.ggml.bos_token_id", gf.VT_UINT32, 384, ["tokenizer.ggml.bos_token_id", "token id < 384",
+                                                        "found 384"]),
+    ("tokenizer.ggml.padding_token_id", gf.VT_UINT32, 999, ["padding_token_id", "token id < 384", "found 999"]),
+])
+def test_refuse_bad_metadata_more(tmp_path, records, key, vtype, value, needles):
+  refuse(_write(tmp_path, _set(records, key, vtype, value)), *needles)
+
+
+def test_refuse_layer_pattern_without_attention(tmp_path, records):
+  """Neither full_attention_interval nor recurrent_layers, or a pattern with no attention layer."""
+  g = gf._drop_key(records, b"qwen35.full_attention_interval")
+  refuse(_write(tmp_path, g.to_bytes(), "none.gguf"), "missing metadata key qwen35.full_attention_interval",
+         "(or qwen35.attention.recurrent_layers)")
+  g = gf._set(g, b"qwen35.attention.recurrent_layers", gf.VT_ARRAY, (gf.VT_BOOL, [True] * 9))
+  refuse(_write(tmp_path, g.to_bytes(), "all.gguf"), "qwen35.attention.recurrent_layers",
+         "no full-attention layer among 8")
+
+
+def test_refuse_missing_embedding_and_blocks_beyond_block_count(tmp_path, cfg, tensors):
+  ts = {k: v for k, v in tensors.items() if k != "token_embd.weight"}
+  refuse(build(tmp_path / "emb.gguf", cfg, ts), "missing tensor token_embd.weight")
+  # block_count 8 without MTP: the file's MTP block 8 lies beyond it (its nextn tensors written first)
+  ts = dict(sorted(tensors.items(), key=lambda kv: ".nextn." not in kv[0]))
+  p = build(tmp_path / "mtp.gguf", cfg, ts, meta={"block_count": 8, "nextn_predict_layers": 0})
+  refuse(p, "tensor blk.8.nextn.", "block 8 beyond block_count 8 (multi-layer MTP is not supported)")
+  ts = dict(tensors, **{"blk.9.attn_norm.weight": np.ones((cfg.hidden_size,), np.float32)})
+  p = build(tmp_path / "b9.gguf", cfg, ts, meta={"block_count": 9})
+  msg = refuse(p, "tensor blk.9.attn_norm.weight: block 9 beyond block_count 9")
+  assert "MTP" not in msg
+
+
+def test_refuse_unopenable_path_and_unknown_tensor(tmp_path, good):
+  refuse(tmp_path, "cannot open", "Is a directory")
+  refuse(tmp_path / "absent.gguf", "cannot open", "No such file")
+  m = gguf_io.read_gguf(good)
+  with pytest.raises(GGUFError) as e:
+    m.tensor_info("blk.0.nope")
+  assert str(e.value) == f"{good}: no tensor named blk.0.nope"
+
+
+def test_writer_refuses_foreign_tensor_and_unquantizable_rows(tmp_path, cfg, tensors):
+  ts = dict(tensors, **{"blk.0.extra.weight": np.zeros((4,), np.float32)})
+  with pytest.raises(GGUFError, match=r"x.gguf: tensor blk.0.extra.weight: not part of a qwen35 model"):
+    gguf_io.write_gguf(tmp_path / "x.gguf", cfg, ts, None)
+  c = config.tiny(hidden_size=48)         # rows of 48 values: not whole Q8_0 blocks of 32
+  from kvjax.weights import random_tensors
+  with pytest.raises(GGUFError, match=r"y.gguf: tensor \S+: Q8_0 needs rows of a multiple of 32, found shape "
+                                      r"\(\d+, 48\)"):
+    gguf_io.write_gguf(tmp_path / "y.gguf", c, random_tensors(c, 0), None, weight_type="q8_0")

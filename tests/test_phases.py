@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 from kvjax.streaming import arena as arena_lib
-from kvjax import engine, generate
+from kvjax import engine
 from kvjax.streaming import StreamedKV, adaptive_staging_reserve_pages, fixed_split, staging_reserve_pages
 from kvjax.streaming import policy as policy_lib
 from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV
-from tiny_setup import build_tiny_runner
+from tiny_setup import assert_same_logits, build_tiny_runner, generate_logged
 
 UBATCH = 64
 
@@ -50,10 +50,12 @@ def test_prefill_decode_prefill_across_two_requests(setup):
   rng = np.random.default_rng(0)
   for request in range(2):
     prompt = list(rng.integers(0, cfg.vocab_size, 150 + 20 * request))
-    plain = generate.generate(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 40, ubatch=UBATCH)
+    plain, plain_logits = generate_logged(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 40,
+                                          ubatch=UBATCH)
     phased.reset()
-    got = generate.generate(runner, phased, prompt, 40, ubatch=UBATCH, on_phase=on_phase)
+    got, logits = generate_logged(runner, phased, prompt, 40, ubatch=UBATCH, on_phase=on_phase)
     assert got.tokens == plain.tokens, f"request {request}"
+    assert_same_logits(logits, plain_logits, f"request {request}")
   assert phases_seen == ["prefill", "decode", "prefill", "decode"]
   assert pools_seen == [pre, dec, pre, dec]
   assert phased.arena.generation >= 4
@@ -81,10 +83,11 @@ def test_adaptive_policy_split_streams_identically(setup):
   cfg, runner, layout = setup
   max_tokens = 400
   prompt = list(np.random.default_rng(5).integers(0, cfg.vocab_size, 300))
-  plain = generate.generate(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 60, ubatch=UBATCH)
+  plain, plain_logits = generate_logged(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 60, ubatch=UBATCH)
   kv = AdaptiveStreamedKV(cfg, layout, max_tokens, pool_pages=48, copy_pages=2)
-  got = generate.generate(runner, kv, prompt, 60, ubatch=UBATCH)
+  got, logits = generate_logged(runner, kv, prompt, 60, ubatch=UBATCH)
   assert got.tokens == plain.tokens
+  assert_same_logits(logits, plain_logits)
   # the policy ran once per forward and moved the split at least once (entering decode)
   assert len(kv.decisions) == kv.counters["forwards"]
   assert any(d.partition_changed for d in kv.decisions)
@@ -131,11 +134,12 @@ def test_adaptive_concentrated_capacities_and_waves(setup):
   cfg, runner, layout = setup
   max_tokens = 96
   prompt = list(np.random.default_rng(8).integers(0, cfg.vocab_size, 70))
-  plain = generate.generate(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 6, ubatch=UBATCH)
+  plain, plain_logits = generate_logged(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 6, ubatch=UBATCH)
   for pool, caps in ((20, (2, 5, 5)), (4, (1, 1, 1))):
     kv = AdaptiveStreamedKV(cfg, layout, max_tokens, pool_pages=pool, copy_pages=2)
-    got = generate.generate(runner, kv, prompt, 6, ubatch=UBATCH)
+    got, logits = generate_logged(runner, kv, prompt, 6, ubatch=UBATCH)
     assert got.tokens == plain.tokens, pool
+    assert_same_logits(logits, plain_logits, f"pool {pool}")
     assert kv.stream.resident_pages_per_layer == caps
     _check_placement(kv, len(prompt) + 5)
     m = kv.metrics()
@@ -161,7 +165,7 @@ def test_adaptive_policy_rebinds_on_arena_change(setup):
   pre, dec = phased.pool_pages["prefill"], phased.pool_pages["decode"]
   assert dec > pre
   prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 150))
-  plain = generate.generate(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 30, ubatch=UBATCH)
+  plain, plain_logits = generate_logged(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 30, ubatch=UBATCH)
   seen = []
 
   def on_phase(p):
@@ -172,8 +176,9 @@ def test_adaptive_policy_rebinds_on_arena_change(setup):
     assert kv.policy_state == want.decision.next
     assert kv.stream.resident_pages_per_layer == want.layout.capacities
 
-  got = generate.generate(runner, phased, prompt, 30, ubatch=UBATCH, on_phase=on_phase)
+  got, logits = generate_logged(runner, phased, prompt, 30, ubatch=UBATCH, on_phase=on_phase)
   assert got.tokens == plain.tokens
+  assert_same_logits(logits, plain_logits)
   assert seen == [("prefill", pre, pre, 0), ("decode", dec, dec, 150)]
   m = phased.metrics()
   assert m["policy_rebinds"] == 2 and m["streamed_pages"] > 0
