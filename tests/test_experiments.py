@@ -148,6 +148,23 @@ def test_sweep_fixed_span(tmp_path):
     assert not os.path.exists(os.path.join(out, "results.png"))
 
 
+def test_sweep_fixed_span_speculative(tmp_path):
+  """The sweep over draft lengths: length 0 is plain decoding, MTP lengths run speculative decoding
+  on the same corpus prompt (tokens equal plain's), with the reference's MTP columns and the lease."""
+  out = str(tmp_path / "sweep")
+  _run(["-m", "experiments.sweep_fixed_span", "--contexts=160", "--arena_mib=", "--pool_pages=6",
+        "--decode_tokens=8", "--page_tokens=64", "--ubatch=64", "--nowarmup", "--spec_type=mtp",
+        "--mtp_lengths=0,2", f"--out={out}"], cwd=REPO)
+  rows = [json.loads(l) for l in open(os.path.join(out, "results.jsonl"))]
+  assert [r["mtp_length"] for r in rows] == [0, 2] and not any(r["error"] for r in rows)
+  plain, spec = rows
+  assert plain["prompt_tokens"] == spec["prompt_tokens"] == 160 - 8 - 3
+  assert plain["spec_type"] == "" and spec["spec_type"] == "mtp" and spec["tokens_match"] is True
+  assert spec["mtp_draft_generated"] > 0 and 0 <= spec["mtp_acceptance_pct"] <= 100
+  assert len(json.loads(spec["acceptance_by_position"])) == 2 and spec["realized_verify_width"] > 1
+  assert spec["mtp_lease_bytes_per_round"] > 0 and json.loads(spec["verify_ms_by_width"])
+
+
 def test_bench_decode_smoke(tmp_path):
   """The GPU decode benchmark runs end to end at tiny scale and its table is self-consistent."""
   out = str(tmp_path / "bd")
