@@ -45,6 +45,8 @@ flags.DEFINE_integer("decode_tokens", 64, "generated tokens per run")
 flags.DEFINE_float("acceptance", 0.75, "oracle: probability each draft is kept")
 flags.DEFINE_list("n_max", ["3", "5"], "oracle draft lengths")
 flags.DEFINE_string("rollback", "device", "recurrent-state rollback: device or host")
+flags.DEFINE_bool("oracle_mtp", False, "the MTP head catches up and drafts every round beside the oracle "
+                  "(under its ring lease; drafts unused): the oracle's acceptance at MTP drafting's cost")
 flags.DEFINE_integer("width_context", 131072, "context of the width sweep (0: none)")
 flags.DEFINE_integer("max_width", 6, "width sweep: verify widths 1..max_width")
 flags.DEFINE_integer("width_reps", 5, "width sweep: timed forwards per width")
@@ -100,6 +102,8 @@ def main(argv):
 
   def restart(kv, ctx):
     kv.truncate("target", ctx)
+    if cfg.has_mtp:
+      kv.truncate("mtp", ctx)
     seq = generate.SequenceState(runner, kv)
     seq.pos = ctx
     return seq
@@ -117,10 +121,12 @@ def main(argv):
 
   def spec(kv, ctx, n_max, truth):
     draft = speculative.DraftParams("oracle", n_max=n_max, oracle_acceptance=FLAGS.acceptance,
-                                    oracle_seed=FLAGS.seed, rollback=FLAGS.rollback)
+                                    oracle_seed=FLAGS.seed, rollback=FLAGS.rollback, oracle_mtp=FLAGS.oracle_mtp)
+    # the synthetic MTP history holds ctx rows; the first MTP draft comes from a zero hidden state
+    mtp_next = (truth[1], 1.0, jnp.zeros((1, cfg.hidden_size), jnp.dtype(FLAGS.dtype))) if FLAGS.oracle_mtp else None
     t = time.perf_counter()
     toks, stats = speculative.speculate(restart(kv, ctx), truth[0], len(truth), draft, [], ubatch=widest,
-                                        oracle_tokens=truth)
+                                        oracle_tokens=truth, mtp_next=mtp_next)
     return toks, (len(toks) - 1) / (time.perf_counter() - t), stats
 
   rows = []
@@ -138,9 +144,12 @@ def main(argv):
       if same < len(truth) and not FLAGS.allow_divergence:
         raise AssertionError(f"context {ctx}, n_max {n_max}: speculative output differs from plain greedy "
                              f"at token {same} of {len(truth)} (--allow_divergence to measure anyway)")
-      rows.append({"context": ctx, "run": f"oracle P={FLAGS.acceptance} n_max={n_max}", "tok_s": tps,
+      rows.append({"context": ctx, "run": f"oracle{'+mtp' if FLAGS.oracle_mtp else ''} P={FLAGS.acceptance} "
+                   f"n_max={n_max}", "tok_s": tps,
                    "width": st["realized_verify_width"], "tokens_per_verify": st["tokens_per_verify"],
-                   "verify_ms": st["verify_ms_mean"], "equal_to_plain": same, "stats": st})
+                   "verify_ms": st["verify_ms_mean"], "equal_to_plain": same,
+                   "lease_mib": st.get("mtp_lease_bytes_per_round", 0.0) / 2**20,
+                   "rollback_mib": (st["rollback_d2h_bytes"] + st["rollback_h2d_bytes"]) / 2**20, "stats": st})
       print(json.dumps(rows[-1], default=float), flush=True)
     del kv
   widths = []
@@ -161,13 +170,14 @@ def main(argv):
   log.update(rows=rows, widths=widths)
   with open(os.path.join(FLAGS.out, "bench_spec.json"), "w") as f:
     json.dump(log, f, indent=1, default=float)
-  print(f"{'context':>8} {'run':<26} {'tok/s':>8} {'width':>6} {'tok/fwd':>7} {'ms/fwd':>8} {'vs plain':>8} "
-        f"{'= plain':>7}")
+  print(f"{'context':>8} {'run':<30} {'tok/s':>8} {'width':>6} {'tok/fwd':>7} {'ms/fwd':>8} {'vs plain':>8} "
+        f"{'= plain':>7} {'lease MiB/rnd':>13} {'rollback MiB':>12}")
   base = {}
   for r in rows:
     base.setdefault(r["context"], r["tok_s"])
-    print(f"{r['context']:>8} {r['run']:<26} {r['tok_s']:>8.2f} {r['width']:>6.2f} {r['tokens_per_verify']:>7.2f} "
-          f"{r['verify_ms']:>8.2f} {r['tok_s'] / base[r['context']]:>8.2f} {r.get('equal_to_plain', ''):>7}")
+    print(f"{r['context']:>8} {r['run']:<30} {r['tok_s']:>8.2f} {r['width']:>6.2f} {r['tokens_per_verify']:>7.2f} "
+          f"{r['verify_ms']:>8.2f} {r['tok_s'] / base[r['context']]:>8.2f} {r.get('equal_to_plain', ''):>7} "
+          f"{r.get('lease_mib', 0.0):>13.2f} {r.get('rollback_mib', 0.0):>12.2f}")
   if widths:
     print(f"verify width at {FLAGS.width_context}: " + "  ".join(f"{w['width']}: {w['verify_ms']:.2f} ms"
                                                                   for w in widths))

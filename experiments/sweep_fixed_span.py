@@ -76,6 +76,8 @@ flags.DEFINE_integer("spec_ngram_n", 12, "ngram match key length")
 flags.DEFINE_integer("spec_ngram_m", 0, "ngram draft length (0: the mtp length)")
 flags.DEFINE_enum("spec_rollback", "device", ["device", "host"], "recurrent-state rollback")
 flags.DEFINE_float("spec_oracle_acceptance", 0.75, "oracle: probability each draft is kept")
+flags.DEFINE_bool("spec_oracle_mtp", False, "oracle: the MTP head still catches up and drafts every round "
+                  "(its cost, drafts unused)")
 flags.DEFINE_string("out", "runs/sweep_fixed_span", "output folder")
 FLAGS = flags.FLAGS
 
@@ -149,7 +151,7 @@ def draft_of(length: int):
     return None
   return speculative.DraftParams(FLAGS.spec_type, n_max=length, p_min=FLAGS.spec_p_min, ngram_n=FLAGS.spec_ngram_n,
                                  ngram_m=FLAGS.spec_ngram_m, oracle_acceptance=FLAGS.spec_oracle_acceptance,
-                                 rollback=FLAGS.spec_rollback)
+                                 rollback=FLAGS.spec_rollback, oracle_mtp=FLAGS.spec_oracle_mtp)
 
 
 def prompt_for(model, n_prompt):

@@ -54,7 +54,9 @@ class DraftParams:
   each draft kept with probability `oracle_acceptance`, seeded by `oracle_seed`; the first planted
   rejection ends the round). MTP and oracle propose at most `n_max` drafts a round, ngram at most
   `ngram_m` (0: `n_max`); MTP drafting stops below top-1 probability `p_min`. `rollback` "device"
-  or "host" (`DeviceRollback`, `HostRollback`)."""
+  or "host" (`DeviceRollback`, `HostRollback`). `oracle_mtp` (oracle only, cost studies): the MTP
+  head still catches up and drafts every round under its ring lease, its drafts unused: the
+  oracle's acceptance at MTP drafting's cost."""
   kind: str = "mtp"
   n_max: int = 3
   p_min: float = 0.0
@@ -63,6 +65,7 @@ class DraftParams:
   oracle_acceptance: float = 0.75
   oracle_seed: int = 0
   rollback: str = "device"
+  oracle_mtp: bool = False
 
   def __post_init__(self):
     if self.kind not in DRAFT_KINDS:
@@ -79,10 +82,13 @@ class DraftParams:
       raise ValueError(f"oracle_acceptance must be in [0, 1], got {self.oracle_acceptance}")
     if self.rollback not in ROLLBACKS:
       raise ValueError(f"rollback must be 'device' or 'host', got {self.rollback!r}")
+    if self.oracle_mtp and self.kind != "oracle":
+      raise ValueError(f"oracle_mtp runs the MTP head beside the oracle drafter: kind must be 'oracle', "
+                       f"got {self.kind!r}")
 
   @property
   def uses_mtp(self) -> bool:
-    return self.kind in ("mtp", "ngram+mtp")
+    return self.kind in ("mtp", "ngram+mtp") or self.oracle_mtp
 
   @property
   def uses_ngram(self) -> bool:
@@ -331,11 +337,12 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
       drafts = ngram_draft(history, draft.ngram_n, min(draft.ngram_width, room))
       source = "ngram"
       ngram_rounds += bool(drafts)
-    if use_mtp and not drafts:
+    if use_mtp and (not drafts or draft.oracle_mtp):
       h2d0 = _h2d(kv)
-      drafts, draft_p = mtp_draft(runner, kv, mtp_next, c, min(draft.n_max, room), draft.p_min)
+      mtp_drafts, draft_p = mtp_draft(runner, kv, mtp_next, c, min(draft.n_max, room), draft.p_min)
       mtp_h2d += _h2d(kv) - h2d0
-      source = "mtp"
+      if not drafts:
+        drafts, source = mtp_drafts, "mtp"
     drafted += len(drafts)
     drafted_at[:len(drafts)] += 1
     # 2. verify: rows [b, d_1..d_k], scan form, per-row states captured

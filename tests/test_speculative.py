@@ -252,6 +252,23 @@ def test_greedy_output_equals_plain_for_every_drafter_cache_and_rollback(setup, 
     assert m["rollback_d2h_bytes"] > 0
 
 
+def test_oracle_with_mtp_cost_drafts_the_oracle_and_leases_every_round(setup):
+  """oracle_mtp: the oracle's drafts are verified (its acceptance), while the MTP head catches up and
+  drafts under its lease every round (its cost); the output is plain greedy's."""
+  cfg, layout, runner, prompt, truth = setup
+  kv = _streamed(cfg, layout, 70 + N + 8)
+  draft = speculative.DraftParams("oracle", n_max=3, oracle_acceptance=0.9, oracle_mtp=True, rollback="host")
+  rounds = []
+  res = speculative.generate_speculative(runner, kv, prompt, GRID_N, draft, ubatch=32, oracle_tokens=truth[:GRID_N],
+                                         on_round=rounds.append)
+  m = res.metrics
+  assert res.tokens == truth[:GRID_N] and m["draft_accepted"] > m["verify_forwards"] // 2
+  assert {r["drafter"] for r in rounds} == {"oracle"} and all(r["draft_p"] for r in rounds)   # MTP drafted too
+  assert m["mtp_leases"] == m["verify_forwards"] and m["mtp_lease_bytes_per_round"] > 0
+  with pytest.raises(ValueError, match="kind must be 'oracle'"):
+    speculative.DraftParams("mtp", oracle_mtp=True)
+
+
 def test_long_ngram_and_mtp_with_host_rollback_equals_plain(setup):
   """1,000 generated tokens: ngram rounds (wide, often accepted once greedy decoding of the
   random-weight model falls into a cycle) and MTP rounds (narrow, mostly rejected), host-staged
