@@ -696,3 +696,17 @@ def test_acceptance_by_position_from_rounds():
   assert cond[:2] == [3 / 4, 1 / 2] and cond[2] == 0.0
   assert math.isnan(acceptance.position_acceptance([[1, 0]], 2)[1][1])
   assert acceptance.default_contexts(2048, 69) == [256, 512, 1024, 1979]
+
+
+def test_acceptance_both_drafter_is_ngram_and_mtp():
+  """'both' maps to the API's ngram + MTP drafter, with ngram's wide round (ngram_m)."""
+  from experiments import acceptance
+  from kvjax import api
+  s = acceptance.spec_for(api, "both", 3, 0.0, 2, 6)
+  assert (s.draft, s.n_max, s.ngram_n, s.ngram_m) == ("ngram+mtp", 3, 2, 6)
+  assert acceptance.spec_for(api, "mtp", 3, 0.0, 2, 6).ngram_m == 0
+  rows = [{"drafter": "both", "n_max": 3, "context": 256, "draft_generated": 4, "draft_accepted": 2,
+           "accepted_len": 1.5, "verify_width": 4.0, "matches_greedy": True, "ngram_share": 0.5,
+           **{f"acc_pos_{i}": 0.5 for i in range(1, 7)}, **{f"cond_pos_{i}": 0.5 for i in range(1, 7)}}]
+  (s,) = acceptance.summarize(rows)
+  assert s["acc_pos_6"] == 0.5 and s["ngram_share"] == 0.5 and "ngram" in acceptance.table([s])
