@@ -269,6 +269,21 @@ def test_oracle_with_mtp_cost_drafts_the_oracle_and_leases_every_round(setup):
     speculative.DraftParams("mtp", oracle_mtp=True)
 
 
+def test_mtp_lease_beside_copy_waves_equals_plain(setup):
+  """A 3-slot ring, smaller than the target layers' streamed pages (copy waves), and an MTP
+  resident region of 4 pages: the MTP suffix (1-2 pages) is leased at the end of the ring every
+  round, the target's waves use the ring whole; the output is plain greedy's. (About 40 s of CPU:
+  the wave steps compile for this pool.)"""
+  cfg, layout, runner, prompt, truth = setup
+  kv = StreamedKV(cfg, layout, 70 + N + 8, StreamConfig(9, (1, 1, 4), 2))
+  res = speculative.generate_speculative(runner, kv, prompt, GRID_N, speculative.DraftParams("mtp", n_max=3),
+                                         ubatch=32)
+  m = res.metrics
+  assert res.tokens == truth[:GRID_N] and m["waved_layers"] > 0
+  assert m["mtp_lease_refused"] == 0 and m["mtp_leases"] == m["verify_forwards"]
+  assert m["mtp_lease_bytes_per_round"] == m["mtp_h2d_bytes_per_round"] >= layout.page_bytes
+
+
 def test_long_ngram_and_mtp_with_host_rollback_equals_plain(setup):
   """1,000 generated tokens: ngram rounds (wide, often accepted once greedy decoding of the
   random-weight model falls into a cycle) and MTP rounds (narrow, mostly rejected), host-staged
