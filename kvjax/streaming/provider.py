@@ -42,7 +42,13 @@ hide behind (docs/PERFORMANCE.md, "Host-to-device copies").
 * `end_forward` publishes the new rows to the host histories (device -> host:
   only the changed tail).
 
-Counters: h2d bytes and copies, d2h bytes, ring wraps, streamed pages, host
+The MTP ring lease (`lease_mtp` / `release_lease`, for speculative decoding's
+catch-up and drafting) holds slots at the end of the ring for the MTP layer:
+its committed streamed suffix is loaded there once, its forwards stage nothing,
+and the other layers' layouts use only the slots before the lease.
+
+Counters: h2d bytes and copies, d2h bytes, ring wraps, streamed pages, MTP
+leases (taken, bytes loaded, reloads after a rebind, refused: not in the ring), host
 time per forward (the provider's own Python work, including any wait inside
 `jax.device_put`). Deadline samples, per cache layer and in total: one for each
 streamed layer of every forward after the first layer, a readiness miss when
@@ -171,7 +177,6 @@ class StreamedKV:
     self._bind_generation = 0
     self._prefetch: Optional[Tuple[int, int, int, jax.Array]] = None  # (layer, lo, hi, device block)
     self._lease: Optional[_MTPLease] = None
-    self._lease_generation = 0
     self._bind(stream)
     self._pending: Dict[int, KVRows] = {}
     self._stage: Dict[int, Tuple[jax.Array, ...]] = {}
@@ -342,7 +347,8 @@ class StreamedKV:
     nbytes = sum(int(x.nbytes) for x in sources)
     if sources:
       staged = tuple(_to_device(x) for x in sources)
-      self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], nbytes)
+      live = nbytes + (0 if self._prefetch is None else int(self._prefetch[3].nbytes))
+      self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live)
       self.pool_pn = _place_run(self.pool_pn, staged, jnp.int32(self.ring_base + first),
                                 pieces=tuple((0, int(x.shape[0])) for x in staged))
       self.counters["h2d_bytes"] += nbytes
@@ -395,8 +401,8 @@ class StreamedKV:
         missing = wave_pages - ring   # copy waves need one partition in the ring
         raise StreamBudgetError(
             f"ring too small: cache layer {a} streams {streamed} pages at {end} tokens in copy waves of "
-            f"whole {wave_pages}-page attention partitions, but the ring has {ring} free "
-            f"slots ({missing} more pages = {missing * lay.page_bytes / 2**20:.1f} MiB needed)")
+            f"whole {wave_pages}-page attention partitions, but the ring has {ring} slots"
+            f"{' outside the MTP lease' if self._lease else ''} ({missing} more pages = {missing * lay.page_bytes / 2**20:.1f} MiB needed)")
     self._pos, self._n, self._active = pos, n_tokens, active
     self._wave_pages = int(wave_pages)
     self._content = lay.pages_for(pos)  # pages that already hold tokens
@@ -420,7 +426,9 @@ class StreamedKV:
     self._sampling = self.timing_interval > 0 and c["forwards"] % self.timing_interval == 1 % self.timing_interval
     c["host_ms"] += (self._t_begin - t_host) * 1e3
     first = self._order[0] if self._order else None
-    if first is not None:
+    if first is not None and self._leased(first):
+      self._stage[first] = ()   # nothing stages; a block prefetched for the next verify forward stays
+    elif first is not None:
       t0 = time.perf_counter()
       nbytes = self._issue(first)
       c["host_ms"] += (time.perf_counter() - t0) * 1e3
