@@ -40,5 +40,10 @@ def get_config():
   c.tensor_parallel = 1   # devices the model is sharded over (arena / pool per device)
   c.compare_plain = False
   c.warmup = True
+  c.prompt_source = "random"  # a preset has no tokenizer: seeded random ids
+  # speculative decoding (fields as in configs/tiny_stream.py); e.g. --config.spec_type=oracle
+  c.spec_type, c.spec_n_max, c.spec_p_min, c.spec_rollback = "none", 3, 0.0, "device"
+  c.spec_ngram_n, c.spec_ngram_m = 12, 0
+  c.spec_oracle_acceptance, c.spec_oracle_seed = 0.75, 0
   c.out_dir = "runs/"
   return c

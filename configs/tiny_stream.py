@@ -21,6 +21,16 @@ Fields (0 / "" mean "not set"):
   compare_plain  streamed runs also run the plain cache and report tokens_match
   warmup         run each generation once before the measured run (excludes compile time;
                  without it, compile_ms says how much of the timings was compilation)
+  prompt_source  'corpus': prompt_tokens cut from the stdlib corpus (kvjax.corpus.prompt_tokens)
+                 when the model has a tokenizer; 'random': seeded random ids
+  spec_*         speculative decoding (kvjax.api.SpecConfig: spec_type is its draft, the rest its
+                 fields of the same name); with compare_plain the tokens are checked against plain
+                 greedy on the plain cache. Metrics: draft_generated / draft_accepted,
+                 acceptance_by_position, realized_verify_width, verify_ms_by_width,
+                 mtp_lease_bytes_per_round, rollback_d2h_bytes / rollback_h2d_bytes
+
+  python -m experiments.run --config=configs/tiny_stream.py --config.spec_type=oracle \
+      --config.spec_oracle_acceptance=0.9 --config.prompt_tokens=100
 """
 
 import ml_collections
@@ -54,5 +64,14 @@ def get_config():
   c.tensor_parallel = 1   # devices the model is sharded over (arena / pool per device)
   c.compare_plain = True
   c.warmup = False
+  c.prompt_source = "corpus"  # prompt_tokens from the stdlib corpus (models with a tokenizer) or "random"
+  c.spec_type = "none"    # speculative: "none", "mtp", "ngram", "ngram+mtp", "oracle"
+  c.spec_n_max = 3
+  c.spec_p_min = 0.0
+  c.spec_ngram_n = 12
+  c.spec_ngram_m = 0      # 0 = spec_n_max
+  c.spec_rollback = "device"
+  c.spec_oracle_acceptance = 0.75
+  c.spec_oracle_seed = 0
   c.out_dir = "runs/"
   return c

@@ -41,6 +41,7 @@ def define_flags():
   flags.DEFINE_list("n_max", ["3", "5"], "drafts per round")
   flags.DEFINE_float("p_min", 0.0, "MTP drafting stops below this top-1 probability")
   flags.DEFINE_integer("ngram_n", 3, "ngram-simple key length")
+  flags.DEFINE_integer("ngram_m", 0, "ngram-simple draft length (the wide round of 'both'; 0: n_max)")
   flags.DEFINE_integer("page_tokens", 64, "KV page size")
   flags.DEFINE_string("out", "runs/acceptance", "output folder")
 
@@ -92,18 +93,21 @@ def position_acceptance(rounds: Sequence[Sequence[int]], n_max: int):
   return acc, cond
 
 
-def spec_for(api, drafter: str, n_max: int, p_min: float, ngram_n: int):
-  """The API's SpecConfig for a drafter name, or None where the API has no such drafter."""
+def spec_for(api, drafter: str, n_max: int, p_min: float, ngram_n: int, ngram_m: int = 0):
+  """The API's SpecConfig for a drafter name, or None where the API has no such drafter. "both":
+  ngram's match (up to `ngram_m` drafts, 0: n_max) when there is one, MTP's n_max otherwise."""
   draft = {"mtp": "mtp", "ngram": "ngram"}.get(drafter)
   if drafter == "both":
     draft = next((d for d in api.DRAFTS if "mtp" in d and "ngram" in d), None)
   if draft is None:
     return None
-  return api.SpecConfig(draft, n_max=n_max, p_min=p_min, ngram_n=ngram_n)
+  return api.SpecConfig(draft, n_max=n_max, p_min=p_min, ngram_n=ngram_n,
+                        ngram_m=ngram_m if draft != "mtp" else 0)
 
 
 def study(model, contexts: Sequence[int], prompts: int, n_predict: int, drafters: Sequence[str],
-          n_maxes: Sequence[int], p_min: float = 0.0, ngram_n: int = 3, log=print) -> List[Dict]:
+          n_maxes: Sequence[int], p_min: float = 0.0, ngram_n: int = 3, log=print,
+          ngram_m: int = 0) -> List[Dict]:
   """One row per (context, prompt, drafter, n_max); see the module docstring."""
   from kvjax import api
   stream, starts = heldout_stream(model)
@@ -115,7 +119,7 @@ def study(model, contexts: Sequence[int], prompts: int, n_predict: int, drafters
       plain = api.generate(model, prompt_tokens=prompt, n_predict=n_predict, ignore_eos=True).tokens
       for drafter in drafters:
         for n_max in n_maxes:
-          spec = spec_for(api, drafter, n_max, p_min, ngram_n)
+          spec = spec_for(api, drafter, n_max, p_min, ngram_n, ngram_m)
           if spec is None:
             if drafter not in skipped:
               log(f"skipped {drafter}: kvjax.api.SpecConfig offers no such drafter (drafts: {api.DRAFTS})")
@@ -123,12 +127,13 @@ def study(model, contexts: Sequence[int], prompts: int, n_predict: int, drafters
             continue
           res = api.generate(model, prompt_tokens=prompt, n_predict=n_predict, ignore_eos=True, spec=spec)
           m = res.metrics
-          acc, cond = position_acceptance(m["draft_rounds"], n_max)
+          acc, cond = position_acceptance(m["draft_rounds"], max(n_max, spec.ngram_m))
           row = {"context": ctx, "prompt": p, "drafter": drafter, "n_max": n_max, "p_min": p_min,
                  "matches_greedy": res.tokens == plain, "draft_generated": m["draft_generated"],
                  "draft_accepted": m["draft_accepted"], "verify_forwards": m["verify_forwards"],
                  "accepted_len": (m["draft_accepted"] + m["verify_forwards"]) / max(m["verify_forwards"], 1),
-                 "verify_width": m["realized_verify_width"]}
+                 "verify_width": m["realized_verify_width"],
+                 "ngram_share": m["ngram_rounds"] / max(m["verify_forwards"], 1)}
           row.update({f"acc_pos_{i + 1}": a for i, a in enumerate(acc)})
           row.update({f"cond_pos_{i + 1}": a for i, a in enumerate(cond)})
           rows.append(row)
@@ -146,8 +151,9 @@ def summarize(rows: List[Dict]) -> List[Dict]:
          "acceptance": sum(r["draft_accepted"] for r in rs) / gen if gen else float("nan"),
          "accepted_len": float(np.mean([r["accepted_len"] for r in rs])),
          "verify_width": float(np.mean([r["verify_width"] for r in rs])),
+         "ngram_share": float(np.mean([r.get("ngram_share", 0.0) for r in rs])),
          "all_match_greedy": all(r["matches_greedy"] for r in rs)}
-    for i in range(1, n + 1):
+    for i in range(1, max(int(k[8:]) for k in rs[0] if k.startswith("acc_pos_")) + 1):
       for key in (f"acc_pos_{i}", f"cond_pos_{i}"):
         vals = [r[key] for r in rs if not np.isnan(r[key])]
         s[key] = float(np.mean(vals)) if vals else float("nan")
@@ -157,12 +163,13 @@ def summarize(rows: List[Dict]) -> List[Dict]:
 
 def table(summary: List[Dict]) -> str:
   head = f"{'drafter':<7} {'n_max':>5} {'ctx':>6} {'acc@1':>6} {'acc@2':>6} {'acc@3':>6} {'accept':>7} " \
-         f"{'len':>5} {'width':>6} {'=greedy':>7}"
+         f"{'len':>5} {'width':>6} {'ngram':>6} {'=greedy':>7}"
   lines = [head]
   for s in summary:
     pos = [f"{s.get(f'acc_pos_{i}', float('nan')):6.3f}" for i in (1, 2, 3)]
     lines.append(f"{s['drafter']:<7} {s['n_max']:>5} {s['context']:>6} {' '.join(pos)} {s['acceptance']:7.3f} "
-                 f"{s['accepted_len']:5.2f} {s['verify_width']:6.2f} {str(s['all_match_greedy']):>7}")
+                 f"{s['accepted_len']:5.2f} {s['verify_width']:6.2f} {s.get('ngram_share', 0.0):6.2f} "
+                 f"{str(s['all_match_greedy']):>7}")
   return "\n".join(lines)
 
 
@@ -207,13 +214,15 @@ def plot(summary: List[Dict], path: str, title: str):
 
 def main(argv):
   del argv
+  import logging
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)   # its backend probe: "Unable to initialize backend 'tpu'"
   from kvjax import api
   model = api.load_model(FLAGS.model, page_tokens=FLAGS.page_tokens)
   n_maxes = [int(n) for n in FLAGS.n_max]
   contexts = ([int(c) for c in FLAGS.contexts] if FLAGS.contexts
               else default_contexts(model.cfg.context_length, FLAGS.n_predict + max(n_maxes)))
   rows = study(model, contexts, FLAGS.prompts, FLAGS.n_predict, FLAGS.drafters, n_maxes, FLAGS.p_min,
-               FLAGS.ngram_n)
+               FLAGS.ngram_n, ngram_m=FLAGS.ngram_m)
   os.makedirs(FLAGS.out, exist_ok=True)
   write_csv(rows, os.path.join(FLAGS.out, "acceptance.csv"))
   summary = summarize(rows)

@@ -11,6 +11,18 @@ For each context (a synthetic streamed history, `experiments.lib.synthetic`, ins
 
 Then, at `--width_context`, ms per verify forward for verify widths 1..`--max_width` (what one
 more row costs when the history streams). Each timing excludes compilation (a warm-up first).
+Every oracle row reports the MTP-free costs; MTP lease bytes and rollback bytes come with `stats`.
+
+`--verify_rows=W` runs a numerics check instead, at each context, on the plain cache and on the
+streamed one: the logits of one verify forward of W rows (`speculate`'s call) against W one-row
+forwards of the same tokens (plain greedy's call) and against W one-valid-row forwards padded to
+W rows (a verify whose drafts are all rejected). The tokens are the one-row path's own greedy
+continuation. Per row: max abs diff, max diff relative to the row's largest |logit|, whether the
+argmax agrees, and the one-row logits' top-1 - top-2 margin (a disagreement within the diff's size
+is a near tie, a numerical row-count effect; one far beyond it is a verify-path fault). The plain
+and streamed caches' one-row logits must be the same bits.
+
+  python -m experiments.bench_spec --model=qwen38_27b --contexts=32768 --attn_impl=auto --verify_rows=4
 
   python -m experiments.bench_spec --model=qwen38_27b --contexts=32768,131072,262144 --arena_mib=2240
   python -m experiments.bench_spec --model=tiny --contexts=1024 --arena_mib=1 --page_tokens=64 \\
@@ -48,6 +60,10 @@ def define_flags():
                     "record how many leading tokens equal plain greedy instead of stopping at the first "
                     "difference (seen on the H200 at the 27B geometry; docs/DESIGN.md, 'Speculative "
                     "decoding')")
+  flags.DEFINE_bool("oracle_mtp", False, "the MTP head catches up and drafts every round beside the oracle "
+                    "(under its ring lease; drafts unused): the oracle's acceptance at MTP drafting's cost")
+  flags.DEFINE_integer("verify_rows", 0, "> 0: compare a verify forward of this many rows with one-row "
+                       "forwards at each context (numerics check; no timing)")
   flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_spec"), "output folder")
 
 
@@ -91,9 +107,15 @@ def main(argv):
 
   def restart(kv, ctx):
     kv.truncate("target", ctx)
+    if cfg.has_mtp:
+      kv.truncate("mtp", ctx)
     seq = generate.SequenceState(runner, kv)
     seq.pos = ctx
     return seq
+
+  if FLAGS.verify_rows:
+    _verify_rows(runner, cfg, layout, make_kv, restart, log)
+    return
 
   def plain(kv, ctx):
     seq, toks = restart(kv, ctx), [1]
@@ -104,10 +126,12 @@ def main(argv):
 
   def spec(kv, ctx, n_max, truth):
     draft = speculative.DraftParams("oracle", n_max=n_max, oracle_acceptance=FLAGS.acceptance,
-                                    oracle_seed=FLAGS.seed, rollback=FLAGS.rollback)
+                                    oracle_seed=FLAGS.seed, rollback=FLAGS.rollback, oracle_mtp=FLAGS.oracle_mtp)
+    # the synthetic MTP history holds ctx rows; the first MTP draft comes from a zero hidden state
+    mtp_next = (truth[1], 1.0, jnp.zeros((1, cfg.hidden_size), jnp.dtype(FLAGS.dtype))) if FLAGS.oracle_mtp else None
     t = time.perf_counter()
     toks, stats = speculative.speculate(restart(kv, ctx), truth[0], len(truth), draft, [], ubatch=widest,
-                                        oracle_tokens=truth)
+                                        oracle_tokens=truth, mtp_next=mtp_next)
     return toks, (len(toks) - 1) / (time.perf_counter() - t), stats
 
   rows = []
@@ -125,9 +149,12 @@ def main(argv):
       if same < len(truth) and not FLAGS.allow_divergence:
         raise AssertionError(f"context {ctx}, n_max {n_max}: speculative output differs from plain greedy "
                              f"at token {same} of {len(truth)} (--allow_divergence to measure anyway)")
-      rows.append({"context": ctx, "run": f"oracle P={FLAGS.acceptance} n_max={n_max}", "tok_s": tps,
+      rows.append({"context": ctx, "run": f"oracle{'+mtp' if FLAGS.oracle_mtp else ''} P={FLAGS.acceptance} "
+                   f"n_max={n_max}", "tok_s": tps,
                    "width": st["realized_verify_width"], "tokens_per_verify": st["tokens_per_verify"],
-                   "verify_ms": st["verify_ms_mean"], "equal_to_plain": same, "stats": st})
+                   "verify_ms": st["verify_ms_mean"], "equal_to_plain": same,
+                   "lease_mib": st.get("mtp_lease_bytes_per_round", 0.0) / 2**20,
+                   "rollback_mib": (st["rollback_d2h_bytes"] + st["rollback_h2d_bytes"]) / 2**20, "stats": st})
       print(json.dumps(rows[-1], default=float), flush=True)
     del kv
   widths = []
@@ -148,16 +175,76 @@ def main(argv):
   log.update(rows=rows, widths=widths)
   with open(os.path.join(FLAGS.out, "bench_spec.json"), "w") as f:
     json.dump(log, f, indent=1, default=float)
-  print(f"{'context':>8} {'run':<26} {'tok/s':>8} {'width':>6} {'tok/fwd':>7} {'ms/fwd':>8} {'vs plain':>8} "
-        f"{'= plain':>7}")
+  print(f"{'context':>8} {'run':<30} {'tok/s':>8} {'width':>6} {'tok/fwd':>7} {'ms/fwd':>8} {'vs plain':>8} "
+        f"{'= plain':>7} {'lease MiB/rnd':>13} {'rollback MiB':>12}")
   base = {}
   for r in rows:
     base.setdefault(r["context"], r["tok_s"])
-    print(f"{r['context']:>8} {r['run']:<26} {r['tok_s']:>8.2f} {r['width']:>6.2f} {r['tokens_per_verify']:>7.2f} "
-          f"{r['verify_ms']:>8.2f} {r['tok_s'] / base[r['context']]:>8.2f} {r.get('equal_to_plain', ''):>7}")
+    print(f"{r['context']:>8} {r['run']:<30} {r['tok_s']:>8.2f} {r['width']:>6.2f} {r['tokens_per_verify']:>7.2f} "
+          f"{r['verify_ms']:>8.2f} {r['tok_s'] / base[r['context']]:>8.2f} {r.get('equal_to_plain', ''):>7} "
+          f"{r.get('lease_mib', 0.0):>13.2f} {r.get('rollback_mib', 0.0):>12.2f}")
   if widths:
     print(f"verify width at {FLAGS.width_context}: " + "  ".join(f"{w['width']}: {w['verify_ms']:.2f} ms"
                                                                   for w in widths))
+
+
+def _verify_rows(runner, cfg, layout, make_kv, restart, log):
+  """`--verify_rows`: verify-forward logits against one-row forwards, per row, plain and streamed."""
+  import numpy as np
+  from kvjax import engine
+  from experiments.lib import synthetic
+  w = FLAGS.verify_rows
+  results = []
+  for ctx in [int(c) for c in FLAGS.contexts]:
+    logits = {}
+    for cache in ("plain", "streamed"):
+      if cache == "plain":
+        kv = engine.PlainKV(cfg, layout, ctx + w + 8)
+        synthetic.fill_plain(kv, ctx)
+      else:
+        kv = make_kv(ctx)
+      seq, toks, one = restart(kv, ctx), [1], []
+      for i in range(w):                               # plain greedy's forward, its own continuation
+        one.append(np.asarray(seq.forward([toks[-1]]), np.float32))
+        if i + 1 < w:
+          toks.append(int(np.argmax(one[-1])))
+      seq = restart(kv, ctx)                           # speculate's verify forward of the same rows
+      out = runner.forward(np.asarray(toks, np.int32), ctx, w, seq.rec_states, kv, logits_rows=np.arange(w),
+                           chunked=False, capture_states=True)
+      verify = np.asarray(out.logits_rv, np.float32)
+      seq, padded = restart(kv, ctx), []               # one valid row in the verify's shape (all rejected)
+      for t in toks:
+        row = np.zeros((w,), np.int32)
+        row[0] = t
+        out = runner.forward(row, seq.pos, 1, seq.rec_states, kv, logits_rows=np.arange(w), chunked=False,
+                             capture_states=True)
+        padded.append(np.asarray(out.logits_rv[0], np.float32))
+        seq.rec_states, seq.pos = engine.select_row(out.rec_states, 0), seq.pos + 1
+      logits[cache] = (np.stack(one), verify, np.stack(padded))
+      del kv, seq, out
+    for cache, (one, verify, padded) in logits.items():
+      for i in range(w):
+        top2 = np.sort(one[i])[-2:]
+        r = {"context": ctx, "cache": cache, "row": i, "margin": float(top2[1] - top2[0])}
+        for name, x in (("verify", verify[i]), ("padded", padded[i])):
+          d = np.abs(x - one[i])
+          r[f"{name}_max_abs"] = float(d.max())
+          r[f"{name}_max_rel"] = float(d.max() / max(float(np.abs(one[i]).max()), 1e-30))
+          r[f"{name}_argmax_same"] = bool(np.argmax(x) == np.argmax(one[i]))
+        r["one_row_same_bits_as_plain"] = bool(np.array_equal(one[i], logits["plain"][0][i]))
+        r["verify_same_bits_as_plain"] = bool(np.array_equal(verify[i], logits["plain"][1][i]))
+        results.append(r)
+        print(json.dumps(r), flush=True)
+  log.update(verify_rows=results)
+  with open(os.path.join(FLAGS.out, "verify_rows.json"), "w") as f:
+    json.dump(log, f, indent=1, default=float)
+  print(f"{'context':>8} {'cache':<8} {'row':>3} {'margin':>9} {'verify abs':>10} {'rel':>9} {'argmax':>6} "
+        f"{'padded abs':>10} {'rel':>9} {'argmax':>6} {'1-row=plain':>11} {'verify=plain':>12}")
+  for r in results:
+    print(f"{r['context']:>8} {r['cache']:<8} {r['row']:>3} {r['margin']:>9.3g} {r['verify_max_abs']:>10.3g} "
+          f"{r['verify_max_rel']:>9.2g} {str(r['verify_argmax_same']):>6} {r['padded_max_abs']:>10.3g} "
+          f"{r['padded_max_rel']:>9.2g} {str(r['padded_argmax_same']):>6} "
+          f"{str(r['one_row_same_bits_as_plain']):>11} {str(r['verify_same_bits_as_plain']):>12}")
 
 
 def _equal_prefix(a, b) -> int:

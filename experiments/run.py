@@ -46,14 +46,35 @@ CONFIG_FIELD_OF = {
     "temperature": "config.temperature", "top_k": "config.top_k", "seed": "config.seed",
     "arena_mib": "config.arena_mib", "pool_pages": "config.pool_pages", "copy_pages": "config.copy_pages",
     "tensor_parallel": "config.tensor_parallel",
+    "spec.draft": "config.spec_type", "spec.n_max": "config.spec_n_max", "spec.p_min": "config.spec_p_min",
+    "spec.ngram_n": "config.spec_ngram_n", "spec.ngram_m": "config.spec_ngram_m",
+    "spec.rollback": "config.spec_rollback", "spec.oracle_acceptance": "config.spec_oracle_acceptance",
+    "spec": "config.spec_type",
 }
+
+# speculative config fields (absent or spec_type 'none': no speculation) -> `kvjax.api.SpecConfig`
+SPEC_FIELDS = {"spec_n_max": "n_max", "spec_p_min": "p_min", "spec_ngram_n": "ngram_n",
+               "spec_ngram_m": "ngram_m", "spec_rollback": "rollback",
+               "spec_oracle_acceptance": "oracle_acceptance", "spec_oracle_seed": "oracle_seed"}
+
+
+def spec_of(cfg):
+  """The config's speculative decoding as `kvjax.api.SpecConfig`, or None (spec_type 'none')."""
+  from kvjax import api
+  kind = cfg.get("spec_type", "none")
+  if kind in ("none", ""):
+    return None
+  return api.SpecConfig(kind, **{f: cfg[k] for k, f in SPEC_FIELDS.items() if k in cfg})
 
 
 def prompt_of(cfg, model) -> list:
-  """Token ids: `prompt_tokens` seeded random ids, or the tokenized `prompt` text."""
+  """Token ids: `prompt_tokens` tokens (cut from the stdlib corpus when the model has a tokenizer
+  and `prompt_source` is 'corpus', seeded random ids otherwise), or the tokenized `prompt` text."""
   import numpy as np
-  from kvjax import api
+  from kvjax import api, corpus
   if cfg.prompt_tokens > 0:
+    if model.tokenizer is not None and cfg.get("prompt_source", "corpus") == "corpus":
+      return corpus.prompt_tokens(model.tokenizer, cfg.prompt_tokens)
     rng = np.random.default_rng(cfg.seed)
     return [int(t) for t in rng.integers(0, model.cfg.vocab_size, cfg.prompt_tokens)]
   return api.encode(model, cfg.prompt)
@@ -69,7 +90,10 @@ def check_config(cfg) -> None:
   if cfg.prompt_tokens < 0 or cfg.ctx_size < 0:
     raise api.ParameterError(f"config.prompt_tokens and config.ctx_size must be >= 0 (0: not set), got "
                              f"{cfg.prompt_tokens} and {cfg.ctx_size}")
-  api.check_generation(n_predict=cfg.n_predict, temperature=cfg.temperature, top_k=cfg.top_k, ubatch=cfg.ubatch)
+  if cfg.get("prompt_source", "corpus") not in ("corpus", "random"):
+    raise api.ParameterError(f"config.prompt_source {cfg.prompt_source!r}: expected 'corpus' or 'random'")
+  api.check_generation(n_predict=cfg.n_predict, temperature=cfg.temperature, top_k=cfg.top_k, ubatch=cfg.ubatch,
+                       spec=spec_of(cfg))
   budget = {}
   if cfg.kv == "streamed":
     budget = {"arena_mib": cfg.arena_mib} if cfg.arena_mib > 0 else {"pool_pages": cfg.pool_pages}
@@ -85,18 +109,19 @@ def run_config(cfg) -> dict:
                          v_type=cfg.v_type, page_tokens=cfg.page_tokens, attn_impl=cfg.attn_impl,
                          block_pages=cfg.block_pages, tensor_parallel=cfg.get("tensor_parallel", 1))
   prompt = prompt_of(cfg, model)
-  ctx = api.context_tokens(len(prompt), cfg.n_predict, max_tokens=cfg.ctx_size)
+  spec = spec_of(cfg)
+  ctx = api.context_tokens(len(prompt), cfg.n_predict, spec, max_tokens=cfg.ctx_size)
 
-  def once(kind):
+  def once(kind, spec=None):
     budget = {}
     if kind == "streamed":
       budget = {"arena_mib": cfg.arena_mib} if cfg.arena_mib > 0 else {"pool_pages": cfg.pool_pages}
     kv = api.make_kv(model, ctx, copy_pages=cfg.copy_pages, ubatch=cfg.ubatch, **budget)
     return api.generate(model, kv, prompt_tokens=prompt, n_predict=cfg.n_predict, temperature=cfg.temperature,
                         top_k=cfg.top_k, seed=cfg.seed, ignore_eos=cfg.ignore_eos, ubatch=cfg.ubatch,
-                        warmup=cfg.warmup)
+                        warmup=cfg.warmup, spec=spec)
 
-  res = once(cfg.kv)
+  res = once(cfg.kv, spec)
   m = res.metrics
   row = {"name": cfg.name, "model": cfg.preset or cfg.model, "device": str(jax.devices()[0]),
          "dtype": cfg.dtype, "k_type": cfg.k_type, "v_type": cfg.v_type, "n_predict": cfg.n_predict,
@@ -104,8 +129,8 @@ def run_config(cfg) -> dict:
          "wall_seconds": (m["prompt_ms"] + m["predicted_ms"]) / 1e3}
   row.update(m)
   row["resident_pages_per_layer"] = ",".join(map(str, m.get("resident_pages_per_layer", [])))
-  if cfg.kv == "streamed" and cfg.compare_plain:
-    plain = once("plain")
+  if (cfg.kv == "streamed" or spec is not None) and cfg.compare_plain:
+    plain = once("plain")            # the plain cache, no speculation: the tokens to match
     row["tokens_match"] = plain.tokens == res.tokens
     row["plain_decode_tps"] = plain.metrics["decode_tps"]
   row["tokens"] = " ".join(map(str, res.tokens))
@@ -129,8 +154,8 @@ def append_results(out_dir: str, name: str, row: dict) -> None:
   with open(path, "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=cols)
     w.writeheader()
-    for r in rows + [row]:
-      w.writerow(r)
+    for r in rows + [row]:   # lists and dicts (acceptance by position, ms by width) as JSON cells
+      w.writerow({k: json.dumps(v, default=float) if isinstance(v, (list, dict)) else v for k, v in r.items()})
 
 
 def main(argv):

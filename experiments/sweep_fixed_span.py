@@ -1,17 +1,27 @@
-"""Sweep the streamed (fixed resident/ring split) path over context capacities x KV budgets.
+"""Sweep the streamed (fixed resident/ring split) path over context capacities x KV budgets
+(x MTP draft lengths with speculative decoding).
 
 For each context capacity C and each budget (an arena in MiB, from which the
 measured decode workspace is taken, or a pool size in pages), it fills the
-context with a seeded random prompt of C - decode_tokens tokens, prefills it
-through `StreamedKV`, decodes `decode_tokens` tokens greedily, and records one
-row. Column names follow the reference benchmark where they apply:
+context with a prompt of C - decode_tokens - (max draft length + 1) tokens (cut
+from the stdlib corpus when the model has a tokenizer, seeded random ids
+otherwise), prefills it through `StreamedKV`, decodes `decode_tokens` tokens
+greedily, and records one row. With `--spec_type` (mtp, ngram, ngram+mtp,
+oracle) each (context, budget) runs once for every `--mtp_lengths` value: 0 is
+plain decoding (the tokens the others must equal: `tokens_match`), n > 0
+speculative decoding with n_max = n. Column names follow the reference
+benchmark where they apply:
 
   context_capacity, prompt_tokens, decode_tokens, arena_mib, prefill_tps,
   decode_tps, prompt_ms, predicted_ms, wall_seconds, decode_kv_pool_mib,
   resident_pages, ring_slots, active_pages, h2d_mib_per_token, h2d_calls_per_token
 
 plus pool_pages, decode_workspace_mib, all_pages_resident, ring_wraps,
-readiness_misses, error. `resident_pages` is the pool's resident region (all
+readiness_misses, error, and for speculative rows mtp_length, spec_type,
+mtp_draft_generated, mtp_draft_accepted, mtp_acceptance_pct,
+acceptance_by_position, realized_verify_width, tokens_per_verify,
+verify_ms_by_width (JSON), mtp_lease_bytes_per_round, rollback_d2h_bytes,
+rollback_h2d_bytes, tokens_match. `resident_pages` is the pool's resident region (all
 cache layers), `active_pages` the pages one cache layer holds at the end, and
 the per-token copy figures count decode forwards only; `all_pages_resident`
 marks a budget that holds the whole context resident (nothing streams). A
@@ -27,6 +37,8 @@ Run from the repository root:
       --page_tokens=64 --decode_tokens=16 --out=runs/sweep_tiny                      # CPU, a minute
   python -m experiments.sweep_fixed_span --preset=qwen38_27b --dtype=bfloat16 \\
       --contexts=32768,65536,131072 --arena_mib=2240                                  # GPU
+  python -m experiments.sweep_fixed_span --preset=qwen38_27b --dtype=bfloat16 --arena_mib=2240 \\
+      --contexts=32768,131072,262144 --spec_type=oracle --mtp_lengths=0,3,5 --spec_oracle_acceptance=0.75
 """
 
 from __future__ import annotations
@@ -60,6 +72,15 @@ def define_flags():
   flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
   flags.DEFINE_integer("seed", 0, "prompt seed")
   flags.DEFINE_bool("warmup", True, "run each configuration once before the measured run (compile)")
+  flags.DEFINE_string("spec_type", "none", "speculative drafter: none, mtp, ngram, ngram+mtp, oracle")
+  flags.DEFINE_list("mtp_lengths", ["0"], "draft lengths (n_max) per context and budget; 0 = no speculation")
+  flags.DEFINE_float("spec_p_min", 0.0, "MTP drafting stops below this top-1 probability")
+  flags.DEFINE_integer("spec_ngram_n", 12, "ngram match key length")
+  flags.DEFINE_integer("spec_ngram_m", 0, "ngram draft length (0: the mtp length)")
+  flags.DEFINE_enum("spec_rollback", "device", ["device", "host"], "recurrent-state rollback")
+  flags.DEFINE_float("spec_oracle_acceptance", 0.75, "oracle: probability each draft is kept")
+  flags.DEFINE_bool("spec_oracle_mtp", False, "oracle: the MTP head still catches up and drafts every round "
+                    "(its cost, drafts unused)")
   flags.DEFINE_string("out", "runs/sweep_fixed_span", "output folder")
 
 
@@ -69,26 +90,39 @@ COLUMNS = ["context_capacity", "prompt_tokens", "decode_tokens", "arena_mib", "p
            "decode_tps", "prompt_ms", "predicted_ms", "wall_seconds", "decode_kv_pool_mib",
            "decode_workspace_mib", "resident_pages", "ring_slots", "active_pages", "all_pages_resident",
            "h2d_mib_per_token", "h2d_calls_per_token", "streamed_pages_per_token", "waves_per_token",
-           "ring_wraps", "readiness_misses", "error"]
+           "ring_wraps", "readiness_misses", "error",
+           "mtp_length", "spec_type", "mtp_draft_generated", "mtp_draft_accepted", "mtp_acceptance_pct",
+           "acceptance_by_position", "realized_verify_width", "tokens_per_verify", "verify_ms_by_width",
+           "mtp_lease_bytes_per_round", "rollback_d2h_bytes", "rollback_h2d_bytes", "tokens_match"]
 
 
-def measure(runner, kv, prompt, decode_tokens, ubatch):
-  """Prefill + greedy decode with timings and decode-only copy counters."""
+def measure(runner, kv, prompt, decode_tokens, ubatch, draft=None, truth=None):
+  """Prefill + greedy decode (speculative with `draft`, a `DraftParams`: the oracle drafts from
+  `truth`, plain greedy's tokens) with timings and decode-only copy counters. -> (row, tokens)."""
   import jax
   import jax.numpy as jnp
-  from kvjax import generate
+  from kvjax import generate, speculative
   seq = generate.SequenceState(runner, kv)
+  use_mtp = draft is not None and draft.uses_mtp
   t0 = time.perf_counter()
-  tok = int(jnp.argmax(generate.prefill(seq, prompt, ubatch)))
+  out = generate.prefill(seq, prompt, ubatch, with_hidden=use_mtp)
+  tok = int(jnp.argmax(out[0] if use_mtp else out))
+  mtp_next = speculative.mtp_catch_up(runner, kv, out[1], list(prompt[1:]) + [tok], 0, ubatch) if use_mtp else None
   t1 = time.perf_counter()
   before = dict(kv.counters)
-  for _ in range(decode_tokens - 1):
-    tok = int(jnp.argmax(seq.forward([tok])))
+  stats = {}
+  if draft is None:
+    toks = [tok]
+    for _ in range(decode_tokens - 1):
+      toks.append(int(jnp.argmax(seq.forward([toks[-1]]))))
+  else:
+    toks, stats = speculative.speculate(seq, tok, decode_tokens, draft, prompt, ubatch, oracle_tokens=truth,
+                                        mtp_next=mtp_next)
   jax.block_until_ready(kv.pool_pn)
   t2 = time.perf_counter()
   n_dec = max(decode_tokens - 1, 1)
   c = kv.counters
-  return {
+  return _spec_columns(stats) | {
       "prompt_ms": (t1 - t0) * 1e3, "predicted_ms": (t2 - t1) * 1e3,
       "prefill_tps": len(prompt) / (t1 - t0),
       "decode_tps": (decode_tokens - 1) / (t2 - t1) if decode_tokens > 1 else 0.0,
@@ -98,36 +132,79 @@ def measure(runner, kv, prompt, decode_tokens, ubatch):
       "streamed_pages_per_token": (c["streamed_pages"] - before["streamed_pages"]) / n_dec,
       "waves_per_token": (c["waves"] - before["waves"]) / n_dec,
       "ring_wraps": c["ring_wraps"], "readiness_misses": c["readiness_misses"],
-  }
+  }, toks
 
 
-def sweep_row(model, ctx, budget):
-  """One (context, budget) run of `measure` on a fresh streamed cache (`kvjax.api.make_kv`)."""
+def _spec_columns(stats):
+  """The reference benchmark's MTP columns (and kvjax's verify figures) from `speculate`'s stats."""
+  if not stats:
+    return {}
+  gen, acc = stats["draft_generated"], stats["draft_accepted"]
+  return {"spec_type": stats["spec_type"], "mtp_draft_generated": gen, "mtp_draft_accepted": acc,
+          "mtp_acceptance_pct": 100.0 * acc / gen if gen else 0.0,
+          "acceptance_by_position": json.dumps(stats["acceptance_by_position"]),
+          "realized_verify_width": stats["realized_verify_width"], "tokens_per_verify": stats["tokens_per_verify"],
+          "verify_ms_by_width": json.dumps(stats["verify_ms_by_width"]),
+          "mtp_lease_bytes_per_round": stats.get("mtp_lease_bytes_per_round", 0.0),
+          "rollback_d2h_bytes": stats["rollback_d2h_bytes"], "rollback_h2d_bytes": stats["rollback_h2d_bytes"]}
+
+
+def draft_of(length: int):
+  """The `DraftParams` of one draft length of the sweep (None: plain decoding)."""
+  from kvjax import speculative
+  if FLAGS.spec_type == "none" or length == 0:
+    return None
+  return speculative.DraftParams(FLAGS.spec_type, n_max=length, p_min=FLAGS.spec_p_min, ngram_n=FLAGS.spec_ngram_n,
+                                 ngram_m=FLAGS.spec_ngram_m, oracle_acceptance=FLAGS.spec_oracle_acceptance,
+                                 rollback=FLAGS.spec_rollback, oracle_mtp=FLAGS.spec_oracle_mtp)
+
+
+def prompt_for(model, n_prompt):
+  """`n_prompt` tokens of the stdlib corpus (a model with a tokenizer) or seeded random ids."""
   import numpy as np
+  from kvjax import corpus
+  if model.tokenizer is not None:
+    return corpus.prompt_tokens(model.tokenizer, n_prompt)
+  rng = np.random.default_rng(FLAGS.seed)
+  return [int(t) for t in rng.integers(0, model.cfg.vocab_size, n_prompt)]
+
+
+def sweep_row(model, ctx, budget, length=0, truth=None):
+  """One (context, budget, draft length) run of `measure` on a fresh streamed cache
+  (`kvjax.api.make_kv`). -> (row, generated tokens or None)."""
   from kvjax import api
   from kvjax.streaming import StreamBudgetError
   row = {k: "" for k in COLUMNS}
-  n_prompt = ctx - FLAGS.decode_tokens
+  spec = FLAGS.spec_type != "none"
+  longest = max(int(n) for n in FLAGS.mtp_lengths) if spec else -1
+  n_prompt = ctx - FLAGS.decode_tokens - (longest + 1)
   row.update(context_capacity=ctx, prompt_tokens=n_prompt, decode_tokens=FLAGS.decode_tokens, **budget)
+  if spec:
+    row["mtp_length"] = length
   if n_prompt < 1:
     row["error"] = f"context {ctx} leaves no prompt after {FLAGS.decode_tokens} decode tokens"
-    return row
-  rng = np.random.default_rng(FLAGS.seed)
-  prompt = [int(t) for t in rng.integers(0, model.cfg.vocab_size, n_prompt)]
+    return row, None
+  prompt = prompt_for(model, n_prompt)
+  draft = draft_of(length)
+  if draft is not None and draft.kind == "oracle" and truth is None:
+    row["error"] = "the oracle drafts plain greedy's tokens, and the plain run of this budget failed"
+    return row, None
   try:
     for _ in range(2 if FLAGS.warmup else 1):
       kv = api.make_kv(model, ctx, copy_pages=FLAGS.copy_pages, ubatch=FLAGS.ubatch, **budget)
-      m = measure(model.runner, kv.provider, prompt, FLAGS.decode_tokens, FLAGS.ubatch)
+      m, toks = measure(model.runner, kv.provider, prompt, FLAGS.decode_tokens, FLAGS.ubatch, draft, truth)
   except StreamBudgetError as e:
     row["error"] = " ".join(str(e).split())
-    return row
+    return row, None
   row.update(m)
+  if draft is not None and truth is not None:
+    row["tokens_match"] = toks == truth
   metrics = kv.metrics()
   row.update(decode_kv_pool_mib=metrics["pool_mib"], pool_pages=metrics["pool_pages"],
              resident_pages=metrics["resident_pages"], ring_slots=metrics["ring_slots"],
              active_pages=model.layout.pages_for(ctx), all_pages_resident=kv.info["all_pages_resident"],
              decode_workspace_mib=kv.info.get("decode_workspace_mib", ""))
-  return row
+  return row, toks
 
 
 def series_of(rows):
@@ -138,6 +215,8 @@ def series_of(rows):
     if r["error"]:
       continue
     label = f"arena {r['arena_mib']} MiB" if r["arena_mib"] != "" else f"pool {r['pool_pages']} pages"
+    if r.get("mtp_length") not in ("", None):
+      label += f", MTP {r['mtp_length']}"
     out.setdefault(label, []).append(r)
   return {k: sorted(v, key=lambda r: r["context_capacity"]) for k, v in out.items()}
 
@@ -204,10 +283,17 @@ def main(argv):
   except api.ParameterError as e:   # this script's flags carry the API's parameter names, `source` aside
     raise app.UsageError(e.renamed({**{p: f"--{p}" for p in e.params}, "source": "--model"})) from None
   os.makedirs(FLAGS.out, exist_ok=True)
+  lengths = sorted({int(n) for n in FLAGS.mtp_lengths}) if FLAGS.spec_type != "none" else [0]
+  if FLAGS.spec_type == "oracle" and 0 not in lengths:
+    raise app.UsageError("--spec_type=oracle drafts plain greedy's tokens: --mtp_lengths must include 0")
   rows = []
+  truths = {}
   with open(os.path.join(FLAGS.out, "results.jsonl"), "w") as jf:
-    for ctx, budget in tqdm(list(itertools.product(contexts, budgets)), desc="sweep", unit="run"):
-      row = sweep_row(model, ctx, budget)
+    for ctx, budget, length in tqdm(list(itertools.product(contexts, budgets, lengths)), desc="sweep", unit="run"):
+      key = (ctx, json.dumps(budget))
+      row, toks = sweep_row(model, ctx, budget, length, truths.get(key))
+      if length == 0:
+        truths[key] = toks          # plain greedy: what the speculative rows must equal
       rows.append(row)
       jf.write(json.dumps(row, default=float) + "\n")
       jf.flush()

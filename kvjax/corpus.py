@@ -145,3 +145,21 @@ def ngram_baselines(train: np.ndarray, prev: np.ndarray, nxt: np.ndarray, vocab:
     pb = pairs.get((a, b), 0) / ctx[a] if ctx[a] else 0.0
     logs.append(math.log(w * pb + (1 - w) * p_uni[b]))
   return {"unigram_loss": ce_uni, "bigram_loss": float(-np.mean(logs))}
+
+
+def prompt_tokens(tok: tok_lib.Tokenizer, n_tokens: int, heldout_percent: float = 2.0,
+                  root: str | None = None) -> List[int]:
+  """The first `n_tokens` tokens of the corpus read as one text stream, held-out files first (then
+  the training files), files separated by eos: a benchmark prompt of real text. Files are read
+  and tokenized one at a time until there are enough tokens."""
+  if n_tokens < 1:
+    raise ValueError(f"prompt of {n_tokens} tokens: at least 1 is needed")
+  root = root or stdlib_root()
+  split = split_files(stdlib_files(root), heldout_percent)
+  out: List[int] = []
+  for f in split.heldout + split.train:
+    for text in read_texts(root, [f]).values():
+      out += tok.encode(text, allow_special=False) + [tok.eos_id]
+    if len(out) >= n_tokens:
+      return [int(t) for t in out[:n_tokens]]
+  raise ValueError(f"the corpus under {root} holds {len(out)} tokens; the prompt needs {n_tokens}")

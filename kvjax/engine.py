@@ -126,7 +126,9 @@ class LayerKV(NamedTuple):
 class KVProvider(Protocol):
   """`begin_forward(..., wave_pages)`: the attention call's logical partition in pages; a provider
   that streams a layer in copy waves puts every wave boundary on a multiple of it (then waves give
-  the bits of one call). `wave_kv(a, w)` (only when `layer_kv(a).waves > 1`) gives wave w >= 1."""
+  the bits of one call). `wave_kv(a, w)` (only when `layer_kv(a).waves > 1`) gives wave w >= 1.
+  `lease_mtp(end_tokens)` holds device pages for the MTP layer's history up to `end_tokens` until
+  `release_lease()` (-> bytes loaded; a speculative round leases for catch-up and drafting)."""
   def begin_forward(self, pos: int, n_tokens: int, cache_layers: Tuple[int, ...],
                     wave_pages: int = 1) -> None: ...
   def layer_kv(self, cache_layer: int) -> LayerKV: ...
@@ -134,6 +136,8 @@ class KVProvider(Protocol):
   def end_layer(self, cache_layer: int, pool_pn: jax.Array, rows: KVRows) -> None: ...
   def end_forward(self) -> None: ...
   def truncate(self, cache: str, tokens: int) -> None: ...
+  def lease_mtp(self, end_tokens: int) -> int: ...
+  def release_lease(self) -> None: ...
 
 
 def cache_layers_of(cfg: ModelConfig) -> Tuple[int, ...]:
@@ -180,6 +184,14 @@ class PlainKV:
     never read and get overwritten, so the device pool needs no change."""
     if cache not in ("target", "mtp"):
       raise ValueError(f"unknown logical cache {cache!r}; caches: target, mtp")
+
+  def lease_mtp(self, end_tokens: int) -> int:
+    """Every page is resident: nothing to lease or load (`StreamedKV.lease_mtp`)."""
+    del end_tokens
+    return 0
+
+  def release_lease(self) -> None:
+    pass
 
   def layer_bytes(self, cache_layer: int, n_tokens: int) -> np.ndarray:
     """Host copy of the first pages of one layer (for byte-level comparisons)."""

@@ -20,7 +20,9 @@ One round, read top to bottom (C = committed tokens, b = the next token, already
    truncated from the target's history (and the MTP's draft rows from the MTP's).
 5. **catch-up**: the MTP head runs rows (target hidden of verify row i, token i+1) for
    i = 0..j, replacing its draft rows with ones built on the target's real hidden states; its
-   last row proposes the next round's d_1.
+   last row proposes the next round's d_1. The catch-up and the next round's drafting run under
+   one MTP ring lease (`StreamedKV.lease_mtp`): the MTP layer's streamed suffix is loaded once
+   and held; the lease ends before the verify forward, which gets the whole ring.
 
 With greedy verification the output equals plain greedy decoding whenever the verify rows
 compute the same argmax as one-row decode steps (tested on CPU).
@@ -52,7 +54,9 @@ class DraftParams:
   each draft kept with probability `oracle_acceptance`, seeded by `oracle_seed`; the first planted
   rejection ends the round). MTP and oracle propose at most `n_max` drafts a round, ngram at most
   `ngram_m` (0: `n_max`); MTP drafting stops below top-1 probability `p_min`. `rollback` "device"
-  or "host" (`DeviceRollback`, `HostRollback`)."""
+  or "host" (`DeviceRollback`, `HostRollback`). `oracle_mtp` (oracle only, cost studies): the MTP
+  head still catches up and drafts every round under its ring lease, its drafts unused: the
+  oracle's acceptance at MTP drafting's cost."""
   kind: str = "mtp"
   n_max: int = 3
   p_min: float = 0.0
@@ -61,6 +65,7 @@ class DraftParams:
   oracle_acceptance: float = 0.75
   oracle_seed: int = 0
   rollback: str = "device"
+  oracle_mtp: bool = False
 
   def __post_init__(self):
     if self.kind not in DRAFT_KINDS:
@@ -77,10 +82,13 @@ class DraftParams:
       raise ValueError(f"oracle_acceptance must be in [0, 1], got {self.oracle_acceptance}")
     if self.rollback not in ROLLBACKS:
       raise ValueError(f"rollback must be 'device' or 'host', got {self.rollback!r}")
+    if self.oracle_mtp and self.kind != "oracle":
+      raise ValueError(f"oracle_mtp runs the MTP head beside the oracle drafter: kind must be 'oracle', "
+                       f"got {self.kind!r}")
 
   @property
   def uses_mtp(self) -> bool:
-    return self.kind in ("mtp", "ngram+mtp")
+    return self.kind in ("mtp", "ngram+mtp") or self.oracle_mtp
 
   @property
   def uses_ngram(self) -> bool:
@@ -242,7 +250,9 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
   `draft_acceptance` (accepted / generated), `acceptance_by_position` (per draft position, of the
   rounds that drafted it), `verify_forwards`, `realized_verify_width` (rows per verify forward),
   `tokens_per_verify` (committed tokens per verify forward), `verify_ms_by_width`, `ngram_rounds`,
-  `mtp_h2d_bytes_per_round` (uploads of the MTP forwards of a round), `rollback_d2h_bytes` /
+  `mtp_h2d_bytes_per_round` (uploads of the MTP forwards of a round), `mtp_leases` /
+  `mtp_lease_bytes` / `mtp_lease_bytes_per_round` (ring leases taken for catch-up + drafting and the
+  MTP suffix bytes they loaded: one pass over the suffix a lease), `rollback_d2h_bytes` /
   `rollback_h2d_bytes` (host snapshots and restores), `draft_rounds` ([drafts, accepted] per round).
   """
   prompt = [int(t) for t in prompt]
@@ -286,7 +296,8 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
 
   `on_round(info)` after every round: `pos` (C), `drafts`, `target` (argmax of every verify row),
   `accepted` (j), `logits` (the verify forward's [1 + k, V]), `draft_p` (MTP top-1 probabilities, `mtp_draft`),
-  `drafter` ("mtp", "ngram", "oracle", "custom").
+  `drafter` ("mtp", "ngram", "oracle", "custom"), `lease_bytes` (loaded by the MTP ring lease taken
+  for this round's catch-up and the next round's drafting; 0 without one).
   """
   runner, kv = seq.runner, seq.kv
   prompt = [int(t) for t in prompt]
@@ -304,8 +315,13 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
   accepted_at = np.zeros_like(drafted_at)
   verify_ms: Dict[int, List[float]] = collections.defaultdict(list)
   out_tokens: List[int] = []
-  drafted = accepted = rounds = ngram_rounds = mtp_h2d = 0
+  drafted = accepted = rounds = ngram_rounds = mtp_h2d = lease_bytes = leases = 0
   round_lengths: List[List[int]] = []   # [drafts, accepted] of every verify round
+  if use_mtp:     # the first round's drafting runs under a ring lease taken after the prompt's catch-up
+    h2d0 = _h2d(kv)
+    lease_bytes += kv.lease_mtp(seq.pos + draft.n_max - 1)
+    leases += 1
+    mtp_h2d += _h2d(kv) - h2d0
   while len(out_tokens) < n_predict:
     out_tokens.append(b)
     if (eos_id is not None and b == eos_id) or len(out_tokens) >= n_predict:
@@ -321,15 +337,18 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
       drafts = ngram_draft(history, draft.ngram_n, min(draft.ngram_width, room))
       source = "ngram"
       ngram_rounds += bool(drafts)
-    if use_mtp and not drafts:
+    if use_mtp and (not drafts or draft.oracle_mtp):
       h2d0 = _h2d(kv)
-      drafts, draft_p = mtp_draft(runner, kv, mtp_next, c, min(draft.n_max, room), draft.p_min)
+      mtp_drafts, draft_p = mtp_draft(runner, kv, mtp_next, c, min(draft.n_max, room), draft.p_min)
       mtp_h2d += _h2d(kv) - h2d0
-      source = "mtp"
+      if not drafts:
+        drafts, source = mtp_drafts, "mtp"
     drafted += len(drafts)
     drafted_at[:len(drafts)] += 1
     # 2. verify: rows [b, d_1..d_k], scan form, per-row states captured
-    # (padded to the verify width: one compiled shape; padding rows are inert)
+    # (padded to the verify width: one compiled shape; padding rows are inert); the MTP's ring
+    # lease ends first: the target gets the whole ring
+    kv.release_lease()
     rows = [b] + drafts
     t_v = time.perf_counter()
     vout = runner.forward(_padded(rows, width), c, len(rows), seq.rec_states, kv,
@@ -354,17 +373,23 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
     seq.pos = c + j + 1
     kv.truncate("target", seq.pos)
     b = target[j]
+    round_lease = 0
     if use_mtp:
       # 5. MTP catch-up on the accepted rows; its last row proposes the next d_1. Draft rows from
-      # MTP position c on are rebuilt on the target's hidden states.
+      # MTP position c on are rebuilt on the target's hidden states. The catch-up and the next
+      # round's drafting run under one ring lease: the MTP's streamed suffix is loaded once.
       h2d0 = _h2d(kv)
       kv.truncate("mtp", c)
-      if len(out_tokens) < n_predict:
+      if len(out_tokens) + 1 < n_predict:      # another round drafts
+        round_lease = kv.lease_mtp(seq.pos + draft.n_max - 1)
+        lease_bytes += round_lease
+        leases += 1
         mtp_next = mtp_catch_up(runner, kv, vout.hn_se, drafts[:j] + [b], c, ubatch, pad_to=width)
       mtp_h2d += _h2d(kv) - h2d0
     if on_round is not None:
       on_round(dict(pos=c, drafts=drafts, target=target, accepted=j, logits=vout.logits_rv[:len(rows)],
-                    draft_p=draft_p, drafter=source))
+                    draft_p=draft_p, drafter=source, lease_bytes=round_lease))
+  kv.release_lease()
   out_tokens = out_tokens[:n_predict]
   stats = {
       "spec_type": spec_type, "spec_rollback": rollback.name,
@@ -381,6 +406,8 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
   }
   if use_mtp:
     stats["mtp_h2d_bytes_per_round"] = mtp_h2d / rounds if rounds else 0.0
+    stats.update(mtp_leases=leases, mtp_lease_bytes=lease_bytes,
+                 mtp_lease_bytes_per_round=lease_bytes / leases if leases else 0.0)
   return out_tokens, stats
 
 

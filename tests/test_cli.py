@@ -483,9 +483,11 @@ def test_speculative_generation_equals_plain(capsys, plain_run, spec):
   assert m["spec_type"] == {"draft-mtp": "mtp", "ngram-simple": "ngram"}[spec]
   assert m["verify_forwards"] >= 1 and 0 <= m["draft_accepted"] <= m["draft_generated"]
   assert m["draft_acceptance"] == pytest.approx(m["draft_accepted"] / max(m["draft_generated"], 1))
-  # the plain cache uploads nothing: no MTP upload bytes, and no MTP metric without the MTP drafter
-  assert {k for k in m if k.startswith("mtp_")} <= ({"mtp_h2d_bytes_per_round"} if spec == "draft-mtp" else set())
-  assert m.get("mtp_h2d_bytes_per_round", 0) == 0
+  # the plain cache uploads nothing: no MTP upload or lease bytes, and no MTP metric without the MTP drafter
+  mtp_keys = {"mtp_h2d_bytes_per_round", "mtp_leases", "mtp_lease_bytes", "mtp_lease_bytes_per_round"}
+  assert {k for k in m if k.startswith("mtp_")} == (mtp_keys if spec == "draft-mtp" else set())
+  assert all(m.get(k, 0) == 0 for k in mtp_keys - {"mtp_leases"})
+  assert m.get("mtp_leases", 0) == (m["verify_forwards"] if spec == "draft-mtp" else 0)
 
 
 def test_attn_impl_auto_resolves_on_cpu(plain_run):

@@ -51,6 +51,42 @@ def test_run_config_with_overrides(tmp_path):
   assert s["all_pages_resident"] is False and s["compile_ms"] > 0 and s["spec_type"] == "none"
 
 
+def test_run_config_speculative_from_a_corpus_prompt(tmp_path):
+  """spec_* fields reach the run (MTP drafts, host rollback on the streamed cache: the tokens equal
+  plain greedy on the plain cache); prompt_tokens come from the corpus; the metrics are in the row."""
+  out = str(tmp_path / "runs")
+  _run(["-m", "experiments.run", "--config=configs/tiny_stream.py", "--config.spec_type=mtp",
+        "--config.spec_rollback=host", "--config.prompt_tokens=70", "--config.n_predict=10",
+        f"--config.out_dir={out}"], cwd=REPO)
+  (r,) = [json.loads(l) for l in open(os.path.join(out, "tiny_stream.jsonl"))]
+  from kvjax import api, corpus
+  assert r["tokens_match"] is True and r["spec_type"] == "mtp" and r["spec_rollback"] == "host"
+  assert r["prompt_tokens"] == 70 and r["text"]
+  assert corpus.prompt_tokens(api.load_model("tiny").tokenizer, 70)[:5] == corpus.prompt_tokens(
+      api.load_model("tiny").tokenizer, 5)
+  assert r["mtp_lease_bytes_per_round"] == r["mtp_h2d_bytes_per_round"] > 0
+  assert r["mtp_leases"] == r["verify_forwards"] and r["rollback_d2h_bytes"] > 0
+  assert len(r["acceptance_by_position"]) == 3 and r["verify_ms_by_width"] and r["realized_verify_width"] > 1
+  with open(os.path.join(out, "tiny_stream.csv"), newline="") as f:
+    (row,) = list(csv.DictReader(f))
+  assert json.loads(row["acceptance_by_position"]) == r["acceptance_by_position"]
+
+
+def test_bench_spec_verify_rows_cpu(tmp_path):
+  """The verify-rows check runs one command on the CPU: per row the verify and padded forwards'
+  logits are within float rounding of one-row forwards, argmaxes agree, and the plain and streamed
+  caches give the same bits."""
+  p = _run(["-m", "experiments.bench_spec", "--model=tiny", "--dtype=float32", "--contexts=128",
+            "--arena_mib=1", "--page_tokens=64", "--verify_rows=2", f"--out={tmp_path}"], cwd=REPO)
+  assert "verify=plain" in p.stdout.splitlines()[-5]
+  rows = json.load(open(os.path.join(tmp_path, "verify_rows.json")))["verify_rows"]
+  assert [(r["cache"], r["row"]) for r in rows] == [("plain", 0), ("plain", 1), ("streamed", 0), ("streamed", 1)]
+  for r in rows:
+    assert r["verify_argmax_same"] and r["padded_argmax_same"] and r["margin"] > 0
+    assert r["verify_max_rel"] < 1e-4 and r["padded_max_abs"] < 1e-3
+    assert r["one_row_same_bits_as_plain"] and r["verify_same_bits_as_plain"]
+
+
 def test_run_config_errors_name_the_config_field(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   p = subprocess.run([sys.executable, "-m", "experiments.run", "--config=configs/tiny_stream.py",
@@ -111,6 +147,23 @@ def test_sweep_fixed_span(tmp_path):
     assert os.path.getsize(os.path.join(out, "results.png")) > 1000
   except ImportError:
     assert not os.path.exists(os.path.join(out, "results.png"))
+
+
+def test_sweep_fixed_span_speculative(tmp_path):
+  """The sweep over draft lengths: length 0 is plain decoding, MTP lengths run speculative decoding
+  on the same corpus prompt (tokens equal plain's), with the reference's MTP columns and the lease."""
+  out = str(tmp_path / "sweep")
+  _run(["-m", "experiments.sweep_fixed_span", "--contexts=160", "--arena_mib=", "--pool_pages=6",
+        "--decode_tokens=8", "--page_tokens=64", "--ubatch=64", "--nowarmup", "--spec_type=mtp",
+        "--mtp_lengths=0,2", f"--out={out}"], cwd=REPO)
+  rows = [json.loads(l) for l in open(os.path.join(out, "results.jsonl"))]
+  assert [r["mtp_length"] for r in rows] == [0, 2] and not any(r["error"] for r in rows)
+  plain, spec = rows
+  assert plain["prompt_tokens"] == spec["prompt_tokens"] == 160 - 8 - 3
+  assert plain["spec_type"] == "" and spec["spec_type"] == "mtp" and spec["tokens_match"] is True
+  assert spec["mtp_draft_generated"] > 0 and 0 <= spec["mtp_acceptance_pct"] <= 100
+  assert len(json.loads(spec["acceptance_by_position"])) == 2 and spec["realized_verify_width"] > 1
+  assert spec["mtp_lease_bytes_per_round"] > 0 and json.loads(spec["verify_ms_by_width"])
 
 
 def test_bench_decode_smoke(tmp_path):
@@ -676,3 +729,17 @@ print("imported", len(mods), "programs", programs)
   p = _run(["-c", code], cwd=REPO, timeout=120)
   n_mods, n_programs = map(int, re.findall(r"imported (\d+) programs (\d+)", p.stdout)[0])
   assert n_programs >= 11 and n_mods > n_programs, p.stdout
+
+
+def test_acceptance_both_drafter_is_ngram_and_mtp():
+  """'both' maps to the API's ngram + MTP drafter, with ngram's wide round (ngram_m)."""
+  from experiments import acceptance
+  from kvjax import api
+  s = acceptance.spec_for(api, "both", 3, 0.0, 2, 6)
+  assert (s.draft, s.n_max, s.ngram_n, s.ngram_m) == ("ngram+mtp", 3, 2, 6)
+  assert acceptance.spec_for(api, "mtp", 3, 0.0, 2, 6).ngram_m == 0
+  rows = [{"drafter": "both", "n_max": 3, "context": 256, "draft_generated": 4, "draft_accepted": 2,
+           "accepted_len": 1.5, "verify_width": 4.0, "matches_greedy": True, "ngram_share": 0.5,
+           **{f"acc_pos_{i}": 0.5 for i in range(1, 7)}, **{f"cond_pos_{i}": 0.5 for i in range(1, 7)}}]
+  (s,) = acceptance.summarize(rows)
+  assert s["acc_pos_6"] == 0.5 and s["ngram_share"] == 0.5 and "ngram" in acceptance.table([s])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvjax import engine, generate, speculative
-from kvjax.streaming import StreamedKV, fixed_split
+from kvjax.streaming import StreamConfig, StreamedKV, fixed_split
 from kvjax.streaming.host_history import HostHistory
 from tiny_setup import build_tiny_runner
 
@@ -102,6 +102,65 @@ def test_rejected_rounds_leave_the_histories_a_plain_run_writes(mtp_runs):
   assert res.metrics["spec_rollback"] == "host" and res.metrics["rollback_h2d_bytes"] > 0
 
 
+def _suffix_bytes(kv, mtp_tokens):
+  """Bytes of the MTP layer's committed pages past its resident capacity (one pass over its suffix)."""
+  lay = kv.layout
+  return max(0, -(-mtp_tokens // lay.page_tokens) - kv.stream.resident_pages_per_layer[-1]) * lay.page_bytes
+
+
+def test_mtp_lease_loads_the_suffix_once_a_round(setup, mtp_runs):
+  """Every round's catch-up + drafting runs under one ring lease that loads the MTP's streamed
+  suffix (committed pages past its resident ones) once: the bytes equal the suffix computed from
+  the page geometry, and they are all the MTP forwards upload (drafts and catch-up stage nothing)."""
+  _, _, _, prompt, _ = setup
+  res, rounds, kv = mtp_runs["streamed"]
+  m = res.metrics
+  assert kv.counters["mtp_lease_refused"] == 0 and kv.lease is None
+  want = [_suffix_bytes(kv, r["pos"]) for r in rounds[:-1]]     # MTP committed at the catch-up = C
+  assert [r["lease_bytes"] for r in rounds[:-1]] == want and rounds[-1]["lease_bytes"] == 0
+  assert len(set(want)) == 2 and min(want) > 0                   # the suffix grew by a page mid-run
+  assert m["mtp_leases"] == m["verify_forwards"] == len(rounds)
+  assert m["mtp_lease_bytes"] == _suffix_bytes(kv, len(prompt)) + sum(want)
+  assert sum(len(r["drafts"]) > 1 for r in rounds) >= 3          # rounds with several MTP forwards
+  assert m["mtp_h2d_bytes_per_round"] == m["mtp_lease_bytes_per_round"] > 0
+
+
+def test_mtp_lease_holds_the_end_of_the_ring(mtp_runs):
+  """A lease places the MTP suffix's host bytes in the last ring slots; a target forward meanwhile
+  uses only the slots before them; a rebind reloads the lease; a lease the ring cannot hold is
+  refused (the MTP then streams per forward); the lease must cover the committed tokens."""
+  _, _, kv = mtp_runs["streamed"]
+  kv.truncate("target", 80)
+  kv.truncate("mtp", 80)
+  lay, hist = kv.layout, kv.histories["mtp"]
+  cap, ring = kv.stream.resident_pages_per_layer[-1], kv.stream.ring_slots
+  assert kv.lease_mtp(90) == _suffix_bytes(kv, 80) == 3 * lay.page_bytes
+  ls = kv.lease
+  assert (ls.first_slot, ls.slots) == (ring - 4, 4)           # pages 2..5 of the MTP layer (to 90 tokens)
+
+  def leased_bytes():
+    pool = np.asarray(kv.pool_pn)
+    return pool[kv.ring_base + ls.first_slot:kv.ring_base + ls.first_slot + 3]
+
+  assert np.array_equal(leased_bytes(), hist.pages_lpn[0, cap:5])
+  kv.begin_forward(80, 1, (0, 1))
+  for a in (0, 1):
+    table = np.asarray(kv._layer_plans[a].table_t)[:lay.pages_for(81)]   # pylint: disable=protected-access
+    assert table.max() < kv.ring_base + ls.first_slot
+  kv.rebind(kv.stream)
+  assert kv.counters["mtp_lease_reloads"] == 1 and np.array_equal(leased_bytes(), hist.pages_lpn[0, cap:5])
+  with pytest.raises(RuntimeError, match="already holds"):
+    kv.lease_mtp(90)
+  kv.release_lease()
+  assert kv.lease is None
+  with pytest.raises(ValueError, match="below the MTP's 80 committed tokens"):
+    kv.lease_mtp(79)
+  small = StreamedKV(kv.cfg, lay, 128, StreamConfig(6, (1, 1, 1), 2))      # a 3-slot ring
+  assert small.lease_mtp(64) == 0 and small.lease.slots == 3              # 4 pages, 1 resident
+  small.release_lease()
+  assert small.lease_mtp(65) == 0 and small.lease is None and small.counters["mtp_lease_refused"] == 1
+
+
 def test_verify_logits_are_the_same_bits_on_every_cache_and_rollback(setup, mtp_runs):
   _, _, _, _, truth = setup
   (plain, p_rounds, _), (streamed, s_rounds, _) = mtp_runs["plain"], mtp_runs["streamed"]
@@ -191,6 +250,38 @@ def test_greedy_output_equals_plain_for_every_drafter_cache_and_rollback(setup, 
   assert rounds.sum(0).tolist() == [m["draft_generated"], m["draft_accepted"]]
   if rollback == "host":
     assert m["rollback_d2h_bytes"] > 0
+
+
+def test_oracle_with_mtp_cost_drafts_the_oracle_and_leases_every_round(setup):
+  """oracle_mtp: the oracle's drafts are verified (its acceptance), while the MTP head catches up and
+  drafts under its lease every round (its cost); the output is plain greedy's."""
+  cfg, layout, runner, prompt, truth = setup
+  kv = _streamed(cfg, layout, 70 + N + 8)
+  draft = speculative.DraftParams("oracle", n_max=3, oracle_acceptance=0.9, oracle_mtp=True, rollback="host")
+  rounds = []
+  res = speculative.generate_speculative(runner, kv, prompt, GRID_N, draft, ubatch=32, oracle_tokens=truth[:GRID_N],
+                                         on_round=rounds.append)
+  m = res.metrics
+  assert res.tokens == truth[:GRID_N] and m["draft_accepted"] > m["verify_forwards"] // 2
+  assert {r["drafter"] for r in rounds} == {"oracle"} and all(r["draft_p"] for r in rounds)   # MTP drafted too
+  assert m["mtp_leases"] == m["verify_forwards"] and m["mtp_lease_bytes_per_round"] > 0
+  with pytest.raises(ValueError, match="kind must be 'oracle'"):
+    speculative.DraftParams("mtp", oracle_mtp=True)
+
+
+def test_mtp_lease_beside_copy_waves_equals_plain(setup):
+  """A 3-slot ring, smaller than the target layers' streamed pages (copy waves), and an MTP
+  resident region of 4 pages: the MTP suffix (1-2 pages) is leased at the end of the ring every
+  round, the target's waves use the ring whole; the output is plain greedy's. (About 40 s of CPU:
+  the wave steps compile for this pool.)"""
+  cfg, layout, runner, prompt, truth = setup
+  kv = StreamedKV(cfg, layout, 70 + N + 8, StreamConfig(9, (1, 1, 4), 2))
+  res = speculative.generate_speculative(runner, kv, prompt, GRID_N, speculative.DraftParams("mtp", n_max=3),
+                                         ubatch=32)
+  m = res.metrics
+  assert res.tokens == truth[:GRID_N] and m["waved_layers"] > 0
+  assert m["mtp_lease_refused"] == 0 and m["mtp_leases"] == m["verify_forwards"]
+  assert m["mtp_lease_bytes_per_round"] == m["mtp_h2d_bytes_per_round"] >= layout.page_bytes
 
 
 def test_long_ngram_and_mtp_with_host_rollback_equals_plain(setup):

@@ -133,6 +133,12 @@ class PhasedKV:
   def truncate(self, cache, tokens):
     self.kv.truncate(cache, tokens)
 
+  def lease_mtp(self, end_tokens):
+    return self.kv.lease_mtp(end_tokens)
+
+  def release_lease(self):
+    self.kv.release_lease()
+
   def metrics(self):
     m = self.kv.metrics()
     m.update(prefill_pool_pages=self.pool_pages["prefill"], decode_pool_pages=self.pool_pages["decode"],

@@ -42,7 +42,13 @@ hide behind (docs/PERFORMANCE.md, "Host-to-device copies").
 * `end_forward` publishes the new rows to the host histories (device -> host:
   only the changed tail).
 
-Counters: h2d bytes and copies, d2h bytes, ring wraps, streamed pages, host
+The MTP ring lease (`lease_mtp` / `release_lease`, for speculative decoding's
+catch-up and drafting) holds slots at the end of the ring for the MTP layer:
+its committed streamed suffix is loaded there once, its forwards stage nothing,
+and the other layers' layouts use only the slots before the lease.
+
+Counters: h2d bytes and copies, d2h bytes, ring wraps, streamed pages, MTP
+leases (taken, bytes loaded, reloads after a rebind, refused: not in the ring), host
 time per forward (the provider's own Python work, including any wait inside
 `jax.device_put`). Deadline samples, per cache layer and in total: one for each
 streamed layer of every forward after the first layer, a readiness miss when
@@ -126,6 +132,14 @@ class _LayerPlan(NamedTuple):
   open_page: int = -1                # the logical page written in the layer's open slot, or -1
 
 
+class _MTPLease(NamedTuple):
+  """Ring slots [first_slot, first_slot + slots) at the end of the ring, held by the MTP layer."""
+  layer: int                         # the MTP's cache layer
+  first_slot: int
+  slots: int                         # pages of the MTP layer past its resident ones, to end_tokens
+  end_tokens: int                    # the furthest its forwards may reach under this lease
+
+
 PIPELINE_DEPTH = 1   # layers whose copies are in flight beside the step being run
 
 
@@ -169,6 +183,7 @@ class StreamedKV:
     self.plans: Dict[int, SpanPlan] = {}
     self._bind_generation = 0
     self._prefetch: Optional[Tuple[int, int, int, jax.Array]] = None  # (layer, lo, hi, device block)
+    self._lease: Optional[_MTPLease] = None
     self._bind(stream)
     self._pending: Dict[int, KVRows] = {}
     self._packed: Optional[jax.Array] = None     # the forward's rows on their way to the host
@@ -188,7 +203,8 @@ class StreamedKV:
                          timed_bytes=0, elapsed_ms=0.0, staging_peak_bytes=0, deadline_samples=0,
                          layout_changes=0, prefetch_hits=0, prefetch_dropped=0, waves=0,
                          waved_layers=0, tail_uploads=0, open_hits=0, host_begin_ms=0.0,
-                         host_end_ms=0.0, rows_wait_ms=0.0)
+                         host_end_ms=0.0, rows_wait_ms=0.0, mtp_leases=0, mtp_lease_bytes=0,
+                         mtp_lease_reloads=0, mtp_lease_refused=0)
 
   # -- re-layout (phase change, policy repartition, new request) ---------------------
   def rebind(self, stream: StreamConfig) -> None:
@@ -222,6 +238,9 @@ class StreamedKV:
     self.open_page[:] = -1
     self._forget_layout()
     self._bind_generation += 1
+    if self._lease is not None:   # the leased pages went with the old layout: load them again
+      self.counters["mtp_lease_reloads"] += 1
+      self._load_lease()
 
   def _forget_layout(self) -> None:
     self.plans.clear()
@@ -253,6 +272,7 @@ class StreamedKV:
     for h in self.histories.values():
       h.truncate(0)
       h.d2h_bytes = 0
+    self._lease = None
     self.resident_valid[:] = 0
     self.open_page[:] = -1
     self._forget_layout()
@@ -270,6 +290,90 @@ class StreamedKV:
     self._wave_stage = {}
     self._staging_live = 0
     self._held_bytes = 0
+
+  # -- the MTP ring lease ----------------------------------------------------------
+  # During the MTP's catch-up and drafting, the MTP layer's streamed suffix sits in ring slots at the
+  # END of the ring, loaded once (`lease_mtp`), and its forwards read and write those slots without
+  # staging anything; the target's layers get the ring before them. `release_lease` gives the whole
+  # ring back (before the verify forward). The MTP's resident pages stay valid across rounds as
+  # always (`resident_valid`); only the ring suffix is loaded again, once per lease.
+
+  @property
+  def lease(self) -> Optional["_MTPLease"]:
+    return self._lease
+
+  def lease_mtp(self, end_tokens: int) -> int:
+    """Hold ring slots for the MTP layer's pages past its resident ones, up to `end_tokens` tokens
+    (the furthest its forwards may reach before `release_lease`), and load its committed suffix
+    into them in one pass (-> bytes uploaded). A suffix that does not fit the ring is not leased
+    (counter `mtp_lease_refused`): the MTP layer then streams per forward as any layer."""
+    if "mtp" not in self.histories:
+      raise ValueError("lease_mtp: this model has no MTP layer")
+    if self._lease is not None:
+      raise RuntimeError("lease_mtp: the MTP layer already holds a ring lease (release_lease() first)")
+    committed = int(self.histories["mtp"].tokens[0])
+    end = min(int(end_tokens), self.max_tokens)
+    if end < committed:
+      raise ValueError(f"lease_mtp: end_tokens {end_tokens} is below the MTP's {committed} committed tokens")
+    self._lease = _MTPLease(self.n_layers - 1, 0, 0, end)
+    nbytes = self._load_lease()
+    if self._lease is not None:
+      self.counters["mtp_leases"] += 1
+    return nbytes
+
+  def release_lease(self) -> None:
+    """Give every ring slot back to the target (a no-op without a lease)."""
+    self._lease = None
+    self._shape_key = None
+
+  def _leased(self, a: int) -> bool:
+    return self._lease is not None and a == self._lease.layer
+
+  def _target_ring(self) -> int:
+    """Ring slots the layers other than a leased MTP layer may use: those before the lease."""
+    return self.stream.ring_slots - (0 if self._lease is None else self._lease.slots)
+
+  def _load_lease(self) -> int:
+    """(Re)place the leased MTP layer's committed streamed pages [capacity, content) in slots at the
+    end of the ring: the sealed copy units as one pinned block (re-made every `copy_pages` pages),
+    the rest as one pageable copy. Bytes = exactly the suffix's pages. Drops the lease when the
+    ring cannot hold it (after a rebind to a smaller ring, too)."""
+    ls, lay, c = self._lease, self.layout, self.stream.copy_pages
+    hist = self.histories["mtp"]
+    cap = self.stream.resident_pages_per_layer[ls.layer]
+    slots = max(0, lay.pages_for(ls.end_tokens) - cap)
+    self._shape_key = None
+    if slots > self.stream.ring_slots:
+      self._lease = None
+      self.counters["mtp_lease_refused"] += 1
+      return 0
+    first = self.stream.ring_slots - slots
+    committed = int(hist.tokens[0])
+    content, full = lay.pages_for(committed), committed // lay.page_tokens
+    sealed = max(cap, full // c * c)
+    sources = []
+    if sealed > cap:
+      sources.append(hist.pinned_block(0, cap, sealed) if self.pinned else hist.pages_lpn[0, cap:sealed])
+    if content > sealed:
+      sources.append(hist.pages_lpn[0, sealed:content].copy())   # the open unit: the host rewrites it
+    nbytes = sum(int(x.nbytes) for x in sources)
+    if sources:
+      staged = tuple(_to_device(x) for x in sources)
+      live = nbytes + (0 if self._prefetch is None else int(self._prefetch[3].nbytes))
+      self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live)
+      self.pool_pn = _place_run(self.pool_pn, staged, jnp.int32(self.ring_base + first),
+                                pieces=tuple((0, int(x.shape[0])) for x in staged))
+      self.counters["h2d_bytes"] += nbytes
+      self.counters["h2d_calls"] += len(sources)
+    self.counters["mtp_lease_bytes"] += nbytes
+    self._lease = ls._replace(first_slot=first, slots=slots)
+    return nbytes
+
+  def _lease_plan(self, a: int, live: int, streamed: int) -> _LayerPlan:
+    """The leased MTP layer's forward: its streamed pages are the lease's slots, in order; nothing
+    stages (the committed ones were loaded by the lease, later ones are written by its forwards)."""
+    plan, table = self._plan_and_table(a, live, self.ring_base + self._lease.first_slot + np.arange(streamed))
+    return _LayerPlan(plan, on_device(table), None, (), -1, 0, 0)
 
   # -- mapping -----------------------------------------------------------------
   def history_of(self, cache_layer: int) -> Tuple[HostHistory, int]:
@@ -293,7 +397,8 @@ class StreamedKV:
     cap, active, full = self.stream.resident_pages_per_layer[a], self._active, self._full
     if active <= cap:
       return active, 0, -1
-    if self.open_slots and cap >= 1 and active - cap <= self.stream.ring_slots and cap - 1 <= full < active:
+    if self.open_slots and cap >= 1 and active - cap <= self._target_ring() and cap - 1 <= full < active \
+        and not self._leased(a):
       return cap - 1, active - cap, full
     return cap, active - cap, -1
 
@@ -307,18 +412,24 @@ class StreamedKV:
       raise ValueError(f"context full: {end} tokens needed, host history holds {self.max_tokens} "
                        f"({end - self.max_tokens} more; raise --ctx-size)")
     active = lay.pages_for(end)
+    ring = self._target_ring()
     for a in cache_layers:
       hist, l = self.history_of(a)
       if pos > hist.tokens[l]:
         raise ValueError(f"cache layer {a}: forward at position {pos} but only {hist.tokens[l]} tokens "
                          f"are committed")
+      if self._leased(a):
+        if end > self._lease.end_tokens:
+          raise ValueError(f"MTP forward to {end} tokens runs past its ring lease ({self._lease.end_tokens} "
+                           f"tokens): release_lease() and lease_mtp({end}) first")
+        continue
       _, streamed = self._split(a, active)
-      if streamed > self.stream.ring_slots and self.stream.ring_slots < wave_pages:
-        missing = wave_pages - self.stream.ring_slots   # copy waves need one partition in the ring
+      if streamed > ring and ring < wave_pages:
+        missing = wave_pages - ring   # copy waves need one partition in the ring
         raise StreamBudgetError(
             f"ring too small: cache layer {a} streams {streamed} pages at {end} tokens in copy waves of "
-            f"whole {wave_pages}-page attention partitions, but the ring has {self.stream.ring_slots} "
-            f"slots ({missing} more pages = {missing * lay.page_bytes / 2**20:.1f} MiB needed)")
+            f"whole {wave_pages}-page attention partitions, but the ring has {ring} slots"
+            f"{' outside the MTP lease' if self._lease else ''} ({missing} more pages = {missing * lay.page_bytes / 2**20:.1f} MiB needed)")
     self._pos, self._n, self._active = pos, n_tokens, active
     self._wave_pages = int(wave_pages)
     self._content = lay.pages_for(pos)  # pages that already hold tokens
@@ -329,7 +440,8 @@ class StreamedKV:
     for a in self._order:    # a slot about to take another page is not trusted until this forward ends
       if self._open_split(a)[2] != self.open_page[a]:
         self.open_page[a] = -1
-    key = (self._bind_generation, self._full, self._content, active, self._order, self._wave_pages, held)
+    key = (self._bind_generation, self._full, self._content, active, self._order, self._wave_pages, held,
+           None if self._lease is None else self._lease[:3])
     if key != self._shape_key:
       self._held = held
       self._lay_out_forward()
@@ -351,7 +463,9 @@ class StreamedKV:
     # layers whose copies are queued ahead of the step being run (one when any layer is in waves)
     self._depth = 1 if any(self._layer_plans[a].waves for a in self._order) else max(1, self.prefetch_depth)
     first = self._order[0] if self._order else None
-    if first is not None:
+    if first is not None and self._leased(first):
+      self._stage[first] = ()   # nothing stages; a block prefetched for the next verify forward stays
+    elif first is not None:
       t0 = time.perf_counter()
       nbytes = self._issue(first)
       c["host_ms"] += (time.perf_counter() - t0) * 1e3
@@ -414,9 +528,13 @@ class StreamedKV:
   def _lay_out_forward(self) -> None:
     """Ring slots, span plan, page table and placement pieces of every layer of this forward."""
     self.counters["layout_changes"] += 1
-    ring, head = self.stream.ring_slots, 0
+    ring, head = self._target_ring(), 0
     plans = {}
     for a, held in zip(self._order, self._held):
+      if self._leased(a):       # the MTP layer's pages are in its leased slots already
+        live, streamed = self._split(a, self._active)
+        plans[a] = self._lease_plan(a, live, streamed)
+        continue
       live, streamed, open_page = self._open_split(a)
       wraps = 0
       if streamed > ring:       # more streamed pages than slots: copy waves through the whole ring
@@ -449,7 +567,7 @@ class StreamedKV:
     partition (`wave_pages`), so the folded carry has the bits of one call. A wave's streamed pages
     take ring slots 0.. and come as one staged array of `ring_slots` pages (its pages that hold
     committed tokens are placed; the rest are written by this forward's rows)."""
-    ring, b = self.stream.ring_slots, self._wave_pages
+    ring, b = self._target_ring(), self._wave_pages
     active, need = self._active, min(self._active, self._content)
     width = ring // b * b
     bounds, end = [0], (live + ring) // b * b
