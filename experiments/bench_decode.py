@@ -321,7 +321,7 @@ def _time_copies(kv, ctx, steps, runner):
   with a sharded cache every device's uploads, to its own device, issued together."""
   import jax
   import numpy as np
-  from kvjax.streaming.provider import _to_device
+  from kvjax.streaming.staging import to_device as _to_device
   layers = tuple(a for a in runner.attn_index if a is not None)
 
   def sources_of(part):

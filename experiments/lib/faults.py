@@ -5,7 +5,7 @@
       ...
     print(faults.injected, runner.retries)
 
-The copies are `kvjax.streaming.provider._to_device` (every upload of a streamed cache); a retry
+The copies are `kvjax.streaming.staging.to_device` (every upload of a streamed cache); a retry
 calls the same forward again with the same arguments on the same provider, which must then give
 the same result (nothing of the failed forward is kept: `StreamedKV.begin_forward`).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator, Optional
 
-from kvjax.streaming import provider as provider_lib
+from kvjax.streaming import staging as staging_lib
 
 
 class CopyFault(RuntimeError):
@@ -34,7 +34,7 @@ def copy_faults(every: Optional[int] = None, fail: Optional[Callable[[int], bool
   `every`, each copy that follows `every` - 1 successful ones (so a retried forward of fewer than
   `every` copies completes)."""
   counter = FaultCounter(fail or (lambda n: False))
-  real = provider_lib._to_device
+  real = staging_lib.to_device
   since = [0]
 
   def flaky(src):
@@ -46,11 +46,11 @@ def copy_faults(every: Optional[int] = None, fail: Optional[Callable[[int], bool
       raise CopyFault(f"injected failure of copy {counter.calls}")
     return real(src)
 
-  provider_lib._to_device = flaky
+  staging_lib.to_device = flaky
   try:
     yield counter
   finally:
-    provider_lib._to_device = real
+    staging_lib.to_device = real
 
 
 class RetryingRunner:

@@ -59,102 +59,29 @@ rate behind the copy-busy ratio.
 
 from __future__ import annotations
 
-import functools
 import time
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig
-from kvjax.engine import LayerKV, default_device, on_device
+from kvjax.engine import LayerKV, on_device
 from kvjax.model import KVRows
 from kvjax.streaming.budget import StreamBudgetError, StreamConfig, staging_unit_pages
+from kvjax.streaming import staging
 from kvjax.streaming.host_history import HostHistory
+from kvjax.streaming.lease import MTPLease, MTPLeaseMixin
 from kvjax.streaming.span_plan import SpanPlan, make_plan, page_table, spans_from_pages
+from kvjax.streaming.staging import ResidentRefillMixin, compact_capacities
 from kvjax_pallas.page_layout import PageLayout
-
-
-@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("pieces",))
-def _place_run(pool_pn, arrays, dst_page, *, pieces: Tuple[Tuple[int, int], ...]):
-  """pool[dst : dst + total] = concat(array[offset : offset + count] for each piece).
-
-  One call per contiguous destination run; used for resident refills only (the streamed pages of
-  a forward are placed inside the compiled steps).
-  """
-  parts = [jax.lax.slice_in_dim(a, off, off + cnt, axis=0) for a, (off, cnt) in zip(arrays, pieces)]
-  run = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-  return jax.lax.dynamic_update_slice(pool_pn, run.astype(pool_pn.dtype), (dst_page, 0))
-
-
-@jax.jit
-def _pack_rows(rows):
-  """{layer: KVRows} -> one uint8 array [layers, S, k_row_bytes + v_row_bytes]: one device-to-host
-  copy for the whole forward instead of two a layer."""
-  return jnp.stack([jnp.concatenate([r.k_sn, r.v_sn], axis=1) for r in rows], axis=0)
-
-
-class _Staged(NamedTuple):
-  """Pages on their way to the device: `count` logical pages from `first`, at `offset` in `array`."""
-  array: jax.Array
-  offset: int
-  first: int
-  count: int
-
-
-def _to_device(src):
-  """Host pages (numpy, or a pinned_host jax array) -> a device array (async copy)."""
-  if isinstance(src, jax.Array):
-    return jax.device_put(src, src.sharding.with_memory_kind("device"))
-  return jax.device_put(src, default_device())
-
-
-class _Wave(NamedTuple):
-  """One copy wave of a layer whose streamed pages exceed the ring (`_wave_layout`)."""
-  tiles: Tuple[int, int]             # logical pages [lo, hi) attended by this wave
-  table_t: jax.Array                 # device [max_pages] int32: the wave's pages -> pool pages
-  pieces: Optional[jax.Array]        # device [1, 1, 3] int32, None when nothing stages
-  first: int                         # first logical page of the staged array
-  count: int                         # pages staged (placed at ring slots 0..count-1)
-
-
-class _LayerPlan(NamedTuple):
-  """One cache layer's part of a forward: cached on the device while the forward's shape holds."""
-  plan: Optional[SpanPlan]           # None for a layer in copy waves (one table a wave)
-  table_t: jax.Array                 # device [max_pages] int32
-  pieces: Optional[jax.Array]        # device [len(units) + tail, k, 3] int32, None when nothing stages
-  units: Tuple[Tuple[str, int, int], ...]  # the stage's host sources, in order (`_stage_layout`)
-  tail_page: int                     # a partial page uploaded from pageable memory, or -1
-  streamed: int
-  wraps: int
-  waves: Tuple[_Wave, ...] = ()      # copy waves (empty: one attention call, the common case)
-  open_page: int = -1                # the logical page written in the layer's open slot, or -1
-
-
-class _MTPLease(NamedTuple):
-  """Ring slots [first_slot, first_slot + slots) at the end of the ring, held by the MTP layer."""
-  layer: int                         # the MTP's cache layer
-  first_slot: int
-  slots: int                         # pages of the MTP layer past its resident ones, to end_tokens
-  end_tokens: int                    # the furthest its forwards may reach under this lease
 
 
 PIPELINE_DEPTH = 1   # layers whose copies are in flight beside the step being run
 
 
-def compact_capacities(caps) -> str:
-  """Resident capacities per cache layer as runs, "count x pages": (12, 12, 12, 0) -> "3x12,1x0"."""
-  runs = []
-  for c in caps:
-    if runs and runs[-1][1] == c:
-      runs[-1][0] += 1
-    else:
-      runs.append([1, c])
-  return ",".join(f"{n}x{c}" for n, c in runs)
-
-
-class StreamedKV:
+class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
   """KV provider over host-authoritative histories, resident pages and one shared ring."""
 
   def __init__(self, cfg: ModelConfig, layout: PageLayout, max_tokens: int, stream: StreamConfig,
@@ -183,7 +110,7 @@ class StreamedKV:
     self.plans: Dict[int, SpanPlan] = {}
     self._bind_generation = 0
     self._prefetch: Optional[Tuple[int, int, int, jax.Array]] = None  # (layer, lo, hi, device block)
-    self._lease: Optional[_MTPLease] = None
+    self._lease: Optional[MTPLease] = None
     self._bind(stream)
     self._pending: Dict[int, KVRows] = {}
     self._packed: Optional[jax.Array] = None     # the forward's rows on their way to the host
@@ -191,7 +118,7 @@ class StreamedKV:
     self._wave_stage: Dict[Tuple[int, int], Tuple[jax.Array, ...]] = {}
     self._wave_pages = 1
     self._order: Tuple[int, ...] = ()
-    self._layer_plans: Dict[int, _LayerPlan] = {}
+    self._layer_plans: Dict[int, staging.LayerPlan] = {}
     self._shape_key = None
     self.timing_interval = 16      # every N-th forward is a deadline sample (0: never)
     self._staging_live = 0         # bytes of refill uploads not yet placed
@@ -291,90 +218,6 @@ class StreamedKV:
     self._staging_live = 0
     self._held_bytes = 0
 
-  # -- the MTP ring lease ----------------------------------------------------------
-  # During the MTP's catch-up and drafting, the MTP layer's streamed suffix sits in ring slots at the
-  # END of the ring, loaded once (`lease_mtp`), and its forwards read and write those slots without
-  # staging anything; the target's layers get the ring before them. `release_lease` gives the whole
-  # ring back (before the verify forward). The MTP's resident pages stay valid across rounds as
-  # always (`resident_valid`); only the ring suffix is loaded again, once per lease.
-
-  @property
-  def lease(self) -> Optional["_MTPLease"]:
-    return self._lease
-
-  def lease_mtp(self, end_tokens: int) -> int:
-    """Hold ring slots for the MTP layer's pages past its resident ones, up to `end_tokens` tokens
-    (the furthest its forwards may reach before `release_lease`), and load its committed suffix
-    into them in one pass (-> bytes uploaded). A suffix that does not fit the ring is not leased
-    (counter `mtp_lease_refused`): the MTP layer then streams per forward as any layer."""
-    if "mtp" not in self.histories:
-      raise ValueError("lease_mtp: this model has no MTP layer")
-    if self._lease is not None:
-      raise RuntimeError("lease_mtp: the MTP layer already holds a ring lease (release_lease() first)")
-    committed = int(self.histories["mtp"].tokens[0])
-    end = min(int(end_tokens), self.max_tokens)
-    if end < committed:
-      raise ValueError(f"lease_mtp: end_tokens {end_tokens} is below the MTP's {committed} committed tokens")
-    self._lease = _MTPLease(self.n_layers - 1, 0, 0, end)
-    nbytes = self._load_lease()
-    if self._lease is not None:
-      self.counters["mtp_leases"] += 1
-    return nbytes
-
-  def release_lease(self) -> None:
-    """Give every ring slot back to the target (a no-op without a lease)."""
-    self._lease = None
-    self._shape_key = None
-
-  def _leased(self, a: int) -> bool:
-    return self._lease is not None and a == self._lease.layer
-
-  def _target_ring(self) -> int:
-    """Ring slots the layers other than a leased MTP layer may use: those before the lease."""
-    return self.stream.ring_slots - (0 if self._lease is None else self._lease.slots)
-
-  def _load_lease(self) -> int:
-    """(Re)place the leased MTP layer's committed streamed pages [capacity, content) in slots at the
-    end of the ring: the sealed copy units as one pinned block (re-made every `copy_pages` pages),
-    the rest as one pageable copy. Bytes = exactly the suffix's pages. Drops the lease when the
-    ring cannot hold it (after a rebind to a smaller ring, too)."""
-    ls, lay, c = self._lease, self.layout, self.stream.copy_pages
-    hist = self.histories["mtp"]
-    cap = self.stream.resident_pages_per_layer[ls.layer]
-    slots = max(0, lay.pages_for(ls.end_tokens) - cap)
-    self._shape_key = None
-    if slots > self.stream.ring_slots:
-      self._lease = None
-      self.counters["mtp_lease_refused"] += 1
-      return 0
-    first = self.stream.ring_slots - slots
-    committed = int(hist.tokens[0])
-    content, full = lay.pages_for(committed), committed // lay.page_tokens
-    sealed = max(cap, full // c * c)
-    sources = []
-    if sealed > cap:
-      sources.append(hist.pinned_block(0, cap, sealed) if self.pinned else hist.pages_lpn[0, cap:sealed])
-    if content > sealed:
-      sources.append(hist.pages_lpn[0, sealed:content].copy())   # the open unit: the host rewrites it
-    nbytes = sum(int(x.nbytes) for x in sources)
-    if sources:
-      staged = tuple(_to_device(x) for x in sources)
-      live = nbytes + (0 if self._prefetch is None else int(self._prefetch[3].nbytes))
-      self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live)
-      self.pool_pn = _place_run(self.pool_pn, staged, jnp.int32(self.ring_base + first),
-                                pieces=tuple((0, int(x.shape[0])) for x in staged))
-      self.counters["h2d_bytes"] += nbytes
-      self.counters["h2d_calls"] += len(sources)
-    self.counters["mtp_lease_bytes"] += nbytes
-    self._lease = ls._replace(first_slot=first, slots=slots)
-    return nbytes
-
-  def _lease_plan(self, a: int, live: int, streamed: int) -> _LayerPlan:
-    """The leased MTP layer's forward: its streamed pages are the lease's slots, in order; nothing
-    stages (the committed ones were loaded by the lease, later ones are written by its forwards)."""
-    plan, table = self._plan_and_table(a, live, self.ring_base + self._lease.first_slot + np.arange(streamed))
-    return _LayerPlan(plan, on_device(table), None, (), -1, 0, 0)
-
   # -- mapping -----------------------------------------------------------------
   def history_of(self, cache_layer: int) -> Tuple[HostHistory, int]:
     n_target = self.cfg.num_attention_layers
@@ -393,12 +236,14 @@ class StreamedKV:
     A layer that streams without copy waves writes its rows to its open slot: the last page of its
     resident region takes the forward's first written page (`full`) instead of resident page
     `cap - 1`, which streams instead. The rows written stay there for the next forward, so decode
-    uploads no partial page (one copy a layer: the sealed block, and the open unit when one exists)."""
+    uploads no partial page (one copy a layer: the sealed block, and the open unit when one exists).
+    The target's layers only: the MTP layer's forwards run under its ring lease (`lease_mtp`), whose
+    suffix starts at its capacity."""
     cap, active, full = self.stream.resident_pages_per_layer[a], self._active, self._full
     if active <= cap:
       return active, 0, -1
     if self.open_slots and cap >= 1 and active - cap <= self._target_ring() and cap - 1 <= full < active \
-        and not self._leased(a):
+        and a < self.cfg.num_attention_layers:
       return cap - 1, active - cap, full
     return cap, active - cap, -1
 
@@ -496,7 +341,7 @@ class StreamedKV:
       if pre is not None:
         self.counters["prefetch_hits" if reuse else "prefetch_dropped"] += 1
     sources = self._stage_sources(a, wave, skip_block=reuse)
-    staged = ((pre[3],) if reuse else ()) + tuple(_to_device(x) for x in sources)
+    staged = ((pre[3],) if reuse else ()) + tuple(staging.to_device(x) for x in sources)
     if wave:
       self._wave_stage[(a, wave)] = staged
     else:
@@ -521,7 +366,7 @@ class StreamedKV:
     _, lo, hi = units[0]
     hist, l = self.history_of(first)
     src = hist.pinned_block(l, lo, hi) if self.pinned else hist.pages_lpn[l, lo:hi]
-    self._prefetch = (first, lo, hi, _to_device(src))
+    self._prefetch = (first, lo, hi, staging.to_device(src))
     c["h2d_bytes"] += int(src.nbytes)
     c["h2d_calls"] += 1
 
@@ -556,12 +401,12 @@ class StreamedKV:
         phys = np.insert(phys, open_page - live, self.resident_base[a] + live)
       plan, table = self._plan_and_table(a, live, phys)
       units, pieces, tail = self._stage_layout(a, live, phys, skip_tail=open_page >= 0 and held)
-      plans[a] = _LayerPlan(plan, on_device(table), None if pieces is None else on_device(pieces),
+      plans[a] = staging.LayerPlan(plan, on_device(table), None if pieces is None else on_device(pieces),
                             units, tail, streamed, wraps, open_page=open_page)
       self.counters["max_spans"] = max(self.counters["max_spans"], len(plan.spans))
     self._layer_plans = plans
 
-  def _wave_layout(self, a: int, live: int, streamed: int) -> _LayerPlan:
+  def _wave_layout(self, a: int, live: int, streamed: int) -> staging.LayerPlan:
     """Copy waves of layer a: wave 0 attends its resident pages and the streamed pages the ring
     holds, each later wave the next ring-ful, every boundary on a multiple of the attention
     partition (`wave_pages`), so the folded carry has the bits of one call. A wave's streamed pages
@@ -583,8 +428,8 @@ class StreamedKV:
       table[first:hi] = self.ring_base + np.arange(hi - first)
       count = max(0, min(hi, need) - first)
       pieces = None if count == 0 else on_device(np.array([[[self.ring_base, 0, count]]], np.int32))
-      waves.append(_Wave((lo, hi), on_device(table), pieces, first, count))
-    return _LayerPlan(None, waves[0].table_t, waves[0].pieces, (), -1, streamed, 0, tuple(waves))
+      waves.append(staging.Wave((lo, hi), on_device(table), pieces, first, count))
+    return staging.LayerPlan(None, waves[0].table_t, waves[0].pieces, (), -1, streamed, 0, tuple(waves))
 
   def _plan_and_table(self, a: int, live: int, phys: np.ndarray):
     """Span plan and page table of layer a: its resident prefix, then the pool pages `phys` of its
@@ -752,90 +597,17 @@ class StreamedKV:
       live += int(self._prefetch[3].nbytes)
     self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live)
 
-  def _fill_resident(self, a: int, pool):
-    """Upload resident pages holding committed tokens that the device does not hold yet
-    (first forwards, and after a rebind: the resident mirror is rebuilt from the host), in
-    unit-aligned pieces whose staging fits one staging unit (`staging_unit_pages`)."""
-    hist, l = self.history_of(a)
-    live = self._open_split(a)[0]
-    need = min(live, self._content)
-    first = int(self.resident_valid[a])
-    base = int(self.resident_base[a])
-    c = self.stream.copy_pages
-    piece = max(c, (self.staging_unit - c) // c * c)   # unit-aligned pieces: staging <= one unit
-    while first < need:
-      end = min(need, (first // piece + 1) * piece)
-      pool = self._place(pool, self._upload(hist, l, first, end), lambda p: base + p)
-      self.pool_pn = pool    # the old buffer was donated: the live one stays even if a later copy fails
-      first = end
-    return pool
-
-  def _upload(self, hist: HostHistory, l: int, lo: int, hi: int) -> List[_Staged]:
-    """Host->device copies of logical pages [lo, hi) outside the compiled steps (resident refills):
-    whole pinned copy units where the history has them, pageable numpy for the partial tail page(s),
-    padded to a power of two so the set of compiled shapes stays small."""
-    c, pb = hist.copy_pages, self.layout.page_bytes
-    staged = []
-    page = lo
-    while page < hi:
-      chunk = page // c
-      end = min(hi, (chunk + 1) * c)
-      arr, valid = hist.pinned_chunk(l, chunk)
-      pinned_end = min(end, chunk * c + valid) if arr is not None else page
-      if pinned_end > page:
-        staged.append(_Staged(_to_device(arr), page - chunk * c, page, pinned_end - page))
-        self.counters["h2d_bytes"] += c * pb
-        self.counters["h2d_calls"] += 1
-      if end > pinned_end:
-        n = end - pinned_end
-        padded = 1 << (n - 1).bit_length()
-        src = hist.pages_lpn[l, pinned_end:pinned_end + padded]
-        if src.shape[0] < padded:
-          src = np.concatenate([src, np.zeros((padded - src.shape[0], pb), np.uint8)])
-        staged.append(_Staged(_to_device(src), 0, pinned_end, n))
-        self.counters["h2d_bytes"] += padded * pb
-        self.counters["h2d_calls"] += 1
-      page = end
-    self._staging_live += sum(int(st.array.nbytes) for st in staged)
-    self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"],
-                                              self._held_bytes + self._staging_live)
-    return staged
-
-  def _place(self, pool, staged: List[_Staged], dst: Callable[[int], int]):
-    """Copy staged pages into the pool at `dst(logical page)`: one call per contiguous run."""
-    run_arrays, run_pieces, run_dst, next_dst = [], [], None, None
-    for st in staged:
-      i = 0
-      while i < st.count:
-        d = dst(st.first + i)
-        n = 1
-        while i + n < st.count and dst(st.first + i + n) == d + n:
-          n += 1
-        if run_dst is not None and d != next_dst:
-          pool = _place_run(pool, tuple(run_arrays), jnp.int32(run_dst), pieces=tuple(run_pieces))
-          run_arrays, run_pieces, run_dst = [], [], None
-        if run_dst is None:
-          run_dst = d
-        run_arrays.append(st.array)
-        run_pieces.append((st.offset + i, n))
-        next_dst = d + n
-        i += n
-    if run_dst is not None:
-      pool = _place_run(pool, tuple(run_arrays), jnp.int32(run_dst), pieces=tuple(run_pieces))
-    self._staging_live -= sum(int(st.array.nbytes) for st in staged)   # placed: buffers let go
-    return pool
-
   def end_layer(self, cache_layer: int, pool_pn, rows: KVRows) -> None:
     self.pool_pn = pool_pn
     self._pending[cache_layer] = rows
     if len(self._pending) == len(self._order):   # the last layer: its rows start for the host now
-      self._packed = _pack_rows(tuple(self._pending[a] for a in self._order))
+      self._packed = staging.pack_rows(tuple(self._pending[a] for a in self._order))
       self._packed.copy_to_host_async()
 
   def end_forward(self) -> None:
     layers = tuple(self._pending)
     if self._packed is None or layers != self._order:
-      self._packed = _pack_rows(tuple(self._pending[a] for a in layers))
+      self._packed = staging.pack_rows(tuple(self._pending[a] for a in layers))
     t0 = time.perf_counter()
     packed, self._packed = np.asarray(self._packed), None     # one D2H of every row
     self.counters["rows_wait_ms"] += (time.perf_counter() - t0) * 1e3

@@ -1,0 +1,173 @@
+"""Staging for the streamed provider: the arrays on their way to the device and where they go.
+
+* `to_device`: every host-to-device copy of a streamed cache (a pinned_host array or numpy pages
+  -> a device array); the fault-injection tests replace it (`experiments.lib.faults`).
+* `Staged`, `Wave`, `LayerPlan`: what a forward stages, a copy wave, one cache layer's cached part of
+  a forward.
+* `place_run`, `pack_rows`: the resident refills' placement, and the forward's new rows packed
+  into one device-to-host copy.
+* `ResidentRefillMixin`: resident pages the device does not hold yet (first forwards, after a
+  rebind), uploaded in unit-aligned pieces and placed run by run.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, List, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.engine import default_device
+from kvjax.streaming.host_history import HostHistory
+from kvjax.streaming.span_plan import SpanPlan
+from kvjax.streaming import staging  # noqa: F401  (the mixin looks `to_device` up at call time)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("pieces",))
+def place_run(pool_pn, arrays, dst_page, *, pieces: Tuple[Tuple[int, int], ...]):
+  """pool[dst : dst + total] = concat(array[offset : offset + count] for each piece).
+
+  One call per contiguous destination run; used for resident refills only (the streamed pages of
+  a forward are placed inside the compiled steps).
+  """
+  parts = [jax.lax.slice_in_dim(a, off, off + cnt, axis=0) for a, (off, cnt) in zip(arrays, pieces)]
+  run = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+  return jax.lax.dynamic_update_slice(pool_pn, run.astype(pool_pn.dtype), (dst_page, 0))
+
+
+@jax.jit
+def pack_rows(rows):
+  """{layer: KVRows} -> one uint8 array [layers, S, k_row_bytes + v_row_bytes]: one device-to-host
+  copy for the whole forward instead of two a layer."""
+  return jnp.stack([jnp.concatenate([r.k_sn, r.v_sn], axis=1) for r in rows], axis=0)
+
+
+class Staged(NamedTuple):
+  """Pages on their way to the device: `count` logical pages from `first`, at `offset` in `array`."""
+  array: jax.Array
+  offset: int
+  first: int
+  count: int
+
+
+def to_device(src):
+  """Host pages (numpy, or a pinned_host jax array) -> a device array (async copy)."""
+  if isinstance(src, jax.Array):
+    return jax.device_put(src, src.sharding.with_memory_kind("device"))
+  return jax.device_put(src, default_device())
+
+
+class Wave(NamedTuple):
+  """One copy wave of a layer whose streamed pages exceed the ring (`_wave_layout`)."""
+  tiles: Tuple[int, int]             # logical pages [lo, hi) attended by this wave
+  table_t: jax.Array                 # device [max_pages] int32: the wave's pages -> pool pages
+  pieces: Optional[jax.Array]        # device [1, 1, 3] int32, None when nothing stages
+  first: int                         # first logical page of the staged array
+  count: int                         # pages staged (placed at ring slots 0..count-1)
+
+
+class LayerPlan(NamedTuple):
+  """One cache layer's part of a forward: cached on the device while the forward's shape holds."""
+  plan: Optional[SpanPlan]           # None for a layer in copy waves (one table a wave)
+  table_t: jax.Array                 # device [max_pages] int32
+  pieces: Optional[jax.Array]        # device [len(units) + tail, k, 3] int32, None when nothing stages
+  units: Tuple[Tuple[str, int, int], ...]  # the stage's host sources, in order (`_stage_layout`)
+  tail_page: int                     # a partial page uploaded from pageable memory, or -1
+  streamed: int
+  wraps: int
+  waves: Tuple[Wave, ...] = ()      # copy waves (empty: one attention call, the common case)
+  open_page: int = -1                # the logical page written in the layer's open slot, or -1
+
+
+
+
+
+
+def compact_capacities(caps) -> str:
+  """Resident capacities per cache layer as runs, "count x pages": (12, 12, 12, 0) -> "3x12,1x0"."""
+  runs = []
+  for c in caps:
+    if runs and runs[-1][1] == c:
+      runs[-1][0] += 1
+    else:
+      runs.append([1, c])
+  return ",".join(f"{n}x{c}" for n, c in runs)
+
+
+class ResidentRefillMixin:
+  """`StreamedKV`'s resident refills (uses its histories, counters, split and pool)."""
+
+  def _fill_resident(self, a: int, pool):
+    """Upload resident pages holding committed tokens that the device does not hold yet
+    (first forwards, and after a rebind: the resident mirror is rebuilt from the host), in
+    unit-aligned pieces whose staging fits one staging unit (`staging_unit_pages`)."""
+    hist, l = self.history_of(a)
+    live = self._open_split(a)[0]
+    need = min(live, self._content)
+    first = int(self.resident_valid[a])
+    base = int(self.resident_base[a])
+    c = self.stream.copy_pages
+    piece = max(c, (self.staging_unit - c) // c * c)   # unit-aligned pieces: staging <= one unit
+    while first < need:
+      end = min(need, (first // piece + 1) * piece)
+      pool = self._place(pool, self._upload(hist, l, first, end), lambda p: base + p)
+      self.pool_pn = pool    # the old buffer was donated: the live one stays even if a later copy fails
+      first = end
+    return pool
+
+  def _upload(self, hist: HostHistory, l: int, lo: int, hi: int) -> List[staging.Staged]:
+    """Host->device copies of logical pages [lo, hi) outside the compiled steps (resident refills):
+    whole pinned copy units where the history has them, pageable numpy for the partial tail page(s),
+    padded to a power of two so the set of compiled shapes stays small."""
+    c, pb = hist.copy_pages, self.layout.page_bytes
+    staged = []
+    page = lo
+    while page < hi:
+      chunk = page // c
+      end = min(hi, (chunk + 1) * c)
+      arr, valid = hist.pinned_chunk(l, chunk)
+      pinned_end = min(end, chunk * c + valid) if arr is not None else page
+      if pinned_end > page:
+        staged.append(staging.Staged(staging.to_device(arr), page - chunk * c, page, pinned_end - page))
+        self.counters["h2d_bytes"] += c * pb
+        self.counters["h2d_calls"] += 1
+      if end > pinned_end:
+        n = end - pinned_end
+        padded = 1 << (n - 1).bit_length()
+        src = hist.pages_lpn[l, pinned_end:pinned_end + padded]
+        if src.shape[0] < padded:
+          src = np.concatenate([src, np.zeros((padded - src.shape[0], pb), np.uint8)])
+        staged.append(staging.Staged(staging.to_device(src), 0, pinned_end, n))
+        self.counters["h2d_bytes"] += padded * pb
+        self.counters["h2d_calls"] += 1
+      page = end
+    self._staging_live += sum(int(st.array.nbytes) for st in staged)
+    self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"],
+                                              self._held_bytes + self._staging_live)
+    return staged
+
+  def _place(self, pool, staged: List[staging.Staged], dst: Callable[[int], int]):
+    """Copy staged pages into the pool at `dst(logical page)`: one call per contiguous run."""
+    run_arrays, run_pieces, run_dst, next_dst = [], [], None, None
+    for st in staged:
+      i = 0
+      while i < st.count:
+        d = dst(st.first + i)
+        n = 1
+        while i + n < st.count and dst(st.first + i + n) == d + n:
+          n += 1
+        if run_dst is not None and d != next_dst:
+          pool = staging.place_run(pool, tuple(run_arrays), jnp.int32(run_dst), pieces=tuple(run_pieces))
+          run_arrays, run_pieces, run_dst = [], [], None
+        if run_dst is None:
+          run_dst = d
+        run_arrays.append(st.array)
+        run_pieces.append((st.offset + i, n))
+        next_dst = d + n
+        i += n
+    if run_dst is not None:
+      pool = staging.place_run(pool, tuple(run_arrays), jnp.int32(run_dst), pieces=tuple(run_pieces))
+    self._staging_live -= sum(int(st.array.nbytes) for st in staged)   # placed: buffers let go
+    return pool
