@@ -56,6 +56,8 @@ def define_flags():
   flags.DEFINE_integer("page_tokens", 256, "tokens per KV page")
   flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages)")
   flags.DEFINE_integer("pipeline_depth", 1, "layers whose copies are queued ahead of the running step")
+  flags.DEFINE_integer("prefetch_next", 1, "the next forward's first layers whose blocks are copied "
+                       "during this forward's last layer")
   flags.DEFINE_string("attn_impl", "reference", "span attention implementation")
   flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
   flags.DEFINE_integer("prompt", 256, "real prompt tokens for the end-to-end plain check")
@@ -193,6 +195,7 @@ def _streamed_row(row, pool_pages, pk, runner, cfg, layout, ctx, max_tokens, dec
 
   def fill(part):
     part.prefetch_depth = FLAGS.pipeline_depth
+    part.prefetch_next = FLAGS.prefetch_next
     synthetic.fill_streamed(part, ctx)
   _each_part(sk, fill)
   if FLAGS.check_steps:
@@ -202,6 +205,8 @@ def _streamed_row(row, pool_pages, pk, runner, cfg, layout, ctx, max_tokens, dec
   row["streamed_mib_per_forward"] = h2d / 2**20
   row["h2d_calls_per_forward"] = per_fwd["h2d_calls"]
   row["host_ms_per_forward"] = per_fwd["host_ms"]
+  for k in ("host_begin_ms", "host_end_ms", "rows_wait_ms", "prefetch_dropped", "tail_uploads", "open_hits"):
+    row[k + "_per_forward"] = per_fwd.get(k, 0.0)
   row["prefetch_hits_per_forward"] = per_fwd.get("prefetch_hits", 0.0)
   row["layout_changes"] = per_fwd["layout_changes"] * FLAGS.decode_steps
   row["resident_pages_per_layer"] = split.resident_pages_per_layer[0]

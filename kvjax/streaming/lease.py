@@ -91,7 +91,7 @@ class MTPLeaseMixin:
     nbytes = sum(int(x.nbytes) for x in sources)
     if sources:
       staged = tuple(staging.to_device(x) for x in sources)
-      live = nbytes + (0 if self._prefetch is None else int(self._prefetch[3].nbytes))
+      live = nbytes + sum(int(p[2].nbytes) for p in self._prefetch.values())
       self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live)
       self.pool_pn = staging.place_run(self.pool_pn, staged, jnp.int32(self.ring_base + first),
                                 pieces=tuple((0, int(x.shape[0])) for x in staged))

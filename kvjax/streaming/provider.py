@@ -109,7 +109,10 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     self.open_slots = True
     self.plans: Dict[int, SpanPlan] = {}
     self._bind_generation = 0
-    self._prefetch: Optional[Tuple[int, int, int, jax.Array]] = None  # (layer, lo, hi, device block)
+    # the next forward's first layers' sealed blocks, copied during this forward's last layer:
+    # cache layer -> (lo, hi, device block); `prefetch_next` layers (1: the first layer's only)
+    self._prefetch: Dict[int, Tuple[int, int, jax.Array]] = {}
+    self.prefetch_next = 1
     self._lease: Optional[MTPLease] = None
     self._bind(stream)
     self._pending: Dict[int, KVRows] = {}
@@ -176,13 +179,19 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     self._wave_stage = {}
     self._drop_prefetch()
 
-  def _drop_prefetch(self, below_token: Optional[int] = None) -> None:
-    """Forget the next forward's prefetched block (all of it, or only if rows from `below_token` on
-    change inside it)."""
-    pre = self._prefetch
-    if pre is not None and (below_token is None or below_token < pre[2] * self.layout.page_tokens):
-      self._prefetch = None
-      self.counters["prefetch_dropped"] += 1
+  def _drop_prefetch(self, below_token: Optional[int] = None, history: Optional[HostHistory] = None,
+                     keep: Tuple[int, ...] = None) -> None:
+    """Forget the next forward's prefetched blocks: all of them, or those of `history` in which rows
+    from `below_token` on change, or those of layers not in `keep`."""
+    pt = self.layout.page_tokens
+    for a, (_, hi, _) in list(self._prefetch.items()):
+      if history is not None and self.history_of(a)[0] is not history:
+        continue
+      if keep is not None and a in keep:
+        continue
+      if below_token is None or below_token < hi * pt:
+        del self._prefetch[a]
+        self.counters["prefetch_dropped"] += 1
 
   def truncate(self, cache: str, tokens: int) -> None:
     """Forget rows >= tokens of logical cache "target" or "mtp" (rejected speculative rows): the host
@@ -190,8 +199,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     if cache not in self.histories:
       raise ValueError(f"unknown logical cache {cache!r}; caches: {sorted(self.histories)}")
     self.histories[cache].truncate(tokens)
-    if self._prefetch is not None and self.history_of(self._prefetch[0])[0] is self.histories[cache]:
-      self._drop_prefetch(tokens)
+    self._drop_prefetch(tokens, self.histories[cache])
     self._shape_key = None
 
   def reset(self) -> None:
@@ -335,13 +343,13 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     a sealed block prefetched by the previous forward is used as it is."""
     reuse = False
     if not wave:
-      pre, self._prefetch = self._prefetch, None
+      pre = self._prefetch.pop(a, None)
       units = self._layer_plans[a].units
-      reuse = pre is not None and pre[0] == a and bool(units) and units[0] == ("block",) + pre[1:3]
+      reuse = pre is not None and bool(units) and units[0] == ("block",) + pre[:2]
       if pre is not None:
         self.counters["prefetch_hits" if reuse else "prefetch_dropped"] += 1
     sources = self._stage_sources(a, wave, skip_block=reuse)
-    staged = ((pre[3],) if reuse else ()) + tuple(staging.to_device(x) for x in sources)
+    staged = ((pre[2],) if reuse else ()) + tuple(staging.to_device(x) for x in sources)
     if wave:
       self._wave_stage[(a, wave)] = staged
     else:
@@ -354,21 +362,23 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     return nbytes
 
   def _issue_prefetch(self) -> None:
-    """At the last layer: copy the first layer's sealed block for the next forward (same order,
-    same block), unless that forward times its first copies alone."""
-    c, first = self.counters, self._order[0]
+    """After the last layer's copies: copy the sealed blocks of the next forward's first
+    `prefetch_next` layers (same order, same blocks), unless that forward times its first copies
+    alone. They run while the host finishes this forward and begins the next."""
+    c = self.counters
     nxt = c["forwards"] + 1
     if self.timing_interval > 0 and nxt % self.timing_interval == 1 % self.timing_interval:
       return
-    units = self._layer_plans[first].units
-    if not units or units[0][0] != "block":
-      return
-    _, lo, hi = units[0]
-    hist, l = self.history_of(first)
-    src = hist.pinned_block(l, lo, hi) if self.pinned else hist.pages_lpn[l, lo:hi]
-    self._prefetch = (first, lo, hi, staging.to_device(src))
-    c["h2d_bytes"] += int(src.nbytes)
-    c["h2d_calls"] += 1
+    for a in self._order[:max(1, self.prefetch_next)]:
+      units = self._layer_plans[a].units
+      if not units or units[0][0] != "block":
+        continue
+      _, lo, hi = units[0]
+      hist, l = self.history_of(a)
+      src = hist.pinned_block(l, lo, hi) if self.pinned else hist.pages_lpn[l, lo:hi]
+      self._prefetch[a] = (lo, hi, staging.to_device(src))
+      c["h2d_bytes"] += int(src.nbytes)
+      c["h2d_calls"] += 1
 
   def _lay_out_forward(self) -> None:
     """Ring slots, span plan, page table and placement pieces of every layer of this forward."""
@@ -593,8 +603,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
   def _note_staging(self) -> None:
     live = self._held_bytes + sum(int(s.nbytes) for d in (self._stage, self._wave_stage)
                                   for v in d.values() for s in v)
-    if self._prefetch is not None:
-      live += int(self._prefetch[3].nbytes)
+    live += sum(int(p[2].nbytes) for p in self._prefetch.values())
     self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live)
 
   def end_layer(self, cache_layer: int, pool_pn, rows: KVRows) -> None:
@@ -612,7 +621,8 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     packed, self._packed = np.asarray(self._packed), None     # one D2H of every row
     self.counters["rows_wait_ms"] += (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
-    self._drop_prefetch(self._pos)         # rows rewritten inside the prefetched block (rare)
+    for hist in {id(self.history_of(a)[0]): self.history_of(a)[0] for a in layers}.values():
+      self._drop_prefetch(self._pos, hist)   # rows rewritten inside a prefetched block (rare)
     kb, pt = self.layout.k_row_bytes, self.layout.page_tokens
     for a, rows_sr in zip(layers, packed):
       hist, l = self.history_of(a)
