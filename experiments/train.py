@@ -36,6 +36,7 @@ def table(s: dict) -> str:
   rows = [("model", s["name"]), ("parameters", f"{s['params']:,}"), ("compute", f"{s['compute_dtype']} on {s['backend']}"),
           ("steps / tokens seen", f"{s['steps']} / {s['tokens_seen']:,}"),
           ("train time s", f"{s['train_s']} (total {s['total_s']})"),
+          ("exported step", f"{s['export_step']} (last step's held-out loss {s['final_heldout_loss']:.3f})"),
           ("held-out loss (ppl)", f"{s['heldout_loss']:.3f} ({s['heldout_ppl']:.2f})"),
           ("held-out MTP loss (t+2)", f"{s['heldout_mtp_loss']:.3f}"),
           ("unigram loss (ppl)", f"{s['unigram_loss']:.3f} ({s['unigram_ppl']:.2f})"),

@@ -341,8 +341,14 @@ def _mtp_attn_end(graphdef, state, output_norm_e, output_ve, u_se, carry, gate_s
 
 
 def select_row(captured_states, row: int):
-  """Recurrent states captured per row (`capture_states=True`) -> the states after `row`."""
-  return jax.tree_util.tree_map(lambda a: a[row], captured_states)
+  """Recurrent states captured per row (`capture_states=True`) -> the states after `row` (one
+  compiled call for the whole tree, the row a traced index: no compile per row)."""
+  return _select_row(captured_states, jnp.int32(row))
+
+
+@jax.jit
+def _select_row(captured_states, row):
+  return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, row, keepdims=False), captured_states)
 
 
 class ForwardOut(NamedTuple):

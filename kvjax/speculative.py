@@ -317,6 +317,8 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
   out_tokens: List[int] = []
   drafted = accepted = rounds = ngram_rounds = mtp_h2d = lease_bytes = leases = 0
   round_lengths: List[List[int]] = []   # [drafts, accepted] of every verify round
+  phase_ms: Dict[str, float] = collections.defaultdict(float)   # host wall time of each round's phases
+  t_loop = time.perf_counter()
   if use_mtp:     # the first round's drafting runs under a ring lease taken after the prompt's catch-up
     h2d0 = _h2d(kv)
     lease_bytes += kv.lease_mtp(seq.pos + draft.n_max - 1)
@@ -329,6 +331,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
     c = seq.pos                      # committed target tokens; b sits at position c
     room = n_predict - len(out_tokens)
     history = prompt + out_tokens
+    t_phase = time.perf_counter()
     # 1. draft
     drafts, draft_p, source = [], [], spec_type
     if drafter is not None:
@@ -351,11 +354,14 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
     kv.release_lease()
     rows = [b] + drafts
     t_v = time.perf_counter()
+    phase_ms["draft"] += (t_v - t_phase) * 1e3
     vout = runner.forward(_padded(rows, width), c, len(rows), seq.rec_states, kv,
                           logits_rows=np.arange(width), chunked=False, capture_states=True,
                           on_group_states=rollback.sink())
     target = [int(t) for t in np.asarray(jnp.argmax(vout.logits_rv, axis=-1))[:len(rows)]]
-    verify_ms[len(rows)].append((time.perf_counter() - t_v) * 1e3)
+    t_phase = time.perf_counter()
+    verify_ms[len(rows)].append((t_phase - t_v) * 1e3)
+    phase_ms["verify"] += (t_phase - t_v) * 1e3
     # 3. accept
     j = 0
     while j < len(drafts) and drafts[j] == target[j]:
@@ -374,6 +380,8 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
     kv.truncate("target", seq.pos)
     b = target[j]
     round_lease = 0
+    phase_ms["accept_rollback"] += (time.perf_counter() - t_phase) * 1e3
+    t_phase = time.perf_counter()
     if use_mtp:
       # 5. MTP catch-up on the accepted rows; its last row proposes the next d_1. Draft rows from
       # MTP position c on are rebuilt on the target's hidden states. The catch-up and the next
@@ -386,6 +394,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
         leases += 1
         mtp_next = mtp_catch_up(runner, kv, vout.hn_se, drafts[:j] + [b], c, ubatch, pad_to=width)
       mtp_h2d += _h2d(kv) - h2d0
+      phase_ms["mtp_catch_up"] += (time.perf_counter() - t_phase) * 1e3
     if on_round is not None:
       on_round(dict(pos=c, drafts=drafts, target=target, accepted=j, logits=vout.logits_rv[:len(rows)],
                     draft_p=draft_p, drafter=source, lease_bytes=round_lease))
@@ -403,6 +412,8 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
       "verify_ms_mean": float(np.mean([x for v in verify_ms.values() for x in v])) if rounds else 0.0,
       "ngram_rounds": ngram_rounds, "draft_rounds": round_lengths,
       "rollback_d2h_bytes": rollback.d2h_bytes, "rollback_h2d_bytes": rollback.h2d_bytes,
+      "round_ms_mean": (time.perf_counter() - t_loop) * 1e3 / rounds if rounds else 0.0,
+      "phase_ms_per_round": {k: v / rounds for k, v in phase_ms.items()} if rounds else {},
   }
   if use_mtp:
     stats["mtp_h2d_bytes_per_round"] = mtp_h2d / rounds if rounds else 0.0

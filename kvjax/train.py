@@ -37,6 +37,7 @@ from kvjax import config as config_lib, corpus, engine, gguf_io, tokenizer as to
 from kvjax.model import Qwen38
 
 LOG_NAME, CKPT_NAME, TOKENIZER_NAME, PLOT_NAME = "log.jsonl", "checkpoint.npz", "tokenizer.json", "loss.png"
+BEST_NAME = "best.npz"
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -74,6 +75,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.time_limit_s = 0.0              # > 0: stop (and still evaluate and export) after this long
   c.stop_step = 0                   # > 0: stop after this step (the schedule still spans `steps`)
   c.export_weight_type = "q8_0"
+  c.export_best = True              # export the evaluated parameters with the lowest held-out loss
   return c
 
 
@@ -236,11 +238,18 @@ def heldout_baselines(data: Data, c) -> Dict[str, float]:
 # checkpoints and export
 # ---------------------------------------------------------------------------
 
-def save_checkpoint(path: str, params, opt_state, step: int) -> None:
+def save_checkpoint(path: str, params, opt_state, step: int, heldout_loss: float = math.nan) -> None:
   leaves = jax.tree_util.tree_leaves((params, opt_state))
   tmp = path + ".tmp.npz"
-  np.savez(tmp, step=np.int64(step), **{f"leaf_{i}": np.asarray(a) for i, a in enumerate(leaves)})
+  np.savez(tmp, step=np.int64(step), heldout_loss=np.float64(heldout_loss),
+           **{f"leaf_{i}": np.asarray(a) for i, a in enumerate(leaves)})
   os.replace(tmp, path)
+
+
+def checkpoint_heldout_loss(path: str) -> float:
+  """The held-out loss saved with a checkpoint (nan when none was)."""
+  with np.load(path) as z:
+    return float(z["heldout_loss"]) if "heldout_loss" in z.files else math.nan
 
 
 def load_checkpoint(path: str, params, opt_state):
@@ -272,6 +281,14 @@ def export_gguf(path: str, model: Qwen38, tokenizer_spec, weight_type: str = "q8
 # a run
 # ---------------------------------------------------------------------------
 
+def _keep_best(best, rec, params, c, path):
+  """-> the new (held-out loss, step, params) best; saved to `path` (for resume) when it improves."""
+  if not c.export_best or rec["heldout_loss"] >= best[0]:
+    return best
+  save_checkpoint(path, params, (), rec["step"], rec["heldout_loss"])
+  return rec["heldout_loss"], rec["step"], params
+
+
 def count_params(params) -> int:
   return int(sum(np.prod(np.shape(a)) for a in jax.tree_util.tree_leaves(params)))
 
@@ -279,7 +296,8 @@ def count_params(params) -> int:
 def run(c, out: str, *, resume: bool = False, progress: bool = True,
         log: Callable[[str], None] = print) -> Dict[str, Any]:
   """Train per config `c`, writing under `out`: `log.jsonl` (one line a step; held-out losses every
-  `eval_every`), `checkpoint.npz` (resumed from with `resume`), `tokenizer.json`, `files.json`
+  `eval_every`), `checkpoint.npz` (resumed from with `resume`), `best.npz` (the parameters with
+  the lowest held-out loss, exported when `export_best`), `tokenizer.json`, `files.json`
   (the training / held-out file lists), `<name>.gguf` (export_weight_type), `loss.png`,
   `summary.json`. -> the summary."""
   from tqdm import tqdm
@@ -297,13 +315,19 @@ def run(c, out: str, *, resume: bool = False, progress: bool = True,
   opt, train_step, eval_step = make_steps(graphdef, c, dtype)
   opt_state = opt.init(params)
   step = 0
-  ckpt = os.path.join(out, CKPT_NAME)
+  ckpt, best_path = os.path.join(out, CKPT_NAME), os.path.join(out, BEST_NAME)
   log_path = os.path.join(out, LOG_NAME)
+  best = (math.inf, 0, None)      # (held-out loss, step, params) of the best evaluation so far
   if resume and os.path.exists(ckpt):
     params, opt_state, step = load_checkpoint(ckpt, params, opt_state)
     log(f"resumed from {ckpt} at step {step}")
-  elif os.path.exists(log_path):
-    os.remove(log_path)
+    if os.path.exists(best_path):
+      bp, _, bstep = load_checkpoint(best_path, params, ())
+      best = (checkpoint_heldout_loss(best_path), bstep, bp)
+  else:
+    for p in (log_path, best_path):
+      if os.path.exists(p):
+        os.remove(p)
   baselines = heldout_baselines(data, c)
   n_params = count_params(params)
   log(f"{n_params:,} parameters; compute {jnp.dtype(dtype).name}; baselines unigram "
@@ -323,6 +347,7 @@ def run(c, out: str, *, resume: bool = False, progress: bool = True,
               or 0 < c.stop_step <= step < c.steps)
       if step % c.eval_every == 0 or step == c.steps or over:
         rec.update(evaluate(eval_step, params, data.heldout, c))
+        best = _keep_best(best, rec, params, c, best_path)
       logf.write(json.dumps(rec) + "\n")
       logf.flush()
       bar.update(1)
@@ -336,11 +361,19 @@ def run(c, out: str, *, resume: bool = False, progress: bool = True,
   save_checkpoint(ckpt, params, opt_state, step)
   if "heldout_loss" not in rec:
     rec.update(evaluate(eval_step, params, data.heldout, c))
+    best = _keep_best(best, rec, params, c, best_path)
+  final_loss, export_step = rec["heldout_loss"], step
+  if c.export_best and best[2] is not None and best[0] < rec["heldout_loss"]:
+    params, export_step = best[2], best[1]
+    rec.update(evaluate(eval_step, params, data.heldout, c))
+    log(f"exporting step {export_step} (held-out loss {rec['heldout_loss']:.3f}; the last step's "
+        f"{final_loss:.3f})")
   model = nnx.merge(graphdef, params)
   gguf_path = export_gguf(os.path.join(out, f"{c.name}.gguf"), model, data.tokenizer_spec,
                           c.export_weight_type, name=f"kvjax-{c.name}")
   summary = {
       "name": c.name, "params": n_params, "steps": step, "stopped_early": stopped_early,
+      "export_step": export_step, "final_heldout_loss": final_loss,
       "tokens_seen": step * c.batch_size * c.seq_len, "train_s": round(time.perf_counter() - t_train, 1),
       "total_s": round(time.perf_counter() - t_start, 1), "compute_dtype": jnp.dtype(dtype).name,
       "backend": jax.default_backend(), "train_tokens": int(len(data.train)),

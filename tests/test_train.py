@@ -108,6 +108,23 @@ def test_run_is_deterministic_and_resumes_exactly(tmp_path, toy_corpus):
   assert os.path.exists(tmp_path / "a" / train.PLOT_NAME)
 
 
+def test_the_best_heldout_step_is_exported(tmp_path, toy_corpus):
+  """An evaluation every step at a learning rate too high to keep improving: the export (and the
+  summary's held-out loss) is the step with the lowest held-out loss in the log, not the last one;
+  with export_best off, it is the last step."""
+  c = toy_config(toy_corpus)
+  c.steps, c.eval_every, c.lr, c.warmup_steps, c.min_lr_ratio = 8, 1, 0.5, 1, 1.0
+  s = train.run(c, str(tmp_path / "a"), progress=False, log=lambda m: None)
+  held = {r["step"]: r["heldout_loss"] for r in train.read_log(str(tmp_path / "a" / train.LOG_NAME))}
+  best = min(held, key=held.get)
+  assert best != c.steps, held                    # the schedule really makes the last step worse
+  assert s["export_step"] == best and s["heldout_loss"] == held[best] and s["final_heldout_loss"] == held[c.steps]
+  assert train.checkpoint_heldout_loss(str(tmp_path / "a" / train.BEST_NAME)) == held[best]
+  c.export_best = False
+  s = train.run(c, str(tmp_path / "b"), progress=False, log=lambda m: None)
+  assert s["export_step"] == c.steps and s["heldout_loss"] == held[c.steps]
+
+
 def test_checkpoint_of_another_model_is_refused(tmp_path):
   c = toy_config()
   g, p = nnx.split(train.init_model(train.model_config(c), 0))
