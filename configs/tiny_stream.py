@@ -26,7 +26,7 @@ Fields (0 / "" mean "not set"):
   spec_*         speculative decoding (kvjax.api.SpecConfig: spec_type is its draft, the rest its
                  fields of the same name); with compare_plain the tokens are checked against plain
                  greedy on the plain cache. Metrics: draft_generated / draft_accepted,
-                 acceptance_by_position, realized_verify_width, verify_ms_by_width,
+                 acceptance_by_position, realized_verify_width (tokens a verify), verify_ms_by_width,
                  mtp_lease_bytes_per_round, rollback_d2h_bytes / rollback_h2d_bytes
 
   python -m experiments.run --config=configs/tiny_stream.py --config.spec_type=oracle \

@@ -14,10 +14,10 @@ decoding, and its verify rounds give:
                  acc_pos_1 is the first-draft acceptance
   cond_pos_i     the same among rounds whose drafts 1 .. i-1 were accepted
   accepted_len   tokens committed per verify forward (accepted drafts + the target's own token)
-  verify_width   realized verify width (rows per verify forward)
+  verify_rows    rows per verify forward (1 + drafts; accepted_len is the realized verify width)
 
 Writes `<out>/acceptance.csv` (one row per generation), `<out>/acceptance.png` (acceptance by
-position and realized width against context) and prints a table (means over prompts) last.
+position and verify rows against context) and prints a table (means over prompts) last.
 Works with any qwen35 GGUF that has a tokenizer (MTP rows need nextn_predict_layers = 1).
 """
 
@@ -132,7 +132,7 @@ def study(model, contexts: Sequence[int], prompts: int, n_predict: int, drafters
                  "matches_greedy": res.tokens == plain, "draft_generated": m["draft_generated"],
                  "draft_accepted": m["draft_accepted"], "verify_forwards": m["verify_forwards"],
                  "accepted_len": (m["draft_accepted"] + m["verify_forwards"]) / max(m["verify_forwards"], 1),
-                 "verify_width": m["realized_verify_width"],
+                 "verify_rows": m["verify_rows_mean"],
                  "ngram_share": m["ngram_rounds"] / max(m["verify_forwards"], 1)}
           row.update({f"acc_pos_{i + 1}": a for i, a in enumerate(acc)})
           row.update({f"cond_pos_{i + 1}": a for i, a in enumerate(cond)})
@@ -150,7 +150,7 @@ def summarize(rows: List[Dict]) -> List[Dict]:
     s = {"drafter": d, "n_max": n, "context": c, "prompts": len(rs),
          "acceptance": sum(r["draft_accepted"] for r in rs) / gen if gen else float("nan"),
          "accepted_len": float(np.mean([r["accepted_len"] for r in rs])),
-         "verify_width": float(np.mean([r["verify_width"] for r in rs])),
+         "verify_rows": float(np.mean([r["verify_rows"] for r in rs])),
          "ngram_share": float(np.mean([r.get("ngram_share", 0.0) for r in rs])),
          "all_match_greedy": all(r["matches_greedy"] for r in rs)}
     for i in range(1, max(int(k[8:]) for k in rs[0] if k.startswith("acc_pos_")) + 1):
@@ -163,12 +163,12 @@ def summarize(rows: List[Dict]) -> List[Dict]:
 
 def table(summary: List[Dict]) -> str:
   head = f"{'drafter':<7} {'n_max':>5} {'ctx':>6} {'acc@1':>6} {'acc@2':>6} {'acc@3':>6} {'accept':>7} " \
-         f"{'len':>5} {'width':>6} {'ngram':>6} {'=greedy':>7}"
+         f"{'len':>5} {'rows':>6} {'ngram':>6} {'=greedy':>7}"
   lines = [head]
   for s in summary:
     pos = [f"{s.get(f'acc_pos_{i}', float('nan')):6.3f}" for i in (1, 2, 3)]
     lines.append(f"{s['drafter']:<7} {s['n_max']:>5} {s['context']:>6} {' '.join(pos)} {s['acceptance']:7.3f} "
-                 f"{s['accepted_len']:5.2f} {s['verify_width']:6.2f} {s.get('ngram_share', 0.0):6.2f} "
+                 f"{s['accepted_len']:5.2f} {s['verify_rows']:6.2f} {s.get('ngram_share', 0.0):6.2f} "
                  f"{str(s['all_match_greedy']):>7}")
   return "\n".join(lines)
 
@@ -197,12 +197,12 @@ def plot(summary: List[Dict], path: str, title: str):
     for i in range(1, n + 1):
       a1.plot(ctx, [s[f"acc_pos_{i}"] for s in ss], marker="o", color=f"C{k}", alpha=1.0 - 0.15 * (i - 1),
               label=f"{d} n_max {n}" if i == 1 else None, ls="-" if i == 1 else ":")
-    a2.plot(ctx, [s["verify_width"] for s in ss], marker="o", color=f"C{k}", label=f"{d} n_max {n}")
+    a2.plot(ctx, [s["verify_rows"] for s in ss], marker="o", color=f"C{k}", label=f"{d} n_max {n}")
   for a in (a1, a2):
     a.set_xscale("log", base=2)
     a.set_xlabel("context (tokens)")
   a1.set_ylabel("acceptance at draft position (solid: 1st, dotted: later)")
-  a2.set_ylabel("realized verify width (rows / verify)")
+  a2.set_ylabel("verify rows (1 + drafts) / verify")
   a1.legend(fontsize=7)
   a2.legend(fontsize=7)
   fig.suptitle(title)

@@ -5,8 +5,9 @@ For each context (a synthetic streamed history, `experiments.lib.synthetic`, ins
 * `plain`   greedy decoding of `--decode_tokens` tokens, one forward a token;
 * `oracle`  the same tokens by speculative decoding with the oracle drafter (plain greedy's tokens,
             each draft kept with probability `--acceptance`, seeded; the first planted rejection
-            ends the round) for every `--n_max`: tok/s, realized verify width (rows per verify
-            forward), tokens per verify forward, ms per verify forward. The output must equal
+            ends the round) for every `--n_max`: tok/s, rows per verify forward (1 + drafts),
+            realized verify width (tokens committed per verify forward, the reference design's
+            definition), ms per verify forward. The output must equal
             plain's (checked; a difference stops the run).
 
 Then, at `--width_context`, ms per verify forward for verify widths 1..`--max_width` (what one
@@ -152,14 +153,14 @@ def main(argv):
     kv = make_kv(ctx)
     plain(kv, ctx)                                    # warm-up (compiles, uploads resident pages)
     truth, tps = plain(kv, ctx)
-    rows.append({"context": ctx, "run": "plain", "tok_s": tps, "width": 1.0, "tokens_per_verify": 1.0,
+    rows.append({"context": ctx, "run": "plain", "tok_s": tps, "rows": 1.0, "tokens_per_verify": 1.0,
                  "verify_ms": 1e3 / tps})
     print(json.dumps(rows[-1]), flush=True)
     for n_max in [int(n) for n in FLAGS.n_max]:
       ref = truth
       if FLAGS.oracle_truth == "verify":
         ref, vtps, vst = verify_greedy(kv, ctx, n_max, truth)
-        rows.append({"context": ctx, "run": f"verify-shaped greedy n_max={n_max}", "tok_s": vtps, "width": 1.0,
+        rows.append({"context": ctx, "run": f"verify-shaped greedy n_max={n_max}", "tok_s": vtps, "rows": 1.0,
                      "tokens_per_verify": 1.0, "verify_ms": vst["verify_ms_mean"], "round_ms": vst["round_ms_mean"],
                      "phases": vst["phase_ms_per_round"], "equal_to_one_row": _equal_prefix(ref, truth)})
         print(json.dumps(rows[-1]), flush=True)
@@ -172,7 +173,7 @@ def main(argv):
                              f"(--allow_divergence to measure anyway)")
       rows.append({"context": ctx, "run": f"oracle{'+mtp' if FLAGS.oracle_mtp else ''} P={FLAGS.acceptance} "
                    f"n_max={n_max}", "tok_s": tps, "equal_to_truth": same, "equal_to_one_row": _equal_prefix(toks, truth),
-                   "width": st["realized_verify_width"], "tokens_per_verify": st["tokens_per_verify"],
+                   "rows": st["verify_rows_mean"], "tokens_per_verify": st["tokens_per_verify"],
                    "verify_ms": st["verify_ms_mean"], "round_ms": st["round_ms_mean"], "phases": st["phase_ms_per_round"],
                    "lease_mib": st.get("mtp_lease_bytes_per_round", 0.0) / 2**20,
                    "rollback_mib": (st["rollback_d2h_bytes"] + st["rollback_h2d_bytes"]) / 2**20, "stats": st})
@@ -196,12 +197,12 @@ def main(argv):
   log.update(rows=rows, widths=widths)
   with open(os.path.join(FLAGS.out, "bench_spec.json"), "w") as f:
     json.dump(log, f, indent=1, default=float)
-  print(f"{'context':>8} {'run':<34} {'tok/s':>8} {'width':>6} {'tok/fwd':>7} {'ms/fwd':>8} {'vs plain':>8} "
+  print(f"{'context':>8} {'run':<34} {'tok/s':>8} {'rows':>6} {'width':>7} {'ms/fwd':>8} {'vs plain':>8} "
         f"{'= truth':>7} {'= 1-row':>7} {'lease MiB/rnd':>13} {'rollback MiB':>12}")
   base = {}
   for r in rows:
     base.setdefault(r["context"], r["tok_s"])
-    print(f"{r['context']:>8} {r['run']:<34} {r['tok_s']:>8.2f} {r['width']:>6.2f} {r['tokens_per_verify']:>7.2f} "
+    print(f"{r['context']:>8} {r['run']:<34} {r['tok_s']:>8.2f} {r['rows']:>6.2f} {r['tokens_per_verify']:>7.2f} "
           f"{r['verify_ms']:>8.2f} {r['tok_s'] / base[r['context']]:>8.2f} {r.get('equal_to_truth', ''):>7} "
           f"{r.get('equal_to_one_row', ''):>7} "
           f"{r.get('lease_mib', 0.0):>13.2f} {r.get('rollback_mib', 0.0):>12.2f}")

@@ -19,7 +19,7 @@ benchmark where they apply:
 plus pool_pages, decode_workspace_mib, all_pages_resident, ring_wraps,
 readiness_misses, error, and for speculative rows mtp_length, spec_type,
 mtp_draft_generated, mtp_draft_accepted, mtp_acceptance_pct,
-acceptance_by_position, realized_verify_width, tokens_per_verify,
+acceptance_by_position, realized_verify_width (tokens per verify forward), verify_rows_mean,
 verify_ms_by_width (JSON), mtp_lease_bytes_per_round, rollback_d2h_bytes,
 rollback_h2d_bytes, tokens_match. `resident_pages` is the pool's resident region (all
 cache layers), `active_pages` the pages one cache layer holds at the end, and
@@ -92,7 +92,7 @@ COLUMNS = ["context_capacity", "prompt_tokens", "decode_tokens", "arena_mib", "p
            "h2d_mib_per_token", "h2d_calls_per_token", "streamed_pages_per_token", "waves_per_token",
            "ring_wraps", "readiness_misses", "error",
            "mtp_length", "spec_type", "mtp_draft_generated", "mtp_draft_accepted", "mtp_acceptance_pct",
-           "acceptance_by_position", "realized_verify_width", "tokens_per_verify", "verify_ms_by_width",
+           "acceptance_by_position", "realized_verify_width", "verify_rows_mean", "verify_ms_by_width",
            "mtp_lease_bytes_per_round", "rollback_d2h_bytes", "rollback_h2d_bytes", "tokens_match"]
 
 
@@ -143,7 +143,7 @@ def _spec_columns(stats):
   return {"spec_type": stats["spec_type"], "mtp_draft_generated": gen, "mtp_draft_accepted": acc,
           "mtp_acceptance_pct": 100.0 * acc / gen if gen else 0.0,
           "acceptance_by_position": json.dumps(stats["acceptance_by_position"]),
-          "realized_verify_width": stats["realized_verify_width"], "tokens_per_verify": stats["tokens_per_verify"],
+          "realized_verify_width": stats["realized_verify_width"], "verify_rows_mean": stats["verify_rows_mean"],
           "verify_ms_by_width": json.dumps(stats["verify_ms_by_width"]),
           "mtp_lease_bytes_per_round": stats.get("mtp_lease_bytes_per_round", 0.0),
           "rollback_d2h_bytes": stats["rollback_d2h_bytes"], "rollback_h2d_bytes": stats["rollback_h2d_bytes"]}

@@ -248,8 +248,9 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
   Metrics add, under the drafter's name `spec_type` ("mtp", "ngram", "ngram+mtp", "oracle", or
   "custom" for `drafter`) and `spec_rollback`: `draft_generated`, `draft_accepted`,
   `draft_acceptance` (accepted / generated), `acceptance_by_position` (per draft position, of the
-  rounds that drafted it), `verify_forwards`, `realized_verify_width` (rows per verify forward),
-  `tokens_per_verify` (committed tokens per verify forward), `verify_ms_by_width`, `ngram_rounds`,
+  rounds that drafted it), `verify_forwards`, `realized_verify_width` (committed tokens per verify
+  forward, the reference design's definition; `tokens_per_verify` is the same number),
+  `verify_rows_mean` (rows with content per verify forward: 1 + drafts), `verify_ms_by_width`, `ngram_rounds`,
   `mtp_h2d_bytes_per_round` (uploads of the MTP forwards of a round), `mtp_leases` /
   `mtp_lease_bytes` / `mtp_lease_bytes_per_round` (ring leases taken for catch-up + drafting and the
   MTP suffix bytes they loaded: one pass over the suffix a lease), `rollback_d2h_bytes` /
@@ -406,8 +407,9 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
       "draft_acceptance": accepted / drafted if drafted else 0.0,
       "acceptance_by_position": [float(a / d) if d else 0.0 for a, d in zip(accepted_at, drafted_at)],
       "verify_forwards": rounds,
-      "realized_verify_width": (drafted + rounds) / rounds if rounds else 0.0,
+      "realized_verify_width": (accepted + rounds) / rounds if rounds else 0.0,
       "tokens_per_verify": (accepted + rounds) / rounds if rounds else 0.0,
+      "verify_rows_mean": (drafted + rounds) / rounds if rounds else 0.0,
       "verify_ms_by_width": {str(w): float(np.mean(v)) for w, v in sorted(verify_ms.items())},
       "verify_ms_mean": float(np.mean([x for v in verify_ms.values() for x in v])) if rounds else 0.0,
       "ngram_rounds": ngram_rounds, "draft_rounds": round_lengths,

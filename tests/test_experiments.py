@@ -66,7 +66,8 @@ def test_run_config_speculative_from_a_corpus_prompt(tmp_path):
       api.load_model("tiny").tokenizer, 5)
   assert r["mtp_lease_bytes_per_round"] == r["mtp_h2d_bytes_per_round"] > 0
   assert r["mtp_leases"] == r["verify_forwards"] and r["rollback_d2h_bytes"] > 0
-  assert len(r["acceptance_by_position"]) == 3 and r["verify_ms_by_width"] and r["realized_verify_width"] > 1
+  assert len(r["acceptance_by_position"]) == 3 and r["verify_ms_by_width"] and r["verify_rows_mean"] > 1
+  assert 1 <= r["realized_verify_width"] <= r["verify_rows_mean"]
   with open(os.path.join(out, "tiny_stream.csv"), newline="") as f:
     (row,) = list(csv.DictReader(f))
   assert json.loads(row["acceptance_by_position"]) == r["acceptance_by_position"]
@@ -162,7 +163,8 @@ def test_sweep_fixed_span_speculative(tmp_path):
   assert plain["prompt_tokens"] == spec["prompt_tokens"] == 160 - 8 - 3
   assert plain["spec_type"] == "" and spec["spec_type"] == "mtp" and spec["tokens_match"] is True
   assert spec["mtp_draft_generated"] > 0 and 0 <= spec["mtp_acceptance_pct"] <= 100
-  assert len(json.loads(spec["acceptance_by_position"])) == 2 and spec["realized_verify_width"] > 1
+  assert len(json.loads(spec["acceptance_by_position"])) == 2 and spec["verify_rows_mean"] > 1
+  assert 1 <= spec["realized_verify_width"] <= spec["verify_rows_mean"]
   assert spec["mtp_lease_bytes_per_round"] > 0 and json.loads(spec["verify_ms_by_width"])
 
 
@@ -739,7 +741,7 @@ def test_acceptance_both_drafter_is_ngram_and_mtp():
   assert (s.draft, s.n_max, s.ngram_n, s.ngram_m) == ("ngram+mtp", 3, 2, 6)
   assert acceptance.spec_for(api, "mtp", 3, 0.0, 2, 6).ngram_m == 0
   rows = [{"drafter": "both", "n_max": 3, "context": 256, "draft_generated": 4, "draft_accepted": 2,
-           "accepted_len": 1.5, "verify_width": 4.0, "matches_greedy": True, "ngram_share": 0.5,
+           "accepted_len": 1.5, "verify_rows": 4.0, "matches_greedy": True, "ngram_share": 0.5,
            **{f"acc_pos_{i}": 0.5 for i in range(1, 7)}, **{f"cond_pos_{i}": 0.5 for i in range(1, 7)}}]
   (s,) = acceptance.summarize(rows)
   assert s["acc_pos_6"] == 0.5 and s["ngram_share"] == 0.5 and "ngram" in acceptance.table([s])
