@@ -96,13 +96,15 @@ def main(argv):
   layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", FLAGS.page_tokens)
   runner = engine.Runner(model, layout, AttentionOptions(FLAGS.attn_impl, api.parse_block_pages(FLAGS.block_pages)))
   widest = 1 + max(int(n) for n in FLAGS.n_max)
-  workspace = max(engine.group_step_workspace_bytes(runner, r) for r in (1, max(widest, FLAGS.max_width)))
+  # the arena holds the widest verify forward's scratch and the recurrent states its rows capture
+  widest_draft = speculative.DraftParams("oracle", n_max=max(widest, FLAGS.max_width) - 1, rollback=FLAGS.rollback)
+  workspace, verify_states = api.decode_workspace_bytes(runner, max(int(c) for c in FLAGS.contexts), widest_draft)
   pool_pages = int((FLAGS.arena_mib * 2**20 - workspace) // layout.page_bytes)
   n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
   log = {"flags": {k: FLAGS[k].value for k in FLAGS if k in (
       "model", "dtype", "contexts", "arena_mib", "decode_tokens", "acceptance", "n_max", "rollback",
       "page_tokens", "copy_pages", "attn_impl")}, "device": str(jax.devices()[0]), "jax": jax.__version__,
-      "workspace_mib": workspace / 2**20, "pool_pages": pool_pages}
+      "workspace_mib": workspace / 2**20, "verify_states_mib": verify_states / 2**20, "pool_pages": pool_pages}
   print(json.dumps(log), flush=True)
 
   def make_kv(ctx):

@@ -116,7 +116,8 @@ def run_config(cfg) -> dict:
     budget = {}
     if kind == "streamed":
       budget = {"arena_mib": cfg.arena_mib} if cfg.arena_mib > 0 else {"pool_pages": cfg.pool_pages}
-    kv = api.make_kv(model, ctx, copy_pages=cfg.copy_pages, ubatch=cfg.ubatch, **budget)
+    kv = api.make_kv(model, ctx, copy_pages=cfg.copy_pages, ubatch=cfg.ubatch,
+                     spec=spec, **budget)
     return api.generate(model, kv, prompt_tokens=prompt, n_predict=cfg.n_predict, temperature=cfg.temperature,
                         top_k=cfg.top_k, seed=cfg.seed, ignore_eos=cfg.ignore_eos, ubatch=cfg.ubatch,
                         warmup=cfg.warmup, spec=spec)

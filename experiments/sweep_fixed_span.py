@@ -191,7 +191,8 @@ def sweep_row(model, ctx, budget, length=0, truth=None):
     return row, None
   try:
     for _ in range(2 if FLAGS.warmup else 1):
-      kv = api.make_kv(model, ctx, copy_pages=FLAGS.copy_pages, ubatch=FLAGS.ubatch, **budget)
+      kv = api.make_kv(model, ctx, copy_pages=FLAGS.copy_pages, ubatch=FLAGS.ubatch,
+                       spec=draft, **budget)
       m, toks = measure(model.runner, kv.provider, prompt, FLAGS.decode_tokens, FLAGS.ubatch, draft, truth)
   except StreamBudgetError as e:
     row["error"] = " ".join(str(e).split())

@@ -336,22 +336,36 @@ def _all_resident(split, layout: PageLayout, max_tokens: int) -> bool:
 
 
 def _build_kv(model: LoadedModel, max_tokens: int, arena_mib, pool_pages, copy_pages, policy, phased,
-              ubatch) -> Tuple[Any, Dict[str, Any]]:
+              ubatch, draft: Optional[speculative.DraftParams] = None) -> Tuple[Any, Dict[str, Any]]:
   """The cache of one device, or of a sharded model one cache per device (each with the whole
   budget: `arena_mib` / `pool_pages` are per device) driven as one (`parallel.ShardedKV`)."""
   runner = model.runner
   if tensor_parallel(model) == 1:
-    return _build_device_kv(runner, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased, ubatch)
-  ws = (engine.group_step_workspace_bytes(runner.device_runners[0], 1, max_tokens) if arena_mib is not None
-        else None)   # the same on every device
+    return _build_device_kv(runner, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased, ubatch,
+                            draft=draft)
+  ws = (decode_workspace_bytes(runner.device_runners[0], max_tokens, draft)[0]
+        if arena_mib is not None else None)   # the same on every device
   parts = parallel.per_device(runner.mesh, lambda d: _build_device_kv(
       runner.device_runners[d], max_tokens, arena_mib, pool_pages, copy_pages, policy, phased, ubatch, ws))
   info = dict(parts[0][1], tensor_parallel=tensor_parallel(model))
   return parallel.ShardedKV(runner.mesh, [kv for kv, _ in parts]), info
 
 
+def decode_workspace_bytes(runner: engine.Runner, max_tokens: int,
+                           draft: Optional[speculative.DraftParams] = None) -> Tuple[int, int]:
+  """-> (device bytes the arena holds beside the pool after the prompt, of which the verify's
+  captured recurrent states): the larger scratch of a one-row decode forward and of `draft`'s
+  verify forward, plus the states that verify captures."""
+  ws = engine.group_step_workspace_bytes(runner, 1, max_tokens)
+  if draft is None or draft.verify_width == 1:
+    return ws, 0
+  states = speculative.verify_state_bytes(runner, draft)
+  verify = engine.group_step_workspace_bytes(runner, draft.verify_width, max_tokens, verify=True)
+  return max(ws, verify) + states, states
+
+
 def _build_device_kv(runner: engine.Runner, max_tokens: int, arena_mib, pool_pages, copy_pages, policy, phased,
-                     ubatch, ws=None) -> Tuple[Any, Dict[str, Any]]:
+                     ubatch, ws=None, draft: Optional[speculative.DraftParams] = None) -> Tuple[Any, Dict[str, Any]]:
   cfg, layout = runner.cfg, runner.layout
   info: Dict[str, Any] = {"kv": "plain", "ctx_size": max_tokens, "page_tokens": layout.page_tokens,
                           "kv_layout": layout.describe()}
@@ -359,9 +373,12 @@ def _build_device_kv(runner: engine.Runner, max_tokens: int, arena_mib, pool_pag
     return engine.PlainKV(cfg, layout, max_tokens), info
   info["kv"] = "streamed"
   if arena_mib is not None:
-    if ws is None:
-      ws = engine.group_step_workspace_bytes(runner, 1, max_tokens)   # one decode forward's scratch
+    states = 0
+    if ws is None:   # the scratch of the widest decode-phase forward (a verify's rows and states)
+      ws, states = decode_workspace_bytes(runner, max_tokens, draft)
     info["arena_mib"] = arena_mib
+    info["decode_rows"] = 1 if draft is None else draft.verify_width
+    info["verify_states_bytes"] = states
     info["decode_workspace_mib"] = ws / 2**20
     stream = stream_config_from_budget(cfg, layout, max_tokens, arena_bytes=int(arena_mib * 2**20),
                                        workspace_bytes=ws, copy_pages=copy_pages)
@@ -397,7 +414,8 @@ def _build_device_kv(runner: engine.Runner, max_tokens: int, arena_mib, pool_pag
 
 def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] = None,
             pool_pages: Optional[int] = None, copy_pages: int = 32, policy: str = "fixed",
-            phased: bool = False, ubatch: int = 256, exceed_context_length: bool = False) -> KVCache:
+            phased: bool = False, ubatch: int = 256, exceed_context_length: bool = False,
+            spec: Union["SpecConfig", speculative.DraftParams, None] = None) -> KVCache:
   """A KV cache of `max_tokens` token positions for `model` (its page layout).
 
   Plain (every page on the device) unless a budget is given; streamed (the history on the host,
@@ -414,6 +432,10 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
     larger pool; the adaptive policy rebinds on each); needs `arena_mib`; `generate` must then use
     this `ubatch`.
   exceed_context_length: allow more than the model's trained context (`cfg.context_length`).
+  spec: the speculative decoding the cache will serve (`SpecConfig`): the arena then holds, beside
+    the pool, the scratch of a verify forward of `verify_rows(spec)` rows and the recurrent states
+    it captures (`kvjax.speculative.verify_state_bytes`; a `speculative.DraftParams` is taken
+    too); `generate` refuses a spec whose verify the cache's arena was not measured for.
 
   Refused before anything is allocated (`ParameterError`): a capacity beyond the model's context
   length, or KV bytes beyond the host's available memory or the device's (where it reports it).
@@ -424,13 +446,14 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
     raise ParameterError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
   if ubatch < 1:
     raise ParameterError(f"ubatch must be >= 1, got {ubatch}", "ubatch")
+  draft = _as_draft(spec)
   check_context_length(model, max_tokens, exceed_context_length)
   if tensor_parallel(model) > 1 and (policy != "fixed" or phased):
     raise ParameterError(f"tensor_parallel {tensor_parallel(model)} runs the fixed split without phases (every "
                          f"device the same layout): use policy 'fixed' and no phased", "policy", "phased")
   check_kv_memory(model, max_tokens, streamed=arena_mib is not None or pool_pages is not None)
   return KVCache(lambda: _build_kv(model, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased,
-                                   ubatch))
+                                   ubatch, draft))
 
 
 # ---------------------------------------------------------------------------
@@ -454,6 +477,15 @@ class SpecConfig:
   oracle_acceptance: float = 0.75
   oracle_seed: int = 0
   rollback: str = "device"
+
+
+def _as_draft(spec) -> Optional[speculative.DraftParams]:
+  return spec if spec is None or isinstance(spec, speculative.DraftParams) else _draft_params(spec)
+
+
+def verify_rows(spec: Optional[SpecConfig]) -> int:
+  """Rows of a verify forward of `spec` (1 + the widest draft its drafters can make); 1 without."""
+  return 1 if spec is None else _draft_params(spec).verify_width
 
 
 def _draft_params(spec: SpecConfig) -> speculative.DraftParams:
@@ -581,11 +613,17 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   ids = prompt_ids(model, prompt, prompt_tokens)
   need = context_tokens(len(ids), n_predict, spec)
   if kv is None:
-    kv = make_kv(model, need, ubatch=ubatch, exceed_context_length=exceed_context_length)
+    kv = make_kv(model, need, ubatch=ubatch, exceed_context_length=exceed_context_length, spec=spec)
   elif kv.max_tokens < need:
     raise ParameterError(f"kv holds {kv.max_tokens} tokens: prompt {len(ids)} + n_predict {n_predict}"
                          f"{f' + spec.n_max {spec.n_max}' if spec is not None else ''} needs {need} "
                          f"({need - kv.max_tokens} more)", "kv", "n_predict", *(("spec.n_max",) if spec else ()))
+  if spec is not None and "decode_rows" in kv.info:     # an arena: was this verify measured into it?
+    need = speculative.verify_state_bytes(model.runner, _draft_params(spec))
+    if kv.info["decode_rows"] < verify_rows(spec) or kv.info["verify_states_bytes"] < need:
+      raise ParameterError(f"spec verifies {verify_rows(spec)} rows a forward and captures {need / 2**20:.1f} MiB of "
+                           f"recurrent states; the cache's arena was measured for {kv.info['decode_rows']} rows and "
+                           f"{kv.info['verify_states_bytes'] / 2**20:.1f} MiB: make_kv(..., spec=spec)", "kv", "spec")
   if kv.info.get("ubatch", ubatch) != ubatch:
     raise ParameterError(f"ubatch {ubatch} differs from the {kv.info['ubatch']} rows the phased cache's prefill "
                          f"layout was measured for", "ubatch")

@@ -255,7 +255,8 @@ def cmd_generate(fv: flags.FlagValues, out=None, err=None) -> int:
   model = _load(fv)
   prompt = api.prompt_ids(model, fv["prompt"].value, ids)
   ctx = api.context_tokens(len(prompt), n_predict, spec, fv["ctx-size"].value)
-  kv = api.make_kv(model, ctx, ubatch=ubatch, exceed_context_length=fv["exceed-context-length"].value, **budget)
+  kv = api.make_kv(model, ctx, ubatch=ubatch, exceed_context_length=fv["exceed-context-length"].value,
+                   spec=spec, **budget)
   res = api.generate(model, kv, prompt_tokens=prompt, n_predict=n_predict, seed=fv["seed"].value,
                      ignore_eos=fv["ignore-eos"].value, spec=spec, ubatch=ubatch, warmup=fv["warmup"].value,
                      **sampling)

@@ -487,10 +487,12 @@ def _partition_pages(opts: AttentionOptions, layout: PageLayout, num_q_heads: in
   return span_api.resolve_block_pages(opts.block_pages, table_pages, rows, num_q_heads, layout, None, impl)
 
 
-def group_step_workspace_bytes(runner: "Runner", rows: int, max_tokens: Optional[int] = None) -> int:
+def group_step_workspace_bytes(runner: "Runner", rows: int, max_tokens: Optional[int] = None,
+                               verify: bool = False) -> int:
   """Device scratch of the compiled group step for `rows` query rows (XLA memory analysis).
 
-  The prefill phase runs `rows = ubatch` (chunked Gated DeltaNet), decode `rows = 1`. The page
+  The prefill phase runs `rows = ubatch` (chunked Gated DeltaNet), decode `rows = 1`, a
+  speculative verify (`verify`) `rows` in the scan form with every row's states captured. The page
   table is sized for `max_tokens`; the pool argument is donated (aliased to the output), so the
   pool size does not enter.
   """
@@ -504,5 +506,12 @@ def group_step_workspace_bytes(runner: "Runner", rows: int, max_tokens: Optional
       gd, gs, jnp.zeros((rows, cfg.hidden_size), runner.token_embd.dtype), st,
       jnp.zeros((min(pages, 4), layout.page_bytes), jnp.uint8), jnp.zeros((pages,), jnp.int32),
       jnp.int32(0), jnp.int32(rows), (), None, layout=layout, opts=runner.opts,
-      chunked=rows > 1).compile()
+      chunked=rows > 1 and not verify, capture=verify).compile()
   return workspace_bytes_from_compiled(compiled)
+
+
+def recurrent_state_bytes(runner: "Runner") -> Tuple[int, int]:
+  """Bytes of one row's recurrent states: (every group's, the largest group's)."""
+  per_group = [sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(g))
+               for g in jax.eval_shape(runner.zero_states)]
+  return sum(per_group), max(per_group, default=0)

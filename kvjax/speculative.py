@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import engine as engine_lib
 from kvjax.engine import KVProvider, Runner, select_row
 from kvjax.generate import CompileClock, GenerationResult, SequenceState, generate, generation_metrics, \
     mtp_rows, prefill
@@ -147,6 +148,15 @@ class OracleDrafter:
         out.append((t + 1) % self.vocab)    # a planted rejection
         break
     return out
+
+
+def verify_state_bytes(runner: Runner, draft: DraftParams) -> int:
+  """Device bytes a verify forward's captured recurrent states hold beyond the live state (one
+  row): rollback "device" keeps every group's states of the other W - 1 rows until the rollback;
+  "host" holds at most `HostRollback.SLOTS` groups' W - 1 rows in its stage."""
+  rows = draft.verify_width - 1
+  every, largest = engine_lib.recurrent_state_bytes(runner)
+  return rows * (every if draft.rollback == "device" else HostRollback.SLOTS * largest)
 
 
 class DeviceRollback:

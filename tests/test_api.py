@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -118,6 +119,33 @@ def test_speculative_equals_plain_greedy(model, plain, draft):
     got = cli_json("generate", *CLI_COMMON, "--spec-type=ngram-simple", "--spec-draft-n-max=3",
                    "--spec-ngram-size-n=2")
     assert got["tokens"] == res.tokens and got["metrics"]["draft_generated"] == m["draft_generated"]
+
+
+def test_the_arena_holds_a_verify_forward_and_its_captured_states(model, plain):
+  """make_kv(spec=): the arena's decode workspace is the verify forward's scratch plus the
+  recurrent states its rows capture (device rollback: every group's states of the W - 1 extra
+  rows; host: two groups' in the stage), so the pool shrinks; generate refuses a spec whose verify
+  the arena was not measured for, and runs equal to plain greedy with one that was."""
+  from kvjax import engine, speculative
+  every, largest = engine.recurrent_state_bytes(model.runner)
+  states = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(model.runner.zero_states()))
+  assert every == states and 0 < largest < every
+  ctx = api.context_tokens(len(PROMPT), N, api.SpecConfig("mtp", n_max=5))
+  base = api.make_kv(model, ctx, arena_mib=2)
+  dev = api.make_kv(model, ctx, arena_mib=2, spec=api.SpecConfig("mtp", n_max=5))
+  host = api.make_kv(model, ctx, arena_mib=2, spec=api.SpecConfig("mtp", n_max=5, rollback="host"))
+  assert base.info["decode_rows"] == 1 and base.info["verify_states_bytes"] == 0
+  assert dev.info["decode_rows"] == host.info["decode_rows"] == 6
+  assert dev.info["verify_states_bytes"] == 5 * every
+  assert host.info["verify_states_bytes"] == 5 * speculative.HostRollback.SLOTS * largest
+  assert dev.info["decode_workspace_mib"] >= base.info["decode_workspace_mib"] + 5 * every / 2**20
+  assert sum(dev.info["resident_pages_per_layer"]) <= sum(base.info["resident_pages_per_layer"])
+  spec = api.SpecConfig("mtp", n_max=5)
+  for kv in (base, api.make_kv(model, ctx, arena_mib=2, spec=api.SpecConfig("mtp", n_max=3))):
+    with pytest.raises(api.ParameterError, match=r"spec verifies 6 rows a forward and captures .* was measured for"):
+      api.generate(model, kv, prompt_tokens=PROMPT, n_predict=N, ignore_eos=True, ubatch=32, spec=spec)
+  res = api.generate(model, dev, prompt_tokens=PROMPT, n_predict=N, ignore_eos=True, ubatch=32, spec=spec)
+  assert res.tokens == plain.tokens
 
 
 def test_sampling_equals_the_cli(model):

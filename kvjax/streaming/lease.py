@@ -55,8 +55,7 @@ class MTPLeaseMixin:
 
   def release_lease(self) -> None:
     """Give every ring slot back to the target (a no-op without a lease)."""
-    self._lease = None
-    self._shape_key = None
+    self._lease = None        # the layout key holds the lease: the next forward lays out again
 
   def _leased(self, a: int) -> bool:
     return self._lease is not None and a == self._lease.layer

@@ -200,7 +200,8 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
       raise ValueError(f"unknown logical cache {cache!r}; caches: {sorted(self.histories)}")
     self.histories[cache].truncate(tokens)
     self._drop_prefetch(tokens, self.histories[cache])
-    self._shape_key = None
+    # the layout stays: its key (committed pages, content pages, open-slot state) changes with
+    # any truncation that changes what a forward reads, and pinned units cover sealed pages only
 
   def reset(self) -> None:
     """Start a new request: forget every token (host and device), and every counter."""
