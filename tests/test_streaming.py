@@ -488,6 +488,33 @@ def test_copy_waves_bit_for_bit_from_the_minimum_pool(kv_types):
   assert np.median(err) < 2e-5 and err.max() < 1e-4, (np.median(err), err.max())
 
 
+def test_copy_waves_from_pinned_mirrors():
+  """With pinned memory, a copy wave whose pages are all full comes from a pinned_host mirror of
+  them (made once); the tokens and logits are the plain cache's; a truncation drops exactly the
+  mirrors that reach past it."""
+  cfg, runner, layout = build_tiny_runner(1, page_tokens=16)
+  prompt = list(np.random.default_rng(5).integers(0, cfg.vocab_size, 120))
+  max_tokens = 120 + 24
+  plain, plain_logits = generate_logged(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 24, ubatch=64)
+  kv = StreamedKV(cfg, layout, max_tokens, fixed_split(6, 3, max_tokens, layout, copy_pages=2), pinned=True)
+  streamed, logits = generate_logged(runner, kv, prompt, 24, ubatch=64)
+  assert streamed.tokens == plain.tokens and kv.counters["waves"] > 0
+  assert_same_logits(logits, plain_logits)
+  hist = kv.histories["target"]
+  mirrors = [(l, f, n, arr) for l, w in enumerate(hist._pinned_waves) for f, (n, arr) in w.items()]
+  assert mirrors and all(arr.sharding.memory_kind == "pinned_host" for *_, arr in mirrors)
+  for l, f, n, arr in mirrors:      # the mirrors hold the history's bytes of full pages
+    assert (f + n) * layout.page_tokens <= hist.tokens[l]
+    np.testing.assert_array_equal(np.asarray(arr), hist.pages_lpn[l, f:f + n])
+  cut = 5 * layout.page_tokens + 3
+  kv.truncate("target", cut)
+  left = [(l, f, n) for l, w in enumerate(hist._pinned_waves) for f, (n, _) in w.items()]
+  assert left == [(l, f, n) for l, f, n, _ in mirrors if (f + n) * layout.page_tokens <= cut]
+  assert 0 < len(left) < len(mirrors)                         # some kept, some dropped
+  assert all(hist._wave_end[l] == max((f + n for ll, f, n in left if ll == l), default=0)
+             for l in range(hist.n_layers))
+
+
 # ---- the kernels end to end: compiled on the GPU, named test_gpu_*, skipped without KVJAX_TEST_GPU=1
 # (tests/conftest.py)
 

@@ -18,7 +18,7 @@ Counters kept distinct (design rule 2): `cache_id` (identity), `generation`
 from __future__ import annotations
 
 import itertools
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import jax
 import numpy as np
@@ -57,6 +57,9 @@ class HostHistory:
     self._pinned_chunks: Dict[Tuple[int, int], Tuple[jax.Array, int]] = {}
     self._chunk_end = np.zeros((n_layers,), np.int64)   # 1 + the highest chunk mirrored, per layer
     self._pinned_blocks: Dict[int, Tuple[int, int, jax.Array]] = {}   # layer -> (lo, hi, array)
+    # copy waves' pages, per layer: first page -> (pages, array); the highest end page mirrored
+    self._pinned_waves: List[Dict[int, Tuple[int, jax.Array]]] = [{} for _ in range(n_layers)]
+    self._wave_end = np.zeros((n_layers,), np.int64)
     self.d2h_bytes = 0
 
   @property
@@ -127,6 +130,11 @@ class HostHistory:
     block = self._pinned_blocks.get(layer)
     if block is not None and block[1] * pt > from_token:
       del self._pinned_blocks[layer]
+    if self._wave_end[layer] * pt > from_token:    # only a truncation reaches mirrored wave pages
+      waves = self._pinned_waves[layer]
+      for first in [f for f, (n, _) in waves.items() if (f + n) * pt > from_token]:
+        del waves[first]
+      self._wave_end[layer] = max((f + n for f, (n, _) in waves.items()), default=0)
 
   def rows(self, layer: int, tokens: int) -> Tuple[np.ndarray, np.ndarray]:
     """(K bytes [tokens, k_row_bytes], V bytes [tokens, v_row_bytes]) of the first `tokens` rows."""
@@ -167,6 +175,21 @@ class HostHistory:
     self._pinned_chunks[key] = (arr, valid)
     self._chunk_end[layer] = max(int(self._chunk_end[layer]), chunk + 1)
     return arr, valid
+
+  def pinned_pages(self, layer: int, first: int, n: int):
+    """pinned_host array [n, page_bytes] of full pages [first, first + n) of one layer (a copy
+    wave's pages), mirrored once and kept until a truncation reaches them; None without pinned
+    memory or when a page of the range is not full."""
+    if not self.pinned or (first + n) * self.layout.page_tokens > int(self.tokens[layer]):
+      return None
+    cached = self._pinned_waves[layer].get(first)
+    if cached is not None and cached[0] == n:
+      return cached[1]
+    sharding = jax.sharding.SingleDeviceSharding(default_device(), memory_kind="pinned_host")
+    arr = jax.device_put(self.pages_lpn[layer, first:first + n], sharding)
+    self._pinned_waves[layer][first] = (n, arr)
+    self._wave_end[layer] = max(int(self._wave_end[layer]), first + n)
+    return arr
 
   def pinned_block(self, layer: int, lo: int, hi: int):
     """pinned_host array [hi - lo, page_bytes] of full pages [lo, hi) of one layer: the sealed part

@@ -513,8 +513,9 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
   def _stage_sources(self, a: int, wave: int = 0, skip_block: bool = False) -> Tuple:
     """The host arrays of layer a's stage, in the order of its pieces: pinned_host arrays (numpy
     pages without pinned memory), then the partial last page (numpy). A copy wave's stage is one
-    array of `ring_slots` pages from the numpy history (zeros past its end). `skip_block`: the
-    sealed block is already on the device (prefetched)."""
+    array of `ring_slots` pages: a pinned mirror when all are full pages, else from the numpy
+    history (zeros past its end). `skip_block`: the sealed block is already on the device
+    (prefetched)."""
     hist, l = self.history_of(a)
     c = self.stream.copy_pages
     lp = self._layer_plans[a]
@@ -523,6 +524,9 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
       if wv.count == 0:
         return ()
       ring = self.stream.ring_slots
+      pinned = hist.pinned_pages(l, wv.first, ring)
+      if pinned is not None:
+        return (pinned,)
       arr = hist.pages_lpn[l, wv.first:wv.first + ring]
       if arr.shape[0] < ring:
         arr = np.concatenate([arr, np.zeros((ring - arr.shape[0], arr.shape[1]), np.uint8)])
