@@ -10,6 +10,17 @@ For each context (a synthetic streamed history, `experiments.lib.synthetic`, ins
             definition), ms per verify forward. The output must equal
             plain's (checked; a difference stops the run).
 
+With `--oracle_truth=verify` (the default) each `--n_max` first runs `verify-shaped greedy`: greedy
+decoding through the verify forward of that width with no drafts, whose tokens the oracle drafts
+(bf16 logits depend on a forward's row count; see `--verify_rows`).
+
+Columns: tok/s; rows (rows a verify forward, 1 + drafts); width (the realized verify width:
+tokens committed a verify forward); ms/fwd (ms a verify forward; plain: a decode forward); vs plain
+(tok/s / plain's); = truth (leading tokens equal to the oracle's truth, of --decode_tokens);
+= 1-row (leading tokens equal to one-row greedy decoding); lease MiB/rnd (MTP ring lease uploads a
+round, with --oracle_mtp); rollback MiB (host rollback's copies). After the table, each speculative
+row's ms a round split by phase. `--out` gets bench_spec.json (every row, with the stats).
+
 Then, at `--width_context`, ms per verify forward for verify widths 1..`--max_width` (what one
 more row costs when the history streams). Each timing excludes compilation (a warm-up first).
 Every oracle row reports the MTP-free costs; MTP lease bytes and rollback bytes come with `stats`.

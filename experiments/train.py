@@ -6,7 +6,8 @@
   python -m experiments.train ... --acceptance_contexts=256,1024   # then the acceptance study
 
 (from the repository root; any config field can be overridden, e.g. `--config.steps=200`). Writes
-under --out: log.jsonl, checkpoint.npz, tokenizer.json, files.json, <name>.gguf, loss.png,
+under --out: log.jsonl, checkpoint.npz, best.npz (the lowest held-out loss's parameters, exported
+when config.export_best), tokenizer.json, files.json, <name>.gguf, loss.png,
 summary.json (`kvjax.train.run`), and prints a short table last.
 """
 

@@ -45,6 +45,7 @@ from kvjax.streaming import (StreamedKV, adaptive_staging_reserve_pages, fit_ada
 from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV
 from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout
 from kvjax_pallas.span_attention.api import IMPLEMENTATIONS, check_page_tokens, resolve_implementation
+from kvjax_pallas.span_attention.triton import MAX_QUERY_ROWS
 
 DTYPES = ("float32", "bfloat16")
 POLICIES = ("fixed", "adaptive")
@@ -479,6 +480,9 @@ class SpecConfig:
   rollback: str = "device"
 
 
+MAX_ROWS = MAX_QUERY_ROWS   # query rows of one forward (prefill chunk, verify)
+
+
 def _as_draft(spec) -> Optional[speculative.DraftParams]:
   return spec if spec is None or isinstance(spec, speculative.DraftParams) else _draft_params(spec)
 
@@ -508,6 +512,8 @@ def check_generation(*, n_predict: int = 32, temperature: float = 0.0, top_k: in
     raise ParameterError(f"n_predict must be >= 1, got {n_predict}", "n_predict")
   if ubatch < 1:
     raise ParameterError(f"ubatch must be >= 1, got {ubatch}", "ubatch")
+  if ubatch > MAX_ROWS:
+    raise ParameterError(f"ubatch must be <= {MAX_ROWS} (the span kernels' rows a call), got {ubatch}", "ubatch")
   if not temperature >= 0.0:
     raise ParameterError(f"temperature must be >= 0, got {temperature}", "temperature")
   if top_k < 0:
@@ -518,6 +524,10 @@ def check_generation(*, n_predict: int = 32, temperature: float = 0.0, top_k: in
       raise ParameterError("spec verifies greedily: use temperature 0", "spec", "temperature")
     if phased:
       raise ParameterError("spec and phased cannot be combined yet", "spec", "phased")
+    if verify_rows(spec) > MAX_ROWS:
+      raise ParameterError(f"spec.n_max {spec.n_max} / spec.ngram_m {spec.ngram_m}: the verify of 1 + the widest "
+                           f"draft is {verify_rows(spec)} rows, at most {MAX_ROWS} rows a call: the widest draft "
+                           f"must be <= {MAX_ROWS - 1}", "spec.n_max", "spec.ngram_m")
     try:
       speculative.check_ubatch(_draft_params(spec), ubatch)
     except ValueError as e:

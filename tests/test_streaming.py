@@ -84,7 +84,7 @@ def test_refused_forward_leaves_provider_intact(tiny_runner):
   generate.prefill(seq, prompt[:256 * 3 + 0], ubatch=256)  # 3 pages: 2 streamed per layer, ring 2
   before = (dict(kv.plans), dict(kv.counters), kv.histories["target"].tokens.copy())
   with pytest.raises(StreamBudgetError, match=r"ring too small: cache layer 0 streams 3 pages .* whole "
-                     r"4-page attention partitions, but the ring has 2 slots \(2 more pages"):
+                     r"4-page attention partitions .* the ring has 2 slots: 2 more pool pages"):
     kv.begin_forward(3 * 256, 256, (0, 1), wave_pages=4)
   assert (kv.plans, kv.counters, list(kv.histories["target"].tokens)) == \
       (before[0], before[1], list(before[2]))

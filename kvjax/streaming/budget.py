@@ -28,6 +28,11 @@ class StreamBudgetError(ValueError):
   """The device pool cannot hold what a forward needs (the message says how much is missing)."""
 
 
+def mib(nbytes: float) -> str:
+  """Bytes as MiB with three significant digits (small budgets do not print as 0.0)."""
+  return f"{nbytes / 2**20:.3g} MiB"
+
+
 @dataclasses.dataclass(frozen=True)
 class StreamConfig:
   """Physical split of the device pool (fixed here; `kvjax.policy` proposes adaptive splits)."""
@@ -56,9 +61,9 @@ def fixed_split(pool_pages: int, n_layers: int, max_tokens: int, layout: PageLay
   if pool_pages < need:
     missing = need - pool_pages
     raise StreamBudgetError(
-        f"KV pool too small: {pool_pages} pages ({pool_pages * layout.page_bytes / 2**20:.1f} MiB) cannot "
+        f"KV pool too small: {pool_pages} pages ({mib(pool_pages * layout.page_bytes)}) cannot "
         f"stream {n_layers} layers: the minimum is {need} pages (1 resident page a layer + 1 ring slot): "
-        f"{missing} more pages ({missing * layout.page_bytes / 2**20:.1f} MiB) needed")
+        f"{missing} more pages ({mib(missing * layout.page_bytes)}) needed")
   if n_layers > 1:
     r = min(a, max((pool_pages - a) // (n_layers - 1), 0))
   else:
@@ -174,10 +179,10 @@ def fit_split(available_pages: int, n_layers: int, max_tokens: int, layout: Page
   total, hi = min((need(q)[1], q) for q in range(lo, everything + 1))
   missing = total - available_pages
   raise StreamBudgetError(
-      f"KV budget too small: {available_pages} pages ({available_pages * layout.page_bytes / 2**20:.1f} "
-      f"MiB) cannot hold a pool that streams {n_layers} layers at {max_tokens} tokens plus the staging "
-      f"of its in-flight uploads: the smallest is {hi} pool pages + {total - hi} staging pages; "
-      f"{missing} more pages ({missing * layout.page_bytes / 2**20:.1f} MiB) needed")
+      f"KV budget too small: {available_pages} pages ({mib(available_pages * layout.page_bytes)}) cannot hold a "
+      f"pool that streams {n_layers} layers at {max_tokens} tokens plus the staging of its in-flight uploads: "
+      f"the smallest is {hi} pool pages + {total - hi} staging pages; {missing} more pages "
+      f"({mib(missing * layout.page_bytes)}) needed")
 
 
 def stream_config_from_budget(cfg: ModelConfig, layout: PageLayout, max_tokens: int, *,
@@ -194,8 +199,10 @@ def stream_config_from_budget(cfg: ModelConfig, layout: PageLayout, max_tokens: 
     left = arena_bytes - workspace_bytes
     if left < layout.page_bytes:
       raise StreamBudgetError(
-          f"arena of {arena_bytes / 2**20:.1f} MiB leaves {left / 2**20:.1f} MiB after the "
-          f"{workspace_bytes / 2**20:.1f} MiB workspace: not one {layout.page_bytes} B page")
+          f"arena of {mib(arena_bytes)} leaves no page after the {mib(workspace_bytes)} decode workspace: "
+          f"the workspace plus the minimum pool of {minimum_pool_pages(n_layers)} pages ({n_layers} layers + "
+          f"1) is {mib(workspace_bytes + minimum_pool_pages(n_layers) * layout.page_bytes)}, and the staging "
+          f"of in-flight uploads comes on top")
     return fit_split(left // layout.page_bytes, n_layers, max_tokens, layout, copy_pages,
                      prefetch_depth)
   return fixed_split(int(pool_pages), n_layers, max_tokens, layout, copy_pages)

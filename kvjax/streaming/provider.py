@@ -69,7 +69,7 @@ import numpy as np
 from kvjax.config import ModelConfig
 from kvjax.engine import LayerKV, on_device
 from kvjax.model import KVRows
-from kvjax.streaming.budget import StreamBudgetError, StreamConfig, staging_unit_pages
+from kvjax.streaming.budget import StreamBudgetError, StreamConfig, mib, staging_unit_pages
 from kvjax.streaming import staging
 from kvjax.streaming.host_history import HostHistory
 from kvjax.streaming.lease import MTPLease, MTPLeaseMixin
@@ -281,9 +281,11 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
       if streamed > ring and ring < wave_pages:
         missing = wave_pages - ring   # copy waves need one partition in the ring
         raise StreamBudgetError(
-            f"ring too small: cache layer {a} streams {streamed} pages at {end} tokens in copy waves of "
-            f"whole {wave_pages}-page attention partitions, but the ring has {ring} slots"
-            f"{' outside the MTP lease' if self._lease else ''} ({missing} more pages = {missing * lay.page_bytes / 2**20:.1f} MiB needed)")
+            f"ring too small: cache layer {a} streams {streamed} pages in copy waves of whole "
+            f"{wave_pages}-page attention partitions (a forward of {n_tokens} rows up to token {end}), but "
+            f"the ring has {ring} slots{' outside the MTP lease' if self._lease else ''}: {missing} more "
+            f"pool pages ({mib(missing * lay.page_bytes)}), attention block_pages 1, or fewer rows a "
+            f"forward (ubatch) would do")
     self._pos, self._n, self._active = pos, n_tokens, active
     self._wave_pages = int(wave_pages)
     self._content = lay.pages_for(pos)  # pages that already hold tokens
