@@ -110,7 +110,7 @@ def main(argv):
   # the arena holds the widest verify forward's scratch and the recurrent states its rows capture
   rows = FLAGS.verify_rows or max(widest, FLAGS.max_width if FLAGS.width_context else 1)
   widest_draft = speculative.DraftParams("oracle", n_max=rows - 1, rollback=FLAGS.rollback) if rows > 1 else None
-  workspace, verify_states = api.decode_workspace_bytes(runner, max(int(c) for c in FLAGS.contexts), widest_draft)
+  workspace, verify_states = speculative.decode_workspace_bytes(runner, max(int(c) for c in FLAGS.contexts), widest_draft)
   pool_pages = int((FLAGS.arena_mib * 2**20 - workspace) // layout.page_bytes)
   n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
   log = {"flags": {k: FLAGS[k].value for k in FLAGS if k in (

@@ -344,25 +344,12 @@ def _build_kv(model: LoadedModel, max_tokens: int, arena_mib, pool_pages, copy_p
   if tensor_parallel(model) == 1:
     return _build_device_kv(runner, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased, ubatch,
                             draft=draft)
-  ws = (decode_workspace_bytes(runner.device_runners[0], max_tokens, draft)[0]
+  ws = (speculative.decode_workspace_bytes(runner.device_runners[0], max_tokens, draft)[0]
         if arena_mib is not None else None)   # the same on every device
   parts = parallel.per_device(runner.mesh, lambda d: _build_device_kv(
       runner.device_runners[d], max_tokens, arena_mib, pool_pages, copy_pages, policy, phased, ubatch, ws))
   info = dict(parts[0][1], tensor_parallel=tensor_parallel(model))
   return parallel.ShardedKV(runner.mesh, [kv for kv, _ in parts]), info
-
-
-def decode_workspace_bytes(runner: engine.Runner, max_tokens: int,
-                           draft: Optional[speculative.DraftParams] = None) -> Tuple[int, int]:
-  """-> (device bytes the arena holds beside the pool after the prompt, of which the verify's
-  captured recurrent states): the larger scratch of a one-row decode forward and of `draft`'s
-  verify forward, plus the states that verify captures."""
-  ws = engine.group_step_workspace_bytes(runner, 1, max_tokens)
-  if draft is None or draft.verify_width == 1:
-    return ws, 0
-  states = speculative.verify_state_bytes(runner, draft)
-  verify = engine.group_step_workspace_bytes(runner, draft.verify_width, max_tokens, verify=True)
-  return max(ws, verify) + states, states
 
 
 def _build_device_kv(runner: engine.Runner, max_tokens: int, arena_mib, pool_pages, copy_pages, policy, phased,
@@ -376,7 +363,7 @@ def _build_device_kv(runner: engine.Runner, max_tokens: int, arena_mib, pool_pag
   if arena_mib is not None:
     states = 0
     if ws is None:   # the scratch of the widest decode-phase forward (a verify's rows and states)
-      ws, states = decode_workspace_bytes(runner, max_tokens, draft)
+      ws, states = speculative.decode_workspace_bytes(runner, max_tokens, draft)
     info["arena_mib"] = arena_mib
     info["decode_rows"] = 1 if draft is None else draft.verify_width
     info["verify_states_bytes"] = states

@@ -159,6 +159,18 @@ def verify_state_bytes(runner: Runner, draft: DraftParams) -> int:
   return rows * (every if draft.rollback == "device" else HostRollback.SLOTS * largest)
 
 
+def decode_workspace_bytes(runner: Runner, max_tokens: int, draft: Optional[DraftParams] = None):
+  """-> (device bytes the arena holds beside the pool after the prompt, of which the verify's
+  captured recurrent states): the larger scratch of a one-row decode forward and of `draft`'s
+  verify forward, plus the states that verify captures."""
+  ws = engine_lib.group_step_workspace_bytes(runner, 1, max_tokens)
+  if draft is None or draft.verify_width == 1:
+    return ws, 0
+  states = verify_state_bytes(runner, draft)
+  verify = engine_lib.group_step_workspace_bytes(runner, draft.verify_width, max_tokens, verify=True)
+  return max(ws, verify) + states, states
+
+
 class DeviceRollback:
   """Every verify row's recurrent states stay on the device; rollback selects row j."""
   name = "device"
