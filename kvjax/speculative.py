@@ -39,8 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import engine as engine_lib
-from kvjax.engine import KVProvider, Runner, select_row
+from kvjax.engine import KVProvider, Runner, group_step_workspace_bytes, recurrent_state_bytes, select_row
 from kvjax.generate import CompileClock, GenerationResult, SequenceState, generate, generation_metrics, \
     mtp_rows, prefill
 
@@ -155,7 +154,7 @@ def verify_state_bytes(runner: Runner, draft: DraftParams) -> int:
   row): rollback "device" keeps every group's states of the other W - 1 rows until the rollback;
   "host" holds at most `HostRollback.SLOTS` groups' W - 1 rows in its stage."""
   rows = draft.verify_width - 1
-  every, largest = engine_lib.recurrent_state_bytes(runner)
+  every, largest = recurrent_state_bytes(runner)
   return rows * (every if draft.rollback == "device" else HostRollback.SLOTS * largest)
 
 
@@ -163,11 +162,11 @@ def decode_workspace_bytes(runner: Runner, max_tokens: int, draft: Optional[Draf
   """-> (device bytes the arena holds beside the pool after the prompt, of which the verify's
   captured recurrent states): the larger scratch of a one-row decode forward and of `draft`'s
   verify forward, plus the states that verify captures."""
-  ws = engine_lib.group_step_workspace_bytes(runner, 1, max_tokens)
+  ws = group_step_workspace_bytes(runner, 1, max_tokens)
   if draft is None or draft.verify_width == 1:
     return ws, 0
   states = verify_state_bytes(runner, draft)
-  verify = engine_lib.group_step_workspace_bytes(runner, draft.verify_width, max_tokens, verify=True)
+  verify = group_step_workspace_bytes(runner, draft.verify_width, max_tokens, verify=True)
   return max(ws, verify) + states, states
 
 

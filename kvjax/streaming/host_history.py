@@ -37,6 +37,11 @@ def pinned_available() -> bool:
     return False
 
 
+def _to_pinned(pages) -> jax.Array:
+  """A host numpy array copied into pinned_host memory (the mirrors the uploads read)."""
+  return jax.device_put(pages, jax.sharding.SingleDeviceSharding(default_device(), memory_kind="pinned_host"))
+
+
 class HostHistory:
   """The authoritative KV history of one logical cache (`n_layers` attention layers)."""
 
@@ -166,12 +171,11 @@ class HostHistory:
     cached = self._pinned_chunks.get(key)
     if cached is not None and cached[1] >= valid:
       return cached[0], cached[1]
-    sharding = jax.sharding.SingleDeviceSharding(default_device(), memory_kind="pinned_host")
     first = chunk * c
     host = self.pages_lpn[layer, first:first + c]
     if host.shape[0] < c:  # last chunk of a history whose max_pages is not a multiple of c
       host = np.concatenate([host, np.zeros((c - host.shape[0], host.shape[1]), np.uint8)])
-    arr = jax.device_put(host, sharding)
+    arr = _to_pinned(host)
     self._pinned_chunks[key] = (arr, valid)
     self._chunk_end[layer] = max(int(self._chunk_end[layer]), chunk + 1)
     return arr, valid
@@ -185,8 +189,7 @@ class HostHistory:
     cached = self._pinned_waves[layer].get(first)
     if cached is not None and cached[0] == n:
       return cached[1]
-    sharding = jax.sharding.SingleDeviceSharding(default_device(), memory_kind="pinned_host")
-    arr = jax.device_put(self.pages_lpn[layer, first:first + n], sharding)
+    arr = _to_pinned(self.pages_lpn[layer, first:first + n])
     self._pinned_waves[layer][first] = (n, arr)
     self._wave_end[layer] = max(int(self._wave_end[layer]), first + n)
     return arr
@@ -205,7 +208,6 @@ class HostHistory:
     if cached is not None and cached[:2] == (lo, hi):
       return cached[2]
     self._pinned_blocks.pop(layer, None)      # free the old block first
-    sharding = jax.sharding.SingleDeviceSharding(default_device(), memory_kind="pinned_host")
-    arr = jax.device_put(self.pages_lpn[layer, lo:hi], sharding)
+    arr = _to_pinned(self.pages_lpn[layer, lo:hi])
     self._pinned_blocks[layer] = (lo, hi, arr)
     return arr
