@@ -79,6 +79,9 @@ def define_flags():
                     "decoding')")
   flags.DEFINE_bool("oracle_mtp", False, "the MTP head catches up and drafts every round beside the oracle "
                     "(under its ring lease; drafts unused): the oracle's acceptance at MTP drafting's cost")
+  flags.DEFINE_bool("profile", False, "after each context's first oracle row: the same run once more under "
+                    "cProfile (host functions by own time) and the device timeline (experiments.lib.timeline), "
+                    "written to --out as profile_<ctx>.txt")
   flags.DEFINE_integer("verify_rows", 0, "> 0: compare a verify forward of this many rows with one-row "
                        "forwards at each context (numerics check; no timing)")
   flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_spec"), "output folder")
@@ -192,6 +195,8 @@ def main(argv):
                    "lease_mib": st.get("mtp_lease_bytes_per_round", 0.0) / 2**20,
                    "rollback_mib": (st["rollback_d2h_bytes"] + st["rollback_h2d_bytes"]) / 2**20, "stats": st})
       print(json.dumps(rows[-1], default=float), flush=True)
+      if FLAGS.profile and n_max == int(FLAGS.n_max[0]):
+        _profile(lambda: spec(kv, ctx, n_max, ref), ctx)
     del kv
   widths = []
   if FLAGS.width_context:
@@ -227,6 +232,31 @@ def main(argv):
   if widths:
     print(f"verify width at {FLAGS.width_context}: " + "  ".join(f"{w['width']}: {w['verify_ms']:.2f} ms"
                                                                   for w in widths))
+
+
+def _profile(run, ctx):
+  """`run()` under cProfile, then under the device profiler: where a round's host time goes."""
+  import cProfile
+  import io
+  import pstats
+  from experiments.lib import timeline
+  prof = cProfile.Profile()
+  prof.enable()
+  run()
+  prof.disable()
+  text = io.StringIO()
+  pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+  pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+  events, trace_dir = timeline.profile(run)
+  summ = timeline.summarize(events)
+  calls = timeline.host_calls(trace_dir)
+  with open(os.path.join(FLAGS.out, f"profile_{ctx}.txt"), "w") as f:
+    f.write(text.getvalue() + "\n" + json.dumps(summ, indent=1) + "\n")
+    for name, (n, ms) in sorted(calls.items(), key=lambda kv: -kv[1][1]):
+      f.write(f"host {ms:9.3f} ms {n:5d} calls  {name}\n")
+    f.write(timeline.format_segments(timeline.segments(events), limit=100000) + "\n")
+  print("\n".join(text.getvalue().splitlines()[:30]), flush=True)
+  print(f"timeline {ctx}: " + json.dumps(summ), flush=True)
 
 
 def _verify_rows(runner, cfg, layout, make_kv, restart, log):

@@ -211,20 +211,9 @@ class GatedAttention(nnx.Module):
     o_se = o_shd.reshape(o_shd.shape[0], cfg.num_attention_heads * cfg.head_dim) * jax.nn.sigmoid(gate_se)
     return block_sum(linear(o_se.astype(self.attn_output[...].dtype), self.attn_output[...]))
 
-  def __call__(self, h_se, pool_pn, table_t, pos, n_valid, layout: PageLayout, opts: AttentionOptions,
-               rope_offset=0):
-    """Rows at cache positions pos..pos+S-1 (rows >= n_valid are padding)."""
-    q_shd, gate_se, rows = self.begin(h_se, pos, layout, rope_offset)
-    pool_pn = write_kv_rows(pool_pn, table_t, pos, n_valid, rows, layout)
-    pos_s = pos + jnp.arange(h_se.shape[0], dtype=jnp.int32)
-    o_shd = span_api.span_attention(q_shd, pool_pn, table_t, pos + n_valid, pos_s, layout=layout,
-                                    block_pages=opts.block_pages, implementation=opts.implementation,
-                                    interpret=opts.interpret)
-    return self.end(o_shd, gate_se), pool_pn, rows
-
   def causal(self, h_se, pos_s):
     """The rows attend causally to themselves, without a cache (the training form: differentiable,
-    f32 scores and softmax). Equals `__call__` on an empty cache with f32 K/V pages."""
+    f32 scores and softmax). Equals `Block.attend` on an empty cache with f32 K/V pages."""
     cfg = self.cfg
     s = h_se.shape[0]
     G, D = cfg.num_kv_heads, cfg.head_dim
@@ -235,6 +224,12 @@ class GatedAttention(nnx.Module):
     o_shd = jnp.einsum("grst,tgd->sgrd", jax.nn.softmax(sc, axis=-1), v_sgd,
                        precision=_HI).reshape(s, cfg.num_attention_heads, D)
     return self.end(o_shd, gate_se)
+
+
+def wave_cut(tree):
+  """Where `Block.attend` is cut as the copy-wave programs are (`lax.optimization_barrier`; a
+  module attribute so that `experiments.kernel_lab.probe_wave_bits` can compare the uncut form)."""
+  return lax.optimization_barrier(tree)
 
 
 def attend_wave(pool_pn, table_t, stage, pieces, rows: KVRows, q_shd, carry, pos, n_valid, tile_begin,
@@ -418,9 +413,24 @@ class Block(nnx.Module):
     return self._ffn(x_se + out.astype(x_se.dtype)), state
 
   def attend(self, x_se, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset=0):
-    h = rms_norm(x_se, self.attn_norm[...], self.eps)
-    out, pool_pn, rows = self.mixer(h, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset)
-    return self._ffn(x_se + out.astype(x_se.dtype)), pool_pn, rows
+    """Rows at cache positions pos..pos+S-1 (rows >= n_valid are padding) over the paged KV in one
+    span-attention call -> (x_se, pool_pn with the rows written, the encoded rows).
+
+    Built from the copy-wave path's pieces (`attend_begin`, the kernel's `partial` entry,
+    `attend_end`) and cut where that path's compiled programs are cut, by optimization barriers:
+    XLA then fuses each side alike in both, so one call and copy waves give the same bits on the
+    compiled GPU kernels too (without the cuts a waved layer differed by ~1e-5 on the H200:
+    fusion decides where products are contracted into FMAs)."""
+    q_shd, gate_se, rows = self.attend_begin(x_se, pos, layout, rope_offset)
+    x_se, q_shd, gate_se, rows = wave_cut((x_se, q_shd, gate_se, rows))
+    pool_pn = write_kv_rows(pool_pn, table_t, pos, n_valid, rows, layout)
+    pos_s = pos + jnp.arange(q_shd.shape[0], dtype=jnp.int32)
+    carry = span_api.span_attention_partial(
+        q_shd, pool_pn, table_t, pos + n_valid, pos_s, None, jnp.int32(0), jnp.int32(table_t.shape[0]),
+        layout=layout, num_q_heads=q_shd.shape[1], block_pages=opts.block_pages,
+        implementation=opts.implementation, interpret=opts.interpret)
+    carry = wave_cut(carry)
+    return self.attend_end(x_se, span_api.finalize(carry, q_shd.shape[1]), gate_se), pool_pn, rows
 
   def attend_begin(self, x_se, pos, layout, rope_offset=0):
     """The attention block up to span attention (`GatedAttention.begin`)."""

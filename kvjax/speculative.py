@@ -399,10 +399,12 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
     # 4. rollback: the states after row j; the rejected rows leave the KV histories
     seq.rec_states = rollback.states_after(vout.rec_states, j, width)
     seq.pos = c + j + 1
+    t_trunc = time.perf_counter()
+    phase_ms["rollback"] += (t_trunc - t_phase) * 1e3
     kv.truncate("target", seq.pos)
     b = target[j]
     round_lease = 0
-    phase_ms["accept_rollback"] += (time.perf_counter() - t_phase) * 1e3
+    phase_ms["truncate"] += (time.perf_counter() - t_trunc) * 1e3
     t_phase = time.perf_counter()
     if use_mtp:
       # 5. MTP catch-up on the accepted rows; its last row proposes the next d_1. Draft rows from
