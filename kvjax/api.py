@@ -19,9 +19,10 @@ that layout.
 Errors. A bad argument raises `ParameterError` (a `ValueError`) whose message names the parameter of
 this API, e.g. "copy_pages must be a power of two >= 1, got 3"; its `params` lists the parameters the
 message names, so a front end can rename them (`kvjax.cli` writes `--kv-stream-copy-pages`). A missing
-model file raises `ModelNotFoundError` (a `ParameterError`). A budget too small for the context raises
-`kvjax.streaming.StreamBudgetError` and a malformed GGUF file `kvjax.gguf_io.GGUFError`; both are
-`ValueError`s whose messages say what is missing or wrong.
+model file raises `ModelNotFoundError` (a `ParameterError`). A budget given to `make_kv` that cannot
+hold the cache raises `KVBudgetError` (a `ParameterError` naming `arena_mib` or `pool_pages`, and a
+`kvjax.streaming.StreamBudgetError`); a forward that outgrows it later, `StreamBudgetError`; a
+malformed GGUF file `kvjax.gguf_io.GGUFError`. Each message says what is missing or wrong.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from kvjax import config as config_lib
 from kvjax import engine, generate as gen_lib, parallel, speculative, text as text_lib, tiny, weights
 from kvjax.generate import GenerationResult
 from kvjax.model import AttentionOptions
-from kvjax.streaming import (StreamedKV, adaptive_staging_reserve_pages, fit_adaptive_pool,
+from kvjax.streaming import (StreamBudgetError, StreamedKV, adaptive_staging_reserve_pages, fit_adaptive_pool,
                              staging_reserve_pages, stream_config_from_budget)
 from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV
 from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout
@@ -305,6 +306,11 @@ def check_kv_memory(model: LoadedModel, max_tokens: int, streamed: bool = False,
                            f"cache layer), {have / 2**20:,.1f} MiB available", "max_tokens")
 
 
+class KVBudgetError(ParameterError, StreamBudgetError):
+  """`make_kv`'s budget (`arena_mib` or `pool_pages`) cannot hold the cache; the message says how
+  much is missing."""
+
+
 class KVCache:
   """A KV cache made by `make_kv`: `provider` (what the runner reads and writes: `engine.PlainKV`,
   `StreamedKV`, `AdaptiveStreamedKV` or `PhasedKV`) and `info` (its budget: "kv" plain / streamed /
@@ -389,6 +395,8 @@ def _build_device_kv(runner: engine.Runner, max_tokens: int, arena_mib, pool_pag
   else:
     kv = StreamedKV(cfg, layout, max_tokens, stream)
     info["all_pages_resident"] = _all_resident(stream, layout, max_tokens)
+  info.update(pool_pages=kv.stream.pool_pages, ring_slots=kv.stream.ring_slots,   # the starting split
+              copy_unit_pages=kv.copy_unit)      # copy_pages halved until that ring holds it
   if phased:   # each phase's pool: a fixed split, or the policy rebound on it (adaptive)
     ws_prefill = engine.group_step_workspace_bytes(runner, ubatch, max_tokens)
     kv = PhasedKV(kv, int(arena_mib * 2**20), ws_prefill, ws, max_tokens)
@@ -426,7 +434,8 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
     too); `generate` refuses a spec whose verify the cache's arena was not measured for.
 
   Refused before anything is allocated (`ParameterError`): a capacity beyond the model's context
-  length, or KV bytes beyond the host's available memory or the device's (where it reports it).
+  length, or KV bytes beyond the host's available memory or the device's (where it reports it);
+  a budget that cannot hold the cache (`KVBudgetError`, also a `StreamBudgetError`).
   """
   check_kv_budget(arena_mib=arena_mib, pool_pages=pool_pages, copy_pages=copy_pages, policy=policy,
                   phased=phased)
@@ -440,8 +449,12 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
     raise ParameterError(f"tensor_parallel {tensor_parallel(model)} runs the fixed split without phases (every "
                          f"device the same layout): use policy 'fixed' and no phased", "policy", "phased")
   check_kv_memory(model, max_tokens, streamed=arena_mib is not None or pool_pages is not None)
-  return KVCache(lambda: _build_kv(model, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased,
-                                   ubatch, draft))
+  try:
+    return KVCache(lambda: _build_kv(model, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased,
+                                     ubatch, draft))
+  except StreamBudgetError as e:   # the budget given cannot hold the cache: named by its parameter
+    name, value = ("arena_mib", arena_mib) if arena_mib is not None else ("pool_pages", pool_pages)
+    raise KVBudgetError(f"{name} {value:g}: {e}", name) from None
 
 
 # ---------------------------------------------------------------------------

@@ -248,3 +248,22 @@ def test_budget_too_small_says_how_many_pages_are_missing(model):
   from kvjax.streaming import StreamBudgetError  # pylint: disable=import-outside-toplevel
   e = _error(api.make_kv, model, 1024, pool_pages=2)
   assert isinstance(e, StreamBudgetError) and "the minimum is 4 pages" in str(e) and "2 more pages" in str(e)
+  assert isinstance(e, api.KVBudgetError) and e.params == ("pool_pages",) and str(e).startswith("pool_pages 2: ")
+  e = _error(api.make_kv, model, 1024, arena_mib=0.5)
+  assert isinstance(e, api.KVBudgetError) and e.params == ("arena_mib",) and "more pages" in str(e)
+  assert e.renamed({"arena_mib": "--kv-stream-arena-mib"}).startswith("--kv-stream-arena-mib 0.5: ")
+
+
+def test_readme_api_example_runs_and_streams():
+  """The README's Python example, as written: it runs, and its cache streams (in copy waves)."""
+  import pathlib
+  import re
+  text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+  blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "api.make_kv" in b]
+  assert len(blocks) == 1
+  ns = {}
+  with contextlib.redirect_stdout(io.StringIO()):
+    exec(compile(blocks[0], "README.md", "exec"), ns)  # pylint: disable=exec-used
+  m = ns["m"]
+  assert m["streamed_pages"] > 0 and m["waves"] > 0 and m["h2d_bytes"] > 0
+  assert ns["fast"].tokens and ns["logits"].shape[0] == len(ns["res"].tokens)

@@ -325,7 +325,7 @@ def test_error_truncated_gguf(capsys, tmp_path):
 def test_error_pool_too_small(capsys):
   rc, _, err = run_main(capsys, "generate", "--prompt=hi", "--kv-stream-pool-pages=2", "--ctx-size=1024",
                         "--kv-page-tokens=64")
-  assert_one_line_error(rc, err, 1, "too small", "the minimum is 4 pages", "2 more pages")
+  assert_one_line_error(rc, err, 2, "--kv-stream-pool-pages 2:", "too small", "the minimum is 4 pages", "2 more pages")
 
 
 @pytest.mark.parametrize("argv,needle", [

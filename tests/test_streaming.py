@@ -580,3 +580,23 @@ def test_gpu_streamed_logits_bit_for_bit_on_the_kernels(impl):
   want = np.asarray(generate.prefill(seq, prompt, 64))
   err = float(np.max(np.abs(runs[0][2][0] - want)) / np.max(np.abs(want)))
   assert 0 < err < 1e-2, err
+
+
+def test_copy_unit_is_capped_at_the_ring(tiny_runner):
+  """A copy unit uploads whole, so a 32-page unit through a 3-slot ring would move ~30x the bytes
+  that stream: the cache halves it until the ring holds it (2 pages here), with the same logits."""
+  cfg, runner, layout = tiny_runner
+  prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 3 * 256 + 100))
+  max_tokens = len(prompt) + 24
+  plain, plain_logits = generate_logged(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, 24)
+  kv = StreamedKV(cfg, layout, max_tokens, StreamConfig(6, (1, 1, 1), 32))
+  assert kv.stream.ring_slots == 3 and kv.copy_unit == 2 and kv.histories["target"].copy_pages == 2
+  streamed, logits = generate_logged(runner, kv, prompt, 24)
+  assert streamed.tokens == plain.tokens
+  assert_same_logits(logits, plain_logits)
+  m = streamed.metrics
+  assert m["streamed_pages"] > 0 and m["h2d_bytes"] <= 2 * m["streamed_pages"] * layout.page_bytes, \
+      (m["h2d_bytes"], m["streamed_pages"])
+  kv.rebind(StreamConfig(6, (1, 1, 1), 32))        # the nominal unit is what a rebind compares
+  with pytest.raises(ValueError, match="copy_pages is fixed"):
+    kv.rebind(StreamConfig(6, (1, 1, 1), 2))

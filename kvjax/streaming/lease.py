@@ -69,7 +69,7 @@ class MTPLeaseMixin:
     end of the ring: the sealed copy units as one pinned block (re-made every `copy_pages` pages),
     the rest as one pageable copy. Bytes = exactly the suffix's pages. Drops the lease when the
     ring cannot hold it (after a rebind to a smaller ring, too)."""
-    ls, lay, c = self._lease, self.layout, self.stream.copy_pages
+    ls, lay, c = self._lease, self.layout, self.copy_unit
     hist = self.histories["mtp"]
     cap = self.stream.resident_pages_per_layer[ls.layer]
     slots = max(0, lay.pages_for(ls.end_tokens) - cap)

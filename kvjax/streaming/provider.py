@@ -69,7 +69,7 @@ import numpy as np
 from kvjax.config import ModelConfig
 from kvjax.engine import LayerKV, on_device
 from kvjax.model import KVRows
-from kvjax.streaming.budget import StreamBudgetError, StreamConfig, mib, staging_unit_pages
+from kvjax.streaming.budget import StreamBudgetError, StreamConfig, copy_unit_pages, mib, staging_unit_pages
 from kvjax.streaming import staging
 from kvjax.streaming.host_history import HostHistory
 from kvjax.streaming.lease import MTPLease, MTPLeaseMixin
@@ -94,9 +94,10 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     self._check_stream(stream)
     max_pages = layout.pages_for(max_tokens)
     self.max_tokens = max_pages * layout.page_tokens
-    self.histories = {"target": HostHistory("target", layout, n_target, max_pages, stream.copy_pages, pinned)}
+    self.copy_unit = copy_unit_pages(stream)     # fixed with the histories' copy units
+    self.histories = {"target": HostHistory("target", layout, n_target, max_pages, self.copy_unit, pinned)}
     if cfg.has_mtp:
-      self.histories["mtp"] = HostHistory("mtp", layout, 1, max_pages, stream.copy_pages, pinned)
+      self.histories["mtp"] = HostHistory("mtp", layout, 1, max_pages, self.copy_unit, pinned)
     self.pinned = self.histories["target"].pinned
     self.max_pages = max_pages
     self.pool_pn = None
@@ -475,7 +476,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     the open copy unit u, whole (pinned memory mirrors full pages only). A partial last page that
     streams is uploaded on its own (`tail`). One large copy and one unit per layer: XLA keeps at
     most two asynchronous copies of a step in flight, so fewer copies overlap compute better."""
-    c = self.stream.copy_pages
+    c = self.copy_unit
     slot_of = lambda p: int(phys[p - live])
     need = min(self._active, self._content)       # streamed pages holding committed tokens: [live, need)
     full = min(need, self._full)
@@ -519,7 +520,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     history (zeros past its end). `skip_block`: the sealed block is already on the device
     (prefetched)."""
     hist, l = self.history_of(a)
-    c = self.stream.copy_pages
+    c = self.copy_unit
     lp = self._layer_plans[a]
     if lp.waves:
       wv = lp.waves[wave]

@@ -108,7 +108,7 @@ class ResidentRefillMixin:
     need = min(live, self._content)
     first = int(self.resident_valid[a])
     base = int(self.resident_base[a])
-    c = self.stream.copy_pages
+    c = self.copy_unit
     piece = max(c, (self.staging_unit - c) // c * c)   # unit-aligned pieces: staging <= one unit
     while first < need:
       end = min(need, (first // piece + 1) * piece)
