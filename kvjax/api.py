@@ -41,8 +41,8 @@ from kvjax import config as config_lib
 from kvjax import engine, generate as gen_lib, parallel, speculative, text as text_lib, tiny, weights
 from kvjax.generate import GenerationResult
 from kvjax.model import AttentionOptions
-from kvjax.streaming import (StreamBudgetError, StreamedKV, adaptive_staging_reserve_pages, fit_adaptive_pool,
-                             staging_reserve_pages, stream_config_from_budget)
+from kvjax.streaming import (StreamBudgetError, StreamedKV, adaptive_staging_reserve_pages,
+                             fit_adaptive_pool, staging_reserve_pages, stream_config_from_budget)
 from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV
 from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout
 from kvjax_pallas.span_attention.api import IMPLEMENTATIONS, check_page_tokens, resolve_implementation
