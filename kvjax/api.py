@@ -40,6 +40,7 @@ import numpy as np
 from kvjax import config as config_lib
 from kvjax import engine, generate as gen_lib, parallel, speculative, text as text_lib, tiny, weights
 from kvjax.generate import GenerationResult
+from kvjax.memory_report import available_memory
 from kvjax.model import AttentionOptions
 from kvjax.streaming import (StreamBudgetError, StreamedKV, adaptive_staging_reserve_pages,
                              fit_adaptive_pool, staging_reserve_pages, stream_config_from_budget)
@@ -250,32 +251,6 @@ def check_context_length(model: LoadedModel, max_tokens: int, exceed_context_len
     raise ParameterError(f"{param} {max_tokens} is beyond the model's context length of {limit} positions "
                          f"({max_tokens - limit} more; exceed_context_length allows it)", param,
                          "exceed_context_length")
-
-
-def available_memory() -> Dict[str, Optional[int]]:
-  """Bytes available now: "host" (MemAvailable, or physical pages free) and "device" (the default
-  device's limit minus what is in use, where the backend reports it; None elsewhere, e.g. on a CPU,
-  whose KV lives in host memory)."""
-  host = None
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          host = int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  if host is None:
-    try:
-      host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-      host = None
-  device = None
-  dev = jax.devices()[0]
-  if dev.platform != "cpu":
-    stats = dev.memory_stats() or {}
-    if "bytes_limit" in stats:
-      device = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-  return {"host": host, "device": device}
 
 
 def kv_bytes(model: LoadedModel, max_tokens: int) -> int:

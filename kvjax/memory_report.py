@@ -27,12 +27,14 @@ result. Rows (bytes unless named otherwise):
   by target + MTP attention layers (resident pages + ring).
 
 Run: `kvjax memory --config=configs/memory_27b.py` (or `python -m kvjax.memory_report --config=...`).
-Arithmetic only: this module imports no JAX, so the command answers at once.
+Arithmetic only: this module imports no JAX, so the command answers at once (`available_memory`,
+the bytes free now, imports it when called).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+import os
+from typing import Dict, List, Optional, Tuple
 
 from kvjax import config as config_lib
 from kvjax_pallas.page_layout import PageLayout
@@ -189,3 +191,30 @@ def main(argv=None):
 
 if __name__ == "__main__":
   main()
+
+
+def available_memory() -> Dict[str, Optional[int]]:
+  """Bytes available now: "host" (MemAvailable, or physical pages free) and "device" (the default
+  device's limit minus what is in use, where the backend reports it; None elsewhere, e.g. on a CPU,
+  whose KV lives in host memory)."""
+  host = None
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          host = int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  if host is None:
+    try:
+      host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+      host = None
+  import jax  # pylint: disable=import-outside-toplevel  (the report itself needs no JAX)
+  device = None
+  dev = jax.devices()[0]
+  if dev.platform != "cpu":
+    stats = dev.memory_stats() or {}
+    if "bytes_limit" in stats:
+      device = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+  return {"host": host, "device": device}
