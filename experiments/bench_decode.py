@@ -159,8 +159,7 @@ def main(argv):
   st = device_runner.zero_states()[0]
   pool_probe = jnp.zeros((4, layout.page_bytes), jnp.uint8)
   comp = engine._group_step.lower(gd, gs, jnp.zeros((1, cfg.hidden_size), dtype), st, pool_probe,
-                                  jnp.zeros((4,), jnp.int32), jnp.int32(0), jnp.int32(1), (), None,
-                                  layout=layout,
+                                  jnp.zeros((4,), jnp.int32), jnp.int32(0), jnp.int32(1), layout=layout,
                                   opts=opts, chunked=False).compile()
   workspace = arena.workspace_bytes_from_compiled(comp)
   log["decode_workspace_mib"] = workspace / 2**20

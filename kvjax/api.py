@@ -8,13 +8,11 @@
     print(res.text, res.metrics["decode_tps"])
     logits = api.teacher_forced_logits(model, res.tokens)     # float32 [n, vocab]
 
-This module is where the pieces are put together: the `kvjax.engine` runner, the KV providers
-(`engine.PlainKV`, `kvjax.streaming`), and the `kvjax.generate` / `kvjax.speculative` loops. The
-`kvjax` command (`kvjax.cli`), the experiments and the quickstart notebook all go through it.
-
-The KV page layout (page_tokens, k_type, v_type) and the attention implementation are fixed when a
-model is loaded: the compiled steps are specialised to them, and every cache made for the model uses
-that layout.
+This module puts the pieces together (the `kvjax.engine` runner, the KV providers, the
+`kvjax.generate` / `kvjax.speculative` loops); the CLI, the experiments and the notebooks go through
+it. The KV page layout and the attention implementation are fixed when a model is loaded (the
+compiled steps are specialised to them). `warmup(model, kv)` compiles every program a generation on
+`kv` can run; JAX's persistent compilation cache keeps them for the next process (`compile_cache`).
 
 Errors. A bad argument raises `ParameterError` (a `ValueError`) whose message names the parameter of
 this API, e.g. "copy_pages must be a power of two >= 1, got 3"; its `params` lists the parameters the
@@ -37,13 +35,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import config as config_lib
-from kvjax import engine, generate as gen_lib, parallel, speculative, text as text_lib, tiny, weights
+from kvjax import compile_cache as cache_lib, config as config_lib
+from kvjax import engine, generate as gen_lib, parallel, speculative, text as text_lib, tiny, warmup as warm_lib, \
+    weights
 from kvjax.generate import GenerationResult
 from kvjax.memory_report import available_memory
 from kvjax.model import AttentionOptions
 from kvjax.streaming import (StreamBudgetError, StreamedKV, adaptive_staging_reserve_pages,
                              fit_adaptive_pool, staging_reserve_pages, stream_config_from_budget)
+from kvjax.streaming.arena import CapacityError   # a phased arena too small for its workspaces
 from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV
 from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout
 from kvjax_pallas.span_attention.api import IMPLEMENTATIONS, check_page_tokens, resolve_implementation
@@ -56,7 +56,7 @@ DRAFTS = speculative.DRAFT_KINDS
 __all__ = ["ParameterError", "ModelNotFoundError", "LoadedModel", "KVCache", "SpecConfig", "GenerationResult",
            "load_model", "make_kv", "check_kv_budget", "check_generation", "check_context_length", "check_kv_memory",
            "available_memory", "kv_bytes", "encode", "prompt_ids",
-           "context_tokens", "generate", "teacher_forced_logits", "parse_block_pages", "printable"]
+           "context_tokens", "generate", "warmup", "teacher_forced_logits", "parse_block_pages", "printable"]
 
 
 # ---------------------------------------------------------------------------
@@ -124,7 +124,7 @@ def _is_builtin(source: str) -> bool:
 def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str = "float32",
                page_tokens: int = 256, k_type: str = "q8_0", v_type: str = "q4_0", attn_impl: str = "auto",
                block_pages: Union[int, str] = "auto", weight_seed: int = 0,
-               tensor_parallel: int = 1) -> LoadedModel:
+               tensor_parallel: int = 1, compile_cache: Union[bool, str, None] = None) -> LoadedModel:
   """Build a model and its runner.
 
   Args:
@@ -143,6 +143,8 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
     tensor_parallel: shard the model over this many devices (`kvjax.parallel`: attention and Gated
       DeltaNet heads and FFN columns split, each device holding its own KV heads); it must divide the
       model's KV heads, Gated DeltaNet key heads and FFN width.
+    compile_cache: JAX's persistent compilation cache (`kvjax.compile_cache`): None or True the
+      default directory (`KVJAX_COMPILE_CACHE_DIR`, else ~/.cache/kvjax/jax), a path, or False (off).
   """
   if dtype not in DTYPES:
     raise ParameterError(f"dtype {dtype!r}: expected float32 or bfloat16", "dtype")
@@ -160,6 +162,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
   if preset is None and not _is_builtin(source) and not os.path.exists(source):
     raise ModelNotFoundError(f"source {source!r}: no such file (expected a .gguf path, 'tiny' or 'code-tiny')",
                              "source")
+  cache_lib.enable(compile_cache)
   backend = jax.default_backend()
   if attn_impl != "auto" or backend != "gpu":
     attn_impl = resolve_implementation(attn_impl)   # on a GPU "auto" stays: each call picks
@@ -214,7 +217,6 @@ def tensor_parallel(model: LoadedModel) -> int:
   """The devices `model` is sharded over (1: not sharded)."""
   return getattr(model.runner, "tensor_parallel", 1)
 
-
 # ---------------------------------------------------------------------------
 # KV cache
 # ---------------------------------------------------------------------------
@@ -256,8 +258,7 @@ def check_context_length(model: LoadedModel, max_tokens: int, exceed_context_len
 def kv_bytes(model: LoadedModel, max_tokens: int) -> int:
   """Bytes of every cache layer's pages for `max_tokens` positions (the plain cache on the device;
   the host history of a streamed cache), summed over the devices of a sharded model."""
-  layout = model.layout
-  layers = model.cfg.num_attention_layers + (1 if model.cfg.has_mtp else 0)
+  layers, layout = model.cfg.num_attention_layers + (1 if model.cfg.has_mtp else 0), model.layout
   return layers * layout.pages_for(max_tokens) * layout.page_bytes * tensor_parallel(model)
 
 
@@ -427,7 +428,7 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
   try:
     return KVCache(lambda: _build_kv(model, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased,
                                      ubatch, draft))
-  except StreamBudgetError as e:   # the budget given cannot hold the cache: named by its parameter
+  except (StreamBudgetError, CapacityError) as e:   # the budget cannot hold the cache: named by its parameter
     name, value = ("arena_mib", arena_mib) if arena_mib is not None else ("pool_pages", pool_pages)
     raise KVBudgetError(f"{name} {value:g}: {e}", name) from None
 
@@ -483,16 +484,11 @@ def _draft_params(spec: SpecConfig) -> speculative.DraftParams:
 def check_generation(*, n_predict: int = 32, temperature: float = 0.0, top_k: int = 0, ubatch: int = 256,
                      spec: Optional[SpecConfig] = None, phased: bool = False) -> None:
   """The checks of `generate` that need no model (a front end can run them before a long load)."""
-  if n_predict < 1:
-    raise ParameterError(f"n_predict must be >= 1, got {n_predict}", "n_predict")
-  if ubatch < 1:
-    raise ParameterError(f"ubatch must be >= 1, got {ubatch}", "ubatch")
-  if ubatch > MAX_ROWS:
-    raise ParameterError(f"ubatch must be <= {MAX_ROWS} (the span kernels' rows a call), got {ubatch}", "ubatch")
-  if not temperature >= 0.0:
-    raise ParameterError(f"temperature must be >= 0, got {temperature}", "temperature")
-  if top_k < 0:
-    raise ParameterError(f"top_k must be >= 0, got {top_k}", "top_k")
+  for ok, name, need in ((n_predict >= 1, "n_predict", ">= 1"), (ubatch >= 1, "ubatch", ">= 1"),
+                         (ubatch <= MAX_ROWS, "ubatch", f"<= {MAX_ROWS} (the span kernels' rows a call)"),
+                         (temperature >= 0.0, "temperature", ">= 0"), (top_k >= 0, "top_k", ">= 0")):
+    if not ok:
+      raise ParameterError(f"{name} must be {need}, got {locals()[name]}", name)
   if spec is not None:
     _draft_params(spec)
     if temperature != 0.0:
@@ -572,18 +568,19 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   ignore_eos: keep generating past the tokenizer's end-of-sequence token.
   spec: speculative decoding (`SpecConfig`, greedy), output equal to greedy decoding.
   ubatch: prefill micro-batch (rows per forward).
-  warmup: run the whole generation once first, so the timings of the returned run exclude
-    compilation (otherwise `compile_ms` says how much of them it is).
+  warmup: compile first (`warmup`: every program the generation can run), so the timings of the
+    returned run exclude compilation (otherwise `compile_ms` says how much of them it is).
   on_token: called with each generated token as it is committed (plain generation only).
-  on_logits: called as `on_logits(step, logits)` with the logits row each token is sampled from
-    (plain generation only; with `warmup`, only for the returned run).
+  on_logits: called as `on_logits(step, logits)` with each logits row a token is sampled from (plain only).
   exceed_context_length: with kv None, allow a cache beyond the model's context length.
 
   -> `GenerationResult(tokens, metrics, text)`. metrics: prompt_tokens, decode_tokens, prompt_ms,
   predicted_ms, prefill_tps, decode_tps, compile_ms (prompt_compile_ms + predicted_compile_ms: jax
-  tracing and compiling inside those times), warmup, spec_type ("none", "mtp", "ngram", "ngram+mtp",
-  "oracle"; speculative runs add the metrics of `kvjax.speculative.generate_speculative`), the cache's counters and budget (`KVCache.info`), load_s, attn_impl,
-  attn_interpret.
+  tracing and compiling inside those times), compiles (prompt_compiles + first_token_compiles +
+  predicted_compiles: programs compiled in the prefill, up to the first decoded token, after it),
+  warmup (warmup_compiles, ...), compile_cache_dir, spec_type ("none", "mtp", "ngram", "ngram+mtp",
+  "oracle"; speculative runs add the metrics of `kvjax.speculative.generate_speculative`), the
+  cache's counters and budget (`KVCache.info`), load_s, attn_impl, attn_interpret.
   """
   check_generation(n_predict=n_predict, temperature=temperature, top_k=top_k, ubatch=ubatch, spec=spec,
                    phased=kv is not None and kv.info["kv"] == "streamed+phased")
@@ -619,27 +616,49 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   runner = model.runner
   sampling = gen_lib.SamplingParams(temperature, top_k, seed)
 
+  def on_phase(phase):
+    if phase == "prefill":   # first the placements and copy waves that later forwards may run
+      warm_lib.compile_cache(runner, kv.provider, warm_lib.forward_shapes(ubatch, verify_rows(spec)))
+    if hasattr(kv.provider, "enter"):
+      kv.provider.enter(phase)
+
   def run_once(on_logits=None):
     if kv.used:
       kv.reset()
     kv.used = True
     if spec is not None:
       return speculative.generate_speculative(runner, kv.provider, ids, n_predict, _draft_params(spec),
-                                              ubatch=ubatch, eos_id=eos)
+                                              ubatch=ubatch, eos_id=eos, on_phase=on_phase)
     return gen_lib.generate(runner, kv.provider, ids, n_predict, sampling=sampling, ubatch=ubatch, eos_id=eos,
-                            on_token=on_token, on_phase=getattr(kv.provider, "enter", None),
-                            on_logits=on_logits)
+                            on_token=on_token, on_phase=on_phase, on_logits=on_logits)
 
-  if warmup:
-    run_once()
+  warm = _compile_ahead(model, kv, ubatch=ubatch, spec=spec) if warmup else {}
   res = run_once(on_logits)
   metrics = dict(res.metrics)
   metrics.setdefault("spec_type", "none")
   metrics["warmup"] = warmup
+  metrics.update({f"warmup_{k}": v for k, v in warm.items()})
+  metrics["compile_cache_dir"] = cache_lib.active() or ""
   metrics.update(kv.info)
   metrics.update(load_s=model.load_s, attn_impl=runner.opts.implementation, attn_interpret=runner.opts.interpret)
   text = model.tokenizer.decode(res.tokens) if model.tokenizer is not None else ""
   return GenerationResult([int(t) for t in res.tokens], metrics, text)
+
+
+def warmup(model: LoadedModel, kv: KVCache, *, ubatch: int = 256,
+           spec: Optional[SpecConfig] = None) -> Dict[str, float]:
+  """Compile every program a generation on `kv` can run (`kvjax.warmup`: a short generation through
+  the cache, then what it did not reach). -> {"compiles": programs, "compile_ms", "s": seconds}."""
+  check_generation(n_predict=2, ubatch=ubatch, spec=spec, phased=kv.info["kv"] == "streamed+phased")
+  n_predict = 2 + (0 if spec is None else 2 * _draft_params(spec).n_max)
+  ids = warm_lib.short_prompt(kv.max_tokens, ubatch, n_predict + verify_rows(spec))
+  t0 = time.perf_counter()
+  with gen_lib.CompileClock() as clock:
+    generate(model, kv, prompt_tokens=ids, n_predict=n_predict, ignore_eos=True, spec=spec, ubatch=ubatch)
+  return {"compiles": clock.programs, "compile_ms": clock.seconds * 1e3, "s": time.perf_counter() - t0}
+
+
+_compile_ahead = warmup   # `generate`'s flag of the same name hides the function there
 
 
 def teacher_forced_logits(model: LoadedModel, tokens: Sequence[int], *, mtp: bool = False,
@@ -666,9 +685,8 @@ def teacher_forced_logits(model: LoadedModel, tokens: Sequence[int], *, mtp: boo
 # ---------------------------------------------------------------------------
 
 def train(config, out: str, *, resume: bool = False, progress: bool = True) -> Dict[str, Any]:
-  """Train a model per `config` (`kvjax.train.base_config()` fields, e.g. configs/train_code_tiny.py)
-  and write its log, checkpoint, GGUF and loss plot under `out` (`kvjax.train.run`) -> the summary
-  (held-out losses against the unigram / bigram baselines, the GGUF path)."""
+  """Train a model per `config` (`kvjax.train.base_config()` fields, e.g. configs/train_code_tiny.py);
+  its log, checkpoint, GGUF and loss plot go under `out` (`kvjax.train.run`) -> the summary."""
   from kvjax import train as train_lib
   if not out:
     raise ParameterError("out: an output folder is needed", "out")

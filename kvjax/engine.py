@@ -113,12 +113,12 @@ def model_tensors(model: Qwen38) -> Dict[str, np.ndarray]:
 
 class LayerKV(NamedTuple):
   """What one attention layer's compiled step takes from a KV provider: the pool and the layer's
-  page table, and optionally staged pages that the step places into the pool first
-  (`kvjax.model.place_pages`; a provider that streams nothing leaves them empty)."""
+  page table, and optionally staged pages that the runner places into the pool before the step
+  (`Runner.place`; a provider that streams nothing leaves them empty)."""
   pool_pn: jax.Array                    # [P, page_bytes] uint8 (donated to the step)
   table_t: jax.Array                    # [table pages] int32: logical page -> pool page
   stage: Tuple[jax.Array, ...] = ()     # [n_i, page_bytes] uint8 device arrays
-  pieces: Optional[jax.Array] = None    # [len(stage), k, 3] int32: (base, lo, hi) per run
+  pieces: Optional[Tuple[jax.Array, ...]] = None   # per staged array [k, 3] int32: (base, lo, hi) per run
   waves: int = 1                        # > 1: the layer's pages come in copy waves (`wave_kv`)
   tiles: Tuple[int, int] = (0, 0)       # a wave's logical pages [lo, hi) (waves > 1 only)
 
@@ -265,15 +265,21 @@ def merge_static(structure: StaticStructure, leaves):
   return nnx.merge(structure.graphdef, jax.tree_util.tree_unflatten(structure.treedef, list(leaves)))
 
 
+@functools.partial(jax.jit, donate_argnames=("pool_pn",))
+def place_staged(pool_pn, rows_rn, pieces_k3):
+  """Staged pages into the pool before a layer's step: `rows_rn [c, page_bytes]` (one staged array),
+  `pieces_k3[k] = (base, lo, hi)` its contiguous destination runs (`kvjax.model.place_rows`). Apart
+  from the layer steps, so that their compiled shapes do not follow the staged arrays: one program
+  per staged shape, and the stage's shapes come from a fixed set (`StreamedKV`)."""
+  return place_pages(pool_pn, (rows_rn,), pieces_k3[None])
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout", "opts", "chunked", "capture"),
                    donate_argnames=("pool_pn",))
-def _group_step(graphdef, state, x_se, rec_states, pool_pn, table_t, pos, n_valid, stage, pieces, *,
+def _group_step(graphdef, state, x_se, rec_states, pool_pn, table_t, pos, n_valid, *,
                 layout, opts, chunked, capture=False):
-  """One LayerGroup. `graphdef` is a `StaticStructure`, `state` its flat leaves. Staged pages are
-  placed into the pool first (`LayerKV`)."""
+  """One LayerGroup. `graphdef` is a `StaticStructure`, `state` its flat leaves."""
   group = merge_static(graphdef, state)
-  if stage:
-    pool_pn = place_pages(pool_pn, stage, pieces)
   return group(x_se, rec_states, pool_pn, table_t, pos, n_valid, layout, opts, chunked, capture)
 
 
@@ -296,10 +302,8 @@ def _group_attn_end(graphdef, state, x_se, carry, gate_se):
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "opts"), donate_argnames=("pool_pn",))
-def _wave_step(pool_pn, table_t, stage, pieces, rows, q_shd, carry, pos, n_valid, tile_begin, tile_end, *,
-               layout, opts):
-  return attend_wave(pool_pn, table_t, stage, pieces, rows, q_shd, carry, pos, n_valid, tile_begin,
-                     tile_end, layout, opts)
+def _wave_step(pool_pn, table_t, rows, q_shd, carry, pos, n_valid, tile_begin, tile_end, *, layout, opts):
+  return attend_wave(pool_pn, table_t, rows, q_shd, carry, pos, n_valid, tile_begin, tile_end, layout, opts)
 
 
 @jax.jit
@@ -316,10 +320,8 @@ def _head_step(output_norm_e, output_ve, x_se, rows_r, *, eps):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout", "opts"), donate_argnames=("pool_pn",))
 def _mtp_step(graphdef, state, token_embd_ve, output_norm_e, output_ve, hn_se, next_tokens_s, pool_pn,
-              table_t, pos, n_valid, stage, pieces, *, layout, opts):
+              table_t, pos, n_valid, *, layout, opts):
   mtp = merge_static(graphdef, state)
-  if stage:
-    pool_pn = place_pages(pool_pn, stage, pieces)
   return mtp(hn_se, token_embd_ve[next_tokens_s], output_norm_e, output_ve, pool_pn, table_t, pos, n_valid,
              layout, opts)
 
@@ -362,6 +364,7 @@ class Runner:
 
   The compiled steps are class attributes, so a runner over a device mesh
   (`kvjax.parallel.ShardedRunner`) drives the same loop with its per-device (shard_map) steps."""
+  place_step = staticmethod(place_staged)
   group_step = staticmethod(_group_step)
   group_attn_begin = staticmethod(_group_attn_begin)
   group_attn_end = staticmethod(_group_attn_end)
@@ -423,9 +426,9 @@ class Runner:
         pool_pn, carry = self._waves(kv, a, lkv, q, rows, pos_a, nv_a)
         x = self.group_attn_end(gdef, gstate, x_in, carry, gate)
       else:
-        x, st, pool_pn, rows = self.group_step(gdef, gstate, x, st, lkv.pool_pn, lkv.table_t, pos_a, nv_a,
-                                           lkv.stage, lkv.pieces, layout=self.layout, opts=self.opts,
-                                           chunked=chunked, capture=capture_states)
+        x, st, pool_pn, rows = self.group_step(gdef, gstate, x, st, self.place(lkv), lkv.table_t, pos_a, nv_a,
+                                           layout=self.layout, opts=self.opts, chunked=chunked,
+                                           capture=capture_states)
       if a is not None:
         kv.end_layer(a, pool_pn, rows)
       new_states.append(on_group_states(g, st) if on_group_states is not None else st)
@@ -440,11 +443,37 @@ class Runner:
     folded in logical order -> (pool_pn, carry)."""
     pool_pn, carry = lkv.pool_pn, None
     for w in range(lkv.waves):
-      wkv = lkv if w == 0 else kv.wave_kv(a, w)
+      wkv = lkv if w == 0 else kv.wave_kv(a, w)._replace(pool_pn=pool_pn)
       lo, hi = wkv.tiles
-      pool_pn, carry = self.wave_step(pool_pn, wkv.table_t, wkv.stage, wkv.pieces, rows, q_shd, carry, pos,
-                                  n_valid, jnp.int32(lo), jnp.int32(hi), layout=self.layout, opts=self.opts)
+      pool_pn, carry = self.wave_step(self.place(wkv), wkv.table_t, rows, q_shd, carry, pos, n_valid,
+                                      jnp.int32(lo), jnp.int32(hi), layout=self.layout, opts=self.opts)
     return pool_pn, carry
+
+  def compile_waves(self, pool_pn, table_t, rows: int, chunked: bool, capture: bool = False):
+    """Compile the copy-wave programs of a forward of `rows` rows (`_waves`: the group up to its
+    attention, a first and a later wave, the rest of the group) with inert arguments: no valid row,
+    so nothing is written to the pool. -> the pool (donated through the wave steps)."""
+    k = next((g for g, a in enumerate(self.attn_index) if a is not None), None)
+    if k is None:
+      return pool_pn
+    gdef, gstate = self.groups[k]
+    x = on_device(jnp.zeros((rows, self.cfg.hidden_size), self.token_embd.dtype))
+    zero = jnp.int32(0)
+    x_in, _, q, gate, kv_rows = self.group_attn_begin(gdef, gstate, x, self.zero_states()[k], zero, zero,
+                                                      layout=self.layout, chunked=chunked, capture=capture)
+    carry = None
+    for _ in range(2):   # the first wave starts from the empty carry, a later one from a carry
+      pool_pn, carry = self.wave_step(pool_pn, table_t, kv_rows, q, carry, zero, zero, zero, zero,
+                                      layout=self.layout, opts=self.opts)
+    self.group_attn_end(gdef, gstate, x_in, carry, gate)
+    return pool_pn
+
+  def place(self, lkv: LayerKV):
+    """The pool with the layer's staged pages placed (one `place_step` call a staged array)."""
+    pool_pn = lkv.pool_pn
+    for rows_rn, pieces_k3 in zip(lkv.stage, lkv.pieces or ()):
+      pool_pn = self.place_step(pool_pn, rows_rn, pieces_k3)
+    return pool_pn
 
   def partition_pages(self, rows: int, max_tokens: int) -> int:
     """The logical partition (pages) of this runner's attention call for `rows` query rows over a
@@ -471,8 +500,8 @@ class Runner:
       logits, hm = self.mtp_attn_end(gdef, gstate, self.output_norm, self.output, u, carry, gate)
     else:
       logits, hm, pool_pn, rows = self.mtp_step(gdef, gstate, self.token_embd, self.output_norm, self.output,
-                                            hn_se, next_s, lkv.pool_pn, lkv.table_t, pos_a, nv_a,
-                                            lkv.stage, lkv.pieces, layout=self.layout, opts=self.opts)
+                                            hn_se, next_s, self.place(lkv), lkv.table_t, pos_a, nv_a,
+                                            layout=self.layout, opts=self.opts)
     kv.end_layer(self.mtp_layer, pool_pn, rows)
     kv.end_forward()
     return logits, hm
@@ -505,7 +534,7 @@ def group_step_workspace_bytes(runner: "Runner", rows: int, max_tokens: Optional
   compiled = _group_step.lower(
       gd, gs, jnp.zeros((rows, cfg.hidden_size), runner.token_embd.dtype), st,
       jnp.zeros((min(pages, 4), layout.page_bytes), jnp.uint8), jnp.zeros((pages,), jnp.int32),
-      jnp.int32(0), jnp.int32(rows), (), None, layout=layout, opts=runner.opts,
+      jnp.int32(0), jnp.int32(rows), layout=layout, opts=runner.opts,
       chunked=rows > 1 and not verify, capture=verify).compile()
   return workspace_bytes_from_compiled(compiled)
 

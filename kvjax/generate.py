@@ -16,8 +16,9 @@ spent tracing and compiling inside them (`CompileClock`): a first, cold run is m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -73,20 +74,27 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/backend_compile_duration")
 
 
+BACKEND_COMPILE_EVENT = COMPILE_EVENTS[2]
+
+
 class CompileClock:
-  """Seconds jax spends tracing and compiling while the clock is entered (`seconds`).
+  """Seconds jax spends tracing and compiling while the clock is entered (`seconds`), and the
+  programs it compiled (`programs`: backend compilations, a persistent-cache hit included; the
+  eager operations jax compiles for itself count too).
 
       with CompileClock() as clock:
         ...
-      clock.seconds
+      clock.seconds, clock.programs
   """
 
   def __init__(self):
     self.seconds = 0.0
+    self.programs = 0
 
   def _listen(self, event: str, duration: float, **_):
     if event in COMPILE_EVENTS:
       self.seconds += duration
+      self.programs += event == BACKEND_COMPILE_EVENT
 
   def __enter__(self) -> "CompileClock":
     jax.monitoring.register_event_duration_secs_listener(self._listen)
@@ -107,7 +115,8 @@ class SequenceState:
   def forward(self, tokens: Sequence[int], pad_to: Optional[int] = None, all_logits: bool = False,
               with_hidden: bool = False):
     """Append `tokens`; -> logits of the last row [V] (or of every row [S, V]); with `with_hidden`,
-    also the post-norm hidden of the appended rows [n, E] (what the MTP head consumes)."""
+    also the post-norm hidden of the forward's rows [S, E] (what the MTP head consumes; rows past
+    len(tokens) are padding: not sliced off, so that its shape does not follow the prompt)."""
     n = len(tokens)
     s = pad_to or n
     toks = np.zeros((s,), np.int32)
@@ -117,14 +126,14 @@ class SequenceState:
     self.rec_states = out.rec_states
     self.pos += n
     logits = out.logits_rv if all_logits else out.logits_rv[0]
-    return (logits, out.hn_se[:n]) if with_hidden else logits
+    return (logits, out.hn_se) if with_hidden else logits
 
 
 def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256, with_hidden: bool = False,
             all_logits: bool = False):
   """Feed the prompt in micro-batches; -> logits of its last row [V] (with `all_logits`, of every
-  row [len(prompt), V]); with `with_hidden`, also the post-norm hidden of every prompt row
-  [len(prompt), E]."""
+  row [len(prompt), V]); with `with_hidden`, also the post-norm hidden of the prompt's rows as
+  `HiddenRows` (the micro-batches' padded rows and counts: shapes that do not follow the prompt)."""
   if not prompt:
     raise ValueError("empty prompt: at least one token is needed")
   cap = getattr(seq.kv, "max_tokens", None)
@@ -138,31 +147,60 @@ def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256, with_h
                       all_logits=all_logits, with_hidden=with_hidden)
     if with_hidden:
       out, hn = out
-      hidden.append(hn)
+      hidden.append((hn, min(ubatch, len(prompt) - i)))
     if all_logits:
       logits.append(out)
     else:
       logits = [out]
   logits = jnp.concatenate(logits, axis=0) if all_logits else logits[0]
-  return (logits, jnp.concatenate(hidden, axis=0)) if with_hidden else logits
+  return (logits, HiddenRows(tuple(hidden))) if with_hidden else logits
+
+
+class HiddenRows(NamedTuple):
+  """Post-norm hidden rows of a prefill, as its micro-batches made them: (hn_se [S, E], valid rows)
+  each, the rows past the valid ones padding."""
+  chunks: Tuple[Tuple[jax.Array, int], ...]
+
+  def rows(self) -> jax.Array:
+    """Every valid row [n, E] (a concatenation whose shape follows the prompt)."""
+    return jnp.concatenate([h[:n] for h, n in self.chunks], axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("keepdims",))
+def _pick_row(x, i, keepdims=False):
+  return jax.lax.dynamic_index_in_dim(x, i, keepdims=keepdims)
+
+
+def pick_row(x, i: int, keepdims: bool = False):
+  """x[i] (x[i:i + 1] with `keepdims`) with i traced: one compiled program for every row."""
+  return _pick_row(x, jnp.int32(i), keepdims=keepdims)
 
 
 def mtp_rows(runner: Runner, kv: KVProvider, hn_se, next_tokens: Sequence[int], mtp_pos: int, ubatch: int,
              all_logits: bool = False) -> Tuple[jax.Array, jax.Array]:
   """MTP rows (hn_se[i], next_tokens[i]) at MTP cache positions mtp_pos + i, in micro-batches of up
-  to `ubatch` rows. -> (logits of the last row [V], or with `all_logits` of every row [n, V];
-  the MTP's own hidden of the last row [1, E], what its next draft step feeds back)."""
+  to `ubatch` rows (`hn_se` a `HiddenRows`: its micro-batches as they are, padded; or an array
+  [n, E]). -> (logits of the last row [V], or with `all_logits` of every row [n, V]; the MTP's own
+  hidden of the last row [1, E], what its next draft step feeds back)."""
   n = len(next_tokens)
-  logits, hm = [], None
-  for i in range(0, n, ubatch):
-    m = min(ubatch, n - i)
-    lg, hm = runner.mtp_forward(hn_se[i:i + m], np.asarray(next_tokens[i:i + m], np.int32), mtp_pos + i, m,
-                                kv)
+  if isinstance(hn_se, HiddenRows):
+    chunks, offsets = hn_se.chunks, np.cumsum([0] + [m for _, m in hn_se.chunks])
+  else:
+    offsets = list(range(0, n, ubatch))
+    chunks = [(hn_se[i:i + ubatch], min(ubatch, n - i)) for i in offsets]
+  logits, last = [], None
+  for (h, m), i in zip(chunks, offsets):
+    m = min(m, n - i)
+    if m <= 0:
+      break
+    toks = np.zeros((h.shape[0],), np.int32)
+    toks[:m] = next_tokens[i:i + m]
+    lg, hm = runner.mtp_forward(h, toks, mtp_pos + int(i), m, kv)
     if all_logits:
-      logits.append(lg)
-    else:
-      logits = [lg]
-  return (jnp.concatenate(logits, axis=0) if all_logits else logits[0][-1]), hm[-1:]
+      logits.append(lg[:m])
+    last = (lg, hm, m)
+  lg, hm, m = last
+  return (jnp.concatenate(logits, axis=0) if all_logits else pick_row(lg, m - 1)), pick_row(hm, m - 1, True)
 
 
 def teacher_forced_logits(runner: Runner, kv: KVProvider, tokens: Sequence[int], ubatch: int = 256,
@@ -173,16 +211,18 @@ def teacher_forced_logits(runner: Runner, kv: KVProvider, tokens: Sequence[int],
   tokens = [int(t) for t in tokens]
   if mtp and len(tokens) < 2:
     raise ValueError(f"MTP logits need at least 2 tokens, got {len(tokens)}")
-  logits, hn_se = prefill(SequenceState(runner, kv), tokens, ubatch, with_hidden=True, all_logits=True)
+  logits, hidden = prefill(SequenceState(runner, kv), tokens, ubatch, with_hidden=True, all_logits=True)
   if mtp:
-    logits, _ = mtp_rows(runner, kv, hn_se[:-1], tokens[1:], 0, ubatch, all_logits=True)
+    logits, _ = mtp_rows(runner, kv, hidden.rows()[:-1], tokens[1:], 0, ubatch, all_logits=True)
   return np.asarray(logits, np.float32)
 
 
 def generation_metrics(kv: KVProvider, n_prompt: int, n_out: int, t0: float, t1: float,
-                       t2: float, compile_s: Tuple[float, float] = (0.0, 0.0)) -> Dict[str, float]:
+                       t2: float, compile_s: Tuple[float, float] = (0.0, 0.0),
+                       compiles: Tuple[int, int, int] = (0, 0, 0)) -> Dict[str, float]:
   """Timing metrics of a generation (prefill t0..t1, decode t1..t2; `compile_s` the seconds of
-  each spent tracing and compiling) plus the provider's counters."""
+  each spent tracing and compiling; `compiles` the programs compiled in the prefill, in the decode
+  up to its first token, and after it) plus the provider's counters."""
   n_dec = max(n_out - 1, 0)
   metrics = {
       "prompt_tokens": n_prompt, "decode_tokens": n_out,
@@ -191,6 +231,8 @@ def generation_metrics(kv: KVProvider, n_prompt: int, n_out: int, t0: float, t1:
       "decode_tps": n_dec / max(t2 - t1, 1e-9) if n_dec else 0.0,
       "prompt_compile_ms": compile_s[0] * 1e3, "predicted_compile_ms": compile_s[1] * 1e3,
       "compile_ms": (compile_s[0] + compile_s[1]) * 1e3,
+      "prompt_compiles": compiles[0], "first_token_compiles": compiles[1], "predicted_compiles": compiles[2],
+      "compiles": sum(compiles),
   }
   if hasattr(kv, "metrics"):
     metrics.update(kv.metrics())
@@ -221,6 +263,7 @@ def generate(runner: Runner, kv: KVProvider, prompt: Sequence[int], n_predict: i
       on_phase("decode")
     t1 = time.perf_counter()
   out = []
+  first_programs = 0
   with CompileClock() as decode_clock:
     for step in range(n_predict):
       out.append(tok)
@@ -232,6 +275,9 @@ def generate(runner: Runner, kv: KVProvider, prompt: Sequence[int], n_predict: i
       if on_logits:
         on_logits(step + 1, logits)
       tok = sample_token(logits, sampling, step + 1)
+      if step == 0:
+        first_programs = decode_clock.programs
     t2 = time.perf_counter()
+  compiles = (prefill_clock.programs, first_programs, decode_clock.programs - first_programs)
   return GenerationResult(out, generation_metrics(kv, len(prompt), len(out), t0, t1, t2,
-                                                  (prefill_clock.seconds, decode_clock.seconds)))
+                                                  (prefill_clock.seconds, decode_clock.seconds), compiles))

@@ -232,15 +232,13 @@ def wave_cut(tree):
   return lax.optimization_barrier(tree)
 
 
-def attend_wave(pool_pn, table_t, stage, pieces, rows: KVRows, q_shd, carry, pos, n_valid, tile_begin,
+def attend_wave(pool_pn, table_t, rows: KVRows, q_shd, carry, pos, n_valid, tile_begin,
                 tile_end, layout: PageLayout, opts: AttentionOptions):
-  """One copy wave of a layer whose streamed pages exceed the ring: place the wave's staged pages,
-  write the new rows that fall on logical pages [tile_begin, tile_end) (the wave's table maps only
+  """One copy wave of a layer whose streamed pages exceed the ring (its staged pages already
+  placed): write the new rows that fall on logical pages [tile_begin, tile_end) (the wave's table maps only
   those), fold those pages into the attention carry (None before the first wave: the empty carry,
   as in one call) -> (pool_pn, carry). Waves in logical order
   with boundaries at multiples of the call's partition give the bits of one call."""
-  if stage:
-    pool_pn = place_pages(pool_pn, stage, pieces)
   t = jnp.arange(table_t.shape[0], dtype=jnp.int32)
   in_wave = (t >= tile_begin) & (t < tile_end)
   pool_pn = write_kv_rows(pool_pn, jnp.where(in_wave, table_t, pool_pn.shape[0]), pos, n_valid, rows,

@@ -202,11 +202,12 @@ def _spmd_step(step, kinds_in: str, kinds_out: str, graphdef: bool, donate: Tupl
                  static_argnames=("mesh", "wspec", "static"))
 
 
-_GROUP_STEP = _spmd_step(engine._group_step, "WRDDDRRDD", "RDDD", True, donate=(4,))
+_PLACE_STEP = _spmd_step(engine.place_staged, "DDD", "D", False, donate=(0,))
+_GROUP_STEP = _spmd_step(engine._group_step, "WRDDDRR", "RDDD", True, donate=(4,))
 _GROUP_ATTN_BEGIN = _spmd_step(engine._group_attn_begin, "WRDRR", "RDDDD", True)
 _GROUP_ATTN_END = _spmd_step(engine._group_attn_end, "WRDD", "R", True)
-_WAVE_STEP = _spmd_step(engine._wave_step, "DDDDDDDRRRR", "DD", False, donate=(0,))
-_MTP_STEP = _spmd_step(engine._mtp_step, "WRRRRRDDRRDD", "RRDD", True, donate=(7,))
+_WAVE_STEP = _spmd_step(engine._wave_step, "DDDDDRRRR", "DD", False, donate=(0,))
+_MTP_STEP = _spmd_step(engine._mtp_step, "WRRRRRDDRR", "RRDD", True, donate=(7,))
 _MTP_ATTN_BEGIN = _spmd_step(engine._mtp_attn_begin, "WRRRR", "RDDD", True)
 _MTP_ATTN_END = _spmd_step(engine._mtp_attn_end, "WRRRDD", "RR", True)
 
@@ -251,6 +252,7 @@ class ShardedRunner(engine.Runner):
         bind, (_GROUP_STEP, _GROUP_ATTN_BEGIN, _GROUP_ATTN_END))
     self.mtp_step, self.mtp_attn_begin, self.mtp_attn_end = map(bind, (_MTP_STEP, _MTP_ATTN_BEGIN, _MTP_ATTN_END))
     self.wave_step = functools.partial(self._call, _WAVE_STEP)
+    self.place_step = functools.partial(self._call, _PLACE_STEP)
 
   def _replicated(self, structure, leaves) -> Tuple[bool, ...]:
     """Which parameter leaves of a module are replicated (every other one is sharded)."""
@@ -305,13 +307,15 @@ class ShardedKV:
   def _join(self, kvs: List[engine.LayerKV]) -> engine.LayerKV:
     k0 = kvs[0]
     shapes = {(k.waves, k.tiles, len(k.stage), tuple(s.shape for s in k.stage), k.table_t.shape,
-               None if k.pieces is None else k.pieces.shape) for k in kvs}
+               None if k.pieces is None else tuple(p.shape for p in k.pieces)) for k in kvs}
     if len(shapes) != 1:
       raise RuntimeError(f"the devices' KV providers laid out one layer differently: {sorted(map(str, shapes))}")
     join_ = functools.partial(join, self.mesh)
     return engine.LayerKV(join_([k.pool_pn for k in kvs]), self._join_kept([k.table_t for k in kvs]),
                           tuple(join_([k.stage[i] for k in kvs]) for i in range(len(k0.stage))),
-                          None if k0.pieces is None else self._join_kept([k.pieces for k in kvs]), k0.waves,
+                          None if k0.pieces is None else tuple(
+                              self._join_kept([k.pieces[i] for k in kvs]) for i in range(len(k0.pieces))),
+                          k0.waves,
                           k0.tiles)
 
   def _join_kept(self, parts):

@@ -41,7 +41,7 @@ import numpy as np
 
 from kvjax.engine import KVProvider, Runner, group_step_workspace_bytes, recurrent_state_bytes, select_row
 from kvjax.generate import CompileClock, GenerationResult, SequenceState, generate, generation_metrics, \
-    mtp_rows, prefill
+    mtp_rows, pick_row, prefill
 
 DRAFT_KINDS = ("mtp", "ngram", "ngram+mtp", "oracle")
 ROLLBACKS = ("device", "host")
@@ -258,13 +258,15 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
                          eos_id: Optional[int] = None,
                          drafter: Optional[Callable[[Sequence[int], int], List[int]]] = None,
                          oracle_tokens: Optional[Sequence[int]] = None,
-                         on_round: Optional[Callable[[dict], None]] = None) -> GenerationResult:
+                         on_round: Optional[Callable[[dict], None]] = None,
+                         on_phase: Optional[Callable[[str], None]] = None) -> GenerationResult:
   """Greedy generation of up to `n_predict` tokens with drafts verified by the target.
 
   `drafter(history, m) -> up to m tokens`, when given, replaces the configured drafter (a research
   hook). The oracle drafter needs plain greedy's tokens: `oracle_tokens`, or (None) a plain greedy
   run on `kv` first (then forgotten; its decode rate is reported as `plain_decode_tps`).
-  `on_round(info)` is called after every round (see `speculate`).
+  `on_round(info)` is called after every round (see `speculate`); `on_phase("prefill")` before the
+  prefill, inside its timing (as `kvjax.generate.generate`'s).
 
   Metrics add, under the drafter's name `spec_type` ("mtp", "ngram", "ngram+mtp", "oracle", or
   "custom" for `drafter`) and `spec_rollback`: `draft_generated`, `draft_accepted`,
@@ -289,6 +291,8 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
   seq = SequenceState(runner, kv)
   with CompileClock() as prefill_clock:
     t0 = time.perf_counter()
+    if on_phase:
+      on_phase("prefill")
     # prefill the target; keep every row's post-norm hidden for the MTP catch-up
     logits, hn_se = prefill(seq, prompt, ubatch, with_hidden=True)
     b = int(jnp.argmax(logits))
@@ -296,12 +300,15 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
     mtp_next = mtp_catch_up(runner, kv, hn_se, prompt[1:] + [b], 0, ubatch) \
         if draft.uses_mtp and drafter is None else None
     t1 = time.perf_counter()
+  first_round = []
   with CompileClock() as decode_clock:
     out_tokens, stats = speculate(seq, b, n_predict, draft, prompt, ubatch, eos_id, drafter, oracle_tokens,
-                                  mtp_next, on_round)
+                                  mtp_next, on_round, lambda: first_round.append(decode_clock.programs))
     t2 = time.perf_counter()
+  first = first_round[0] if first_round else decode_clock.programs
   metrics = generation_metrics(kv, len(prompt), len(out_tokens), t0, t1, t2,
-                               (prefill_clock.seconds, decode_clock.seconds))
+                               (prefill_clock.seconds, decode_clock.seconds),
+                               (prefill_clock.programs, first, decode_clock.programs - first))
   metrics.update(stats)
   if plain_tps is not None:
     metrics["plain_decode_tps"] = plain_tps
@@ -312,7 +319,8 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
               ubatch: int = 256, eos_id: Optional[int] = None,
               drafter: Optional[Callable[[Sequence[int], int], List[int]]] = None,
               oracle_tokens: Optional[Sequence[int]] = None, mtp_next=None,
-              on_round: Optional[Callable[[dict], None]] = None):
+              on_round: Optional[Callable[[dict], None]] = None,
+              on_first_round: Optional[Callable[[], None]] = None):
   """The decode loop from a sequence whose `seq.pos` tokens are committed, `b` chosen next and
   (with MTP drafting) `mtp_next` = `mtp_catch_up`'s result over them. -> (tokens, stats).
 
@@ -422,6 +430,8 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
     if on_round is not None:
       on_round(dict(pos=c, drafts=drafts, target=target, accepted=j, logits=vout.logits_rv[:len(rows)],
                     draft_p=draft_p, drafter=source, lease_bytes=round_lease))
+    if rounds == 1 and on_first_round is not None:
+      on_first_round()
   kv.release_lease()
   out_tokens = out_tokens[:n_predict]
   stats = {
@@ -476,7 +486,7 @@ def mtp_catch_up(runner: Runner, kv: KVProvider, hn_se, next_tokens: Sequence[in
     logits_v, hm = mtp_rows(runner, kv, hn_se, next_tokens, mtp_pos, ubatch)
   else:
     logits_rv, hm = runner.mtp_forward(hn_se[:pad_to], _padded(next_tokens, pad_to), mtp_pos, n, kv)
-    logits_v, hm = logits_rv[n - 1], hm[n - 1:n]
+    logits_v, hm = pick_row(logits_rv, n - 1), pick_row(hm, n - 1, keepdims=True)
   d, p = _top1(logits_v)
   return d, p, hm
 

@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# no persistent compilation cache unless a test asks for one (tests/test_warmup.py): the suite's
+# programs stay out of the user's cache folder, and every run compiles what it checks
+os.environ.setdefault("KVJAX_COMPILE_CACHE_DIR", "off")
 
 import jax  # noqa: E402
 

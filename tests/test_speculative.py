@@ -103,9 +103,14 @@ def test_rejected_rounds_leave_the_histories_a_plain_run_writes(mtp_runs):
 
 
 def _suffix_bytes(kv, mtp_tokens):
-  """Bytes of the MTP layer's committed pages past its resident capacity (one pass over its suffix)."""
-  lay = kv.layout
-  return max(0, -(-mtp_tokens // lay.page_tokens) - kv.stream.resident_pages_per_layer[-1]) * lay.page_bytes
+  """Bytes a lease uploads for the MTP layer's committed pages past its resident capacity (one pass
+  over its suffix): whole copy units, from the one holding the first suffix page to the last sealed
+  one, and the open unit whole when a page past them holds tokens."""
+  lay, c = kv.layout, kv.copy_unit
+  cap = kv.stream.resident_pages_per_layer[-1]
+  content, sealed = -(-mtp_tokens // lay.page_tokens), mtp_tokens // lay.page_tokens // c * c
+  pages = (sealed - cap // c * c if sealed > cap else 0) + (c if content > max(sealed, cap) else 0)
+  return pages * lay.page_bytes
 
 
 def test_mtp_lease_loads_the_suffix_once_a_round(setup, mtp_runs):
@@ -118,7 +123,8 @@ def test_mtp_lease_loads_the_suffix_once_a_round(setup, mtp_runs):
   assert kv.counters["mtp_lease_refused"] == 0 and kv.lease is None
   want = [_suffix_bytes(kv, r["pos"]) for r in rounds[:-1]]     # MTP committed at the catch-up = C
   assert [r["lease_bytes"] for r in rounds[:-1]] == want and rounds[-1]["lease_bytes"] == 0
-  assert len(set(want)) == 2 and min(want) > 0                   # the suffix grew by a page mid-run
+  pages = {-(-r["pos"] // kv.layout.page_tokens) for r in rounds[:-1]}
+  assert len(pages) == 2 and min(want) > 0                       # the suffix grew by a page mid-run
   assert m["mtp_leases"] == m["verify_forwards"] == len(rounds)
   assert m["mtp_lease_bytes"] == _suffix_bytes(kv, len(prompt)) + sum(want)
   assert sum(len(r["drafts"]) > 1 for r in rounds) >= 3          # rounds with several MTP forwards
@@ -134,7 +140,7 @@ def test_mtp_lease_holds_the_end_of_the_ring(mtp_runs):
   kv.truncate("mtp", 80)
   lay, hist = kv.layout, kv.histories["mtp"]
   cap, ring = kv.stream.resident_pages_per_layer[-1], kv.stream.ring_slots
-  assert kv.lease_mtp(90) == _suffix_bytes(kv, 80) == 3 * lay.page_bytes
+  assert kv.lease_mtp(90) == _suffix_bytes(kv, 80) == 4 * lay.page_bytes   # pages 2..5: units [2, 4), [4, 6)
   ls = kv.lease
   assert (ls.first_slot, ls.slots) == (ring - 4, 4)           # pages 2..5 of the MTP layer (to 90 tokens)
 

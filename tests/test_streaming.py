@@ -388,7 +388,7 @@ def test_streamed_logits_bit_for_bit_and_layout_cached(pinned, split_at_wrap, de
   assert c["prefetch_hits"] + c["prefetch_dropped"] <= depth * (steps + 2)
   if pinned:
     blocks = skv.histories["target"]._pinned_blocks
-    assert blocks and all(arr.sharding.memory_kind == "pinned_host" for _, _, arr in blocks.values())
+    assert any(blocks) and all(arr.sharding.memory_kind == "pinned_host" for b in blocks for arr in b.values())
   if split_at_wrap:
     assert 3 <= c["max_spans"] <= 5 and c["ring_wraps"] > 0
   # decode wrote every layer's rows into its open slot and read them back from there: the partial
@@ -427,8 +427,9 @@ def test_prefetched_block_dropped_only_when_rows_inside_it_change():
   seq = generate.SequenceState(runner, kv)
   generate.prefill(seq, list(range(1, 101)), ubatch=64)
   seq.forward([5])
-  (first, (lo, hi, block)), = kv._prefetch.items()
+  (first, (src, hi, block)), = kv._prefetch.items()
   dropped = kv.counters["prefetch_dropped"]
+  lo = kv._source_pages(src)[0]
   assert first == 0 and hi > lo and block.shape == (hi - lo, layout.page_bytes)
   kv.truncate("mtp", 0)                                     # another cache's rows: kept
   kv.truncate("target", hi * layout.page_tokens + 1)       # above the block: kept
@@ -489,9 +490,9 @@ def test_copy_waves_bit_for_bit_from_the_minimum_pool(kv_types):
 
 
 def test_copy_waves_from_pinned_mirrors():
-  """With pinned memory, a copy wave whose pages are all full comes from a pinned_host mirror of
-  them (made once); the tokens and logits are the plain cache's; a truncation drops exactly the
-  mirrors that reach past it."""
+  """With pinned memory, a copy wave's full pages come from pinned_host mirrors (sealed pieces of
+  whole copy units, made once); the tokens and logits are the plain cache's; a truncation drops
+  exactly the mirrors that reach past it."""
   cfg, runner, layout = build_tiny_runner(1, page_tokens=16)
   prompt = list(np.random.default_rng(5).integers(0, cfg.vocab_size, 120))
   max_tokens = 120 + 24
@@ -501,18 +502,19 @@ def test_copy_waves_from_pinned_mirrors():
   assert streamed.tokens == plain.tokens and kv.counters["waves"] > 0
   assert_same_logits(logits, plain_logits)
   hist = kv.histories["target"]
-  mirrors = [(l, f, n, arr) for l, w in enumerate(hist._pinned_waves) for f, (n, arr) in w.items()]
+  c = hist.copy_pages
+  mirrors = [(l, lo, hi, arr) for l, b in enumerate(hist._pinned_blocks) for (lo, hi), arr in b.items()]
+  mirrors += [(l, u * c, u * c + n, arr) for (l, u), (arr, n) in hist._pinned_chunks.items()]
   assert mirrors and all(arr.sharding.memory_kind == "pinned_host" for *_, arr in mirrors)
-  for l, f, n, arr in mirrors:      # the mirrors hold the history's bytes of full pages
-    assert (f + n) * layout.page_tokens <= hist.tokens[l]
-    np.testing.assert_array_equal(np.asarray(arr), hist.pages_lpn[l, f:f + n])
+  for l, lo, hi, arr in mirrors:    # the mirrors hold the history's bytes of full pages
+    assert hi * layout.page_tokens <= hist.tokens[l]
+    np.testing.assert_array_equal(np.asarray(arr)[:hi - lo], hist.pages_lpn[l, lo:hi])
   cut = 5 * layout.page_tokens + 3
   kv.truncate("target", cut)
-  left = [(l, f, n) for l, w in enumerate(hist._pinned_waves) for f, (n, _) in w.items()]
-  assert left == [(l, f, n) for l, f, n, _ in mirrors if (f + n) * layout.page_tokens <= cut]
+  left = [(l, lo, hi) for l, b in enumerate(hist._pinned_blocks) for (lo, hi) in b]
+  left += [(l, u * c, u * c + n) for (l, u), (_, n) in hist._pinned_chunks.items()]
+  assert sorted(left) == sorted((l, lo, hi) for l, lo, hi, _ in mirrors if hi * layout.page_tokens <= cut)
   assert 0 < len(left) < len(mirrors)                         # some kept, some dropped
-  assert all(hist._wave_end[l] == max((f + n for ll, f, n in left if ll == l), default=0)
-             for l in range(hist.n_layers))
 
 
 # ---- the kernels end to end: compiled on the GPU, named test_gpu_*, skipped without KVJAX_TEST_GPU=1

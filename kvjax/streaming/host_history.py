@@ -61,10 +61,8 @@ class HostHistory:
     self.pinned = pinned_available() if pinned is None else pinned
     self._pinned_chunks: Dict[Tuple[int, int], Tuple[jax.Array, int]] = {}
     self._chunk_end = np.zeros((n_layers,), np.int64)   # 1 + the highest chunk mirrored, per layer
-    self._pinned_blocks: Dict[int, Tuple[int, int, jax.Array]] = {}   # layer -> (lo, hi, array)
-    # copy waves' pages, per layer: first page -> (pages, array); the highest end page mirrored
-    self._pinned_waves: List[Dict[int, Tuple[int, jax.Array]]] = [{} for _ in range(n_layers)]
-    self._wave_end = np.zeros((n_layers,), np.int64)
+    # sealed pieces of streamed ranges, per layer: (lo, hi) -> array (kept while they do not overlap)
+    self._pinned_blocks: List[Dict[Tuple[int, int], jax.Array]] = [{} for _ in range(n_layers)]
     self.d2h_bytes = 0
 
   @property
@@ -132,14 +130,9 @@ class HostHistory:
       cached = self._pinned_chunks.get((layer, chunk))
       if cached is not None and (chunk * c + cached[1]) * pt > from_token:
         del self._pinned_chunks[(layer, chunk)]
-    block = self._pinned_blocks.get(layer)
-    if block is not None and block[1] * pt > from_token:
-      del self._pinned_blocks[layer]
-    if self._wave_end[layer] * pt > from_token:    # only a truncation reaches mirrored wave pages
-      waves = self._pinned_waves[layer]
-      for first in [f for f, (n, _) in waves.items() if (f + n) * pt > from_token]:
-        del waves[first]
-      self._wave_end[layer] = max((f + n for f, (n, _) in waves.items()), default=0)
+    blocks = self._pinned_blocks[layer]
+    for lo, hi in [k for k in blocks if k[1] * pt > from_token]:
+      del blocks[(lo, hi)]
 
   def rows(self, layer: int, tokens: int) -> Tuple[np.ndarray, np.ndarray]:
     """(K bytes [tokens, k_row_bytes], V bytes [tokens, v_row_bytes]) of the first `tokens` rows."""
@@ -180,34 +173,22 @@ class HostHistory:
     self._chunk_end[layer] = max(int(self._chunk_end[layer]), chunk + 1)
     return arr, valid
 
-  def pinned_pages(self, layer: int, first: int, n: int):
-    """pinned_host array [n, page_bytes] of full pages [first, first + n) of one layer (a copy
-    wave's pages), mirrored once and kept until a truncation reaches them; None without pinned
-    memory or when a page of the range is not full."""
-    if not self.pinned or (first + n) * self.layout.page_tokens > int(self.tokens[layer]):
-      return None
-    cached = self._pinned_waves[layer].get(first)
-    if cached is not None and cached[0] == n:
-      return cached[1]
-    arr = _to_pinned(self.pages_lpn[layer, first:first + n])
-    self._pinned_waves[layer][first] = (n, arr)
-    self._wave_end[layer] = max(int(self._wave_end[layer]), first + n)
-    return arr
-
   def pinned_block(self, layer: int, lo: int, hi: int):
-    """pinned_host array [hi - lo, page_bytes] of full pages [lo, hi) of one layer: the sealed part
-    of a streamed range as one copy. One block is kept per layer (the last asked for); it is made
-    again when the range changes (a repartition, or `copy_pages` more pages sealed)."""
+    """pinned_host array [hi - lo, page_bytes] of full pages [lo, hi) of one layer: a sealed piece
+    of a streamed range as one copy. A layer keeps the blocks asked for while they do not overlap:
+    a new block drops those it overlaps (pieces that merge as the history grows, a repartition)."""
     if not self.pinned:
       raise ValueError(f"{self.name}: no pinned host memory on this backend")
     pt = self.layout.page_tokens
     if not 0 <= lo < hi <= int(self.tokens[layer]) // pt:
       raise ValueError(f"{self.name} layer {layer}: block [{lo}, {hi}) is not within the "
                        f"{int(self.tokens[layer]) // pt} full pages")
-    cached = self._pinned_blocks.get(layer)
-    if cached is not None and cached[:2] == (lo, hi):
-      return cached[2]
-    self._pinned_blocks.pop(layer, None)      # free the old block first
+    blocks = self._pinned_blocks[layer]
+    cached = blocks.get((lo, hi))
+    if cached is not None:
+      return cached
+    for key in [k for k in blocks if k[0] < hi and lo < k[1]]:   # free the overlapped blocks first
+      del blocks[key]
     arr = _to_pinned(self.pages_lpn[layer, lo:hi])
-    self._pinned_blocks[layer] = (lo, hi, arr)
+    blocks[(lo, hi)] = arr
     return arr

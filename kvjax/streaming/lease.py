@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.engine import on_device
+from kvjax.engine import on_device, place_staged
 from kvjax.streaming import staging
 
 
@@ -66,9 +66,10 @@ class MTPLeaseMixin:
 
   def _load_lease(self) -> int:
     """(Re)place the leased MTP layer's committed streamed pages [capacity, content) in slots at the
-    end of the ring: the sealed copy units as one pinned block (re-made every `copy_pages` pages),
-    the rest as one pageable copy. Bytes = exactly the suffix's pages. Drops the lease when the
-    ring cannot hold it (after a rebind to a smaller ring, too)."""
+    end of the ring: the sealed copy units in the pieces a layer stages (`staging.unit_pieces`), the
+    open unit as one pageable copy. Bytes = the suffix's pages, plus at most one copy unit before it
+    and the open unit's unwritten pages. Drops the lease when the ring cannot hold it (after a rebind
+    to a smaller ring, too)."""
     ls, lay, c = self._lease, self.layout, self.copy_unit
     hist = self.histories["mtp"]
     cap = self.stream.resident_pages_per_layer[ls.layer]
@@ -81,19 +82,22 @@ class MTPLeaseMixin:
     first = self.stream.ring_slots - slots
     committed = int(hist.tokens[0])
     content, full = lay.pages_for(committed), committed // lay.page_tokens
-    sealed = max(cap, full // c * c)
-    sources = []
-    if sealed > cap:
-      sources.append(hist.pinned_block(0, cap, sealed) if self.pinned else hist.pages_lpn[0, cap:sealed])
-    if content > sealed:
-      sources.append(hist.pages_lpn[0, sealed:content].copy())   # the open unit: the host rewrites it
-    nbytes = sum(int(x.nbytes) for x in sources)
+    sealed = full // c * c
+    sources = []                      # (host array, its first page): the shapes of the layer stages
+    for lo, hi in staging.unit_pieces(cap, sealed, c, self.piece_units):
+      sources.append((hist.pinned_block(0, lo, hi) if self.pinned and hi - lo > c else
+                      hist.pinned_chunk(0, lo // c)[0] if self.pinned else self._host_pages(hist, 0, lo, hi), lo))
+    if content > max(sealed, cap):    # the open unit, pageable: the host rewrites it
+      sources.append((self._host_pages(hist, 0, sealed, sealed + c), sealed))
+    nbytes = sum(int(x.nbytes) for x, _ in sources)
     if sources:
-      staged = tuple(staging.to_device(x) for x in sources)
+      staged = [(staging.to_device(x), lo) for x, lo in sources]
       live = nbytes + sum(int(p[2].nbytes) for p in self._prefetch.values())
       self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live)
-      self.pool_pn = staging.place_run(self.pool_pn, staged, jnp.int32(self.ring_base + first),
-                                pieces=tuple((0, int(x.shape[0])) for x in staged))
+      slot0 = self.ring_base + first - cap           # the pool page of logical page 0 under the lease
+      for arr, lo in staged:
+        rows = (max(lo, cap) - lo, min(lo + int(arr.shape[0]), content) - lo)
+        self.pool_pn = place_staged(self.pool_pn, arr, on_device(staging.pieces_array([(slot0 + lo,) + rows])))
       self.counters["h2d_bytes"] += nbytes
       self.counters["h2d_calls"] += len(sources)
     self.counters["mtp_lease_bytes"] += nbytes

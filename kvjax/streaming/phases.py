@@ -165,6 +165,9 @@ class AdaptiveStreamedKV(StreamedKV):
     self.counters.update(policy_admissions=0, admission_refusals=0, policy_rebinds=0)
     self._snapshot()
 
+  def may_wave(self) -> bool:
+    return True   # the policy may give any layer fewer ring slots than it streams
+
   def initial_split(self, pool_pages: int) -> StreamConfig:
     """The split a fresh policy gives a pool of `pool_pages` (`PhasedKV` sizes its phases with it;
     `rebind` then applies the policy's own step on that pool)."""

@@ -100,6 +100,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
       self.histories["mtp"] = HostHistory("mtp", layout, 1, max_pages, self.copy_unit, pinned)
     self.pinned = self.histories["target"].pinned
     self.max_pages = max_pages
+    self.piece_units = staging.piece_units(self.copy_unit, layout.page_bytes, stream.pool_pages)
     self.pool_pn = None
     self.resident_valid = np.zeros((self.n_layers,), np.int64)  # valid prefix pages on the device
     # The open slot of a streamed layer (the last page of its resident region) holds the page its
@@ -185,7 +186,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     """Forget the next forward's prefetched blocks: all of them, or those of `history` in which rows
     from `below_token` on change, or those of layers not in `keep`."""
     pt = self.layout.page_tokens
-    for a, (_, hi, _) in list(self._prefetch.items()):
+    for a, (_, hi, _) in list(self._prefetch.items()):   # (source, its end page, device array)
       if history is not None and self.history_of(a)[0] is not history:
         continue
       if keep is not None and a in keep:
@@ -349,10 +350,10 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     if not wave:
       pre = self._prefetch.pop(a, None)
       units = self._layer_plans[a].units
-      reuse = pre is not None and bool(units) and units[0] == ("block",) + pre[:2]
+      reuse = pre is not None and bool(units) and units[0] == pre[0]
       if pre is not None:
         self.counters["prefetch_hits" if reuse else "prefetch_dropped"] += 1
-    sources = self._stage_sources(a, wave, skip_block=reuse)
+    sources = self._stage_sources(a, wave, skip_first=reuse)
     staged = ((pre[2],) if reuse else ()) + tuple(staging.to_device(x) for x in sources)
     if wave:
       self._wave_stage[(a, wave)] = staged
@@ -373,14 +374,14 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     nxt = c["forwards"] + 1
     if self.timing_interval > 0 and nxt % self.timing_interval == 1 % self.timing_interval:
       return
+    sealed = self._full // self.copy_unit * self.copy_unit
     for a in self._order[:max(1, self.prefetch_next)]:
       units = self._layer_plans[a].units
-      if not units or units[0][0] != "block":
+      if not units or self._source_pages(units[0])[1] > sealed:   # sealed pieces only: they stay
         continue
-      _, lo, hi = units[0]
       hist, l = self.history_of(a)
-      src = hist.pinned_block(l, lo, hi) if self.pinned else hist.pages_lpn[l, lo:hi]
-      self._prefetch[a] = (lo, hi, staging.to_device(src))
+      src = self._stage_sources(a)[0]
+      self._prefetch[a] = (units[0], self._source_pages(units[0])[1], staging.to_device(src))
       c["h2d_bytes"] += int(src.nbytes)
       c["h2d_calls"] += 1
 
@@ -424,8 +425,8 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     """Copy waves of layer a: wave 0 attends its resident pages and the streamed pages the ring
     holds, each later wave the next ring-ful, every boundary on a multiple of the attention
     partition (`wave_pages`), so the folded carry has the bits of one call. A wave's streamed pages
-    take ring slots 0.. and come as one staged array of `ring_slots` pages (its pages that hold
-    committed tokens are placed; the rest are written by this forward's rows)."""
+    take ring slots 0.. and stage as a layer's do (`_stage_layout`: pieces of whole copy units, the
+    partial last page; pages that hold no committed token yet are written by this forward's rows)."""
     ring, b = self._target_ring(), self._wave_pages
     active, need = self._active, min(self._active, self._content)
     width = ring // b * b
@@ -441,8 +442,9 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
       table[:live] = self.resident_base[a] + np.arange(live)
       table[first:hi] = self.ring_base + np.arange(hi - first)
       count = max(0, min(hi, need) - first)
-      pieces = None if count == 0 else on_device(np.array([[[self.ring_base, 0, count]]], np.int32))
-      waves.append(staging.Wave((lo, hi), on_device(table), pieces, first, count))
+      units, pieces, tail = ((), None, -1) if count == 0 else \
+          self._stage_layout(a, first, self.ring_base + np.arange(hi - first), end=hi)
+      waves.append(staging.Wave((lo, hi), on_device(table), pieces, first, count, units, tail))
     return staging.LayerPlan(None, waves[0].table_t, waves[0].pieces, (), -1, streamed, 0, tuple(waves))
 
   def _plan_and_table(self, a: int, live: int, phys: np.ndarray):
@@ -467,18 +469,21 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
                      kv_len, self._n, kinds)
     return plan, page_table(plan, self.layout, self.max_pages, buffer="pool")
 
-  def _stage_layout(self, a: int, live: int, phys: np.ndarray, skip_tail: bool = False):
-    """-> (sources, pieces [n, k, 3] int32 or None, tail page or -1): which host arrays carry
-    layer a's streamed pages that hold committed tokens, and where their rows go.
+  def _stage_layout(self, a: int, live: int, phys: np.ndarray, skip_tail: bool = False,
+                    end: Optional[int] = None):
+    """-> (sources, pieces (one device [k, 3] int32 per staged array) or None, tail page or -1):
+    which host arrays carry layer a's streamed pages that hold committed tokens, and where their
+    rows go.
 
-    Sources are ("block", lo, hi): the sealed full pages [lo, hi) as one array (up to the last
-    copy-unit boundary, so it is made again only every `copy_pages` pages); and ("unit", u, 0):
-    the open copy unit u, whole (pinned memory mirrors full pages only). A partial last page that
-    streams is uploaded on its own (`tail`). One large copy and one unit per layer: XLA keeps at
-    most two asynchronous copies of a step in flight, so fewer copies overlap compute better."""
+    Sources are ("block", lo, hi): sealed copy units [lo, hi) as one pinned mirror, and
+    ("unit", u, 0): one copy unit u, whole (the open unit too: pinned memory mirrors full pages
+    only). The sealed units come in pieces of 2^j units (`staging.unit_pieces`), so every staged
+    array has one of a fixed set of shapes whatever the history's length (the placements compile
+    once); the first unit's pages before `live` travel along unplaced. A partial last page that
+    streams is uploaded on its own (`tail`). `end`: the last logical page + 1 (a copy wave's)."""
     c = self.copy_unit
     slot_of = lambda p: int(phys[p - live])
-    need = min(self._active, self._content)       # streamed pages holding committed tokens: [live, need)
+    need = min(self._active if end is None else end, self._content)   # committed streamed: [live, need)
     full = min(need, self._full)
     sources, rows = [], []
 
@@ -492,14 +497,13 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
         p = q
       return out
 
-    sealed = max(live, full // c * c)
-    if sealed > live:
-      sources.append(("block", live, sealed))
-      rows.append(runs(live, sealed, live))
-    if full > sealed:
-      unit = sealed // c
-      sources.append(("unit", unit, 0))
-      rows.append(runs(sealed, full, unit * c))
+    sealed = full // c * c
+    for lo, hi in staging.unit_pieces(live, sealed, c, self.piece_units):
+      sources.append(("block", lo, hi) if hi - lo > c else ("unit", lo // c, 0))
+      rows.append(runs(max(lo, live), hi, lo))
+    if full > max(sealed, live):                  # the open copy unit, whole
+      sources.append(("unit", sealed // c, 0))
+      rows.append(runs(max(sealed, live), full, sealed))
     tail = full if need > full and full >= live and not skip_tail else -1
     if tail >= 0:
       rows.append([(slot_of(tail), 0, 1)])
@@ -511,45 +515,46 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     pieces = np.zeros((len(rows), k, 3), np.int32)
     for i, r in enumerate(rows):
       pieces[i, :len(r)] = r
-    return tuple(sources), pieces, tail
+    return tuple(sources), tuple(on_device(list(pieces))), tail
 
-  def _stage_sources(self, a: int, wave: int = 0, skip_block: bool = False) -> Tuple:
-    """The host arrays of layer a's stage, in the order of its pieces: pinned_host arrays (numpy
-    pages without pinned memory), then the partial last page (numpy). A copy wave's stage is one
-    array of `ring_slots` pages: a pinned mirror when all are full pages, else from the numpy
-    history (zeros past its end). `skip_block`: the sealed block is already on the device
+  def _source_pages(self, src) -> Tuple[int, int]:
+    """The logical pages [lo, hi) a stage source carries."""
+    kind, lo, hi = src
+    c = self.copy_unit
+    return (lo, hi) if kind == "block" else (lo * c, (lo + 1) * c)
+
+  def _stage_sources(self, a: int, wave: int = 0, skip_first: bool = False) -> Tuple:
+    """The host arrays of layer a's stage (or of its copy wave `wave`), in the order of its pieces:
+    pinned_host arrays (numpy pages without pinned memory, padded to the same shapes), then the
+    partial last page (numpy). `skip_first`: the first source is already on the device
     (prefetched)."""
     hist, l = self.history_of(a)
-    c = self.copy_unit
     lp = self._layer_plans[a]
     if lp.waves:
-      wv = lp.waves[wave]
-      if wv.count == 0:
-        return ()
-      ring = self.stream.ring_slots
-      pinned = hist.pinned_pages(l, wv.first, ring)
-      if pinned is not None:
-        return (pinned,)
-      arr = hist.pages_lpn[l, wv.first:wv.first + ring]
-      if arr.shape[0] < ring:
-        arr = np.concatenate([arr, np.zeros((ring - arr.shape[0], arr.shape[1]), np.uint8)])
-      return (np.ascontiguousarray(arr),)
+      lp = lp.waves[wave]
     out = []
-    for kind, lo, hi in lp.units[1:] if skip_block else lp.units:
+    for src in lp.units[1:] if skip_first else lp.units:
+      kind, lo, hi = src
       if kind == "block":
-        arr = hist.pinned_block(l, lo, hi) if self.pinned else hist.pages_lpn[l, lo:hi]
+        arr = hist.pinned_block(l, lo, hi) if self.pinned else self._host_pages(hist, l, lo, hi)
       elif self.pinned:
         arr, _ = hist.pinned_chunk(l, lo)
         if arr is None:
           raise AssertionError(f"copy unit {lo} of cache layer {a} has no full page")
       else:
-        arr = hist.pages_lpn[l, lo * c:(lo + 1) * c]
-        if arr.shape[0] < c:
-          arr = np.concatenate([arr, np.zeros((c - arr.shape[0], arr.shape[1]), np.uint8)])
+        arr = self._host_pages(hist, l, *self._source_pages(src))
       out.append(arr)
     if lp.tail_page >= 0:
       out.append(hist.pages_lpn[l, lp.tail_page:lp.tail_page + 1].copy())
     return tuple(out)
+
+  @staticmethod
+  def _host_pages(hist: HostHistory, l: int, lo: int, hi: int) -> np.ndarray:
+    """Numpy pages [lo, hi) of one layer, zeros past the history's end (a fixed staged shape)."""
+    arr = hist.pages_lpn[l, lo:hi]
+    if arr.shape[0] < hi - lo:
+      arr = np.concatenate([arr, np.zeros((hi - lo - arr.shape[0], arr.shape[1]), np.uint8)])
+    return np.ascontiguousarray(arr)
 
   def layer_kv(self, cache_layer: int):
     t0 = time.perf_counter()
@@ -646,6 +651,23 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     c["host_ms"] += (time.perf_counter() - t0) * 1e3
     c["host_end_ms"] += (time.perf_counter() - t0) * 1e3
     c["elapsed_ms"] += (time.perf_counter() - self._t_begin) * 1e3
+
+  # -- the compiled shapes (kvjax.warmup) -------------------------------------------
+  def staged_shapes(self):
+    """-> [(pages, k)]: every (staged array pages, destination runs) a placement of this cache can
+    take: pieces of 2^j copy units and the partial page (a layer's, a wave's: k runs, 2 where a run
+    splits at the ring's wrap), copy units (resident refills, the MTP lease: one run)."""
+    c, k = self.copy_unit, 2 if self.split_at_wrap else 1
+    sizes = [c << j for j in range(self.piece_units.bit_length())] + [1]
+    return sorted({(n, k) for n in sizes} | {(n, 1) for n in sizes})
+
+  def may_wave(self) -> bool:
+    """Can a forward of this cache stream a layer in copy waves (its streamed pages at `max_tokens`,
+    with the MTP layer's lease taken, beyond the ring)?"""
+    caps = self.stream.resident_pages_per_layer
+    streamed = max(self.max_pages - r for r in caps)
+    lease = self.max_pages - caps[-1] if self.cfg.has_mtp else 0
+    return streamed + lease > self.stream.ring_slots
 
   # -- reporting -------------------------------------------------------------------
   @property

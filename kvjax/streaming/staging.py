@@ -4,8 +4,8 @@
   -> a device array); the fault-injection tests replace it (`experiments.lib.faults`).
 * `Staged`, `Wave`, `LayerPlan`: what a forward stages, a copy wave, one cache layer's cached part of
   a forward.
-* `place_run`, `pack_rows`: the resident refills' placement, and the forward's new rows packed
-  into one device-to-host copy.
+* `unit_pieces`, `piece_units`: the staged arrays' fixed set of shapes (2^j copy units); `pack_rows`:
+  the forward's new rows packed into one device-to-host copy.
 * `ResidentRefillMixin`: resident pages the device does not hold yet (first forwards, after a
   rebind), uploaded in unit-aligned pieces and placed run by run.
 """
@@ -19,22 +19,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.engine import default_device
+from kvjax.engine import place_staged, default_device, on_device
 from kvjax.streaming.host_history import HostHistory
 from kvjax.streaming.span_plan import SpanPlan
 from kvjax.streaming import staging  # noqa: F401  (the mixin looks `to_device` up at call time)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("pieces",))
-def place_run(pool_pn, arrays, dst_page, *, pieces: Tuple[Tuple[int, int], ...]):
-  """pool[dst : dst + total] = concat(array[offset : offset + count] for each piece).
+PIECE_BYTES = 64 << 20   # the largest staged piece: copies of this size run at the link's speed
 
-  One call per contiguous destination run; used for resident refills only (the streamed pages of
-  a forward are placed inside the compiled steps).
-  """
-  parts = [jax.lax.slice_in_dim(a, off, off + cnt, axis=0) for a, (off, cnt) in zip(arrays, pieces)]
-  run = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-  return jax.lax.dynamic_update_slice(pool_pn, run.astype(pool_pn.dtype), (dst_page, 0))
+
+def piece_units(copy_pages: int, page_bytes: int, pool_pages: int) -> int:
+  """The most copy units one staged piece holds: a power of two, at most `PIECE_BYTES` and at most
+  the pool (fixed for a cache's life, so that the set of staged shapes is too)."""
+  cap = max(1, min(PIECE_BYTES // max(1, copy_pages * page_bytes), pool_pages // max(1, copy_pages)))
+  return 1 << (cap.bit_length() - 1)
+
+
+def unit_pieces(first: int, end: int, copy_pages: int, max_units: int) -> List[Tuple[int, int]]:
+  """The copy units that cover pages [first, end) (`end` a multiple of `copy_pages`), from the unit
+  holding `first` on, as pieces of 2^j whole units (at most `max_units`), largest first: -> page
+  ranges [(lo, hi)]. Every staged array then has one of log2(max_units) + 1 shapes, whatever the
+  history's length, so the placements compile once (`kvjax.engine.Runner.place`); the pages of the
+  first unit before `first` travel along unplaced (at most copy_pages - 1)."""
+  c = int(copy_pages)
+  out, u, end_u = [], int(first) // c, int(end) // c
+  while u < end_u:
+    n = min(int(max_units), 1 << ((end_u - u).bit_length() - 1))
+    out.append((u * c, (u + n) * c))
+    u += n
+  return out
+
+
+def pieces_array(runs) -> np.ndarray:
+  """[(base, lo, hi)] destination runs of one staged array -> int32 [k, 3] (`place_rows`)."""
+  return np.asarray(runs, np.int32).reshape(-1, 3)
 
 
 @jax.jit
@@ -63,16 +81,18 @@ class Wave(NamedTuple):
   """One copy wave of a layer whose streamed pages exceed the ring (`_wave_layout`)."""
   tiles: Tuple[int, int]             # logical pages [lo, hi) attended by this wave
   table_t: jax.Array                 # device [max_pages] int32: the wave's pages -> pool pages
-  pieces: Optional[jax.Array]        # device [1, 1, 3] int32, None when nothing stages
-  first: int                         # first logical page of the staged array
+  pieces: Optional[Tuple[jax.Array, ...]]   # (device [1, 3] int32,), None when nothing stages
+  first: int                         # first logical page of the wave's streamed pages
   count: int                         # pages staged (placed at ring slots 0..count-1)
+  units: Tuple[Tuple[str, int, int], ...] = ()   # the stage's host sources (`_stage_layout`)
+  tail_page: int = -1                # a partial page uploaded from pageable memory, or -1
 
 
 class LayerPlan(NamedTuple):
   """One cache layer's part of a forward: cached on the device while the forward's shape holds."""
   plan: Optional[SpanPlan]           # None for a layer in copy waves (one table a wave)
   table_t: jax.Array                 # device [max_pages] int32
-  pieces: Optional[jax.Array]        # device [len(units) + tail, k, 3] int32, None when nothing stages
+  pieces: Optional[Tuple[jax.Array, ...]]   # per staged array device [k, 3] int32; None: nothing stages
   units: Tuple[Tuple[str, int, int], ...]  # the stage's host sources, in order (`_stage_layout`)
   tail_page: int                     # a partial page uploaded from pageable memory, or -1
   streamed: int
@@ -120,7 +140,7 @@ class ResidentRefillMixin:
   def _upload(self, hist: HostHistory, l: int, lo: int, hi: int) -> List[staging.Staged]:
     """Host->device copies of logical pages [lo, hi) outside the compiled steps (resident refills):
     whole pinned copy units where the history has them, pageable numpy for the partial tail page(s),
-    padded to a power of two so the set of compiled shapes stays small."""
+    padded to one copy unit, so every staged array has a shape of the layers' stages."""
     c, pb = hist.copy_pages, self.layout.page_bytes
     staged = []
     page = lo
@@ -133,14 +153,13 @@ class ResidentRefillMixin:
         staged.append(staging.Staged(staging.to_device(arr), page - chunk * c, page, pinned_end - page))
         self.counters["h2d_bytes"] += c * pb
         self.counters["h2d_calls"] += 1
-      if end > pinned_end:
+      if end > pinned_end:      # pageable: the rest of the unit, padded to one unit (one shape)
         n = end - pinned_end
-        padded = 1 << (n - 1).bit_length()
-        src = hist.pages_lpn[l, pinned_end:pinned_end + padded]
-        if src.shape[0] < padded:
-          src = np.concatenate([src, np.zeros((padded - src.shape[0], pb), np.uint8)])
+        src = hist.pages_lpn[l, pinned_end:pinned_end + c]
+        if src.shape[0] < c:
+          src = np.concatenate([src, np.zeros((c - src.shape[0], pb), np.uint8)])
         staged.append(staging.Staged(staging.to_device(src), 0, pinned_end, n))
-        self.counters["h2d_bytes"] += padded * pb
+        self.counters["h2d_bytes"] += c * pb
         self.counters["h2d_calls"] += 1
       page = end
     self._staging_live += sum(int(st.array.nbytes) for st in staged)
@@ -149,25 +168,10 @@ class ResidentRefillMixin:
     return staged
 
   def _place(self, pool, staged: List[staging.Staged], dst: Callable[[int], int]):
-    """Copy staged pages into the pool at `dst(logical page)`: one call per contiguous run."""
-    run_arrays, run_pieces, run_dst, next_dst = [], [], None, None
+    """Copy staged pages into the pool at `dst(logical page)` (consecutive pages to consecutive
+    pool pages): one placement call a staged array, the compiled one of the layer steps."""
     for st in staged:
-      i = 0
-      while i < st.count:
-        d = dst(st.first + i)
-        n = 1
-        while i + n < st.count and dst(st.first + i + n) == d + n:
-          n += 1
-        if run_dst is not None and d != next_dst:
-          pool = staging.place_run(pool, tuple(run_arrays), jnp.int32(run_dst), pieces=tuple(run_pieces))
-          run_arrays, run_pieces, run_dst = [], [], None
-        if run_dst is None:
-          run_dst = d
-        run_arrays.append(st.array)
-        run_pieces.append((st.offset + i, n))
-        next_dst = d + n
-        i += n
-    if run_dst is not None:
-      pool = staging.place_run(pool, tuple(run_arrays), jnp.int32(run_dst), pieces=tuple(run_pieces))
+      base = dst(st.first) - st.offset
+      pool = place_staged(pool, st.array, on_device(pieces_array([(base, st.offset, st.offset + st.count)])))
     self._staging_live -= sum(int(st.array.nbytes) for st in staged)   # placed: buffers let go
     return pool

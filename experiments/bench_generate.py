@@ -1,0 +1,191 @@
+"""The user's path as a benchmark: `kvjax.api` from a cold start to the last decoded token.
+
+For each context N and cache kind, in one process: `api.load_model`, `api.make_kv(model, N +
+n_predict + margin, arena_mib=...)`, `api.generate` of an N-token random prompt and `--n_predict`
+tokens (a decode that crosses page and copy-unit boundaries), every token timestamped. Reported:
+
+* prefill tok/s with and without the compiling inside it, compile ms and programs by phase
+  (prefill, up to the first decoded token, after it), the persistent compilation cache in use;
+* ms per decoded token: median, p90, p99, max, and the index of every token above 3x the median;
+* uploads by phase (prefill, decode) and the decode's MiB a token;
+* with `--compare`, in the same process, bench_decode's page-aligned decode forward at the same
+  context (a fixed split of the same budget over a synthetic history: `experiments.bench_decode`)
+  and the ratio of the generation's median to it.
+
+Cache kinds (`--kinds`): `fixed` (the fixed split), `adaptive` (the adaptive policy),
+`phased` (adaptive + the phase arena). Compilation: `--compile_cache_dir` (default: a fresh
+folder under `--out`, i.e. a cold cache; run the same command again with that folder for a warm
+one); `--warmup` compiles ahead (`api.warmup`) and reports it apart.
+
+  python -m experiments.bench_generate --model=qwen38_27b --contexts=32768,131072 --arena_mib=2240 \\
+      --attn_impl=auto --n_predict=1024
+  python -m experiments.bench_generate --model=tiny --contexts=512 --arena_mib=0.5 --page_tokens=16 \\
+      --n_predict=64 --kinds=fixed,phased       # CPU smoke
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags
+
+KINDS = {"fixed": dict(policy="fixed"), "adaptive": dict(policy="adaptive"),
+         "phased": dict(policy="adaptive", phased=True)}
+
+
+def define_flags():
+  """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
+  flags.DEFINE_string("model", "qwen38_27b", "preset name, 'tiny', 'code-tiny' or a GGUF path")
+  flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
+  flags.DEFINE_list("contexts", ["32768", "131072"], "prompt lengths (tokens)")
+  flags.DEFINE_list("kinds", ["fixed"], "cache kinds: fixed, adaptive, phased")
+  flags.DEFINE_integer("n_predict", 1024, "decoded tokens a generation")
+  flags.DEFINE_float("arena_mib", 2240.0, "device KV arena (MiB)")
+  flags.DEFINE_integer("page_tokens", 256, "tokens per KV page")
+  flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages)")
+  flags.DEFINE_integer("ubatch", 256, "prefill micro-batch (rows)")
+  flags.DEFINE_string("attn_impl", "auto", "span attention implementation")
+  flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
+  flags.DEFINE_string("compile_cache_dir", "", "persistent compilation cache ('' : a fresh folder under --out; "
+                      "'off': none)")
+  flags.DEFINE_bool("warmup", False, "compile ahead (api.warmup) before the timed generation")
+  flags.DEFINE_bool("compare", True, "time bench_decode's page-aligned forward at each context too")
+  flags.DEFINE_integer("compare_steps", 16, "timed forwards of the comparison")
+  flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_generate"), "output folder")
+
+
+FLAGS = flags.FLAGS
+
+
+def token_stats(times_s, first_index: int = 1):
+  """Decode ms per token from the commit times of the generated tokens (token i's time is that of
+  the forward that produced it): median, p90, p99, max, and the tokens above 3x the median."""
+  import numpy as np
+  ms = np.diff(np.asarray(times_s, np.float64)) * 1e3
+  if ms.size == 0:
+    return {"ms": []}
+  med = float(np.median(ms))
+  slow = [int(i) + first_index for i in np.nonzero(ms > 3 * med)[0]]
+  return {"median_ms": med, "p90_ms": float(np.percentile(ms, 90)), "p99_ms": float(np.percentile(ms, 99)),
+          "max_ms": float(ms.max()), "over_3x_median": slow, "ms": [float(x) for x in ms]}
+
+
+def run_case(api, model, ctx: int, kind: str):
+  """One generation of a ctx-token prompt on a `kind` cache -> the row."""
+  import numpy as np
+  kv = api.make_kv(model, ctx + FLAGS.n_predict + 8, arena_mib=FLAGS.arena_mib, copy_pages=FLAGS.copy_pages,
+                   ubatch=FLAGS.ubatch, **KINDS[kind])
+  row = {"context": ctx, "kind": kind, "pool_pages": kv.info.get("pool_pages"),
+         "ring_slots": kv.info.get("ring_slots"), "copy_unit_pages": kv.info.get("copy_unit_pages")}
+  if FLAGS.warmup:
+    row.update({f"warmup_{k}": v for k, v in api.warmup(model, kv, ubatch=FLAGS.ubatch).items()})
+  prompt = [int(t) for t in np.random.default_rng(ctx).integers(0, model.cfg.vocab_size, ctx)]
+  stamps, h2d_at_first = [], []
+
+  def on_token(_tok):
+    stamps.append(time.perf_counter())
+    if len(stamps) == 1:
+      h2d_at_first.append(kv.metrics().get("h2d_bytes", 0))
+
+  t0 = time.perf_counter()
+  res = api.generate(model, kv, prompt_tokens=prompt, n_predict=FLAGS.n_predict, ignore_eos=True,
+                     ubatch=FLAGS.ubatch, on_token=on_token)
+  row["wall_s"] = time.perf_counter() - t0
+  m = res.metrics
+  prefill_s = m["prompt_ms"] / 1e3
+  row.update(prefill_s=prefill_s, prefill_tps=ctx / prefill_s,
+             prefill_tps_without_compile=ctx / max(prefill_s - m["prompt_compile_ms"] / 1e3, 1e-9),
+             prompt_compile_ms=m["prompt_compile_ms"], decode_compile_ms=m["predicted_compile_ms"],
+             prompt_compiles=m["prompt_compiles"], first_token_compiles=m["first_token_compiles"],
+             predicted_compiles=m["predicted_compiles"], compile_cache_dir=m.get("compile_cache_dir", ""),
+             decode_tps=m["decode_tps"], h2d_prefill_bytes=h2d_at_first[0] if h2d_at_first else 0,
+             h2d_decode_bytes=m.get("h2d_bytes", 0) - (h2d_at_first[0] if h2d_at_first else 0),
+             waves=m.get("waves", 0), forwards=m.get("forwards", 0))
+  row["decode_mib_per_token"] = row["h2d_decode_bytes"] / 2**20 / max(1, len(stamps) - 1)
+  row.update(token_stats(stamps))
+  return row
+
+
+def compare_forward(api, model, ctx: int):
+  """bench_decode's warmed, page-aligned streamed forward at `ctx` (a fixed split of the same arena)."""
+  from experiments import bench_decode
+  from experiments.lib import synthetic
+  page = model.layout.page_tokens
+  aligned = max(page, ctx // page * page)
+  kv = api.make_kv(model, aligned + FLAGS.compare_steps + 8, arena_mib=FLAGS.arena_mib, copy_pages=FLAGS.copy_pages)
+  synthetic.fill_streamed(kv.provider, aligned)
+  ms, _ = bench_decode._time_decode(model.runner, kv.provider, aligned, FLAGS.compare_steps, model.cfg)
+  return ms
+
+
+def main(argv):
+  del argv
+  import jax
+  from kvjax import api
+  os.makedirs(FLAGS.out, exist_ok=True)
+  cache_dir = FLAGS.compile_cache_dir or os.path.join(FLAGS.out, f"jax-cache-{int(time.time())}")
+  cache = False if cache_dir.lower() == "off" else cache_dir
+  t0 = time.perf_counter()
+  preset = FLAGS.model if FLAGS.model not in ("tiny", "code-tiny") and not os.path.exists(FLAGS.model) else None
+  model = api.load_model(FLAGS.model if preset is None else "tiny", preset=preset, dtype=FLAGS.dtype,
+                         page_tokens=FLAGS.page_tokens, attn_impl=FLAGS.attn_impl, block_pages=FLAGS.block_pages,
+                         compile_cache=cache)
+  log = {"device": str(jax.devices()[0]), "jax": jax.__version__, "load_s": time.perf_counter() - t0,
+         "flags": {k: FLAGS[k].value for k in ("model", "dtype", "contexts", "kinds", "n_predict", "arena_mib",
+                                                "page_tokens", "copy_pages", "ubatch", "attn_impl", "warmup")},
+         "compile_cache_dir": cache_dir if cache else ""}
+  print(json.dumps(log), flush=True)
+  rows = []
+  for ctx in [int(c) for c in FLAGS.contexts]:
+    ref = compare_forward(api, model, ctx) if FLAGS.compare else None
+    for kind in FLAGS.kinds:
+      row = run_case(api, model, ctx, kind)
+      if ref is not None:
+        row["bench_forward_ms"] = ref
+        row["median_over_bench"] = row.get("median_ms", 0.0) / ref
+      rows.append(row)
+      print(json.dumps({k: v for k, v in row.items() if k != "ms"}, default=float), flush=True)
+  log["rows"] = rows
+  with open(os.path.join(FLAGS.out, "bench_generate.json"), "w") as f:
+    json.dump(log, f, indent=1, default=float)
+  plot(rows)
+  report(rows)
+
+
+def plot(rows):
+  """ms per token over the decode, one line per case (bench_generate.png), when matplotlib is there."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return
+  fig, ax = plt.subplots(figsize=(9, 4))
+  for r in rows:
+    ax.plot(range(1, len(r["ms"]) + 1), r["ms"], lw=0.8, label=f"{r['context']} {r['kind']}")
+  ax.set_xlabel("decoded token")
+  ax.set_ylabel("ms")
+  ax.set_yscale("log")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(FLAGS.out, "bench_generate.png"), dpi=110)
+
+
+def report(rows):
+  print(f"{'context':>8} {'kind':>8} {'prefill s':>9} {'tok/s':>7} {'w/o cmp':>8} {'cmp s':>6} {'progs':>9} "
+        f"{'median':>7} {'p99':>7} {'max':>8} {'>3x':>4} {'bench':>6} {'x':>5} {'MiB/tok':>8} {'pre GB':>7}")
+  for r in rows:
+    progs = f"{r['prompt_compiles']}/{r['first_token_compiles']}/{r['predicted_compiles']}"
+    cmp_s = (r["prompt_compile_ms"] + r["decode_compile_ms"]) / 1e3
+    print(f"{r['context']:>8} {r['kind']:>8} {r['prefill_s']:>9.1f} {r['prefill_tps']:>7.0f} "
+          f"{r['prefill_tps_without_compile']:>8.0f} {cmp_s:>6.1f} {progs:>9} {r.get('median_ms', 0):>7.2f} "
+          f"{r.get('p99_ms', 0):>7.2f} {r.get('max_ms', 0):>8.1f} {len(r.get('over_3x_median', [])):>4} "
+          f"{r.get('bench_forward_ms', 0):>6.2f} {r.get('median_over_bench', 0):>5.2f} "
+          f"{r['decode_mib_per_token']:>8.1f} {r['h2d_prefill_bytes'] / 1e9:>7.1f}")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

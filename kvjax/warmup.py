@@ -1,0 +1,78 @@
+"""Compile ahead: every program a generation on a cache can run, before the generation is timed.
+
+A generation compiles a fixed set of programs (the layer steps take page counts, offsets and spans as
+traced arrays, and staged pages come in a fixed set of shapes: `kvjax.streaming.staging`), but
+not all of them run in a short generation: copy waves start only when a layer's streamed pages
+outgrow the ring, and staged pieces of 2^j copy units appear as the history grows. `compile_cache`
+compiles those too, with inert arguments (no page placed, no row written), so that once it has
+run nothing compiles while a generation runs (counted: `kvjax.generate.CompileClock`, the
+`compiles` metrics).
+
+`kvjax.api.generate` runs `compile_cache` before each prefill (inside its timing: it is part of the
+time to the first token); `kvjax.api.warmup` runs a short generation through the cache (prefill
+chunk, decode and, with speculation, verify and MTP forwards), so that a timed generation after it
+compiles nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Tuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.engine import Runner, on_device
+
+
+def _streamed_parts(provider):
+  """-> [(phase or None, StreamedKV)]: the streamed providers behind a cache (a phased cache's
+  once per phase: each phase has its own pool shape)."""
+  from kvjax.streaming.phases import PhasedKV
+  from kvjax.streaming.provider import StreamedKV
+  if isinstance(provider, PhasedKV):
+    return [("decode", provider.kv), ("prefill", provider.kv)]
+  if isinstance(provider, StreamedKV):
+    return [(None, provider)]
+  return []
+
+
+def compile_cache(runner: Runner, provider, rows: Iterable[Tuple[int, bool, bool]]) -> int:
+  """Compile the staged-page placements of every staged shape and, where the cache can stream a
+  layer in copy waves, the wave programs of every forward shape in `rows` ((rows, chunked,
+  capture) triples) -> the number of program calls made (0 when they ran on this provider before).
+  A phased cache is visited in both phases and left in the prefill phase."""
+  calls = 0
+  if getattr(provider, "programs_compiled", False):
+    return calls
+  for phase, kv in _streamed_parts(provider):
+    if phase is not None:
+      provider.enter(phase)
+    pool = kv.pool_pn
+    pb = kv.layout.page_bytes
+    for pages, k in kv.staged_shapes():
+      pool = runner.place_step(pool, on_device(jnp.zeros((pages, pb), jnp.uint8)),
+                               on_device(jnp.zeros((k, 3), jnp.int32)))   # lo == hi: nothing placed
+      calls += 1
+    if kv.may_wave():
+      table = on_device(jnp.zeros((kv.max_pages,), jnp.int32))
+      for s, chunked, capture in rows:
+        pool = runner.compile_waves(pool, table, s, chunked, capture)
+        calls += 1
+    kv.pool_pn = pool
+  provider.programs_compiled = True
+  return calls
+
+
+def forward_shapes(ubatch: int, verify_rows: int = 1) -> Tuple[Tuple[int, bool, bool], ...]:
+  """(rows, chunked, capture) of the forwards a generation runs: prefill chunks, decode and, with
+  speculation, the verify forward (scan form, states captured)."""
+  out = [(int(ubatch), ubatch > 1, False), (1, False, False)]
+  if verify_rows > 1:
+    out.append((int(verify_rows), False, True))
+  return tuple(dict.fromkeys(out))
+
+
+def short_prompt(max_tokens: int, ubatch: int, n_predict: int) -> list:
+  """A prompt that fills one prefill chunk and leaves room for `n_predict` tokens."""
+  n = max(1, min(ubatch + 1, max_tokens - n_predict - 1))
+  return [int(t) for t in np.arange(n) % 7 + 1]

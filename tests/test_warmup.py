@@ -1,0 +1,126 @@
+"""Compile once: a generation's compiled programs do not follow the history (kvjax.warmup,
+kvjax.compile_cache, the `compiles` metrics).
+
+Small pages (16 tokens) and small pools, so that a generation crosses hundreds of page and
+copy-unit boundaries and streams in copy waves."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvjax import api, engine
+
+N_PROMPT = 200
+N_PREDICT = 40
+
+
+@pytest.fixture(scope="module")
+def model():
+  return api.load_model("tiny", page_tokens=16, compile_cache=False)
+
+
+def _prompt(model, n, seed=0):
+  return [int(t) for t in np.random.default_rng(seed).integers(3, model.cfg.vocab_size, n)]
+
+
+def _two_prompts(model, kv, spec=None):
+  """Generations of N_PROMPT and 2 * N_PROMPT tokens on one cache -> their results."""
+  return [api.generate(model, kv, prompt_tokens=_prompt(model, n), n_predict=N_PREDICT, ignore_eos=True, spec=spec)
+          for n in (N_PROMPT, 2 * N_PROMPT)]
+
+
+CASES = {
+    "fixed": dict(pool_pages=12),                                  # copy waves every forward
+    "adaptive": dict(pool_pages=30, policy="adaptive"),
+    "phased": dict(arena_mib=6, policy="adaptive", phased=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_nothing_compiles_after_the_first_token_nor_for_a_longer_prompt(model, case):
+  kv = api.make_kv(model, 2 * N_PROMPT + N_PREDICT + 8, **CASES[case])
+  first, second = _two_prompts(model, kv)
+  for res in (first, second):
+    assert res.metrics["predicted_compiles"] == 0, res.metrics
+    assert res.metrics["forwards"] > 0
+  # the doubled prompt crosses more page and copy-unit boundaries with the programs compiled already
+  assert second.metrics["compiles"] == 0, second.metrics
+  assert first.metrics["prompt_compiles"] > 0
+  if case == "fixed":
+    assert first.metrics["waves"] > 0 and second.metrics["waves"] > first.metrics["waves"]
+  plain = api.generate(model, prompt_tokens=_prompt(model, 2 * N_PROMPT), n_predict=N_PREDICT, ignore_eos=True)
+  assert second.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("draft", ["mtp", "ngram"])
+def test_speculative_rounds_compile_nothing_after_the_first(model, draft):
+  spec = api.SpecConfig(draft, n_max=3, ngram_n=2)
+  kv = api.make_kv(model, 2 * N_PROMPT + N_PREDICT + 8, pool_pages=16, spec=spec)
+  first, second = _two_prompts(model, kv, spec)
+  assert first.metrics["predicted_compiles"] == 0 and second.metrics["compiles"] == 0, second.metrics
+  assert first.metrics["verify_forwards"] > 3
+  plain = api.generate(model, prompt_tokens=_prompt(model, 2 * N_PROMPT), n_predict=N_PREDICT, ignore_eos=True)
+  assert second.tokens == plain.tokens
+
+
+def test_warmup_leaves_nothing_to_compile(model):
+  """After `api.warmup` a generation compiles nothing at all, with copy waves of every forward shape."""
+  kv = api.make_kv(model, 2 * N_PROMPT + N_PREDICT + 8, pool_pages=20, policy="adaptive")
+  w = api.warmup(model, kv)
+  assert w["compiles"] > 0 and w["compile_ms"] > 0
+  res = api.generate(model, kv, prompt_tokens=_prompt(model, 2 * N_PROMPT, seed=3), n_predict=N_PREDICT,
+                     ignore_eos=True)
+  assert res.metrics["compiles"] == 0 and res.metrics["compile_ms"] == 0.0, res.metrics
+
+
+def test_staged_arrays_come_in_the_shapes_the_cache_declares(model, monkeypatch):
+  """Every staged array a long generation places (layers, copy waves, refills, the MTP lease) has
+  one of `StreamedKV.staged_shapes()`: 2^j copy units or one page, whatever the history's length."""
+  seen = set()
+  place = engine.place_staged
+
+  def recording(pool, rows, pieces):
+    seen.add((int(rows.shape[0]), int(pieces.shape[0])))
+    return place(pool, rows, pieces)
+
+  recording.__wrapped__ = place.__wrapped__
+  monkeypatch.setattr(engine.Runner, "place_step", staticmethod(recording))
+  kv = api.make_kv(model, 2 * N_PROMPT + N_PREDICT + 8, pool_pages=24, copy_pages=4)
+  api.generate(model, kv, prompt_tokens=_prompt(model, 2 * N_PROMPT), n_predict=N_PREDICT, ignore_eos=True)
+  declared = set(kv.provider.staged_shapes())
+  assert seen and seen <= declared, (seen, declared)
+  assert max(n for n, _ in seen) > kv.provider.copy_unit      # pieces of several units did occur
+  assert all(n == 1 or n % kv.provider.copy_unit == 0 and (n // kv.provider.copy_unit) & (n // kv.provider.copy_unit - 1) == 0
+             for n, _ in declared)
+
+
+SECOND_PROCESS = """
+import json, sys, jax
+from kvjax import api
+hits = []
+jax.monitoring.register_event_listener(lambda e, **k: hits.append(e) if e.endswith("cache_hits") else None)
+model = api.load_model("tiny", page_tokens=16)
+kv = api.make_kv(model, 120, pool_pages=8)
+res = api.generate(model, kv, prompt_tokens=list(range(3, 83)), n_predict=8, ignore_eos=True)
+print(json.dumps({"hits": len(hits), "dir": res.metrics["compile_cache_dir"], "tokens": res.tokens}))
+"""
+
+
+def test_a_second_process_loads_the_programs_from_the_persistent_cache(tmp_path):
+  env = dict(os.environ, KVJAX_COMPILE_CACHE_DIR=str(tmp_path / "jax"), JAX_PLATFORMS="cpu")
+  runs = []
+  for _ in range(2):
+    p = subprocess.run([sys.executable, "-c", SECOND_PROCESS], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+  assert runs[0]["dir"] == str(tmp_path / "jax") and any((tmp_path / "jax").iterdir())
+  assert runs[0]["hits"] == 0 and runs[1]["hits"] > 10, runs     # the second process compiled from disk
+  assert runs[0]["tokens"] == runs[1]["tokens"]
+  off = subprocess.run([sys.executable, "-c", SECOND_PROCESS], env=dict(env, KVJAX_COMPILE_CACHE_DIR="off"),
+                       capture_output=True, text=True, timeout=600)
+  assert off.returncode == 0 and json.loads(off.stdout.strip().splitlines()[-1])["dir"] == ""
