@@ -36,7 +36,7 @@ def get_config():
   c.kv = "streamed"
   c.arena_mib = 2240.0
   c.pool_pages = 0
-  c.copy_pages = 32
+  c.copy_pages = 8
   c.tensor_parallel = 1   # devices the model is sharded over (arena / pool per device)
   c.compare_plain = False
   c.warmup = True

@@ -60,7 +60,7 @@ def get_config():
   c.kv = "streamed"
   c.arena_mib = 0.0
   c.pool_pages = 6
-  c.copy_pages = 32
+  c.copy_pages = 8
   c.tensor_parallel = 1   # devices the model is sharded over (arena / pool per device)
   c.compare_plain = True
   c.warmup = False

@@ -54,7 +54,7 @@ def define_flags():
                     "runs is layers + the attention partition: copy waves), besides the arena's")
   flags.DEFINE_integer("decode_steps", 8, "timed decode forwards per configuration")
   flags.DEFINE_integer("page_tokens", 256, "tokens per KV page")
-  flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages)")
+  flags.DEFINE_integer("copy_pages", 8, "host copy unit (pages)")
   flags.DEFINE_integer("pipeline_depth", 1, "layers whose copies are queued ahead of the running step")
   flags.DEFINE_integer("prefetch_next", 1, "the next forward's first layers whose blocks are copied "
                        "during this forward's last layer")

@@ -44,7 +44,7 @@ def define_flags():
   flags.DEFINE_integer("n_predict", 1024, "decoded tokens a generation")
   flags.DEFINE_float("arena_mib", 2240.0, "device KV arena (MiB)")
   flags.DEFINE_integer("page_tokens", 256, "tokens per KV page")
-  flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages)")
+  flags.DEFINE_integer("copy_pages", 8, "host copy unit (pages)")
   flags.DEFINE_integer("ubatch", 256, "prefill micro-batch (rows)")
   flags.DEFINE_string("attn_impl", "auto", "span attention implementation")
   flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
@@ -100,6 +100,8 @@ def run_case(api, model, ctx: int, kind: str):
              prompt_compile_ms=m["prompt_compile_ms"], decode_compile_ms=m["predicted_compile_ms"],
              prompt_compiles=m["prompt_compiles"], first_token_compiles=m["first_token_compiles"],
              predicted_compiles=m["predicted_compiles"], compile_cache_dir=m.get("compile_cache_dir", ""),
+             compile_trace_ms=m["compile_trace_ms"], compile_lower_ms=m["compile_lower_ms"],
+             compile_backend_ms=m["compile_backend_ms"], compile_cache_hits=m["compile_cache_hits"],
              decode_tps=m["decode_tps"], h2d_prefill_bytes=h2d_at_first[0] if h2d_at_first else 0,
              h2d_decode_bytes=m.get("h2d_bytes", 0) - (h2d_at_first[0] if h2d_at_first else 0),
              waves=m.get("waves", 0), forwards=m.get("forwards", 0))

@@ -64,7 +64,7 @@ def define_flags():
   flags.DEFINE_integer("max_width", 6, "width sweep: verify widths 1..max_width")
   flags.DEFINE_integer("width_reps", 5, "width sweep: timed forwards per width")
   flags.DEFINE_integer("page_tokens", 256, "tokens per KV page")
-  flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages)")
+  flags.DEFINE_integer("copy_pages", 8, "host copy unit (pages)")
   flags.DEFINE_string("attn_impl", "reference", "span attention implementation")
   flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
   flags.DEFINE_integer("seed", 0, "oracle seed")

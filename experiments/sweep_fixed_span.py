@@ -64,7 +64,7 @@ def define_flags():
   flags.DEFINE_list("pool_pages", [], "KV pool budgets in pages (instead of / besides --arena_mib)")
   flags.DEFINE_integer("decode_tokens", 16, "tokens decoded per run")
   flags.DEFINE_integer("page_tokens", 64, "tokens per KV page")
-  flags.DEFINE_integer("copy_pages", 32, "host copy unit (pages, a power of two)")
+  flags.DEFINE_integer("copy_pages", 8, "host copy unit (pages, a power of two)")
   flags.DEFINE_integer("ubatch", 64, "prefill micro-batch")
   flags.DEFINE_string("k_type", "q8_0", "K cache type")
   flags.DEFINE_string("v_type", "q4_0", "V cache type")

@@ -222,7 +222,7 @@ def tensor_parallel(model: LoadedModel) -> int:
 # ---------------------------------------------------------------------------
 
 def check_kv_budget(*, arena_mib: Optional[float] = None, pool_pages: Optional[int] = None,
-                    copy_pages: int = 32, policy: str = "fixed", phased: bool = False) -> None:
+                    copy_pages: int = 8, policy: str = "fixed", phased: bool = False) -> None:
   """The checks of `make_kv` that need no model (a front end can run them before a long load)."""
   if policy not in POLICIES:
     raise ParameterError(f"policy must be 'fixed' or 'adaptive', got {policy!r}", "policy")
@@ -385,7 +385,7 @@ def _build_device_kv(runner: engine.Runner, max_tokens: int, arena_mib, pool_pag
 
 
 def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] = None,
-            pool_pages: Optional[int] = None, copy_pages: int = 32, policy: str = "fixed",
+            pool_pages: Optional[int] = None, copy_pages: int = 8, policy: str = "fixed",
             phased: bool = False, ubatch: int = 256, exceed_context_length: bool = False,
             spec: Union["SpecConfig", speculative.DraftParams, None] = None) -> KVCache:
   """A KV cache of `max_tokens` token positions for `model` (its page layout).

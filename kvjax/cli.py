@@ -109,7 +109,7 @@ def _generate_flags(fv: flags.FlagValues) -> None:
                      flag_values=fv)
   flags.DEFINE_integer("kv-stream-pool-pages", None, "stream the KV cache through a device pool of this "
                        "many pages (resident + ring)", flag_values=fv)
-  flags.DEFINE_integer("kv-stream-copy-pages", 32, "host->device copy unit in pages (a power of two; "
+  flags.DEFINE_integer("kv-stream-copy-pages", 8, "host->device copy unit in pages (a power of two; "
                        "halved until the ring holds it)", flag_values=fv)
   flags.DEFINE_enum("spec-type", "none", ["none", "draft-mtp", "ngram-simple", "ngram-simple,draft-mtp", "oracle"],
                     "speculative decoding (greedy only): drafts from the attached MTP head, from the "

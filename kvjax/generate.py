@@ -90,18 +90,26 @@ class CompileClock:
   def __init__(self):
     self.seconds = 0.0
     self.programs = 0
+    self.by_stage = dict.fromkeys(("trace", "lower", "backend"), 0.0)   # seconds of each
+    self.cache_hits = 0   # programs the persistent compilation cache gave (`kvjax.compile_cache`)
 
   def _listen(self, event: str, duration: float, **_):
     if event in COMPILE_EVENTS:
       self.seconds += duration
       self.programs += event == BACKEND_COMPILE_EVENT
+      self.by_stage[("trace", "lower", "backend")[COMPILE_EVENTS.index(event)]] += duration
+
+  def _count(self, event: str, **_):
+    self.cache_hits += event == "/jax/compilation_cache/cache_hits"
 
   def __enter__(self) -> "CompileClock":
     jax.monitoring.register_event_duration_secs_listener(self._listen)
+    jax.monitoring.register_event_listener(self._count)
     return self
 
   def __exit__(self, *exc) -> None:
     jax.monitoring.unregister_event_duration_listener(self._listen)
+    jax.monitoring.unregister_event_listener(self._count)
 
 
 class SequenceState:
@@ -219,10 +227,12 @@ def teacher_forced_logits(runner: Runner, kv: KVProvider, tokens: Sequence[int],
 
 def generation_metrics(kv: KVProvider, n_prompt: int, n_out: int, t0: float, t1: float,
                        t2: float, compile_s: Tuple[float, float] = (0.0, 0.0),
-                       compiles: Tuple[int, int, int] = (0, 0, 0)) -> Dict[str, float]:
+                       compiles: Tuple[int, int, int] = (0, 0, 0),
+                       clocks: Tuple[CompileClock, ...] = ()) -> Dict[str, float]:
   """Timing metrics of a generation (prefill t0..t1, decode t1..t2; `compile_s` the seconds of
   each spent tracing and compiling; `compiles` the programs compiled in the prefill, in the decode
-  up to its first token, and after it) plus the provider's counters."""
+  up to its first token, and after it; `clocks` whose seconds by stage are reported:
+  compile_trace_ms, compile_lower_ms, compile_backend_ms) plus the provider's counters."""
   n_dec = max(n_out - 1, 0)
   metrics = {
       "prompt_tokens": n_prompt, "decode_tokens": n_out,
@@ -234,6 +244,9 @@ def generation_metrics(kv: KVProvider, n_prompt: int, n_out: int, t0: float, t1:
       "prompt_compiles": compiles[0], "first_token_compiles": compiles[1], "predicted_compiles": compiles[2],
       "compiles": sum(compiles),
   }
+  for stage in ("trace", "lower", "backend"):
+    metrics[f"compile_{stage}_ms"] = sum(c.by_stage[stage] for c in clocks) * 1e3
+  metrics["compile_cache_hits"] = sum(c.cache_hits for c in clocks)
   if hasattr(kv, "metrics"):
     metrics.update(kv.metrics())
   return metrics
@@ -280,4 +293,5 @@ def generate(runner: Runner, kv: KVProvider, prompt: Sequence[int], n_predict: i
     t2 = time.perf_counter()
   compiles = (prefill_clock.programs, first_programs, decode_clock.programs - first_programs)
   return GenerationResult(out, generation_metrics(kv, len(prompt), len(out), t0, t1, t2,
-                                                  (prefill_clock.seconds, decode_clock.seconds), compiles))
+                                                  (prefill_clock.seconds, decode_clock.seconds), compiles,
+                                                  (prefill_clock, decode_clock)))

@@ -308,7 +308,8 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
   first = first_round[0] if first_round else decode_clock.programs
   metrics = generation_metrics(kv, len(prompt), len(out_tokens), t0, t1, t2,
                                (prefill_clock.seconds, decode_clock.seconds),
-                               (prefill_clock.programs, first, decode_clock.programs - first))
+                               (prefill_clock.programs, first, decode_clock.programs - first),
+                               (prefill_clock, decode_clock))
   metrics.update(stats)
   if plain_tps is not None:
     metrics["plain_decode_tps"] = plain_tps

@@ -3,7 +3,7 @@
 A generation compiles a fixed set of programs (the layer steps take page counts, offsets and spans as
 traced arrays, and staged pages come in a fixed set of shapes: `kvjax.streaming.staging`), but
 not all of them run in a short generation: copy waves start only when a layer's streamed pages
-outgrow the ring, and staged pieces of 2^j copy units appear as the history grows. `compile_cache`
+outgrow the ring, and staged pieces of more copy units appear as the history grows. `compile_cache`
 compiles those too, with inert arguments (no page placed, no row written), so that once it has
 run nothing compiles while a generation runs (counted: `kvjax.generate.CompileClock`, the
 `compiles` metrics).

@@ -52,8 +52,8 @@ class StreamConfig:
 def fixed_split(pool_pages: int, n_layers: int, max_tokens: int, layout: PageLayout,
                 copy_pages: int = 32) -> StreamConfig:
   """Uniform resident pages per layer. Where the pool allows, the ring holds one layer's streamed
-  pages at `max_tokens` (one attention call a layer): r = min(A, floor((P - A) / (L - 1))) with
-  A = pages at max_tokens. Otherwise every layer streams in copy waves through a ring of
+  pages at `max_tokens` (one attention call a layer) and the copy_pages - 1 its open region adds:
+  r = min(A, floor((P - A - copy_pages + 1) / (L - 1))) with A = pages at max_tokens. Otherwise every layer streams in copy waves through a ring of
   h = min(8, P - L) slots (the policy's initial ring hint): r = floor((P - h) / L). Below the
   minimum pool (L + 1 pages) -> StreamBudgetError with the pages missing."""
   a = layout.pages_for(max_tokens)
@@ -64,10 +64,15 @@ def fixed_split(pool_pages: int, n_layers: int, max_tokens: int, layout: PageLay
         f"KV pool too small: {pool_pages} pages ({mib(pool_pages * layout.page_bytes)}) cannot "
         f"stream {n_layers} layers: the minimum is {need} pages (1 resident page a layer + 1 ring slot): "
         f"{missing} more pages ({mib(missing * layout.page_bytes)}) needed")
-  if n_layers > 1:
-    r = min(a, max((pool_pages - a) // (n_layers - 1), 0))
+  # a streaming layer keeps its open copy unit in the last copy_pages slots of its resident region
+  # (`StreamedKV._open_split`), so the ring holds copy_pages - 1 pages more than A - r
+  slack = max(0, int(copy_pages) - 1)
+  if pool_pages > n_layers * a:
+    r = a
+  elif n_layers > 1:
+    r = min(a, max((pool_pages - a - slack) // (n_layers - 1), 0))
   else:
-    r = min(a, pool_pages - 1)
+    r = min(a, pool_pages - 1 - slack)
   r = max(0, min(r, (pool_pages - 1) // n_layers))  # keep at least one ring slot
   if pool_pages - r * n_layers < a - r:             # the ring cannot hold a layer: copy waves
     hint = min(8, pool_pages - n_layers)
@@ -89,14 +94,15 @@ def copy_unit_pages(stream: StreamConfig) -> int:
 
 def staging_pages(streamed_pages: int, copy_pages: int, pinned: bool) -> int:
   """Upper bound of the device pages that the stage of `streamed_pages` consecutive logical pages
-  occupies (`StreamedKV`): the sealed streamed pages as one block (at most n pages), the open copy
-  unit whole (`copy_pages`) and the partial last page. The same with or without pinned host memory
-  (`pinned` is accepted for the callers' symmetry)."""
+  occupies (`StreamedKV`): the sealed streamed pages in whole copy units from the one holding the
+  first (at most n + copy_pages - 1 pages), the open copy unit whole (`copy_pages`) and the partial
+  last page. The same with or without pinned host memory (`pinned` is accepted for the callers'
+  symmetry)."""
   del pinned
   n, c = int(streamed_pages), int(copy_pages)
   if n <= 0:
     return 0
-  return n + c + 1
+  return n + 2 * c
 
 
 def staging_unit_pages(stream: StreamConfig, max_tokens: int, layout: PageLayout,

@@ -103,9 +103,10 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     self.piece_units = staging.piece_units(self.copy_unit, layout.page_bytes, stream.pool_pages)
     self.pool_pn = None
     self.resident_valid = np.zeros((self.n_layers,), np.int64)  # valid prefix pages on the device
-    # The open slot of a streamed layer (the last page of its resident region) holds the page its
-    # rows are written to; `open_page` / `open_rows`: which logical page and how many of its rows
-    # the device holds there (-1: none), so a decode forward uploads no partial page.
+    # The open region of a streamed layer (the last copy unit of its resident region) holds the copy
+    # unit its rows are written to; `open_page` / `open_rows`: the unit's first logical page and how
+    # many of its rows the device holds there (-1: none), so a decode forward uploads neither the
+    # open unit nor the partial page (`_open_split`).
     self.open_page = np.full((self.n_layers,), -1, np.int64)
     self.open_rows = np.zeros((self.n_layers,), np.int64)
     self.open_slots = True
@@ -242,21 +243,32 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     return live, active - live
 
   def _open_split(self, a: int) -> Tuple[int, int, int]:
-    """-> (resident live pages, ring pages, open page or -1) of cache layer a in this forward.
+    """-> (resident live pages, ring pages, first page of the open unit or -1) of cache layer a in
+    this forward.
 
-    A layer that streams without copy waves writes its rows to its open slot: the last page of its
-    resident region takes the forward's first written page (`full`) instead of resident page
-    `cap - 1`, which streams instead. The rows written stay there for the next forward, so decode
-    uploads no partial page (one copy a layer: the sealed block, and the open unit when one exists).
-    The target's layers only: the MTP layer's forwards run under its ring lease (`lease_mtp`), whose
+    A layer that streams without copy waves keeps its open copy unit on the device: the last
+    `copy_unit` slots of its resident region (the open region; one page where the region is smaller:
+    `_open_pages`) hold the unit of the forward's first
+    written page (`full`) instead of resident pages [cap - c, cap), which stream instead. The rows
+    written stay there, so a decode forward uploads neither the open unit nor the partial page: a
+    layer streams its sealed units (`_stage_layout`) and nothing else, and a page that fills needs
+    no new pinned mirror. The forward's pages must lie in that unit, past the resident prefix. The
+    target's layers only: the MTP layer's forwards run under its ring lease (`lease_mtp`), whose
     suffix starts at its capacity."""
     cap, active, full = self.stream.resident_pages_per_layer[a], self._active, self._full
     if active <= cap:
       return active, 0, -1
-    if self.open_slots and cap >= 1 and active - cap <= self._target_ring() and cap - 1 <= full < active \
-        and a < self.cfg.num_attention_layers:
-      return cap - 1, active - cap, full
+    o = self._open_pages(a)
+    first = full // o * o
+    if self.open_slots and cap >= 1 and a < self.cfg.num_attention_layers and first >= cap - o \
+        and active <= first + o and first - (cap - o) <= self._target_ring():
+      return cap - o, first - (cap - o), first
     return cap, active - cap, -1
+
+  def _open_pages(self, a: int) -> int:
+    """The open region's pages: one copy unit, or one page where the resident region is smaller (then
+    the open unit's full pages stream, and only the partial page stays on the device)."""
+    return self.copy_unit if self.stream.resident_pages_per_layer[a] >= self.copy_unit else 1
 
   # -- KVProvider ----------------------------------------------------------------
   def begin_forward(self, pos: int, n_tokens: int, cache_layers: Tuple[int, ...],
@@ -339,9 +351,10 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
       c["host_begin_ms"] += (time.perf_counter() - t0) * 1e3
 
   def _open_held(self, a: int) -> bool:
-    """Does layer a's open slot hold the committed rows of this forward's partial page?"""
-    pt = self.layout.page_tokens
-    return bool(self.open_page[a] == self._full and self.open_rows[a] >= self._pos - self._full * pt)
+    """Does layer a's open region hold the committed rows of this forward's open unit?"""
+    o = self._open_pages(a)
+    first = self._full // o * o
+    return bool(self.open_page[a] == first and self.open_rows[a] >= self._pos - first * self.layout.page_tokens)
 
   def _issue(self, a: int, wave: int = 0) -> int:
     """Queue the host-to-device copies of layer a's stage, or of its copy wave `wave` (-> bytes);
@@ -412,10 +425,10 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
       head = (head + streamed) % ring
       self.counters["ring_peak_slots"] = max(self.counters["ring_peak_slots"], min(streamed, ring))
       phys = self.ring_base + slots                 # pool page of each streamed page [live, active)
-      if open_page >= 0:                            # the open page takes the open slot, not the ring
-        phys = np.insert(phys, open_page - live, self.resident_base[a] + live)
+      if open_page >= 0:                            # the open unit's pages take the open region
+        phys = np.concatenate([phys, self.resident_base[a] + live + np.arange(self._active - open_page)])
       plan, table = self._plan_and_table(a, live, phys)
-      units, pieces, tail = self._stage_layout(a, live, phys, skip_tail=open_page >= 0 and held)
+      units, pieces, tail = self._stage_layout(a, live, phys, held_from=open_page if held else -1)
       plans[a] = staging.LayerPlan(plan, on_device(table), None if pieces is None else on_device(pieces),
                             units, tail, streamed, wraps, open_page=open_page)
       self.counters["max_spans"] = max(self.counters["max_spans"], len(plan.spans))
@@ -469,7 +482,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
                      kv_len, self._n, kinds)
     return plan, page_table(plan, self.layout, self.max_pages, buffer="pool")
 
-  def _stage_layout(self, a: int, live: int, phys: np.ndarray, skip_tail: bool = False,
+  def _stage_layout(self, a: int, live: int, phys: np.ndarray, held_from: int = -1,
                     end: Optional[int] = None):
     """-> (sources, pieces (one device [k, 3] int32 per staged array) or None, tail page or -1):
     which host arrays carry layer a's streamed pages that hold committed tokens, and where their
@@ -477,10 +490,12 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
 
     Sources are ("block", lo, hi): sealed copy units [lo, hi) as one pinned mirror, and
     ("unit", u, 0): one copy unit u, whole (the open unit too: pinned memory mirrors full pages
-    only). The sealed units come in pieces of 2^j units (`staging.unit_pieces`), so every staged
+    only). The sealed units come in pieces of up to 16 units (`staging.unit_pieces`), so every staged
     array has one of a fixed set of shapes whatever the history's length (the placements compile
     once); the first unit's pages before `live` travel along unplaced. A partial last page that
-    streams is uploaded on its own (`tail`). `end`: the last logical page + 1 (a copy wave's)."""
+    streams is uploaded on its own (`tail`). `held_from`: the device holds the committed rows of
+    pages from this one on (the open region, `_open_split`; -1: none). `end`: the last logical
+    page + 1 (a copy wave's)."""
     c = self.copy_unit
     slot_of = lambda p: int(phys[p - live])
     need = min(self._active if end is None else end, self._content)   # committed streamed: [live, need)
@@ -501,10 +516,11 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     for lo, hi in staging.unit_pieces(live, sealed, c, self.piece_units):
       sources.append(("block", lo, hi) if hi - lo > c else ("unit", lo // c, 0))
       rows.append(runs(max(lo, live), hi, lo))
-    if full > max(sealed, live):                  # the open copy unit, whole
+    held = held_from >= 0
+    if full > max(sealed, live) and not (held and held_from <= sealed):   # the open copy unit, whole
       sources.append(("unit", sealed // c, 0))
       rows.append(runs(max(sealed, live), full, sealed))
-    tail = full if need > full and full >= live and not skip_tail else -1
+    tail = full if need > full and full >= live and not held else -1
     if tail >= 0:
       rows.append([(slot_of(tail), 0, 1)])
     if not rows:
@@ -642,9 +658,9 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
       hist.write_rows(l, self._pos, rows_sr[:self._n, :kb], rows_sr[:self._n, kb:])
       live, _, open_page = self._open_split(a)
       self.resident_valid[a] = live
-      if open_page >= 0 and not self._layer_plans[a].waves:   # the rows written stay in the open slot
+      if open_page >= 0 and not self._layer_plans[a].waves:   # the rows written stay in the open region
         self.open_page[a] = open_page
-        self.open_rows[a] = min(self._pos + self._n, (open_page + 1) * pt) - open_page * pt
+        self.open_rows[a] = self._pos + self._n - open_page * pt
     self._pending.clear()
     c = self.counters
     c["forwards"] += 1
@@ -655,10 +671,10 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
   # -- the compiled shapes (kvjax.warmup) -------------------------------------------
   def staged_shapes(self):
     """-> [(pages, k)]: every (staged array pages, destination runs) a placement of this cache can
-    take: pieces of 2^j copy units and the partial page (a layer's, a wave's: k runs, 2 where a run
+    take: pieces of 1..16 copy units and the partial page (a layer's, a wave's: k runs, 2 where a run
     splits at the ring's wrap), copy units (resident refills, the MTP lease: one run)."""
     c, k = self.copy_unit, 2 if self.split_at_wrap else 1
-    sizes = [c << j for j in range(self.piece_units.bit_length())] + [1]
+    sizes = [c * j for j in range(1, self.piece_units + 1)] + [1]
     return sorted({(n, k) for n in sizes} | {(n, 1) for n in sizes})
 
   def may_wave(self) -> bool:

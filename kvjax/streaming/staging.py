@@ -4,7 +4,7 @@
   -> a device array); the fault-injection tests replace it (`experiments.lib.faults`).
 * `Staged`, `Wave`, `LayerPlan`: what a forward stages, a copy wave, one cache layer's cached part of
   a forward.
-* `unit_pieces`, `piece_units`: the staged arrays' fixed set of shapes (2^j copy units); `pack_rows`:
+* `unit_pieces`, `piece_units`: the staged arrays' fixed set of shapes (1..16 copy units); `pack_rows`:
   the forward's new rows packed into one device-to-host copy.
 * `ResidentRefillMixin`: resident pages the device does not hold yet (first forwards, after a
   rebind), uploaded in unit-aligned pieces and placed run by run.
@@ -29,22 +29,26 @@ PIECE_BYTES = 64 << 20   # the largest staged piece: copies of this size run at 
 
 
 def piece_units(copy_pages: int, page_bytes: int, pool_pages: int) -> int:
-  """The most copy units one staged piece holds: a power of two, at most `PIECE_BYTES` and at most
-  the pool (fixed for a cache's life, so that the set of staged shapes is too)."""
-  cap = max(1, min(PIECE_BYTES // max(1, copy_pages * page_bytes), pool_pages // max(1, copy_pages)))
-  return 1 << (cap.bit_length() - 1)
+  """The most copy units one staged piece holds: at most `PIECE_BYTES`, at most the pool and at most
+  `MAX_PIECE_UNITS` (fixed for a cache's life, so that the set of staged shapes is too)."""
+  cap = min(PIECE_BYTES // max(1, copy_pages * page_bytes), pool_pages // max(1, copy_pages), MAX_PIECE_UNITS)
+  return max(1, int(cap))
+
+
+MAX_PIECE_UNITS = 16   # staged shapes a cache compiles a placement for: 1..16 units, and one page
 
 
 def unit_pieces(first: int, end: int, copy_pages: int, max_units: int) -> List[Tuple[int, int]]:
   """The copy units that cover pages [first, end) (`end` a multiple of `copy_pages`), from the unit
-  holding `first` on, as pieces of 2^j whole units (at most `max_units`), largest first: -> page
-  ranges [(lo, hi)]. Every staged array then has one of log2(max_units) + 1 shapes, whatever the
-  history's length, so the placements compile once (`kvjax.engine.Runner.place`); the pages of the
-  first unit before `first` travel along unplaced (at most copy_pages - 1)."""
+  holding `first` on, as pieces of `max_units` whole units and one of the rest: -> page ranges
+  [(lo, hi)]. Every staged array then has one of `max_units` shapes, whatever the history's length,
+  so the placements compile once (`kvjax.engine.Runner.place`), and a layer streams in few large
+  copies; the pages of the first unit before `first` travel along unplaced (at most
+  copy_pages - 1)."""
   c = int(copy_pages)
   out, u, end_u = [], int(first) // c, int(end) // c
   while u < end_u:
-    n = min(int(max_units), 1 << ((end_u - u).bit_length() - 1))
+    n = min(int(max_units), end_u - u)
     out.append((u * c, (u + n) * c))
     u += n
   return out

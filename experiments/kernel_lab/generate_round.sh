@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One GPU round of the user's path: bench_generate with a cold persistent compilation cache, then
+# the same cache in a second process (warm). Args: contexts (cold), contexts (warm), extra flags.
+#   bash experiments/kernel_lab/generate_round.sh 32768,131072 131072 --kinds=fixed
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export PYTHONUNBUFFERED=1 OUT=${OUT:-runs/generate_round}
+cold=${1:-32768,131072}; warm=${2:-131072}; shift 2 || true
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
+cache=/tmp/kvjax-jax-cache
+run() {  # $1 name, $2 contexts, then flags
+  local name=$1 ctx=$2; shift 2
+  JAX_EXPLAIN_CACHE_MISSES=${EXPLAIN:-0} python3 -m experiments.bench_generate --model=qwen38_27b --contexts="$ctx" --arena_mib=2240 --attn_impl=auto \
+    --n_predict=1024 --compile_cache_dir=$cache --out="$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name rc=$? ($(du -sh $cache 2>/dev/null | cut -f1) cache)"
+  grep -v '^[IW][0-9]\{4\} ' "$OUT/$name.log" | grep -v '^{' | tail -n 12
+}
+mkdir -p "$OUT"
+run cold "$cold" "$@"
+[ -n "$warm" ] && run warm "$warm" --compare=false "$@"
