@@ -290,10 +290,9 @@ class KVBudgetError(ParameterError, StreamBudgetError):
 class KVCache:
   """A KV cache made by `make_kv`: `provider` (what the runner reads and writes: `engine.PlainKV`,
   `StreamedKV`, `AdaptiveStreamedKV` or `PhasedKV`) and `info` (its budget: "kv" plain / streamed /
-  streamed+phased, "ctx_size", the page layout, and for a streamed cache the pool split and
-  "all_pages_resident": the split holds every page of the context resident, so nothing streams).
-
-  A cache holds one sequence: `generate` resets a used cache (`reset`: a fresh one, same budget)."""
+  streamed+phased, "ctx_size", the page layout, for a streamed cache the pool split and
+  "all_pages_resident": every page of the context is resident, nothing streams). A cache holds one
+  sequence: `generate` resets a used cache (`reset`: a fresh one, same budget)."""
 
   def __init__(self, build: Callable[[], Tuple[Any, Dict[str, Any]]]):
     self._build = build
@@ -616,11 +615,11 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   runner = model.runner
   sampling = gen_lib.SamplingParams(temperature, top_k, seed)
 
-  def on_phase(phase):
-    if phase == "prefill":   # first the placements and copy waves that later forwards may run
-      warm_lib.compile_cache(runner, kv.provider, warm_lib.forward_shapes(ubatch, verify_rows(spec)))
+  def on_phase(phase):   # in each phase first the placements and copy waves later forwards may run
     if hasattr(kv.provider, "enter"):
       kv.provider.enter(phase)
+    warm_lib.compile_cache(runner, kv.provider, warm_lib.forward_shapes(ubatch, verify_rows(spec)),
+                           mtp_lease=spec is not None and _draft_params(spec).uses_mtp)
 
   def run_once(on_logits=None):
     if kv.used:

@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from absl import flags
 
+from kvjax import compile_cache as compile_cache_lib
 from kvjax.text import one_line
 
 PROG = "kvjax"
@@ -79,6 +80,8 @@ def _model_flags(fv: flags.FlagValues) -> None:
                       "Pallas interpret mode (slow)", flag_values=fv)
   flags.DEFINE_string("attn-block-pages", "auto", "pages per logical partition of the attention "
                       "core (an int >= 1), or auto (sized to the table and the GPU)", flag_values=fv)
+  flags.DEFINE_string("compile-cache-dir", "", "JAX's persistent compilation cache: a folder ('' = "
+                      "$KVJAX_COMPILE_CACHE_DIR, else ~/.cache/kvjax/jax), or 'off'", flag_values=fv)
   flags.DEFINE_integer("tensor-parallel", 1, "shard the model over this many devices (attention and Gated "
                        "DeltaNet heads, FFN columns; each device holds and streams its own KV heads, the KV "
                        "budget flags are per device); must divide the model's KV heads", flag_values=fv)
@@ -101,8 +104,8 @@ def _generate_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_bool("ignore-eos", False, "keep generating past the end-of-sequence token", flag_values=fv)
   flags.DEFINE_bool("json", False, "print one JSON line {tokens, text, metrics} instead of the text",
                     flag_values=fv)
-  flags.DEFINE_bool("warmup", False, "run the whole generation once before the measured run "
-                    "(so the timings exclude compilation; without it the output says how much of "
+  flags.DEFINE_bool("warmup", False, "compile every program of the generation before the measured "
+                    "run (so the timings exclude compilation; without it the output says how much of "
                     "them was compilation)", flag_values=fv)
   flags.DEFINE_float("kv-stream-arena-mib", None, "stream the KV cache within this device arena (MiB): "
                      "pool = arena - decode workspace (XLA memory analysis), in whole pages",
@@ -205,7 +208,14 @@ def _load(fv: flags.FlagValues):
   return api.load_model(fv["model"].value, dtype=fv["dtype"].value, k_type=fv["cache-type-k"].value,
                         v_type=fv["cache-type-v"].value, page_tokens=fv["kv-page-tokens"].value,
                         attn_impl=fv["attn-impl"].value, block_pages=fv["attn-block-pages"].value,
-                        tensor_parallel=fv["tensor-parallel"].value)
+                        tensor_parallel=fv["tensor-parallel"].value,
+                        compile_cache=_compile_cache(fv["compile-cache-dir"].value))
+
+
+def _compile_cache(value: str):
+  """--compile-cache-dir -> `api.load_model`'s compile_cache: None (the default folder), a folder, or
+  False ('off')."""
+  return False if value.strip().lower() in compile_cache_lib.OFF else (value or None)
 
 
 def _spec(fv: flags.FlagValues):

@@ -8,15 +8,14 @@ loads them from disk instead of compiling them again. The directory:
 
 Entries are keyed by JAX on the program, the jax / jaxlib versions, XLA flags and the devices, so
 one directory serves every model and version. Every program is cached, however short its compile
-(`jax_persistent_cache_min_compile_time_secs` 0): a decode compiles many small ones.
+(`jax_persistent_cache_min_compile_time_secs` 0): a decode compiles many small ones. JAX is imported
+when a function is called (the command line's `memory` runs without it).
 """
 
 from __future__ import annotations
 
 import os
 from typing import Optional, Union
-
-import jax
 
 ENV = "KVJAX_COMPILE_CACHE_DIR"
 OFF = ("off", "0", "false", "no", "none")
@@ -43,6 +42,7 @@ def enable(path: Union[str, bool, None] = None) -> Optional[str]:
   if active() == directory:
     return directory
   os.makedirs(directory, exist_ok=True)
+  import jax
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -53,6 +53,7 @@ def enable(path: Union[str, bool, None] = None) -> Optional[str]:
 def disable() -> None:
   """Turn the persistent cache off (programs compile in this process only)."""
   if active() is not None:
+    import jax
     jax.config.update("jax_compilation_cache_dir", None)
     _reset()
   return None
@@ -60,6 +61,7 @@ def disable() -> None:
 
 def active() -> Optional[str]:
   """The directory of the persistent cache in use, or None."""
+  import jax
   return jax.config.jax_compilation_cache_dir or None
 
 

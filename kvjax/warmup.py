@@ -8,8 +8,8 @@ compiles those too, with inert arguments (no page placed, no row written), so th
 run nothing compiles while a generation runs (counted: `kvjax.generate.CompileClock`, the
 `compiles` metrics).
 
-`kvjax.api.generate` runs `compile_cache` before each prefill (inside its timing: it is part of the
-time to the first token); `kvjax.api.warmup` runs a short generation through the cache (prefill
+`kvjax.api.generate` runs `compile_cache` as it enters the prefill and the decode (inside the
+prefill's timing: it is part of the time to the first token); `kvjax.api.warmup` runs a short generation through the cache (prefill
 chunk, decode and, with speculation, verify and MTP forwards), so that a timed generation after it
 compiles nothing.
 """
@@ -24,42 +24,41 @@ import numpy as np
 from kvjax.engine import Runner, on_device
 
 
-def _streamed_parts(provider):
-  """-> [(phase or None, StreamedKV)]: the streamed providers behind a cache (a phased cache's
-  once per phase: each phase has its own pool shape)."""
+def _streamed(provider):
+  """The streamed provider behind a cache (a phased cache's, in its current phase), or None."""
   from kvjax.streaming.phases import PhasedKV
   from kvjax.streaming.provider import StreamedKV
   if isinstance(provider, PhasedKV):
-    return [("decode", provider.kv), ("prefill", provider.kv)]
-  if isinstance(provider, StreamedKV):
-    return [(None, provider)]
-  return []
+    provider = provider.kv
+  return provider if isinstance(provider, StreamedKV) else None
 
 
-def compile_cache(runner: Runner, provider, rows: Iterable[Tuple[int, bool, bool]]) -> int:
-  """Compile the staged-page placements of every staged shape and, where the cache can stream a
-  layer in copy waves, the wave programs of every forward shape in `rows` ((rows, chunked,
-  capture) triples) -> the number of program calls made (0 when they ran on this provider before).
-  A phased cache is visited in both phases and left in the prefill phase."""
+def compile_cache(runner: Runner, provider, rows: Iterable[Tuple[int, bool, bool]], mtp_lease: bool = False) -> int:
+  """Compile, where the cache can stream, the staged-page placements of every staged shape and,
+  where it can stream a layer in copy waves (`mtp_lease`: with the MTP layer's ring lease taken),
+  the wave programs of every forward shape in `rows` ((rows, chunked, capture) triples) -> the
+  number of program calls made (0 when they ran on this provider, in this phase, before). A phased
+  cache has a pool of its own in each phase: call it in each."""
+  kv = _streamed(provider)
+  done = provider.__dict__.setdefault("programs_compiled", set())
+  phase = getattr(provider, "phase", None)
+  if kv is None or phase in done or not kv.may_stream():
+    done.add(phase)
+    return 0
   calls = 0
-  if getattr(provider, "programs_compiled", False):
-    return calls
-  for phase, kv in _streamed_parts(provider):
-    if phase is not None:
-      provider.enter(phase)
-    pool = kv.pool_pn
-    pb = kv.layout.page_bytes
-    for pages, k in kv.staged_shapes():
-      pool = runner.place_step(pool, on_device(jnp.zeros((pages, pb), jnp.uint8)),
-                               on_device(jnp.zeros((k, 3), jnp.int32)))   # lo == hi: nothing placed
+  pool = kv.pool_pn
+  pb = kv.layout.page_bytes
+  for pages, k in kv.staged_shapes():
+    pool = runner.place_step(pool, on_device(jnp.zeros((pages, pb), jnp.uint8)),
+                             on_device(jnp.zeros((k, 3), jnp.int32)))   # lo == hi: nothing placed
+    calls += 1
+  if kv.may_wave(mtp_lease):
+    table = on_device(jnp.zeros((kv.max_pages,), jnp.int32))
+    for s, chunked, capture in rows:
+      pool = runner.compile_waves(pool, table, s, chunked, capture)
       calls += 1
-    if kv.may_wave():
-      table = on_device(jnp.zeros((kv.max_pages,), jnp.int32))
-      for s, chunked, capture in rows:
-        pool = runner.compile_waves(pool, table, s, chunked, capture)
-        calls += 1
-    kv.pool_pn = pool
-  provider.programs_compiled = True
+  kv.pool_pn = pool
+  done.add(phase)
   return calls
 
 

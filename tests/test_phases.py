@@ -100,7 +100,7 @@ def test_adaptive_policy_split_streams_identically(setup):
 def _check_placement(kv, tokens):
   """The pool holds what `policy.layout` says: layer a's capacity, its first min(active, capacity)
   pages resident at its region, byte for byte the host history's pages (a streamed layer's last
-  region page is its open slot: the rows of the page it writes)."""
+  region pages are its open region: the rows of the copy unit it writes)."""
   lay = policy_lib.layout(kv.policy_config, kv.policy_state, tokens)
   assert kv.stream.resident_pages_per_layer == lay.capacities
   pool = np.asarray(kv.pool_pn)
@@ -112,16 +112,18 @@ def _check_placement(kv, tokens):
     live = min(l.resident_live_pages, int(hist.tokens[h]) // lt.page_tokens)  # full pages
     base = int(kv.resident_base[a])
     open_page = int(kv.open_page[a])
-    if open_page >= 0:     # a streamed layer: the region's last page is its open slot
-      cap = lay.capacities[a]
-      live = min(live, cap - 1)
-      slot, rows = pool[base + cap - 1], int(kv.open_rows[a])
+    if open_page >= 0:     # a streamed layer: the region's last o pages are its open region
+      cap, o = lay.capacities[a], kv._open_pages(a)   # pylint: disable=protected-access
+      live = min(live, cap - o)
+      rows = int(kv.open_rows[a])
       assert rows == int(hist.tokens[h]) - open_page * lt.page_tokens > 0, f"layer {a}"
-      page = hist.pages_lpn[h, open_page]
-      k, v = rows * lt.k_row_bytes, rows * lt.v_row_bytes
-      np.testing.assert_array_equal(slot[:k], page[:k], err_msg=f"layer {a} open slot K rows")
-      np.testing.assert_array_equal(slot[lt.v_offset:lt.v_offset + v], page[lt.v_offset:lt.v_offset + v],
-                                    err_msg=f"layer {a} open slot V rows")
+      for i in range(-(-rows // lt.page_tokens)):       # the unit's pages that hold committed rows
+        slot, page = pool[base + cap - o + i], hist.pages_lpn[h, open_page + i]
+        n = min(lt.page_tokens, rows - i * lt.page_tokens)
+        k, v = n * lt.k_row_bytes, n * lt.v_row_bytes
+        np.testing.assert_array_equal(slot[:k], page[:k], err_msg=f"layer {a} open region K rows")
+        np.testing.assert_array_equal(slot[lt.v_offset:lt.v_offset + v], page[lt.v_offset:lt.v_offset + v],
+                                      err_msg=f"layer {a} open region V rows")
     np.testing.assert_array_equal(pool[base:base + live], hist.pages_lpn[h, :live], err_msg=f"layer {a}")
 
 

@@ -140,13 +140,15 @@ def test_mtp_lease_holds_the_end_of_the_ring(mtp_runs):
   kv.truncate("mtp", 80)
   lay, hist = kv.layout, kv.histories["mtp"]
   cap, ring = kv.stream.resident_pages_per_layer[-1], kv.stream.ring_slots
-  assert kv.lease_mtp(90) == _suffix_bytes(kv, 80) == 4 * lay.page_bytes   # pages 2..5: units [2, 4), [4, 6)
+  assert cap == 1 and kv.copy_unit == 2
+  # pages 1..4 hold the 80 tokens: units [0, 2) and [2, 4) sealed, [4, 6) the open unit (page 4)
+  assert kv.lease_mtp(90) == _suffix_bytes(kv, 80) == 6 * lay.page_bytes
   ls = kv.lease
-  assert (ls.first_slot, ls.slots) == (ring - 4, 4)           # pages 2..5 of the MTP layer (to 90 tokens)
+  assert (ls.first_slot, ls.slots) == (ring - 5, 5)           # pages 1..5 of the MTP layer (to 90 tokens)
 
   def leased_bytes():
     pool = np.asarray(kv.pool_pn)
-    return pool[kv.ring_base + ls.first_slot:kv.ring_base + ls.first_slot + 3]
+    return pool[kv.ring_base + ls.first_slot:kv.ring_base + ls.first_slot + 4]
 
   assert np.array_equal(leased_bytes(), hist.pages_lpn[0, cap:5])
   kv.begin_forward(80, 1, (0, 1))

@@ -268,9 +268,10 @@ def test_staging_pages_and_fit_split():
   """Staging bounds by hand; fit_split takes the largest pool whose staging still fits, and a budget
   that fits no pool is refused with the pages missing (pool + staging of the cheapest pool)."""
   assert staging_pages(0, 4, True) == staging_pages(0, 4, False) == 0
-  assert staging_pages(1, 4, True) == 6         # a block of <= n pages, the open unit, the partial page
-  assert staging_pages(5, 4, True) == staging_pages(5, 4, False) == 10
-  assert staging_pages(20, 4, False) == 25
+  # whole units from the one holding the first page (<= n + 3), the open unit (4), the partial page
+  assert staging_pages(1, 4, True) == 9
+  assert staging_pages(5, 4, True) == staging_pages(5, 4, False) == 13
+  assert staging_pages(20, 4, False) == 28
   layout = PageLayout(2, 64, "q8_0", "q4_0", 16)
   for available in (54, 57, 90, 200):
     split = fit_split(available, 3, 256, layout, 2, prefetch_depth=1, pinned=False)
@@ -466,7 +467,7 @@ def test_copy_waves_bit_for_bit_from_the_minimum_pool(kv_types):
       _, hidden = generate.prefill(generate.SequenceState(runner, engine.PlainKV(cfg, layout, max_tokens)),
                                    toks[:-1], ubatch=32, with_hidden=True)
     n = len(toks) - 1
-    mtp, _ = runner.mtp_forward(hidden[:n - 1], np.asarray(toks[1:n], np.int32), 0, n - 1, kv)
+    mtp, _ = runner.mtp_forward(hidden.rows()[:n - 1], np.asarray(toks[1:n], np.int32), 0, n - 1, kv)
     got.append(np.asarray(mtp))
     if want is None:
       want = got

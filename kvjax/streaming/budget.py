@@ -64,15 +64,21 @@ def fixed_split(pool_pages: int, n_layers: int, max_tokens: int, layout: PageLay
         f"KV pool too small: {pool_pages} pages ({mib(pool_pages * layout.page_bytes)}) cannot "
         f"stream {n_layers} layers: the minimum is {need} pages (1 resident page a layer + 1 ring slot): "
         f"{missing} more pages ({mib(missing * layout.page_bytes)}) needed")
-  # a streaming layer keeps its open copy unit in the last copy_pages slots of its resident region
-  # (`StreamedKV._open_split`), so the ring holds copy_pages - 1 pages more than A - r
-  slack = max(0, int(copy_pages) - 1)
+  # a streaming layer whose resident region holds a copy unit keeps its open unit in the region's
+  # last copy_pages slots (`StreamedKV._open_split`), so the ring holds copy_pages - 1 pages more
+  # than A - r; a smaller region keeps one page there and needs no more
+  def uniform(slack):
+    if n_layers > 1:
+      return min(a, max((pool_pages - a - slack) // (n_layers - 1), 0))
+    return min(a, pool_pages - 1 - slack)
+
+  c = int(copy_pages)
   if pool_pages > n_layers * a:
     r = a
-  elif n_layers > 1:
-    r = min(a, max((pool_pages - a - slack) // (n_layers - 1), 0))
   else:
-    r = min(a, pool_pages - 1 - slack)
+    r = uniform(c - 1)
+    if r < c:
+      r = min(uniform(0), max(c - 1, 0))
   r = max(0, min(r, (pool_pages - 1) // n_layers))  # keep at least one ring slot
   if pool_pages - r * n_layers < a - r:             # the ring cannot hold a layer: copy waves
     hint = min(8, pool_pages - n_layers)

@@ -86,9 +86,9 @@ class MTPLeaseMixin:
     sources = []                      # (host array, its first page): the shapes of the layer stages
     for lo, hi in staging.unit_pieces(cap, sealed, c, self.piece_units):
       sources.append((hist.pinned_block(0, lo, hi) if self.pinned and hi - lo > c else
-                      hist.pinned_chunk(0, lo // c)[0] if self.pinned else self._host_pages(hist, 0, lo, hi), lo))
+                      hist.pinned_chunk(0, lo // c)[0] if self.pinned else staging.host_pages(hist, 0, lo, hi), lo))
     if content > max(sealed, cap):    # the open unit, pageable: the host rewrites it
-      sources.append((self._host_pages(hist, 0, sealed, sealed + c), sealed))
+      sources.append((staging.host_pages(hist, 0, sealed, sealed + c), sealed))
     nbytes = sum(int(x.nbytes) for x, _ in sources)
     if sources:
       staged = [(staging.to_device(x), lo) for x, lo in sources]

@@ -165,7 +165,10 @@ class AdaptiveStreamedKV(StreamedKV):
     self.counters.update(policy_admissions=0, admission_refusals=0, policy_rebinds=0)
     self._snapshot()
 
-  def may_wave(self) -> bool:
+  def may_stream(self) -> bool:
+    return True   # the policy may shrink any layer's resident region
+
+  def may_wave(self, mtp_lease: bool = False) -> bool:
     return True   # the policy may give any layer fewer ring slots than it streams
 
   def initial_split(self, pool_pages: int) -> StreamConfig:

@@ -552,25 +552,17 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     for src in lp.units[1:] if skip_first else lp.units:
       kind, lo, hi = src
       if kind == "block":
-        arr = hist.pinned_block(l, lo, hi) if self.pinned else self._host_pages(hist, l, lo, hi)
+        arr = hist.pinned_block(l, lo, hi) if self.pinned else staging.host_pages(hist, l, lo, hi)
       elif self.pinned:
         arr, _ = hist.pinned_chunk(l, lo)
         if arr is None:
           raise AssertionError(f"copy unit {lo} of cache layer {a} has no full page")
       else:
-        arr = self._host_pages(hist, l, *self._source_pages(src))
+        arr = staging.host_pages(hist, l, *self._source_pages(src))
       out.append(arr)
     if lp.tail_page >= 0:
       out.append(hist.pages_lpn[l, lp.tail_page:lp.tail_page + 1].copy())
     return tuple(out)
-
-  @staticmethod
-  def _host_pages(hist: HostHistory, l: int, lo: int, hi: int) -> np.ndarray:
-    """Numpy pages [lo, hi) of one layer, zeros past the history's end (a fixed staged shape)."""
-    arr = hist.pages_lpn[l, lo:hi]
-    if arr.shape[0] < hi - lo:
-      arr = np.concatenate([arr, np.zeros((hi - lo - arr.shape[0], arr.shape[1]), np.uint8)])
-    return np.ascontiguousarray(arr)
 
   def layer_kv(self, cache_layer: int):
     t0 = time.perf_counter()
@@ -677,12 +669,17 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     sizes = [c * j for j in range(1, self.piece_units + 1)] + [1]
     return sorted({(n, k) for n in sizes} | {(n, 1) for n in sizes})
 
-  def may_wave(self) -> bool:
+  def may_stream(self) -> bool:
+    """Can a forward of this cache stream a page (a layer's pages at `max_tokens` beyond its
+    resident region)?"""
+    return any(self.max_pages > r for r in self.stream.resident_pages_per_layer)
+
+  def may_wave(self, mtp_lease: bool = False) -> bool:
     """Can a forward of this cache stream a layer in copy waves (its streamed pages at `max_tokens`,
-    with the MTP layer's lease taken, beyond the ring)?"""
+    with the MTP layer's lease taken where speculation drafts with it, beyond the ring)?"""
     caps = self.stream.resident_pages_per_layer
-    streamed = max(self.max_pages - r for r in caps)
-    lease = self.max_pages - caps[-1] if self.cfg.has_mtp else 0
+    streamed = max(self.max_pages - r for r in caps) + (self.copy_unit - 1)   # the open region's slack
+    lease = self.max_pages - caps[-1] if self.cfg.has_mtp and mtp_lease else 0
     return streamed + lease > self.stream.ring_slots
 
   # -- reporting -------------------------------------------------------------------

@@ -54,6 +54,14 @@ def unit_pieces(first: int, end: int, copy_pages: int, max_units: int) -> List[T
   return out
 
 
+def host_pages(hist: HostHistory, l: int, lo: int, hi: int) -> np.ndarray:
+  """Numpy pages [lo, hi) of one layer, zeros past the history's end (a fixed staged shape)."""
+  arr = hist.pages_lpn[l, lo:hi]
+  if arr.shape[0] < hi - lo:
+    arr = np.concatenate([arr, np.zeros((hi - lo - arr.shape[0], arr.shape[1]), np.uint8)])
+  return np.ascontiguousarray(arr)
+
+
 def pieces_array(runs) -> np.ndarray:
   """[(base, lo, hi)] destination runs of one staged array -> int32 [k, 3] (`place_rows`)."""
   return np.asarray(runs, np.int32).reshape(-1, 3)
