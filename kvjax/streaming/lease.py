@@ -84,9 +84,8 @@ class MTPLeaseMixin:
     content, full = lay.pages_for(committed), committed // lay.page_tokens
     sealed = full // c * c
     sources = []                      # (host array, its first page): the shapes of the layer stages
-    for lo, hi in staging.unit_pieces(cap, sealed, c, self.piece_units):
-      sources.append((hist.pinned_block(0, lo, hi) if self.pinned and hi - lo > c else
-                      hist.pinned_chunk(0, lo // c)[0] if self.pinned else staging.host_pages(hist, 0, lo, hi), lo))
+    for lo, hi in staging.unit_pieces(cap, sealed, c, self.piece_units):   # the pieces a layer stages
+      sources.append((self._source_array(hist, 0, ("block", lo, hi) if hi - lo > c else ("unit", lo // c, 0)), lo))
     if content > max(sealed, cap):    # the open unit, pageable: the host rewrites it
       sources.append((staging.host_pages(hist, 0, sealed, sealed + c), sealed))
     nbytes = sum(int(x.nbytes) for x, _ in sources)

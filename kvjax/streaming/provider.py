@@ -60,7 +60,7 @@ rate behind the copy-busy ratio.
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -392,8 +392,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
       units = self._layer_plans[a].units
       if not units or self._source_pages(units[0])[1] > sealed:   # sealed pieces only: they stay
         continue
-      hist, l = self.history_of(a)
-      src = self._stage_sources(a)[0]
+      src = self._source_array(*self.history_of(a), units[0])
       self._prefetch[a] = (units[0], self._source_pages(units[0])[1], staging.to_device(src))
       c["h2d_bytes"] += int(src.nbytes)
       c["h2d_calls"] += 1
@@ -548,21 +547,24 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     lp = self._layer_plans[a]
     if lp.waves:
       lp = lp.waves[wave]
-    out = []
-    for src in lp.units[1:] if skip_first else lp.units:
-      kind, lo, hi = src
-      if kind == "block":
-        arr = hist.pinned_block(l, lo, hi) if self.pinned else staging.host_pages(hist, l, lo, hi)
-      elif self.pinned:
-        arr, _ = hist.pinned_chunk(l, lo)
-        if arr is None:
-          raise AssertionError(f"copy unit {lo} of cache layer {a} has no full page")
-      else:
-        arr = staging.host_pages(hist, l, *self._source_pages(src))
-      out.append(arr)
+    out = [self._source_array(hist, l, src) for src in (lp.units[1:] if skip_first else lp.units)]
     if lp.tail_page >= 0:
       out.append(hist.pages_lpn[l, lp.tail_page:lp.tail_page + 1].copy())
     return tuple(out)
+
+  def _source_array(self, hist: HostHistory, l: int, src) -> Any:
+    """The host array of one stage source of layer l of `hist`: ("block", lo, hi) a pinned mirror of
+    sealed pages [lo, hi), ("unit", u, 0) copy unit u's pinned mirror (numpy pages of the same
+    shapes without pinned memory)."""
+    kind, lo, hi = src
+    if not self.pinned:
+      return staging.host_pages(hist, l, *self._source_pages(src))
+    if kind == "block":
+      return hist.pinned_block(l, lo, hi)
+    arr, _ = hist.pinned_chunk(l, lo)
+    if arr is None:
+      raise AssertionError(f"copy unit {lo} of {hist.name} layer {l} has no full page")
+    return arr
 
   def layer_kv(self, cache_layer: int):
     t0 = time.perf_counter()
