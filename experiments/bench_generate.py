@@ -46,6 +46,9 @@ def define_flags():
   flags.DEFINE_integer("page_tokens", 256, "tokens per KV page")
   flags.DEFINE_integer("copy_pages", 8, "host copy unit (pages)")
   flags.DEFINE_integer("ubatch", 256, "prefill micro-batch (rows)")
+  flags.DEFINE_string("prefill_block", "auto", "prefill block (tokens a forward runs group-major) or auto")
+  flags.DEFINE_bool("prefill_only", False, "time the prefill alone (one token decoded, no comparison forward)")
+  flags.DEFINE_float("peak_tflops", 989.0, "the device's dense bf16 peak (TFLOP/s) for the prefill's MFU")
   flags.DEFINE_string("attn_impl", "auto", "span attention implementation")
   flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
   flags.DEFINE_string("compile_cache_dir", "", "persistent compilation cache ('' : a fresh folder under --out; "
@@ -75,9 +78,12 @@ def token_stats(times_s, first_index: int = 1):
 def run_case(api, model, ctx: int, kind: str):
   """One generation of a ctx-token prompt on a `kind` cache -> the row."""
   import numpy as np
-  kv = api.make_kv(model, ctx + FLAGS.n_predict + 8, arena_mib=FLAGS.arena_mib, copy_pages=FLAGS.copy_pages,
-                   ubatch=FLAGS.ubatch, **KINDS[kind])
+  n_predict = 1 if FLAGS.prefill_only else FLAGS.n_predict
+  block = FLAGS.prefill_block if FLAGS.prefill_block == "auto" else int(FLAGS.prefill_block)
+  kv = api.make_kv(model, ctx + n_predict + 8, arena_mib=FLAGS.arena_mib, copy_pages=FLAGS.copy_pages,
+                   ubatch=FLAGS.ubatch, prefill_block=block, **KINDS[kind])
   row = {"context": ctx, "kind": kind, "pool_pages": kv.info.get("pool_pages"),
+         "prefill_block": kv.info.get("prefill_block"),
          "ring_slots": kv.info.get("ring_slots"), "copy_unit_pages": kv.info.get("copy_unit_pages")}
   if FLAGS.warmup:
     row.update({f"warmup_{k}": v for k, v in api.warmup(model, kv, ubatch=FLAGS.ubatch).items()})
@@ -90,7 +96,7 @@ def run_case(api, model, ctx: int, kind: str):
       h2d_at_first.append(kv.metrics().get("h2d_bytes", 0))
 
   t0 = time.perf_counter()
-  res = api.generate(model, kv, prompt_tokens=prompt, n_predict=FLAGS.n_predict, ignore_eos=True,
+  res = api.generate(model, kv, prompt_tokens=prompt, n_predict=n_predict, ignore_eos=True,
                      ubatch=FLAGS.ubatch, on_token=on_token)
   row["wall_s"] = time.perf_counter() - t0
   m = res.metrics
@@ -106,8 +112,22 @@ def run_case(api, model, ctx: int, kind: str):
              h2d_decode_bytes=m.get("h2d_bytes", 0) - (h2d_at_first[0] if h2d_at_first else 0),
              waves=m.get("waves", 0), forwards=m.get("forwards", 0))
   row["decode_mib_per_token"] = row["h2d_decode_bytes"] / 2**20 / max(1, len(stamps) - 1)
+  cfg, lay = model.cfg, model.runner.layout
+  row["uploads_over_history"] = row["h2d_prefill_bytes"] / (ctx * lay.token_bytes * cfg.num_attention_layers)
+  row["prefill_mfu"] = prefill_flops(model, ctx) / max(prefill_s - m["prompt_compile_ms"] / 1e3, 1e-9) \
+      / (FLAGS.peak_tflops * 1e12)
   row.update(token_stats(stamps))
   return row
+
+
+def prefill_flops(model, n: int) -> float:
+  """FLOPs of an n-token prefill: 2 x the parameters a token multiplies (the embedding table is a
+  lookup) x n, plus causal attention's QK^T and PV (4 x heads x head_dim x n^2 / 2 a layer)."""
+  import jax
+  r, cfg = model.runner, model.cfg
+  params = sum(x.size for _, leaves in r.groups for x in jax.tree_util.tree_leaves(leaves)) + r.output.size
+  attn = 4 * cfg.num_attention_heads * cfg.head_dim * n * n / 2 * cfg.num_attention_layers
+  return 2.0 * params * n + attn
 
 
 def compare_forward(api, model, ctx: int):
@@ -136,12 +156,13 @@ def main(argv):
                          compile_cache=cache)
   log = {"device": str(jax.devices()[0]), "jax": jax.__version__, "load_s": time.perf_counter() - t0,
          "flags": {k: FLAGS[k].value for k in ("model", "dtype", "contexts", "kinds", "n_predict", "arena_mib",
-                                                "page_tokens", "copy_pages", "ubatch", "attn_impl", "warmup")},
+                                                "page_tokens", "copy_pages", "ubatch", "attn_impl", "warmup",
+                                                "prefill_block", "prefill_only")},
          "compile_cache_dir": cache_dir if cache else ""}
   print(json.dumps(log), flush=True)
   rows = []
   for ctx in [int(c) for c in FLAGS.contexts]:
-    ref = compare_forward(api, model, ctx) if FLAGS.compare else None
+    ref = compare_forward(api, model, ctx) if FLAGS.compare and not FLAGS.prefill_only else None
     for kind in FLAGS.kinds:
       row = run_case(api, model, ctx, kind)
       if ref is not None:
@@ -177,7 +198,8 @@ def plot(rows):
 
 def report(rows):
   print(f"{'context':>8} {'kind':>8} {'prefill s':>9} {'tok/s':>7} {'w/o cmp':>8} {'cmp s':>6} {'progs':>9} "
-        f"{'median':>7} {'p99':>7} {'max':>8} {'>3x':>4} {'bench':>6} {'x':>5} {'MiB/tok':>8} {'pre GB':>7}")
+        f"{'median':>7} {'p99':>7} {'max':>8} {'>3x':>4} {'bench':>6} {'x':>5} {'MiB/tok':>8} {'pre GB':>7} "
+        f"{'block':>6} {'up/hist':>7} {'MFU':>5}")
   for r in rows:
     progs = f"{r['prompt_compiles']}/{r['first_token_compiles']}/{r['predicted_compiles']}"
     cmp_s = (r["prompt_compile_ms"] + r["decode_compile_ms"]) / 1e3
@@ -185,7 +207,8 @@ def report(rows):
           f"{r['prefill_tps_without_compile']:>8.0f} {cmp_s:>6.1f} {progs:>9} {r.get('median_ms', 0):>7.2f} "
           f"{r.get('p99_ms', 0):>7.2f} {r.get('max_ms', 0):>8.1f} {len(r.get('over_3x_median', [])):>4} "
           f"{r.get('bench_forward_ms', 0):>6.2f} {r.get('median_over_bench', 0):>5.2f} "
-          f"{r['decode_mib_per_token']:>8.1f} {r['h2d_prefill_bytes'] / 1e9:>7.1f}")
+          f"{r['decode_mib_per_token']:>8.1f} {r['h2d_prefill_bytes'] / 1e9:>7.1f} {r['prefill_block'] or 0:>6} "
+          f"{r['uploads_over_history']:>7.2f} {r['prefill_mfu']:>5.2f}")
 
 
 if __name__ == "__main__":

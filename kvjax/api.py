@@ -36,15 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import compile_cache as cache_lib, config as config_lib
-from kvjax import engine, generate as gen_lib, parallel, speculative, text as text_lib, tiny, warmup as warm_lib, \
+from kvjax import engine, generate as gen_lib, kv_build, parallel, speculative, text as text_lib, tiny, warmup as warm_lib, \
     weights
 from kvjax.generate import GenerationResult
 from kvjax.memory_report import available_memory
 from kvjax.model import AttentionOptions
-from kvjax.streaming import (StreamBudgetError, StreamedKV, adaptive_staging_reserve_pages,
-                             fit_adaptive_pool, staging_reserve_pages, stream_config_from_budget)
+from kvjax.streaming import StreamBudgetError
 from kvjax.streaming.arena import CapacityError   # a phased arena too small for its workspaces
-from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV
 from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout
 from kvjax_pallas.span_attention.api import IMPLEMENTATIONS, check_page_tokens, resolve_implementation
 from kvjax_pallas.span_attention.triton import MAX_QUERY_ROWS
@@ -313,79 +311,10 @@ class KVCache:
     return dict(self.provider.metrics()) if hasattr(self.provider, "metrics") else {}
 
 
-def _all_resident(split, layout: PageLayout, max_tokens: int) -> bool:
-  return min(split.resident_pages_per_layer) >= layout.pages_for(max_tokens)
-
-
-def _build_kv(model: LoadedModel, max_tokens: int, arena_mib, pool_pages, copy_pages, policy, phased,
-              ubatch, draft: Optional[speculative.DraftParams] = None) -> Tuple[Any, Dict[str, Any]]:
-  """The cache of one device, or of a sharded model one cache per device (each with the whole
-  budget: `arena_mib` / `pool_pages` are per device) driven as one (`parallel.ShardedKV`)."""
-  runner = model.runner
-  if tensor_parallel(model) == 1:
-    return _build_device_kv(runner, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased, ubatch,
-                            draft=draft)
-  ws = (speculative.decode_workspace_bytes(runner.device_runners[0], max_tokens, draft)[0]
-        if arena_mib is not None else None)   # the same on every device
-  parts = parallel.per_device(runner.mesh, lambda d: _build_device_kv(
-      runner.device_runners[d], max_tokens, arena_mib, pool_pages, copy_pages, policy, phased, ubatch, ws))
-  info = dict(parts[0][1], tensor_parallel=tensor_parallel(model))
-  return parallel.ShardedKV(runner.mesh, [kv for kv, _ in parts]), info
-
-
-def _build_device_kv(runner: engine.Runner, max_tokens: int, arena_mib, pool_pages, copy_pages, policy, phased,
-                     ubatch, ws=None, draft: Optional[speculative.DraftParams] = None) -> Tuple[Any, Dict[str, Any]]:
-  cfg, layout = runner.cfg, runner.layout
-  info: Dict[str, Any] = {"kv": "plain", "ctx_size": max_tokens, "page_tokens": layout.page_tokens,
-                          "kv_layout": layout.describe()}
-  if arena_mib is None and pool_pages is None:
-    return engine.PlainKV(cfg, layout, max_tokens), info
-  info["kv"] = "streamed"
-  if arena_mib is not None:
-    states = 0
-    if ws is None:   # the scratch of the widest decode-phase forward (a verify's rows and states)
-      ws, states = speculative.decode_workspace_bytes(runner, max_tokens, draft)
-    info["arena_mib"] = arena_mib
-    info["decode_rows"] = 1 if draft is None else draft.verify_width
-    info["verify_states_bytes"] = states
-    info["decode_workspace_mib"] = ws / 2**20
-    stream = stream_config_from_budget(cfg, layout, max_tokens, arena_bytes=int(arena_mib * 2**20),
-                                       workspace_bytes=ws, copy_pages=copy_pages)
-  else:
-    stream = stream_config_from_budget(cfg, layout, max_tokens, pool_pages=pool_pages, copy_pages=copy_pages)
-  info["resident_pages_per_layer"] = list(stream.resident_pages_per_layer)
-  info["staging_reserve_mib"] = staging_reserve_pages(stream, max_tokens, layout) * layout.page_bytes / 2**20
-  info["copy_pages"] = copy_pages
-  info["kv_policy"] = policy
-  if policy == "adaptive":
-    pool = stream.pool_pages
-    if arena_mib is not None:   # the staging of ANY split the policy may pick fits beside the pool
-      pool = fit_adaptive_pool((int(arena_mib * 2**20) - ws) // layout.page_bytes, max_tokens, layout,
-                               copy_pages)
-    kv = AdaptiveStreamedKV(cfg, layout, max_tokens, pool, copy_pages)
-    info["resident_pages_per_layer"] = list(kv.stream.resident_pages_per_layer)
-    info["staging_reserve_mib"] = (adaptive_staging_reserve_pages(pool, max_tokens, layout, copy_pages)
-                                   * layout.page_bytes / 2**20)
-    info["all_pages_resident"] = _all_resident(kv.stream, layout, max_tokens)   # the starting split
-  else:
-    kv = StreamedKV(cfg, layout, max_tokens, stream)
-    info["all_pages_resident"] = _all_resident(stream, layout, max_tokens)
-  info.update(pool_pages=kv.stream.pool_pages, ring_slots=kv.stream.ring_slots,   # the starting split
-              copy_unit_pages=kv.copy_unit)      # copy_pages halved until that ring holds it
-  if phased:   # each phase's pool: a fixed split, or the policy rebound on it (adaptive)
-    ws_prefill = engine.group_step_workspace_bytes(runner, ubatch, max_tokens)
-    kv = PhasedKV(kv, int(arena_mib * 2**20), ws_prefill, ws, max_tokens)
-    info["kv"] = "streamed+phased"
-    info["prefill_workspace_mib"] = ws_prefill / 2**20
-    info["ubatch"] = ubatch
-    info["all_pages_resident"] = all(_all_resident(kv.split_for(pages), layout, max_tokens)
-                                     for pages in kv.region_pages.values())
-  return kv, info
-
-
 def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] = None,
             pool_pages: Optional[int] = None, copy_pages: int = 8, policy: str = "fixed",
-            phased: bool = False, ubatch: int = 256, exceed_context_length: bool = False,
+            phased: bool = False, ubatch: int = 256, prefill_block: Union[int, str] = "auto",
+            exceed_context_length: bool = False,
             spec: Union["SpecConfig", speculative.DraftParams, None] = None) -> KVCache:
   """A KV cache of `max_tokens` token positions for `model` (its page layout).
 
@@ -402,6 +331,10 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
   phased: lay the arena out per phase (prefill: the larger workspace of `ubatch` rows; decode: a
     larger pool; the adaptive policy rebinds on each); needs `arena_mib`; `generate` must then use
     this `ubatch`.
+  prefill_block: tokens of the prefill's block, the micro-batches a forward runs group-major so that a
+    streamed layer's history is uploaded once a block (`kvjax.generate.prefill`): "auto" (the
+    pool's bytes of hidden rows, at most 16,384 tokens; `KVCache.info["prefill_block"]`), or a
+    count rounded down to whole micro-batches (0: one micro-batch a forward).
   exceed_context_length: allow more than the model's trained context (`cfg.context_length`).
   spec: the speculative decoding the cache will serve (`SpecConfig`): the arena then holds, beside
     the pool, the scratch of a verify forward of `verify_rows(spec)` rows and the recurrent states
@@ -418,6 +351,8 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
     raise ParameterError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
   if ubatch < 1:
     raise ParameterError(f"ubatch must be >= 1, got {ubatch}", "ubatch")
+  if prefill_block != "auto" and not (isinstance(prefill_block, int) and prefill_block >= 0):
+    raise ParameterError(f"prefill_block must be 'auto' or tokens >= 0, got {prefill_block!r}", "prefill_block")
   draft = _as_draft(spec)
   check_context_length(model, max_tokens, exceed_context_length)
   if tensor_parallel(model) > 1 and (policy != "fixed" or phased):
@@ -425,8 +360,8 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
                          f"device the same layout): use policy 'fixed' and no phased", "policy", "phased")
   check_kv_memory(model, max_tokens, streamed=arena_mib is not None or pool_pages is not None)
   try:
-    return KVCache(lambda: _build_kv(model, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased,
-                                     ubatch, draft))
+    return KVCache(lambda: kv_build.build_kv(model, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased,
+                                             ubatch, draft, prefill_block))
   except (StreamBudgetError, CapacityError) as e:   # the budget cannot hold the cache: named by its parameter
     name, value = ("arena_mib", arena_mib) if arena_mib is not None else ("pool_pages", pool_pages)
     raise KVBudgetError(f"{name} {value:g}: {e}", name) from None
@@ -675,7 +610,7 @@ def teacher_forced_logits(model: LoadedModel, tokens: Sequence[int], *, mtp: boo
     raise ParameterError(f"mtp needs at least 2 tokens, got {len(ids)}", "mtp")
   check_context_length(model, len(ids), exceed_context_length, param="tokens")
   check_kv_memory(model, len(ids))
-  kv, _ = _build_kv(model, len(ids), None, None, 32, "fixed", False, ubatch)
+  kv, _ = kv_build.build_kv(model, len(ids), None, None, 32, "fixed", False, ubatch)
   return gen_lib.teacher_forced_logits(model.runner, kv, ids, ubatch, mtp=mtp)
 
 

@@ -136,6 +136,9 @@ def _generate_flags(fv: flags.FlagValues) -> None:
                     flag_values=fv)
   flags.DEFINE_bool("kv-stream-phased", False, "lay the arena out per phase (prefill: larger workspace, "
                     "decode: larger KV pool); needs --kv-stream-arena-mib", flag_values=fv)
+  flags.DEFINE_string("kv-stream-prefill-block", "auto", "tokens a prefill forward runs group-major (a "
+                      "streamed layer's history is uploaded once a block): auto (from the budget) or a count "
+                      "(0: one micro-batch a forward)", flag_values=fv)
 
 
 def _logits_flags(fv: flags.FlagValues) -> None:
@@ -174,6 +177,7 @@ FLAG_OF = {
     "max_tokens": "--ctx-size", "ubatch": "--ubatch-size", "arena_mib": "--kv-stream-arena-mib",
     "pool_pages": "--kv-stream-pool-pages", "copy_pages": "--kv-stream-copy-pages",
     "policy": "--kv-stream-policy", "phased": "--kv-stream-phased", "spec": "--spec-type",
+    "prefill_block": "--kv-stream-prefill-block",
     "spec.draft": "--spec-type", "spec.n_max": "--spec-draft-n-max", "spec.p_min": "--spec-draft-p-min",
     "spec.ngram_n": "--spec-ngram-size-n", "spec.ngram_m": "--spec-ngram-size-m",
     "spec.oracle_acceptance": "--spec-oracle-acceptance", "spec.rollback": "--spec-rollback",
@@ -260,13 +264,19 @@ def cmd_generate(fv: flags.FlagValues, out=None, err=None) -> int:
   # checked before the (possibly long) model load
   api.check_generation(n_predict=n_predict, ubatch=ubatch, spec=spec, phased=budget["phased"], **sampling)
   api.check_kv_budget(**budget)
+  block = fv["kv-stream-prefill-block"].value
+  if block != "auto":
+    if not block.isdigit():
+      raise api.ParameterError(f"--kv-stream-prefill-block must be auto or a token count >= 0, got {block!r}",
+                               "prefill_block")
+    block = int(block)
   ids = fv["prompt-tokens"].value
   ids = None if ids is None else parse_token_list(ids, "--prompt-tokens")
   model = _load(fv)
   prompt = api.prompt_ids(model, fv["prompt"].value, ids)
   ctx = api.context_tokens(len(prompt), n_predict, spec, fv["ctx-size"].value)
   kv = api.make_kv(model, ctx, ubatch=ubatch, exceed_context_length=fv["exceed-context-length"].value,
-                   spec=spec, **budget)
+                   spec=spec, prefill_block=block, **budget)
   res = api.generate(model, kv, prompt_tokens=prompt, n_predict=n_predict, seed=fv["seed"].value,
                      ignore_eos=fv["ignore-eos"].value, spec=spec, ubatch=ubatch, warmup=fv["warmup"].value,
                      **sampling)

@@ -318,6 +318,12 @@ def _head_step(output_norm_e, output_ve, x_se, rows_r, *, eps):
   return logits, rms_norm(x_se, output_norm_e, eps)
 
 
+@functools.partial(jax.jit, static_argnames=("eps",))
+def _norm_step(output_norm_e, x_se, *, eps):
+  """The post-norm hidden of every row [S, E] (`_head_step`'s, without logits)."""
+  return rms_norm(x_se, output_norm_e, eps)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout", "opts"), donate_argnames=("pool_pn",))
 def _mtp_step(graphdef, state, token_embd_ve, output_norm_e, output_ve, hn_se, next_tokens_s, pool_pn,
               table_t, pos, n_valid, *, layout, opts):
@@ -355,8 +361,9 @@ def _select_row(captured_states, row):
 
 class ForwardOut(NamedTuple):
   logits_rv: jax.Array   # [R, V] float32 for the requested rows
-  hn_se: jax.Array       # [S, E] post-final-norm hidden of every row
+  hn_se: jax.Array       # [S, E] post-final-norm hidden of every row (of the last chunk: `chunk_rows`)
   rec_states: tuple      # per group, per recurrent block
+  hn_chunks: tuple = ()  # [chunk_rows, E] post-final-norm hidden of each chunk holding a valid row
 
 
 class Runner:
@@ -400,7 +407,8 @@ class Runner:
   def forward(self, tokens_s, pos: int, n_valid: int, rec_states, kv: KVProvider,
               logits_rows: Optional[np.ndarray] = None, chunked: Optional[bool] = None,
               capture_states: bool = False,
-              on_group_states: Optional[Callable[[int, tuple], tuple]] = None) -> ForwardOut:
+              on_group_states: Optional[Callable[[int, tuple], tuple]] = None,
+              chunk_rows: Optional[int] = None, with_hidden: bool = True) -> ForwardOut:
     """One forward of S rows (rows >= n_valid are padding) at positions pos..
 
     `chunked` (default: S > 1) picks the Gated DeltaNet form; `capture_states` (scan form) returns
@@ -408,46 +416,90 @@ class Runner:
     `on_group_states(group, states)`, when given, receives each group's new states as soon as its
     step is dispatched and returns what the forward keeps for that group (host-staged rollback
     moves captured checkpoints off the device group by group: `kvjax.speculative.HostRollback`).
+
+    `chunk_rows` (a divisor of S): the forward runs group-major over chunks of that many rows: each
+    layer group steps through the chunks in order (the programs and bits of forwards of
+    `chunk_rows` rows one after another) while the provider holds the layer's pages once for all
+    of them, so a streamed layer's history is uploaded once a forward rather than once a chunk (the
+    prefill's block: `kvjax.generate.prefill`). `hn_se` is then the last chunk's and `hn_chunks`
+    every valid chunk's (without `with_hidden`, only those of chunks holding a row of `logits_rows`).
     """
     s = int(tokens_s.shape[0])
-    chunked = (s > 1) if chunked is None else chunked
-    if capture_states and chunked:
-      raise ValueError("capture_states needs the scan form: pass chunked=False")
+    c = s if chunk_rows is None else int(chunk_rows)
+    if c < 1 or s % c:
+      raise ValueError(f"chunk_rows {c} does not divide the forward's {s} rows")
+    chunked = (c > 1) if chunked is None else chunked
+    if capture_states and (chunked or c < s):
+      raise ValueError("capture_states needs the scan form in one chunk: pass chunked=False")
     kv.begin_forward(pos, n_valid, tuple(a for a in self.attn_index if a is not None),
-                     wave_pages=self.partition_pages(s, kv.max_tokens))
-    x = _embed_step(self.token_embd, jnp.asarray(tokens_s, jnp.int32))
-    pos_a, nv_a = jnp.int32(pos), jnp.int32(n_valid)
+                     wave_pages=self.partition_pages(c, kv.max_tokens))
+    m = 1 if c == s else max(1, -(-n_valid // c))   # chunks that hold a valid row
+    if c == s:
+      xs = [_embed_step(self.token_embd, jnp.asarray(tokens_s, jnp.int32))]
+    else:                                        # sliced on the host: no program per slice
+      toks = np.asarray(tokens_s, np.int32)
+      xs = [_embed_step(self.token_embd, jnp.asarray(np.array(toks[j * c:(j + 1) * c]), jnp.int32)) for j in range(m)]
+    at = [(jnp.int32(pos + j * c), jnp.int32(min(c, n_valid - j * c))) for j in range(m)]
     new_states = []
     for g, ((gdef, gstate), st, a) in enumerate(zip(self.groups, rec_states, self.attn_index)):
       lkv = kv.layer_kv(a) if a is not None else LayerKV(None, None)
+      rows = []
       if lkv.waves > 1:     # the layer's streamed pages exceed the ring: attention in copy waves
-        x_in, st, q, gate, rows = self.group_attn_begin(gdef, gstate, x, st, pos_a, nv_a, layout=self.layout,
-                                                    chunked=chunked, capture=capture_states)
-        pool_pn, carry = self._waves(kv, a, lkv, q, rows, pos_a, nv_a)
-        x = self.group_attn_end(gdef, gstate, x_in, carry, gate)
+        begun = []
+        for j in range(m):
+          x_in, st, q, gate, r = self.group_attn_begin(gdef, gstate, xs[j], st, *at[j], layout=self.layout,
+                                                       chunked=chunked, capture=capture_states)
+          begun.append((x_in, q, gate))
+          rows.append(r)
+        pool_pn, carries = self._waves(kv, a, lkv, [(q, r) for (_, q, _), r in zip(begun, rows)], at)
+        xs = [self.group_attn_end(gdef, gstate, x_in, carry, gate)
+              for (x_in, _, gate), carry in zip(begun, carries)]
       else:
-        x, st, pool_pn, rows = self.group_step(gdef, gstate, x, st, self.place(lkv), lkv.table_t, pos_a, nv_a,
-                                           layout=self.layout, opts=self.opts, chunked=chunked,
-                                           capture=capture_states)
+        pool_pn = self.place(lkv)
+        for j in range(m):
+          xs[j], st, pool_pn, r = self.group_step(gdef, gstate, xs[j], st, pool_pn, lkv.table_t, *at[j],
+                                                  layout=self.layout, opts=self.opts, chunked=chunked,
+                                                  capture=capture_states)
+          rows.append(r)
       if a is not None:
-        kv.end_layer(a, pool_pn, rows)
+        kv.end_layer(a, pool_pn, rows[0] if m == 1 else tuple(rows))
       new_states.append(on_group_states(g, st) if on_group_states is not None else st)
-    if logits_rows is None:
-      logits_rows = np.arange(n_valid)
-    logits, hn_all = self.head(x, logits_rows)   # dispatched before the provider waits for its rows
+    logits, hn = self._heads(xs, c, n_valid, logits_rows, with_hidden)   # dispatched before the provider waits
     kv.end_forward()
-    return ForwardOut(logits, hn_all, tuple(new_states))
+    return ForwardOut(logits, hn[-1], tuple(new_states), tuple(hn))
 
-  def _waves(self, kv: KVProvider, a: int, lkv: LayerKV, q_shd, rows, pos, n_valid):
-    """Attention of cache layer a in copy waves: each wave's pages through the ring, the carry
-    folded in logical order -> (pool_pn, carry)."""
-    pool_pn, carry = lkv.pool_pn, None
+  def _heads(self, xs, c: int, n_valid: int, logits_rows, with_hidden: bool):
+    """The output head over a forward's chunks: -> (logits of `logits_rows` (default: every valid
+    row; indices into the forward's rows) [R, V], post-norm hidden [c, E] of each chunk (of those
+    with a requested row only, without `with_hidden`))."""
+    rows = np.arange(n_valid) if logits_rows is None else np.asarray(logits_rows)
+    if len(xs) == 1:
+      logits, hn = self.head(xs[0], rows)
+      return logits, [hn]
+    logits, hn = [], []
+    for j, x in enumerate(xs):
+      mine = rows[(rows >= j * c) & (rows < (j + 1) * c)] - j * c
+      if len(mine):
+        lg, h = self.head(x, mine)
+        logits.append(lg)
+        hn.append(h)
+      elif with_hidden:
+        hn.append(_norm_step(self.output_norm, x, eps=self.cfg.rms_eps))
+    return (logits[0] if len(logits) == 1 else jnp.concatenate(logits, axis=0)), hn
+
+  def _waves(self, kv: KVProvider, a: int, lkv: LayerKV, chunks, at):
+    """Attention of cache layer a in copy waves: each wave's pages through the ring, placed once,
+    then every chunk's `(q_shd, rows)` at its `(pos, n_valid)` attends them, each chunk's carry
+    folded in logical order -> (pool_pn, carry of each chunk)."""
+    pool_pn, carries = lkv.pool_pn, [None] * len(chunks)
     for w in range(lkv.waves):
       wkv = lkv if w == 0 else kv.wave_kv(a, w)._replace(pool_pn=pool_pn)
       lo, hi = wkv.tiles
-      pool_pn, carry = self.wave_step(self.place(wkv), wkv.table_t, rows, q_shd, carry, pos, n_valid,
-                                      jnp.int32(lo), jnp.int32(hi), layout=self.layout, opts=self.opts)
-    return pool_pn, carry
+      pool_pn = self.place(wkv)
+      for j, ((q_shd, rows), (pos, n_valid)) in enumerate(zip(chunks, at)):
+        pool_pn, carries[j] = self.wave_step(pool_pn, wkv.table_t, rows, q_shd, carries[j], pos, n_valid,
+                                             jnp.int32(lo), jnp.int32(hi), layout=self.layout, opts=self.opts)
+    return pool_pn, carries
 
   def compile_waves(self, pool_pn, table_t, rows: int, chunked: bool, capture: bool = False):
     """Compile the copy-wave programs of a forward of `rows` rows (`_waves`: the group up to its
@@ -496,7 +548,7 @@ class Runner:
     next_s, pos_a, nv_a = jnp.asarray(next_tokens_s, jnp.int32), jnp.int32(pos), jnp.int32(n_valid)
     if lkv.waves > 1:
       u, q, gate, rows = self.mtp_attn_begin(gdef, gstate, self.token_embd, hn_se, next_s, pos_a, layout=self.layout)
-      pool_pn, carry = self._waves(kv, self.mtp_layer, lkv, q, rows, pos_a, nv_a)
+      pool_pn, (carry,) = self._waves(kv, self.mtp_layer, lkv, [(q, rows)], [(pos_a, nv_a)])
       logits, hm = self.mtp_attn_end(gdef, gstate, self.output_norm, self.output, u, carry, gate)
     else:
       logits, hm, pool_pn, rows = self.mtp_step(gdef, gstate, self.token_embd, self.output_norm, self.output,

@@ -121,27 +121,39 @@ class SequenceState:
     self.rec_states = runner.zero_states()
 
   def forward(self, tokens: Sequence[int], pad_to: Optional[int] = None, all_logits: bool = False,
-              with_hidden: bool = False):
+              with_hidden: bool = False, chunk_rows: Optional[int] = None):
     """Append `tokens`; -> logits of the last row [V] (or of every row [S, V]); with `with_hidden`,
-    also the post-norm hidden of the forward's rows [S, E] (what the MTP head consumes; rows past
-    len(tokens) are padding: not sliced off, so that its shape does not follow the prompt)."""
+    also the post-norm hidden of the forward's rows (what the MTP head consumes): [S, E], or with
+    `chunk_rows` one [chunk_rows, E] a chunk holding a token (`Runner.forward`); rows past
+    len(tokens) are padding, not sliced off, so that the shapes do not follow the prompt."""
     n = len(tokens)
     s = pad_to or n
     toks = np.zeros((s,), np.int32)
     toks[:n] = tokens
     rows = np.arange(n) if all_logits else np.array([n - 1])
-    out = self.runner.forward(toks, self.pos, n, self.rec_states, self.kv, logits_rows=rows)
+    out = self.runner.forward(toks, self.pos, n, self.rec_states, self.kv, logits_rows=rows,
+                              chunk_rows=chunk_rows, with_hidden=with_hidden)
     self.rec_states = out.rec_states
     self.pos += n
     logits = out.logits_rv if all_logits else out.logits_rv[0]
-    return (logits, out.hn_se) if with_hidden else logits
+    if not with_hidden:
+      return logits
+    return logits, (out.hn_chunks if chunk_rows else out.hn_se)
 
 
 def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256, with_hidden: bool = False,
-            all_logits: bool = False):
-  """Feed the prompt in micro-batches; -> logits of its last row [V] (with `all_logits`, of every
-  row [len(prompt), V]); with `with_hidden`, also the post-norm hidden of the prompt's rows as
-  `HiddenRows` (the micro-batches' padded rows and counts: shapes that do not follow the prompt)."""
+            all_logits: bool = False, block: Optional[int] = None):
+  """Feed the prompt in micro-batches of `ubatch` rows; -> logits of its last row [V] (with
+  `all_logits`, of every row [len(prompt), V]); with `with_hidden`, also the post-norm hidden of
+  the prompt's rows as `HiddenRows` (the micro-batches' padded rows and counts: shapes that do not
+  follow the prompt).
+
+  `block` (tokens, rounded down to a multiple of `ubatch`; default the cache's `prefill_block`, set
+  by `kvjax.api.make_kv` from its budget, else one micro-batch): the micro-batches go in
+  forwards of up to `block` tokens, each run group-major (`Runner.forward(chunk_rows=ubatch)`): the
+  same programs and bits as one forward a micro-batch, but a streamed layer's history is uploaded
+  once a block instead of once a micro-batch, so a long prompt's uploads grow with its length over
+  `block` rather than over `ubatch`."""
   if not prompt:
     raise ValueError("empty prompt: at least one token is needed")
   cap = getattr(seq.kv, "max_tokens", None)
@@ -149,13 +161,17 @@ def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256, with_h
     need = seq.pos + len(prompt)
     raise ValueError(f"context full: {need} tokens needed, cache holds {cap} ({need - cap} more; "
                      f"raise --ctx-size)")
+  block = max(ubatch, (block or getattr(seq.kv, "prefill_block", None) or ubatch) // ubatch * ubatch)
   logits, hidden = [], []
-  for i in range(0, len(prompt), ubatch):
-    out = seq.forward(prompt[i:i + ubatch], pad_to=ubatch if len(prompt) > 1 else None,
-                      all_logits=all_logits, with_hidden=with_hidden)
+  for i in range(0, len(prompt), block):
+    part = prompt[i:i + block]
+    chunks = -(-len(part) // ubatch)
+    out = seq.forward(part, pad_to=chunks * ubatch if len(prompt) > 1 else None, all_logits=all_logits,
+                      with_hidden=with_hidden, chunk_rows=ubatch if len(prompt) > 1 and chunks > 1 else None)
     if with_hidden:
       out, hn = out
-      hidden.append((hn, min(ubatch, len(prompt) - i)))
+      hn = hn if isinstance(hn, tuple) else (hn,)
+      hidden.extend((h, min(ubatch, len(part) - j * ubatch)) for j, h in enumerate(hn))
     if all_logits:
       logits.append(out)
     else:

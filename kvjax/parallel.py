@@ -337,8 +337,10 @@ class ShardedKV:
 
   def end_layer(self, cache_layer, pool_pn, rows):
     pools = split(self.mesh, pool_pn)
-    ks, vs = split(self.mesh, rows.k_sn), split(self.mesh, rows.v_sn)
-    per_device(self.mesh, lambda d: self.parts[d].end_layer(cache_layer, pools[d], KVRows(ks[d], vs[d])))
+    chunks = (rows,) if isinstance(rows, KVRows) else tuple(rows)   # a chunked forward's: one a chunk
+    parts = [(split(self.mesh, r.k_sn), split(self.mesh, r.v_sn)) for r in chunks]
+    per_device(self.mesh, lambda d: self.parts[d].end_layer(
+        cache_layer, pools[d], tuple(KVRows(ks[d], vs[d]) for ks, vs in parts)))
 
   def end_forward(self):
     self._each("end_forward")

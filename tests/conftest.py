@@ -1,11 +1,19 @@
 """pytest setup: force CPU JAX for every test."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# no persistent compilation cache unless a test asks for one (tests/test_warmup.py): the suite's
-# programs stay out of the user's cache folder, and every run compiles what it checks
-os.environ.setdefault("KVJAX_COMPILE_CACHE_DIR", "off")
+# One persistent compilation cache for the run, shared by the xdist workers and the commands the
+# tests start (they inherit the variable), in a fresh folder: every run compiles each program it
+# checks once, and a module or process that needs it again (jax's in-memory caches are dropped after
+# every module, below) loads it. Out of the user's cache folder. KVJAX_TEST_COMPILE_CACHE=off: none.
+_RUN_CACHE = os.path.join(tempfile.gettempdir(), f"kvjax-tests-jax-{os.getpid()}")   # the controller's pid
+if os.environ.get("KVJAX_TEST_COMPILE_CACHE", "on") == "off":
+  os.environ.setdefault("KVJAX_COMPILE_CACHE_DIR", "off")
+else:
+  os.environ.setdefault("KVJAX_COMPILE_CACHE_DIR", _RUN_CACHE)   # workers inherit the controller's
 
 import jax  # noqa: E402
 
@@ -14,6 +22,10 @@ jax.config.update("jax_enable_x64", False)
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
+
+from kvjax import compile_cache  # noqa: E402
+
+compile_cache.enable()   # KVJAX_COMPILE_CACHE_DIR: the run's folder, or off
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -25,6 +37,13 @@ def _release_compiled_programs():
   yield
   jax.clear_caches()
   gc.collect()
+  compile_cache.enable()   # a module that turned the cache off (load_model(compile_cache=False)) is over
+
+
+def pytest_sessionfinish(session):
+  """The controller (or a run without workers) removes the run's cache folder."""
+  if not hasattr(session.config, "workerinput") and os.environ.get("KVJAX_COMPILE_CACHE_DIR") == _RUN_CACHE:
+    shutil.rmtree(_RUN_CACHE, ignore_errors=True)
 
 
 ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"

@@ -6,7 +6,7 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-runs/generate_round}
-cold=${1:-32768,131072}; warm=${2:-131072}; shift 2 || true
+cold=${1:-32768,131072}; warm=${2-131072}; shift 2 || true   # an empty second argument: no warm run
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
 cache=/tmp/kvjax-jax-cache

@@ -50,12 +50,14 @@ class StreamConfig:
 
 
 def fixed_split(pool_pages: int, n_layers: int, max_tokens: int, layout: PageLayout,
-                copy_pages: int = 32) -> StreamConfig:
+                copy_pages: int = 32, wave_pages: int = 1) -> StreamConfig:
   """Uniform resident pages per layer. Where the pool allows, the ring holds one layer's streamed
   pages at `max_tokens` (one attention call a layer) and the copy_pages - 1 its open region adds:
   r = min(A, floor((P - A - copy_pages + 1) / (L - 1))) with A = pages at max_tokens. Otherwise every layer streams in copy waves through a ring of
-  h = min(8, P - L) slots (the policy's initial ring hint): r = floor((P - h) / L). Below the
-  minimum pool (L + 1 pages) -> StreamBudgetError with the pages missing."""
+  h = min(max(8, W), P - L) slots (the policy's initial ring hint, at least the W = `wave_pages`
+  of the widest forward's attention partition: a copy wave holds whole partitions), r = floor((P - h)
+  / L). Below the minimum pool (L + 1 pages), or a ring that cannot hold W pages where layers wave
+  -> StreamBudgetError with the pages missing."""
   a = layout.pages_for(max_tokens)
   need = minimum_pool_pages(n_layers)
   if pool_pages < need:
@@ -81,7 +83,14 @@ def fixed_split(pool_pages: int, n_layers: int, max_tokens: int, layout: PageLay
       r = min(uniform(0), max(c - 1, 0))
   r = max(0, min(r, (pool_pages - 1) // n_layers))  # keep at least one ring slot
   if pool_pages - r * n_layers < a - r:             # the ring cannot hold a layer: copy waves
-    hint = min(8, pool_pages - n_layers)
+    if pool_pages - n_layers < wave_pages:
+      missing = wave_pages + n_layers - pool_pages
+      raise StreamBudgetError(
+          f"KV pool too small: {pool_pages} pages ({mib(pool_pages * layout.page_bytes)}) stream {n_layers} "
+          f"layers in copy waves of whole {wave_pages}-page attention partitions, which needs a ring of "
+          f"{wave_pages} slots beside a resident page a layer: {missing} more pages "
+          f"({mib(missing * layout.page_bytes)}), or fewer rows a forward (ubatch)")
+    hint = min(max(8, wave_pages), pool_pages - n_layers)
     r = min(a, (pool_pages - hint) // n_layers)
   return StreamConfig(pool_pages, (r,) * n_layers, copy_pages)
 
@@ -170,14 +179,14 @@ def fit_adaptive_pool(available_pages: int, max_tokens: int, layout: PageLayout,
 
 def fit_split(available_pages: int, n_layers: int, max_tokens: int, layout: PageLayout,
               copy_pages: int = 32, prefetch_depth: int = 1,
-              pinned: Optional[bool] = None) -> StreamConfig:
+              pinned: Optional[bool] = None, wave_pages: int = 1) -> StreamConfig:
   """The largest `fixed_split` pool whose pages plus its staging reserve fit in `available_pages`
   (the staging buffers of in-flight uploads live in the same arena as the pool)."""
   if pinned is None:
     pinned = pinned_available()
 
   def need(pool):
-    split = fixed_split(pool, n_layers, max_tokens, layout, copy_pages)
+    split = fixed_split(pool, n_layers, max_tokens, layout, copy_pages, wave_pages)
     return split, pool + staging_reserve_pages(split, max_tokens, layout, prefetch_depth, pinned)
 
   # pool + staging is not monotonic in the pool (a larger pool streams fewer pages and stages less;
@@ -212,7 +221,7 @@ def fit_split(available_pages: int, n_layers: int, max_tokens: int, layout: Page
 def stream_config_from_budget(cfg: ModelConfig, layout: PageLayout, max_tokens: int, *,
                               arena_bytes: Optional[int] = None, pool_pages: Optional[int] = None,
                               workspace_bytes: int = 0, copy_pages: int = 32,
-                              prefetch_depth: int = 1) -> StreamConfig:
+                              prefetch_depth: int = 1, wave_pages: int = 1) -> StreamConfig:
   """The fixed split for `--kv-stream-arena-mib` (arena minus the decode workspace, in whole pages,
   minus the staging reserve of in-flight uploads: `fit_split`) or `--kv-stream-pool-pages` (the
   pool directly; its staging comes on top, see `staging_reserve_pages`)."""
@@ -228,5 +237,27 @@ def stream_config_from_budget(cfg: ModelConfig, layout: PageLayout, max_tokens: 
           f"1) is {mib(workspace_bytes + minimum_pool_pages(n_layers) * layout.page_bytes)}, and the staging "
           f"of in-flight uploads comes on top")
     return fit_split(left // layout.page_bytes, n_layers, max_tokens, layout, copy_pages,
-                     prefetch_depth)
-  return fixed_split(int(pool_pages), n_layers, max_tokens, layout, copy_pages)
+                     prefetch_depth, wave_pages=wave_pages)
+  return fixed_split(int(pool_pages), n_layers, max_tokens, layout, copy_pages, wave_pages)
+
+
+PREFILL_BLOCK_MAX_TOKENS = 16384   # the prefill's block: at most this many tokens a forward
+
+
+def prefill_block_tokens(ubatch: int, row_bytes: int, kv_budget_bytes: int, max_tokens: int,
+                         cap: int = PREFILL_BLOCK_MAX_TOKENS) -> int:
+  """Tokens of the prefill's block (`kvjax.generate.prefill(block=)`): the micro-batches a forward
+  runs group-major, so that a streamed layer's history is uploaded once a block. Uploads over a
+  prompt of n tokens fall as n / block, so the block is as large as its device bytes allow: its
+  rows' hidden states (`row_bytes` a token: the activations, and the post-norm hidden kept for
+  the MTP head) within `kv_budget_bytes` (the pool's bytes; half of them where the block's bytes
+  come out of the prefill's own pool, the phased arena), at most `cap` tokens and the cache's
+  `max_tokens`; a whole number of micro-batches, one at least."""
+  rows = min(kv_budget_bytes // max(1, row_bytes), cap, -(-max_tokens // ubatch) * ubatch)
+  return max(ubatch, rows // ubatch * ubatch)
+
+
+def prefill_block_bytes(block: int, row_bytes: int, layer_row_bytes: int) -> int:
+  """Device bytes of a prefill block beside one micro-batch's workspace: its rows' hidden states
+  and the KV rows of two layers on their way to the host (`StreamedKV.end_layer`)."""
+  return block * (row_bytes + 2 * layer_row_bytes)

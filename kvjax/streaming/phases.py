@@ -74,9 +74,10 @@ class PhasedKV:
   """A StreamedKV whose pool lives in the KV region of a two-layout phase arena."""
 
   def __init__(self, kv: StreamedKV, arena_bytes: int, prefill_workspace_bytes: int,
-               decode_workspace_bytes: int, max_tokens: int):
+               decode_workspace_bytes: int, max_tokens: int, wave_pages: int = 1):
     self.kv = kv
     self.max_tokens = max_tokens
+    self.wave_pages = wave_pages   # the widest forward's attention partition (`fixed_split`)
     self.layouts = arena_lib.phase_layouts(arena_bytes, prefill_workspace_bytes, decode_workspace_bytes,
                                            page_bytes=kv.layout.page_bytes)
     self.arena = arena_lib.Arena(arena_bytes)
@@ -98,7 +99,7 @@ class PhasedKV:
       return kv.initial_split(fit_adaptive_pool(region_pages, self.max_tokens, kv.layout,
                                                 kv.stream.copy_pages, kv.prefetch_depth))
     return fit_split(region_pages, kv.n_layers, self.max_tokens, kv.layout, kv.stream.copy_pages,
-                     kv.prefetch_depth)
+                     kv.prefetch_depth, wave_pages=self.wave_pages)
 
   def enter(self, phase: str) -> None:
     if phase not in self.pool_pages:

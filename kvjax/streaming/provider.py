@@ -81,7 +81,7 @@ from kvjax_pallas.page_layout import PageLayout
 PIPELINE_DEPTH = 1   # layers whose copies are in flight beside the step being run
 
 
-class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
+class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
   """KV provider over host-authoritative histories, resident pages and one shared ring."""
 
   def __init__(self, cfg: ModelConfig, layout: PageLayout, max_tokens: int, stream: StreamConfig,
@@ -118,7 +118,8 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     self.prefetch_next = 1
     self._lease: Optional[MTPLease] = None
     self._bind(stream)
-    self._pending: Dict[int, KVRows] = {}
+    self._pending: Dict[int, Any] = {}           # rows of ended layers not yet published to the host
+    self._ended = []                              # the layers of this forward that ended
     self._packed: Optional[jax.Array] = None     # the forward's rows on their way to the host
     self._stage: Dict[int, Tuple[jax.Array, ...]] = {}
     self._wave_stage: Dict[Tuple[int, int], Tuple[jax.Array, ...]] = {}
@@ -224,6 +225,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
   def _drop_forward_state(self) -> None:
     """Let go of what a forward holds (a failed one's too): staged uploads, rows not yet published."""
     self._pending.clear()
+    self._ended = []
     self._packed = None
     self._stage = {}
     self._wave_stage = {}
@@ -532,40 +534,6 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
       pieces[i, :len(r)] = r
     return tuple(sources), tuple(on_device(list(pieces))), tail
 
-  def _source_pages(self, src) -> Tuple[int, int]:
-    """The logical pages [lo, hi) a stage source carries."""
-    kind, lo, hi = src
-    c = self.copy_unit
-    return (lo, hi) if kind == "block" else (lo * c, (lo + 1) * c)
-
-  def _stage_sources(self, a: int, wave: int = 0, skip_first: bool = False) -> Tuple:
-    """The host arrays of layer a's stage (or of its copy wave `wave`), in the order of its pieces:
-    pinned_host arrays (numpy pages without pinned memory, padded to the same shapes), then the
-    partial last page (numpy). `skip_first`: the first source is already on the device
-    (prefetched)."""
-    hist, l = self.history_of(a)
-    lp = self._layer_plans[a]
-    if lp.waves:
-      lp = lp.waves[wave]
-    out = [self._source_array(hist, l, src) for src in (lp.units[1:] if skip_first else lp.units)]
-    if lp.tail_page >= 0:
-      out.append(hist.pages_lpn[l, lp.tail_page:lp.tail_page + 1].copy())
-    return tuple(out)
-
-  def _source_array(self, hist: HostHistory, l: int, src) -> Any:
-    """The host array of one stage source of layer l of `hist`: ("block", lo, hi) a pinned mirror of
-    sealed pages [lo, hi), ("unit", u, 0) copy unit u's pinned mirror (numpy pages of the same
-    shapes without pinned memory)."""
-    kind, lo, hi = src
-    if not self.pinned:
-      return staging.host_pages(hist, l, *self._source_pages(src))
-    if kind == "block":
-      return hist.pinned_block(l, lo, hi)
-    arr, _ = hist.pinned_chunk(l, lo)
-    if arr is None:
-      raise AssertionError(f"copy unit {lo} of {hist.name} layer {l} has no full page")
-    return arr
-
   def layer_kv(self, cache_layer: int):
     t0 = time.perf_counter()
     a = cache_layer
@@ -629,60 +597,72 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin):
     live += sum(int(p[2].nbytes) for p in self._prefetch.values())
     self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live)
 
-  def end_layer(self, cache_layer: int, pool_pn, rows: KVRows) -> None:
+  def end_layer(self, cache_layer: int, pool_pn, rows) -> None:
+    """`rows`: the layer's `KVRows`, or a tuple of them, one a chunk of a chunked forward
+    (`Runner.forward(chunk_rows=)`, the prefill's blocks), each chunk's rows at the positions after
+    the previous one's. A chunked forward's rows leave for the host as soon as they are made and are
+    published when the next layer's are, so the device holds at most two layers' rows of a block."""
     self.pool_pn = pool_pn
+    self._ended.append(cache_layer)
+    if not isinstance(rows, KVRows):
+      for r in rows:
+        r.k_sn.copy_to_host_async()
+        r.v_sn.copy_to_host_async()
+      for b in list(self._pending):
+        self._publish(b, self._pending.pop(b))
+      self._pending[cache_layer] = tuple(rows)
+      return
     self._pending[cache_layer] = rows
     if len(self._pending) == len(self._order):   # the last layer: its rows start for the host now
       self._packed = staging.pack_rows(tuple(self._pending[a] for a in self._order))
       self._packed.copy_to_host_async()
 
-  def end_forward(self) -> None:
-    layers = tuple(self._pending)
-    if self._packed is None or layers != self._order:
-      self._packed = staging.pack_rows(tuple(self._pending[a] for a in layers))
+  def _publish(self, a: int, chunks) -> None:
+    """Layer a's rows of a chunked forward into its host history, chunk by chunk."""
     t0 = time.perf_counter()
-    packed, self._packed = np.asarray(self._packed), None     # one D2H of every row
+    chunks = [(np.asarray(r.k_sn), np.asarray(r.v_sn)) for r in chunks]
     self.counters["rows_wait_ms"] += (time.perf_counter() - t0) * 1e3
+    hist, l = self.history_of(a)
+    at, end = self._pos, self._pos + self._n
+    for k_sn, v_sn in chunks:
+      n = min(k_sn.shape[0], end - at)
+      hist.write_rows(l, at, k_sn[:n], v_sn[:n])
+      at += n
+
+  def end_forward(self) -> None:
+    layers = tuple(self._ended)
+    rows = {}
+    if self._pending and not isinstance(next(iter(self._pending.values())), KVRows):
+      for a in list(self._pending):          # a chunked forward: the rows not yet published
+        self._publish(a, self._pending.pop(a))
+    elif self._pending:
+      pending = tuple(self._pending)
+      if self._packed is None or pending != self._order:
+        self._packed = staging.pack_rows(tuple(self._pending[a] for a in pending))
+      t0 = time.perf_counter()
+      rows = dict(zip(pending, np.asarray(self._packed)))     # one D2H of every row
+      self._packed = None
+      self.counters["rows_wait_ms"] += (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
     for hist in {id(self.history_of(a)[0]): self.history_of(a)[0] for a in layers}.values():
       self._drop_prefetch(self._pos, hist)   # rows rewritten inside a prefetched block (rare)
     kb, pt = self.layout.k_row_bytes, self.layout.page_tokens
-    for a, rows_sr in zip(layers, packed):
+    for a, rows_sr in rows.items():
       hist, l = self.history_of(a)
       hist.write_rows(l, self._pos, rows_sr[:self._n, :kb], rows_sr[:self._n, kb:])
+    for a in layers:
       live, _, open_page = self._open_split(a)
       self.resident_valid[a] = live
       if open_page >= 0 and not self._layer_plans[a].waves:   # the rows written stay in the open region
         self.open_page[a] = open_page
         self.open_rows[a] = self._pos + self._n - open_page * pt
+    self._ended.clear()
     self._pending.clear()
     c = self.counters
     c["forwards"] += 1
     c["host_ms"] += (time.perf_counter() - t0) * 1e3
     c["host_end_ms"] += (time.perf_counter() - t0) * 1e3
     c["elapsed_ms"] += (time.perf_counter() - self._t_begin) * 1e3
-
-  # -- the compiled shapes (kvjax.warmup) -------------------------------------------
-  def staged_shapes(self):
-    """-> [(pages, k)]: every (staged array pages, destination runs) a placement of this cache can
-    take: pieces of 1..16 copy units and the partial page (a layer's, a wave's: k runs, 2 where a run
-    splits at the ring's wrap), copy units (resident refills, the MTP lease: one run)."""
-    c, k = self.copy_unit, 2 if self.split_at_wrap else 1
-    sizes = [c * j for j in range(1, self.piece_units + 1)] + [1]
-    return sorted({(n, k) for n in sizes} | {(n, 1) for n in sizes})
-
-  def may_stream(self) -> bool:
-    """Can a forward of this cache stream a page (a layer's pages at `max_tokens` beyond its
-    resident region)?"""
-    return any(self.max_pages > r for r in self.stream.resident_pages_per_layer)
-
-  def may_wave(self, mtp_lease: bool = False) -> bool:
-    """Can a forward of this cache stream a layer in copy waves (its streamed pages at `max_tokens`,
-    with the MTP layer's lease taken where speculation drafts with it, beyond the ring)?"""
-    caps = self.stream.resident_pages_per_layer
-    streamed = max(self.max_pages - r for r in caps) + (self.copy_unit - 1)   # the open region's slack
-    lease = self.max_pages - caps[-1] if self.cfg.has_mtp and mtp_lease else 0
-    return streamed + lease > self.stream.ring_slots
 
   # -- reporting -------------------------------------------------------------------
   @property

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -187,3 +187,64 @@ class ResidentRefillMixin:
       pool = place_staged(pool, st.array, on_device(pieces_array([(base, st.offset, st.offset + st.count)])))
     self._staging_live -= sum(int(st.array.nbytes) for st in staged)   # placed: buffers let go
     return pool
+
+
+class SourcesMixin:
+  """`StreamedKV`'s stage sources (which host array carries a piece of a layer's pages) and its
+  fixed set of staged shapes (what `kvjax.warmup` compiles)."""
+
+  def _source_pages(self, src) -> Tuple[int, int]:
+    """The logical pages [lo, hi) a stage source carries."""
+    kind, lo, hi = src
+    c = self.copy_unit
+    return (lo, hi) if kind == "block" else (lo * c, (lo + 1) * c)
+
+  def _stage_sources(self, a: int, wave: int = 0, skip_first: bool = False) -> Tuple:
+    """The host arrays of layer a's stage (or of its copy wave `wave`), in the order of its pieces:
+    pinned_host arrays (numpy pages without pinned memory, padded to the same shapes), then the
+    partial last page (numpy). `skip_first`: the first source is already on the device
+    (prefetched)."""
+    hist, l = self.history_of(a)
+    lp = self._layer_plans[a]
+    if lp.waves:
+      lp = lp.waves[wave]
+    out = [self._source_array(hist, l, src) for src in (lp.units[1:] if skip_first else lp.units)]
+    if lp.tail_page >= 0:
+      out.append(hist.pages_lpn[l, lp.tail_page:lp.tail_page + 1].copy())
+    return tuple(out)
+
+  def _source_array(self, hist: HostHistory, l: int, src) -> Any:
+    """The host array of one stage source of layer l of `hist`: ("block", lo, hi) a pinned mirror of
+    sealed pages [lo, hi), ("unit", u, 0) copy unit u's pinned mirror (numpy pages of the same
+    shapes without pinned memory)."""
+    kind, lo, hi = src
+    if not self.pinned:
+      return staging.host_pages(hist, l, *self._source_pages(src))
+    if kind == "block":
+      return hist.pinned_block(l, lo, hi)
+    arr, _ = hist.pinned_chunk(l, lo)
+    if arr is None:
+      raise AssertionError(f"copy unit {lo} of {hist.name} layer {l} has no full page")
+    return arr
+
+  # -- the compiled shapes (kvjax.warmup) -------------------------------------------
+  def staged_shapes(self):
+    """-> [(pages, k)]: every (staged array pages, destination runs) a placement of this cache can
+    take: pieces of 1..16 copy units and the partial page (a layer's, a wave's: k runs, 2 where a run
+    splits at the ring's wrap), copy units (resident refills, the MTP lease: one run)."""
+    c, k = self.copy_unit, 2 if self.split_at_wrap else 1
+    sizes = [c * j for j in range(1, self.piece_units + 1)] + [1]
+    return sorted({(n, k) for n in sizes} | {(n, 1) for n in sizes})
+
+  def may_stream(self) -> bool:
+    """Can a forward of this cache stream a page (a layer's pages at `max_tokens` beyond its
+    resident region)?"""
+    return any(self.max_pages > r for r in self.stream.resident_pages_per_layer)
+
+  def may_wave(self, mtp_lease: bool = False) -> bool:
+    """Can a forward of this cache stream a layer in copy waves (its streamed pages at `max_tokens`,
+    with the MTP layer's lease taken where speculation drafts with it, beyond the ring)?"""
+    caps = self.stream.resident_pages_per_layer
+    streamed = max(self.max_pages - r for r in caps) + (self.copy_unit - 1)   # the open region's slack
+    lease = self.max_pages - caps[-1] if self.cfg.has_mtp and mtp_lease else 0
+    return streamed + lease > self.stream.ring_slots

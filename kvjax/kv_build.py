@@ -1,0 +1,101 @@
+"""Building the KV cache of a budget (`kvjax.api.make_kv`'s work once its arguments are checked):
+plain, streamed (a fixed split or the adaptive policy), phased, or one cache per device of a
+sharded model; with the `info` the cache reports (`KVCache.info`)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+from kvjax import engine, parallel, speculative
+from kvjax.streaming import StreamedKV, adaptive_staging_reserve_pages, fit_adaptive_pool, \
+    staging_reserve_pages, stream_config_from_budget
+from kvjax.streaming.budget import prefill_block_bytes, prefill_block_tokens
+from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV
+from kvjax_pallas.page_layout import PageLayout
+
+
+def _all_resident(split, layout: PageLayout, max_tokens: int) -> bool:
+  return min(split.resident_pages_per_layer) >= layout.pages_for(max_tokens)
+
+
+def build_kv(model, max_tokens: int, arena_mib, pool_pages, copy_pages, policy, phased,
+              ubatch, draft: Optional[speculative.DraftParams] = None, prefill_block="auto") -> Tuple[Any, Dict[str, Any]]:
+  """The cache of one device, or of a sharded model one cache per device (each with the whole
+  budget: `arena_mib` / `pool_pages` are per device) driven as one (`parallel.ShardedKV`)."""
+  runner = model.runner
+  if getattr(model.runner, "tensor_parallel", 1) == 1:
+    return build_device_kv(runner, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased, ubatch,
+                           draft=draft, prefill_block=prefill_block)
+  ws = (speculative.decode_workspace_bytes(runner.device_runners[0], max_tokens, draft)[0]
+        if arena_mib is not None else None)   # the same on every device
+  parts = parallel.per_device(runner.mesh, lambda d: build_device_kv(
+      runner.device_runners[d], max_tokens, arena_mib, pool_pages, copy_pages, policy, phased, ubatch, ws,
+      prefill_block=prefill_block))
+  info = dict(parts[0][1], tensor_parallel=getattr(model.runner, "tensor_parallel", 1))
+  kv = parallel.ShardedKV(runner.mesh, [kv for kv, _ in parts])
+  kv.prefill_block = info.get("prefill_block")
+  return kv, info
+
+
+def build_device_kv(runner: engine.Runner, max_tokens: int, arena_mib, pool_pages, copy_pages, policy, phased,
+                    ubatch, ws=None, draft: Optional[speculative.DraftParams] = None,
+                    prefill_block="auto") -> Tuple[Any, Dict[str, Any]]:
+  cfg, layout = runner.cfg, runner.layout
+  info: Dict[str, Any] = {"kv": "plain", "ctx_size": max_tokens, "page_tokens": layout.page_tokens,
+                          "kv_layout": layout.describe()}
+  if arena_mib is None and pool_pages is None:
+    return engine.PlainKV(cfg, layout, max_tokens), info
+  info["kv"] = "streamed"
+  wave_pages = runner.partition_pages(ubatch, max_tokens)   # a copy wave holds whole partitions
+  if arena_mib is not None:
+    states = 0
+    if ws is None:   # the scratch of the widest decode-phase forward (a verify's rows and states)
+      ws, states = speculative.decode_workspace_bytes(runner, max_tokens, draft)
+    info["arena_mib"] = arena_mib
+    info["decode_rows"] = 1 if draft is None else draft.verify_width
+    info["verify_states_bytes"] = states
+    info["decode_workspace_mib"] = ws / 2**20
+    stream = stream_config_from_budget(cfg, layout, max_tokens, arena_bytes=int(arena_mib * 2**20),
+                                       workspace_bytes=ws, copy_pages=copy_pages, wave_pages=wave_pages)
+  else:
+    stream = stream_config_from_budget(cfg, layout, max_tokens, pool_pages=pool_pages, copy_pages=copy_pages,
+                                       wave_pages=wave_pages)
+  info["resident_pages_per_layer"] = list(stream.resident_pages_per_layer)
+  info["staging_reserve_mib"] = staging_reserve_pages(stream, max_tokens, layout) * layout.page_bytes / 2**20
+  info["copy_pages"] = copy_pages
+  info["kv_policy"] = policy
+  if policy == "adaptive":
+    pool = stream.pool_pages
+    if arena_mib is not None:   # the staging of ANY split the policy may pick fits beside the pool
+      pool = fit_adaptive_pool((int(arena_mib * 2**20) - ws) // layout.page_bytes, max_tokens, layout,
+                               copy_pages)
+    kv = AdaptiveStreamedKV(cfg, layout, max_tokens, pool, copy_pages)
+    info["resident_pages_per_layer"] = list(kv.stream.resident_pages_per_layer)
+    info["staging_reserve_mib"] = (adaptive_staging_reserve_pages(pool, max_tokens, layout, copy_pages)
+                                   * layout.page_bytes / 2**20)
+    info["all_pages_resident"] = _all_resident(kv.stream, layout, max_tokens)   # the starting split
+  else:
+    kv = StreamedKV(cfg, layout, max_tokens, stream)
+    info["all_pages_resident"] = _all_resident(stream, layout, max_tokens)
+  info.update(pool_pages=kv.stream.pool_pages, ring_slots=kv.stream.ring_slots,   # the starting split
+              copy_unit_pages=kv.copy_unit)      # copy_pages halved until that ring holds it
+  # the prefill's block (`generate.prefill`): its hidden rows (and the MTP's) within the pool's bytes;
+  # in a phased arena within half of what the prefill layout leaves beside its micro-batch's workspace
+  row_bytes = cfg.hidden_size * runner.token_embd.dtype.itemsize * (1 if draft is None else 2)
+  budget = kv.stream.pool_pages * layout.page_bytes
+  if phased:
+    ws_prefill = engine.group_step_workspace_bytes(runner, ubatch, max_tokens)
+    budget = max(0, int(arena_mib * 2**20) - ws_prefill) // 2
+  block = prefill_block_tokens(ubatch, row_bytes, budget, max_tokens) if prefill_block == "auto" else \
+      max(ubatch, int(prefill_block) // ubatch * ubatch)
+  info["prefill_block"] = block
+  if phased:   # each phase's pool: a fixed split, or the policy rebound on it (adaptive)
+    ws_prefill += prefill_block_bytes(block, row_bytes, layout.token_bytes) if block > ubatch else 0
+    kv = PhasedKV(kv, int(arena_mib * 2**20), ws_prefill, ws, max_tokens, wave_pages)
+    info["kv"] = "streamed+phased"
+    info["prefill_workspace_mib"] = ws_prefill / 2**20
+    info["ubatch"] = ubatch
+    info["all_pages_resident"] = all(_all_resident(kv.split_for(pages), layout, max_tokens)
+                                     for pages in kv.region_pages.values())
+  kv.prefill_block = block
+  return kv, info
