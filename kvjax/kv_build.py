@@ -76,6 +76,9 @@ def build_device_kv(runner: engine.Runner, max_tokens: int, arena_mib, pool_page
     info["all_pages_resident"] = _all_resident(kv.stream, layout, max_tokens)   # the starting split
   else:
     kv = StreamedKV(cfg, layout, max_tokens, stream)
+    # no forward timed alone (a forced wait every 16th forward, without the next forward's prefetch):
+    # the copy rate it measures feeds the adaptive policy only (bench_decode keeps its own timing)
+    kv.timing_interval = 0
     info["all_pages_resident"] = _all_resident(stream, layout, max_tokens)
   info.update(pool_pages=kv.stream.pool_pages, ring_slots=kv.stream.ring_slots,   # the starting split
               copy_unit_pages=kv.copy_unit)      # copy_pages halved until that ring holds it

@@ -75,6 +75,8 @@ def test_streamed_equals_plain_and_the_cli(model, plain_run, budget):
   assert res.tokens == plain.tokens
   assert_same_logits(logits, plain_logits)
   assert res.metrics["streamed_pages"] > 0 and res.metrics["h2d_bytes"] > 0
+  # the fixed split times no copy alone (no forced wait); the adaptive policy samples its copy rate
+  assert (res.metrics["timed_bytes"] > 0) == (budget.get("policy") == "adaptive"), res.metrics["timed_bytes"]
   flag = {"pool_pages": "--kv-stream-pool-pages", "arena_mib": "--kv-stream-arena-mib",
           "copy_pages": "--kv-stream-copy-pages", "policy": "--kv-stream-policy"}
   got = cli_json("generate", *CLI_COMMON, *[f"{flag[k]}={v}" for k, v in budget.items()])
