@@ -795,3 +795,214 @@ def test_feedback_window_layer_counters():
   assert vars(w) == before
   w.new_epoch()
   assert w.feedback().layer_samples == (0, 0, 0)
+
+
+# ---- thresholds: a step on each side of every threshold ------------------------------------------
+
+# The thresholds as the reference design states them (docs/reference-design.md, "Policy"; the
+# config's defaults for the counts and the overlap ratio). The boundary tests below take the values
+# from here, not from `kvjax.streaming.policy_types`: a probe computed from the module's own constant
+# would move with it, and a changed constant must flip a decision here.
+DESIGN = dict(PAGE_TOKENS=256, DECODE_QUERY_ROWS=32, STARVED_MISS_RATIO=0.01, STARVED_COPY_BUSY=0.90,
+              LIGHT_COPY_BUSY=0.50, LIGHT_PEAK_FRACTION=0.50, AUTO_RING_HINT=8, COUNTER_MAX=2**32 - 1)
+DESIGN_DEFAULTS = dict(overlap_ratio=1.10, grow_evaluations=3, shrink_evaluations=8, cooldown_evaluations=64)
+EPS = 0.02          # ratio thresholds are probed at value * (1 - EPS) and value * (1 + EPS)
+NOT_THRESHOLDS = {"TARGET_CACHE", "MTP_CACHE"}   # cache ids
+
+
+def big():
+  """1,000 pages of 1 B, 4 layers, ring hint 200: R 200, minimum ring 200. Fine enough that a probe
+  2 % past a threshold is another whole page, slot or evaluation count. At 300 active pages the
+  overlap target is 200 (ring 200 >= 1.1 x 100 streamed)."""
+  return PolicyConfig(page_bytes=1, pool_bytes=1000, layers=4, initial_ring_slots=200)
+
+
+A_BIG = 300   # active pages of the feedback probes: target 200 at any overlap ratio <= 2
+
+
+def _outcome(d):
+  """What a step decided: (partition changed, new R, new ring, spread streaming)."""
+  n = d.next
+  return d.partition_changed, n.resident_pages_per_layer, n.ring_slots, n.spread_streaming
+
+
+class TestThresholdBoundaries:
+  """Every threshold of the policy (`policy_types`), probed just below and just above its value
+  (and at it where the comparison is strict), asserting the decision: whether the partition
+  changed, the new resident / ring split and the rule that made it. (a) cuts R to T', (b) at the
+  target steps R down by 1 with spread streaming, (c) steps R up by 1; no rule keeps R."""
+
+  NO_CHANGE_AT_TARGET = (False, 200, 200, False)
+  RULE_B_SPREAD = (True, 199, 204, True)          # starved at the target: R - 1, spread on
+  NO_CHANGE_BELOW_TARGET = (False, 199, 204, False)
+  RULE_C_SHRINK = (True, 200, 200, False)         # light: R + 1, the ring 4 slots smaller
+
+  def test_every_threshold_constant_has_a_boundary_test(self):
+    """Every numeric constant of `policy_types` but the cache ids, and every count / ratio default
+    of the config, has its design value above (and a boundary test below)."""
+    from kvjax.streaming import policy_types
+    numeric = {n for n, v in vars(policy_types).items()
+               if n.isupper() and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert numeric - NOT_THRESHOLDS == set(DESIGN)
+    defaults = {f.name for f in dataclasses.fields(PolicyConfig)
+                if f.name.endswith("_evaluations") or f.name == "overlap_ratio"}
+    assert defaults == set(DESIGN_DEFAULTS)
+
+  # -- feedback signals: starved (rule b) and light (rule c) -----------------------------------
+
+  def _at_target(self, c, **kw):
+    """R 200 == the target at A_BIG decode pages (not entering decode), cooled, feedback cursor at
+    0 / 0, `starved` one short of the grow count: a starved signal now fires rule (b)."""
+    s = dataclasses.replace(initialize(c), decode_active_pages=A_BIG, starved=c.grow_evaluations - 1)
+    return _primed(c, s, **kw)
+
+  def _below_target(self, c, **kw):
+    """R 199 < the target 200 (ring 204 = minimum ring + layers), cooled, `overprovisioned` one
+    short of the shrink count: a light evaluation now fires rule (c)."""
+    s = with_resident(c, initialize(c), 199, decode_active_pages=A_BIG,
+                      overprovisioned=c.shrink_evaluations - 1)
+    return _primed(c, s, **kw)
+
+  def test_starved_miss_ratio(self):
+    """Starved needs a miss ratio above STARVED_MISS_RATIO (the copy stream 20 % busy): 98 % and
+    100 % of it keep R at the target, 102 % steps R down with spread streaming."""
+    c, t = big(), DESIGN["STARVED_MISS_RATIO"]
+    samples = 100_000
+    got = []
+    for ratio in (t * (1 - EPS), t, t * (1 + EPS)):
+      d = step(c, self._at_target(c), decode(A_BIG, feedback=_feed(0, samples, round(ratio * samples), 0.2)))
+      assert d.feedback_used and not d.feedback_reset
+      got.append(_outcome(d))
+    assert got == [self.NO_CHANGE_AT_TARGET, self.NO_CHANGE_AT_TARGET, self.RULE_B_SPREAD]
+
+  def test_starved_copy_busy(self):
+    """Misses (50 %) are starved only while the copy stream is below STARVED_COPY_BUSY: at 98 % of
+    it R steps down, at 100 % and 102 % the copy stream has no headroom and R stays."""
+    c, t = big(), DESIGN["STARVED_COPY_BUSY"]
+    got = []
+    for busy in (t * (1 - EPS), t, t * (1 + EPS)):
+      d = step(c, self._at_target(c), decode(A_BIG, feedback=_feed(0, 1000, 500, busy)))
+      assert d.feedback_used and not d.feedback_reset
+      got.append(_outcome(d))
+    assert got == [self.RULE_B_SPREAD, self.NO_CHANGE_AT_TARGET, self.NO_CHANGE_AT_TARGET]
+
+  def test_light_copy_busy(self):
+    """Light needs the copy stream below LIGHT_COPY_BUSY (no misses, no ring use): at 98 % of it the
+    shrink count is reached and R grows by 1; at 100 % and 102 % it is not light and R stays."""
+    c, t = big(), DESIGN["LIGHT_COPY_BUSY"]
+    got = []
+    for busy in (t * (1 - EPS), t, t * (1 + EPS)):
+      d = step(c, self._below_target(c), decode(A_BIG, feedback=_feed(0, 1000, 0, busy, peak=0)))
+      assert d.feedback_used
+      got.append(_outcome(d))
+    assert got == [self.RULE_C_SHRINK, self.NO_CHANGE_BELOW_TARGET, self.NO_CHANGE_BELOW_TARGET]
+
+  def test_light_peak_fraction(self):
+    """Light needs the peak ring use below LIGHT_PEAK_FRACTION of the ring (204 slots, copy stream
+    10 % busy): 99 slots (98 %) is light and R grows; 102 (100 %) and 105 (102 %) are not."""
+    c, t = big(), DESIGN["LIGHT_PEAK_FRACTION"]
+    ring = self._below_target(c).ring_slots
+    at = t * ring
+    assert ring == 204 and at == int(at)
+    peaks = (math.floor(at * (1 - EPS)), int(at), math.ceil(at * (1 + EPS)))
+    assert peaks == (99, 102, 105)
+    got = []
+    for peak in peaks:
+      d = step(c, self._below_target(c), decode(A_BIG, feedback=_feed(0, 1000, 0, 0.1, peak=peak)))
+      assert d.feedback_used
+      got.append(_outcome(d))
+    assert got == [self.RULE_C_SHRINK, self.NO_CHANGE_BELOW_TARGET, self.NO_CHANGE_BELOW_TARGET]
+
+  # -- the config's counts -------------------------------------------------------------------
+
+  def test_grow_evaluations_default(self):
+    """Rule (b) fires at the grow_evaluations-th starved evaluation in a row, not one before."""
+    c, n = big(), DESIGN_DEFAULTS["grow_evaluations"]
+    got = []
+    for before in (n - 2, n - 1):     # starved after this evaluation: n - 1, n
+      s = dataclasses.replace(self._at_target(c), starved=before)
+      d = step(c, s, decode(A_BIG, feedback=_feed(0, 1000, 500, 0.2)))
+      got.append(_outcome(d))
+    assert got == [self.NO_CHANGE_AT_TARGET, self.RULE_B_SPREAD]
+
+  def test_shrink_evaluations_default(self):
+    """Rule (c) fires at the shrink_evaluations-th light evaluation in a row, not one before."""
+    c, n = big(), DESIGN_DEFAULTS["shrink_evaluations"]
+    got = []
+    for before in (n - 2, n - 1):
+      s = dataclasses.replace(self._below_target(c), overprovisioned=before)
+      d = step(c, s, decode(A_BIG, feedback=_feed(0, 1000, 0, 0.1, peak=0)))
+      got.append(_outcome(d))
+    assert got == [self.NO_CHANGE_BELOW_TARGET, self.RULE_C_SHRINK]
+
+  def test_cooldown_evaluations_default(self):
+    """An upload-level starved signal waits for cooldown_evaluations evaluations since the last
+    repartition: the (n - 1)-th keeps R, the n-th steps it down."""
+    c, n = big(), DESIGN_DEFAULTS["cooldown_evaluations"]
+    got = []
+    for before in (n - 2, n - 1):     # evaluations after this one: n - 1, n
+      s = self._at_target(c, evaluations_since_repartition=before)
+      d = step(c, s, decode(A_BIG, feedback=_feed(0, 1000, 500, 0.2)))
+      assert d.feedback_used
+      got.append(_outcome(d))
+    assert got == [self.NO_CHANGE_AT_TARGET, self.RULE_B_SPREAD]
+
+  def test_overlap_ratio_default(self):
+    """Entering decode, R 200 stays while its ring of 200 slots holds overlap_ratio x the pages a
+    layer streams (A - 200): 178 streamed pages (ring / streamed = 102 % of the ratio) keep R,
+    186 (98 %) cut it to the overlap target (rule a)."""
+    c, ratio = big(), DESIGN_DEFAULTS["overlap_ratio"]
+    ring = initialize(c).ring_slots
+    keep, cut = math.floor(ring / (ratio * (1 + EPS))), math.ceil(ring / (ratio * (1 - EPS)))
+    assert (ring, keep, cut) == (200, 178, 186)
+    d = step(c, initialize(c), decode(200 + keep))
+    assert d.target_resident_pages == 200 and _outcome(d) == (False, 200, 200, False)
+    assert d.next.decode_active_pages == 200 + keep
+    d = step(c, initialize(c), decode(200 + cut))
+    assert d.target_resident_pages == 198 and _outcome(d) == (True, 198, 208, False)
+
+  # -- geometry and modes ----------------------------------------------------------------------
+
+  def test_page_tokens(self):
+    """A page holds PAGE_TOKENS token positions: 381 pages' tokens keep R 200 on entering decode
+    (ring 200 >= 1.1 x 181), one token more is page 382 and cuts R to the target 199."""
+    c, pt = big(), DESIGN["PAGE_TOKENS"]
+    d = step(c, initialize(c), Observation(381 * pt, 1))
+    assert _outcome(d) == (False, 200, 200, False) and d.next.decode_active_pages == 381
+    d = step(c, initialize(c), Observation(381 * pt + 1, 1))
+    assert _outcome(d) == (True, 199, 204, False) and d.next.decode_active_pages == 382
+
+  def test_decode_query_rows(self):
+    """Up to DECODE_QUERY_ROWS query rows an evaluation is decode (entering it cuts R 200 to the
+    target 198 at 386 pages, rule a); one row more is not, and nothing changes."""
+    c, q = big(), DESIGN["DECODE_QUERY_ROWS"]
+    got = []
+    for rows in (q - 1, q, q + 1):
+      d = step(c, initialize(c), Observation(386 * PT, rows))
+      got.append(_outcome(d) + (d.next.decode_active_pages,))
+    assert got == [(True, 198, 208, False, 386)] * 2 + [(False, 200, 200, False, 0)]
+
+  def test_auto_ring_hint(self):
+    """Without initial_ring_slots the ring starts at min(AUTO_RING_HINT, pages - layers): one layer
+    with hint - 1, hint, hint + 1 and 10 x hint pages beyond its first."""
+    h = DESIGN["AUTO_RING_HINT"]
+    got = []
+    for extra in (h - 1, h, h + 1, 10 * h):
+      c = PolicyConfig(page_bytes=1, pool_bytes=1 + extra, layers=1)
+      s = initialize(c)
+      assert P.budget(c).ring_hint == s.minimum_ring_slots == s.ring_slots
+      got.append((s.resident_pages_per_layer, s.ring_slots))
+    assert got == [(1, h - 1), (1, h), (2, h), (9 * h + 1, h)]
+
+  def test_counter_max(self):
+    """`starved` and the evaluation count saturate at COUNTER_MAX (uint32): one below it counts up
+    to it, at it they stay (R 1: rule (b) cannot fire, nothing repartitions)."""
+    c, m = big(), DESIGN["COUNTER_MAX"]
+    got = []
+    for before in (m - 1, m):
+      s = _primed(c, with_resident(c, initialize(c), 1, decode_active_pages=A_BIG), starved=before,
+                  evaluations_since_repartition=before)
+      d = step(c, s, decode(A_BIG, feedback=_feed(0, 1000, 500, 0.2)))
+      assert d.feedback_used and not d.partition_changed
+      got.append((d.next.starved, d.next.evaluations_since_repartition))
+    assert got == [(m, m), (m, m)]
