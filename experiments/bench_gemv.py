@@ -1,0 +1,208 @@
+"""Matmul with GGUF-quantized weights: effective bandwidth of each implementation, per format.
+
+  JAX_PLATFORMS=cuda python -m experiments.bench_gemv --out=$OUT/bench_gemv.json     # GPU
+  python -m experiments.bench_gemv --small                                            # CPU smoke
+
+For every weight shape of the 27B geometry (`kvjax.config.qwen38_27b`: the attention layers' q
+(+ gate), k, v and output projections, the recurrent layers' qkv and gate projections, the FFN's
+gate / up and down), every format (q8_0, q4_0, q4_k, q5_k, q6_k), rows S (1, 4: decode and
+verify; 256: a prefill chunk) and implementation of `kvjax_pallas.quant_matmul.api` ("xla":
+dequantize then dot; "pallas": the kernel; plus "bf16", a plain bf16 x bf16 dot of dense weights
+as the baseline): the median time a call, effective GB/s and TFLOP/s.
+
+Bytes counted: what a call must read once, the weight matrix as stored (N x row_bytes; N x K x 2
+for "bf16") and x (S x K x 2, bf16); the [S, N] output is not counted. Times: `--iters` calls
+queued back to back, then one wait, per round; the median of `--rounds` rounds, divided by the
+calls. The calls cycle through copies of the weights worth at least `--rotate_mib` MiB, so a small
+matrix is not read from L2 (the H200's is 50 MB). Each case also checks the implementation
+against "xla" (max |diff| / max |xla|, column `check`); a case that fails to compile becomes a
+row with its error. The "pallas" weights are passed as their uint16 halfword view, made once
+(the kernel reads halfwords); "xla" gets the uint8 bytes.
+
+--small: a few small shapes, S in {1, 4}, the kernel interpreted: a quick check that the
+program runs (CPU). Imports kvjax only for the geometry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+
+SMALL_SHAPES = (("ffn_up.weight", 512, 512), ("ffn_down.weight", 256, 1024))
+
+
+def define_flags():
+  """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
+  flags.DEFINE_bool("small", False, "CPU smoke test: small shapes, S 1 and 4, one round")
+  flags.DEFINE_list("formats", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"], "weight formats")
+  flags.DEFINE_list("rows", ["1", "4", "256"], "rows S of x")
+  flags.DEFINE_list("implementations", ["xla", "pallas", "bf16"], "xla, pallas, bf16 (baseline)")
+  flags.DEFINE_list("shapes", [], "tensor names to keep (default: all), e.g. ffn_up.weight")
+  flags.DEFINE_integer("iters", 20, "calls a round")
+  flags.DEFINE_integer("rounds", 5, "timed rounds (median)")
+  flags.DEFINE_integer("rotate_mib", 256, "cycle the calls through weight copies of at least this "
+                       "many MiB (0: one copy)")
+  flags.DEFINE_string("interpret", "auto", "run the kernel interpreted: true, false, auto (when the "
+                      "backend is not a GPU)")
+  flags.DEFINE_float("max_seconds", 1200.0, "stop starting new cases after this")
+  flags.DEFINE_string("out", "", "JSON file for the rows (empty: none)")
+
+
+def geometry_shapes():
+  """[(tensor name, N, K)] of the 27B preset's projection weights (one row a distinct shape)."""
+  from kvjax import config as config_lib
+  cfg = config_lib.qwen38_27b()
+  shapes = {}
+  for table in (config_lib.attention_block_shapes(cfg), config_lib.recurrent_block_shapes(cfg),
+                config_lib.common_block_shapes(cfg)):
+    shapes.update(table)
+  keep = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+          "attn_qkv.weight", "attn_gate.weight", "ffn_gate.weight", "ffn_up.weight",
+          "ffn_down.weight")
+  out, seen = [], set()
+  for name in keep:
+    n, k = shapes[name]
+    if (n, k) not in seen:
+      seen.add((n, k))
+      out.append((name, n, k))
+  return out
+
+
+def _random_weights(np, fmt: str, n: int, k: int, seed: int):
+  """uint8 [n, row_bytes]: random bytes (any pattern is a valid block) with sane f16 scales."""
+  from kvjax_pallas.quant_matmul import formats
+  f = formats.FORMATS[fmt]
+  nb = k // f.block_values
+  rng = np.random.default_rng(seed)
+  w = rng.integers(0, 256, (n, nb, f.block_bytes), dtype=np.uint8)
+  for off in {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}.get(fmt, (0,)):
+    d = (rng.standard_normal((n, nb)) * 0.02).astype(np.float16)
+    w[..., off:off + 2] = d.view(np.uint8).reshape(n, nb, 2)
+  return w.reshape(n, nb * f.block_bytes)
+
+
+def _time_calls(jax, fn, xs, ws, iters: int, rounds: int) -> float:
+  """Median seconds a call of fn(x, w): per round `iters` calls queued, cycling through the
+  weight copies `ws`, then one wait."""
+  jax.block_until_ready(fn(xs, ws[0]))
+  per = []
+  for _ in range(rounds):
+    t = time.perf_counter()
+    outs = [fn(xs, ws[i % len(ws)]) for i in range(iters)]
+    jax.block_until_ready(outs)
+    per.append((time.perf_counter() - t) / iters)
+  per.sort()
+  return per[len(per) // 2]
+
+
+def run_case(jax, jnp, np, api, name, n, k, fmt, s, impl, interpret, copies_for, w_u8, ref_out,
+             x):
+  """One row of the table (a dict); the implementation's output is checked against ref_out."""
+  from kvjax_pallas.quant_matmul import formats, reference
+  row = dict(shape=name, n=n, k=k, fmt="dense" if impl == "bf16" else fmt, s=s, impl=impl)
+  if impl == "bf16":
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((n, k)), jnp.bfloat16)
+    w_bytes = n * k * 2
+    fn = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+                                                  preferred_element_type=jnp.float32))
+  else:
+    w = reference.halfword_view(w_u8) if impl == "pallas" else w_u8
+    w_bytes = formats.row_bytes(fmt, k) * n
+    fn = jax.jit(lambda x, w: api.quant_matmul(x, w, fmt, k, implementation=impl,
+                                               interpret=interpret))
+  ws = [w] + [w + 0 for _ in range(copies_for(w_bytes) - 1)]   # the copies: new buffers
+  try:
+    out = np.asarray(fn(x, w))
+    if impl != "bf16":
+      row["check"] = float(np.max(np.abs(out - ref_out)) / max(np.max(np.abs(ref_out)), 1e-30))
+    sec = _time_calls(jax, fn, x, ws, FLAGS.iters, FLAGS.rounds)
+  except Exception as e:  # pylint: disable=broad-except  (a case that does not compile: a row)
+    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    return row
+  nbytes = w_bytes + s * k * 2
+  row.update(ms=sec * 1e3, bytes=nbytes, gbps=nbytes / sec / 1e9,
+             tflops=2.0 * s * n * k / sec / 1e12, copies=len(ws))
+  return row
+
+
+def _fmt_row(r) -> str:
+  if "error" in r:
+    return (f"{r['shape']:>18} {r['n']:>6} {r['k']:>6} {r['fmt']:>5} {r['s']:>4} {r['impl']:>7}"
+            f"  ERROR {r['error']}")
+  check = f"{r['check']:.1e}" if "check" in r else "-"
+  return (f"{r['shape']:>18} {r['n']:>6} {r['k']:>6} {r['fmt']:>5} {r['s']:>4} {r['impl']:>7} "
+          f"{r['ms']:>9.4f} {r['gbps']:>8.1f} {r['tflops']:>7.2f} {check:>8}")
+
+
+def main(argv):
+  del argv
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)   # its TPU backend probe
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from kvjax_pallas.quant_matmul import api, formats, reference
+
+  t0 = time.time()
+  backend = jax.default_backend()
+  interpret = {"true": True, "false": False, "auto": backend != "gpu"}[FLAGS.interpret.lower()]
+  if FLAGS.small:
+    shapes, rows, rounds_note = list(SMALL_SHAPES), [1, 4], "small"
+    FLAGS.iters, FLAGS.rounds, FLAGS.rotate_mib = 2, 1, 0
+  else:
+    shapes, rows, rounds_note = geometry_shapes(), [int(r) for r in FLAGS.rows], "geometry"
+  if FLAGS.shapes:
+    shapes = [sh for sh in shapes if sh[0] in FLAGS.shapes]
+  for fmt in FLAGS.formats:
+    formats.get_format(fmt)
+  for impl in FLAGS.implementations:
+    if impl != "bf16":
+      api.get_implementation(impl)
+
+  def copies_for(nbytes: int) -> int:
+    return max(1, min(64, math.ceil(FLAGS.rotate_mib * 2**20 / nbytes))) if FLAGS.rotate_mib else 1
+
+  print(f"backend {backend} ({jax.devices()[0].device_kind}), kernel interpret={interpret}, "
+        f"{rounds_note} shapes, iters {FLAGS.iters} x rounds {FLAGS.rounds}", flush=True)
+  print(f"{'shape':>18} {'N':>6} {'K':>6} {'fmt':>5} {'S':>4} {'impl':>7} {'ms':>9} {'GB/s':>8} "
+        f"{'TFLOP/s':>7} {'check':>8}", flush=True)
+  table = []
+  stopped = False
+  for name, n, k in shapes:
+    for fmt in FLAGS.formats:
+      w_u8 = jnp.asarray(_random_weights(np, fmt, n, k, seed=n + k))
+      for s in rows:
+        x = jnp.asarray(np.random.default_rng(s).standard_normal((s, k)), jnp.bfloat16)
+        ref_out = np.asarray(reference.quant_matmul_reference(x, w_u8, fmt, k))
+        for impl in FLAGS.implementations:
+          if impl == "bf16" and fmt != FLAGS.formats[0]:
+            continue          # the dense baseline once a shape and S
+          if time.time() - t0 > FLAGS.max_seconds:
+            stopped = True
+            break
+          row = run_case(jax, jnp, np, api, name, n, k, fmt, s, impl, interpret, copies_for,
+                         w_u8, ref_out, x)
+          table.append(row)
+          print(_fmt_row(row), flush=True)
+  if stopped:
+    print(f"stopped after --max_seconds={FLAGS.max_seconds}", flush=True)
+  if FLAGS.out:
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+    with open(FLAGS.out, "w") as f:
+      json.dump(dict(backend=backend, device=jax.devices()[0].device_kind, interpret=interpret,
+                     small=FLAGS.small, iters=FLAGS.iters, rounds=FLAGS.rounds,
+                     rotate_mib=FLAGS.rotate_mib, stopped=stopped, rows=table), f, indent=1)
+    print(f"wrote {FLAGS.out}", flush=True)
+  errors = [r for r in table if "error" in r]
+  print(f"{len(table)} cases, {len(errors)} errors, {time.time() - t0:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,11 @@
+"""Matrix products with weights in GGUF block formats (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), dequantized
+as they are read.
+
+Modules: `api` (the entry point and the registry of implementations), `formats` (block sizes,
+row sizes, argument checks), `reference` (plain jnp: dequantize, dequantize-then-dot) and
+`kernel` (the Pallas kernel that decodes weight tiles in registers).
+"""
+from kvjax_pallas.quant_matmul.api import (quant_matmul, dequantize, FORMATS, IMPLEMENTATIONS,
+                                           QuantMatmulConfig)
+
+__all__ = ["quant_matmul", "dequantize", "FORMATS", "IMPLEMENTATIONS", "QuantMatmulConfig"]

@@ -1,0 +1,81 @@
+"""Matmul with GGUF-quantized weights: `implementation=` picks dequantize-then-dot or the kernel.
+
+The implementations are a registry (`IMPLEMENTATIONS`, in `_REGISTRY`), each a function
+(x_sk, w_nb, fmt, k, *, config, interpret) -> [S, N] float32:
+
+  "xla"     `reference.quant_matmul_reference`: dequantize the whole matrix in jnp, then one dot
+            (XLA fuses what it can). The default, until the kernel is measured on a GPU.
+  "pallas"  `kernel.quant_matmul_pallas`: the weight tiles decoded inside a Pallas kernel
+            (Triton lowering; not yet compiled on a GPU), or anywhere with `interpret=True`.
+
+Kernel-only keyword arguments (checked, then ignored by "xla"):
+  config     a `QuantMatmulConfig` (tile sizes); None: `kernel.default_config` of the call.
+  interpret  run the Pallas kernel in the interpreter (CPU).
+
+Shapes: x_sk [S, K] float32 or bfloat16 (they meet the weights in bfloat16 for bfloat16 x, else
+in float32), w_nb uint8 [N, row_bytes(fmt, K)] (or its uint16 halfword view), out [S, N]
+float32. Formats: `FORMATS` (q8_0, q4_0, q4_k, q5_k, q6_k; ggml's block layouts).
+Imports nothing from `kvjax`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import jax
+
+from kvjax_pallas.quant_matmul import formats as _formats
+from kvjax_pallas.quant_matmul import kernel as _kernel
+from kvjax_pallas.quant_matmul import reference as _ref
+
+FORMATS = _formats.FORMATS
+FORMAT_NAMES = _formats.FORMAT_NAMES
+QuantMatmulConfig = _kernel.QuantMatmulConfig
+dequantize = _ref.dequantize
+row_bytes = _formats.row_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """An entry of the registry: matmul(x_sk, w_nb, fmt, k, *, config, interpret) -> [S, N] f32."""
+  name: str
+  matmul: Callable[..., jax.Array]
+  kernel: bool        # takes `config` and `interpret`
+
+
+def _xla(x_sk, w_nb, fmt, k, *, config, interpret):
+  del config, interpret
+  return _ref.quant_matmul_reference(x_sk, w_nb, fmt, k)
+
+
+def _pallas(x_sk, w_nb, fmt, k, *, config, interpret):
+  return _kernel.quant_matmul_pallas(x_sk, w_nb, fmt, k, config=config, interpret=interpret)
+
+
+_REGISTRY = {impl.name: impl for impl in (
+    Implementation("xla", _xla, kernel=False),
+    Implementation("pallas", _pallas, kernel=True),
+)}
+IMPLEMENTATIONS = tuple(_REGISTRY)
+DEFAULT_IMPLEMENTATION = "xla"
+
+
+def get_implementation(name: str) -> Implementation:
+  """The registry's entry `name` (one of IMPLEMENTATIONS)."""
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown quant-matmul implementation {name!r}; choose one of "
+                     f"{IMPLEMENTATIONS}")
+  return _REGISTRY[name]
+
+
+def quant_matmul(x_sk, w_nb, fmt: str, k: int, *, implementation: str = DEFAULT_IMPLEMENTATION,
+                 config: Optional[QuantMatmulConfig] = None, interpret: bool = False):
+  """x [S, K] @ dequantize(w_nb, fmt, k)[N, K].T -> [S, N] float32."""
+  impl = get_implementation(implementation)
+  _formats.check_k(fmt, k)
+  _formats.check_weight(w_nb, fmt, k)
+  _formats.check_x(x_sk, k)
+  if config is not None:
+    _kernel.check_config(config)
+  return impl.matmul(x_sk, w_nb, fmt, k, config=config, interpret=interpret)
