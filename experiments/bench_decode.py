@@ -48,6 +48,8 @@ def define_flags():
   """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
   flags.DEFINE_string("model", "qwen38_27b", "preset name")
   flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
+  flags.DEFINE_string("weight_type", "", "matrices as random blocks of this format, kept quantized (q8_0, q4_0, "
+                      "q4_k, q5_k, q6_k; '': dequantized in --dtype)")
   flags.DEFINE_list("contexts", ["32768", "131072"], "history lengths (tokens)")
   flags.DEFINE_float("arena_mib", 2240.0, "device KV budget for the streamed run (MiB)")
   flags.DEFINE_list("pool_pages", [], "more streamed runs with these KV pools (pages; the smallest that "
@@ -99,24 +101,26 @@ def main(argv):
   os.makedirs(FLAGS.out, exist_ok=True)
   log = {"flags": {k: FLAGS[k].value for k in FLAGS if k in (
       "model", "dtype", "contexts", "arena_mib", "decode_steps", "page_tokens", "copy_pages", "attn_impl",
-      "block_pages", "k_type", "v_type", "tensor_parallel")}, "device": str(jax.devices()[0]),
+      "block_pages", "k_type", "v_type", "tensor_parallel", "weight_type")}, "device": str(jax.devices()[0]),
       "jax": jax.__version__}
   cfg = config.preset(FLAGS.model)
   tp = FLAGS.tensor_parallel
   parallel.check_tensor_parallel(cfg, tp)
+  if FLAGS.weight_type and tp > 1:
+    raise app.UsageError("--weight_type (quantized weights) runs on one device: --tensor_parallel=1")
   dtype = jnp.dtype(FLAGS.dtype)
   t0 = time.perf_counter()
-  model = engine.build_model(cfg, weights.iter_random_device_tensors(cfg, 0, FLAGS.dtype),
+  model = engine.build_model(cfg, weights.iter_random_device_tensors(cfg, 0, FLAGS.dtype,
+                                                                   weight_type=FLAGS.weight_type or None),
                              dtype=dtype, names=config.gguf_tensor_shapes(cfg))
   jax.block_until_ready(jax.tree.leaves(nnx_state(model)))
   log["build_s"] = time.perf_counter() - t0
   log["mem_after_build"] = _mem()
-  weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(nnx_state(model)))
+  weight_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(nnx_state(model)))
   # a decode forward reads every target weight once, one embedding row, none of the MTP head
-  mtp_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(nnx_state(model.mtp))) \
-      if model.mtp is not None else 0
+  mtp_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(nnx_state(model.mtp))) if model.mtp is not None else 0
   embd = model.token_embd[...]
-  decode_weight_bytes = weight_bytes - mtp_bytes - embd.size * embd.dtype.itemsize
+  decode_weight_bytes = weight_bytes - mtp_bytes - embd.nbytes
   log["weight_gib"] = weight_bytes / 2**30
   log["decode_weight_gib"] = decode_weight_bytes / 2**30
 

@@ -39,6 +39,9 @@ def define_flags():
   """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
   flags.DEFINE_string("model", "qwen38_27b", "preset name, 'tiny', 'code-tiny' or a GGUF path")
   flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
+  flags.DEFINE_string("weight_type", "", "a preset's matrices as random blocks of this format, kept quantized "
+                      "(q8_0, q4_0, q4_k, q5_k, q6_k; '': dequantized in --dtype)")
+  flags.DEFINE_string("weights_impl", "xla", "the quantized product: xla or pallas")
   flags.DEFINE_list("contexts", ["32768", "131072"], "prompt lengths (tokens)")
   flags.DEFINE_list("kinds", ["fixed"], "cache kinds: fixed, adaptive, phased")
   flags.DEFINE_integer("n_predict", 1024, "decoded tokens a generation")
@@ -153,9 +156,11 @@ def main(argv):
   preset = FLAGS.model if FLAGS.model not in ("tiny", "code-tiny") and not os.path.exists(FLAGS.model) else None
   model = api.load_model(FLAGS.model if preset is None else "tiny", preset=preset, dtype=FLAGS.dtype,
                          page_tokens=FLAGS.page_tokens, attn_impl=FLAGS.attn_impl, block_pages=FLAGS.block_pages,
-                         compile_cache=cache)
+                         compile_cache=cache, weight_type=(FLAGS.weight_type or None) if preset else None,
+                         weights_impl=FLAGS.weights_impl)
   log = {"device": str(jax.devices()[0]), "jax": jax.__version__, "load_s": time.perf_counter() - t0,
-         "flags": {k: FLAGS[k].value for k in ("model", "dtype", "contexts", "kinds", "n_predict", "arena_mib",
+         "weights": model.weights, "weight_bytes": api.weight_bytes(model),
+         "flags": {k: FLAGS[k].value for k in ("model", "dtype", "weight_type", "weights_impl", "contexts", "kinds", "n_predict", "arena_mib",
                                                 "page_tokens", "copy_pages", "ubatch", "attn_impl", "warmup",
                                                 "prefill_block", "prefill_only")},
          "compile_cache_dir": cache_dir if cache else ""}

@@ -14,7 +14,8 @@ through `kvjax.api`; its errors are reported with the config field names
 
 Writes one JSON line to `<out_dir>/<name>.jsonl` and one row to
 `<out_dir>/<name>.csv` (the header grows if a later run adds columns), and
-prints the JSON line. A bad config field is refused before the model loads, in one line
+prints the JSON line (and on stderr where it wrote the files). A bad config field, an unknown one
+(with the closest field) or a missing config file is refused before the model loads, in one line
 `run: error: ...` naming the field (exit status 2; 1 for a bad model file or budget).
 """
 
@@ -160,11 +161,12 @@ def append_results(out_dir: str, name: str, row: dict) -> None:
 
 
 def main(argv):
+  from kvjax import checks
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    checks.fail("run", f"unexpected arguments: {argv[1:]} (flags take the form --config.FIELD=value)")
   cfg = FLAGS.config
   if cfg is None:
-    raise app.UsageError("--config is required, e.g. --config=configs/tiny_stream.py")
+    checks.fail("run", "--config is required, e.g. --config=configs/tiny_stream.py")
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)   # its backend probe: "Unable to initialize backend 'tpu'"
   from kvjax import api, text
   try:
@@ -175,8 +177,11 @@ def main(argv):
     sys.exit(2 if isinstance(e, api.ParameterError) else 1)
   append_results(cfg.out_dir, cfg.name, row)
   print(json.dumps(row, default=float), flush=True)
+  base = os.path.join(cfg.out_dir, cfg.name)
+  print(f"run: wrote {base}.jsonl and {base}.csv", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  from kvjax import checks
+  app.run(main, flags_parser=checks.flags_parser("run", "config"))

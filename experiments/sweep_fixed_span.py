@@ -21,12 +21,16 @@ readiness_misses, error, and for speculative rows mtp_length, spec_type,
 mtp_draft_generated, mtp_draft_accepted, mtp_acceptance_pct,
 acceptance_by_position, realized_verify_width (tokens per verify forward), verify_rows_mean,
 verify_ms_by_width (JSON), mtp_lease_bytes_per_round, rollback_d2h_bytes,
-rollback_h2d_bytes, tokens_match. `resident_pages` is the pool's resident region (all
+rollback_h2d_bytes, tokens_match. `tokens_match` compares a speculative row's tokens with the plain
+decoding of its (context, budget); with `--compare_plain` every row's with a greedy run of the
+same prompt on the plain cache (one a context); a sweep that compares nothing has no such
+column. `resident_pages` is the pool's resident region (all
 cache layers), `active_pages` the pages one cache layer holds at the end, and
 the per-token copy figures count decode forwards only; `all_pages_resident`
 marks a budget that holds the whole context resident (nothing streams). A
 budget too small for a context is recorded with its error message and the
-sweep goes on.
+sweep goes on; a context, budget or draft length that is not a positive count
+(draft lengths: >= 0) is refused at once, in one line (exit status 2).
 
 Writes `<out>/results.csv`, `<out>/results.jsonl` and, when matplotlib is
 installed, a 2x2 plot `<out>/results.png` with one line per budget the sweep
@@ -81,6 +85,8 @@ def define_flags():
   flags.DEFINE_float("spec_oracle_acceptance", 0.75, "oracle: probability each draft is kept")
   flags.DEFINE_bool("spec_oracle_mtp", False, "oracle: the MTP head still catches up and drafts every round "
                     "(its cost, drafts unused)")
+  flags.DEFINE_bool("compare_plain", False, "also decode each context's prompt on the plain cache and "
+                    "record in tokens_match whether every row's tokens equal it")
   flags.DEFINE_string("out", "runs/sweep_fixed_span", "output folder")
 
 
@@ -169,15 +175,30 @@ def prompt_for(model, n_prompt):
   return [int(t) for t in rng.integers(0, model.cfg.vocab_size, n_prompt)]
 
 
-def sweep_row(model, ctx, budget, length=0, truth=None):
+def plain_tokens(model, ctx):
+  """Greedy decoding of the context's prompt on the plain cache (`--compare_plain`), or None where the
+  context leaves no prompt."""
+  from kvjax import api
+  n_prompt = ctx - FLAGS.decode_tokens - (_longest() + 1)
+  if n_prompt < 1:
+    return None
+  return api.generate(model, prompt_tokens=prompt_for(model, n_prompt), n_predict=FLAGS.decode_tokens,
+                      ignore_eos=True, ubatch=FLAGS.ubatch).tokens
+
+
+def _longest():
+  return max(int(n) for n in FLAGS.mtp_lengths) if FLAGS.spec_type != "none" else -1
+
+
+def sweep_row(model, ctx, budget, length=0, truth=None, plain=None):
   """One (context, budget, draft length) run of `measure` on a fresh streamed cache
-  (`kvjax.api.make_kv`). -> (row, generated tokens or None)."""
+  (`kvjax.api.make_kv`); `truth` the plain decoding of the same budget (what speculative rows must
+  equal), `plain` the plain cache's tokens (`--compare_plain`). -> (row, generated tokens or None)."""
   from kvjax import api
   from kvjax.streaming import StreamBudgetError
   row = {k: "" for k in COLUMNS}
   spec = FLAGS.spec_type != "none"
-  longest = max(int(n) for n in FLAGS.mtp_lengths) if spec else -1
-  n_prompt = ctx - FLAGS.decode_tokens - (longest + 1)
+  n_prompt = ctx - FLAGS.decode_tokens - (_longest() + 1)
   row.update(context_capacity=ctx, prompt_tokens=n_prompt, decode_tokens=FLAGS.decode_tokens, **budget)
   if spec:
     row["mtp_length"] = length
@@ -198,7 +219,9 @@ def sweep_row(model, ctx, budget, length=0, truth=None):
     row["error"] = " ".join(str(e).split())
     return row, None
   row.update(m)
-  if draft is not None and truth is not None:
+  if plain is not None:
+    row["tokens_match"] = toks == plain
+  elif draft is not None and truth is not None:
     row["tokens_match"] = toks == truth
   metrics = kv.metrics()
   row.update(decode_kv_pool_mib=metrics["pool_mib"], pool_pages=metrics["pool_pages"],
@@ -267,46 +290,77 @@ def plot(rows, path):
   return True
 
 
+PROG = "sweep_fixed_span"
+
+
+def counts(flag: str, values, kind=int, least=1):
+  """The values of a list flag as `kind`, each >= `least` (else one line and exit status 2)."""
+  from kvjax import checks
+  out = []
+  for v in values:
+    try:
+      x = kind(v)
+    except ValueError:
+      checks.fail(PROG, f"--{flag} {v!r}: expected {'an integer' if kind is int else 'a number'}")
+    if not x >= least or x != x or x == float("inf"):
+      checks.fail(PROG, f"--{flag} {v}: must be {'a positive' if least > 0 else 'a'} "
+                        f"{'count' if kind is int else 'finite number'}{' >= 0' if least == 0 else ''}")
+    out.append(x)
+  return out
+
+
 def main(argv):
+  from kvjax import checks
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    checks.fail(PROG, f"unexpected arguments: {argv[1:]}")
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)   # its backend probe: "Unable to initialize backend 'tpu'"
   from kvjax import api
-  contexts = [int(c) for c in FLAGS.contexts]
-  budgets = [{"arena_mib": float(a)} for a in FLAGS.arena_mib] + \
-            [{"pool_pages": int(p)} for p in FLAGS.pool_pages]
+  contexts = counts("contexts", FLAGS.contexts)
+  budgets = [{"arena_mib": a} for a in counts("arena_mib", FLAGS.arena_mib, float, 1e-300)] + \
+            [{"pool_pages": p} for p in counts("pool_pages", FLAGS.pool_pages)]
+  lengths = sorted(set(counts("mtp_lengths", FLAGS.mtp_lengths, least=0))) if FLAGS.spec_type != "none" else [0]
+  counts("decode_tokens", [FLAGS.decode_tokens])
   if not contexts or not budgets:
-    raise app.UsageError("need at least one --contexts value and one --arena_mib or --pool_pages value")
+    checks.fail(PROG, "need at least one --contexts value and one --arena_mib or --pool_pages value")
+  if FLAGS.spec_type == "oracle" and 0 not in lengths:
+    checks.fail(PROG, "--spec_type=oracle drafts plain greedy's tokens: --mtp_lengths must include 0")
   try:
     model = api.load_model(FLAGS.model, preset=FLAGS.preset, dtype=FLAGS.dtype, k_type=FLAGS.k_type,
                            v_type=FLAGS.v_type, page_tokens=FLAGS.page_tokens, attn_impl=FLAGS.attn_impl,
                            block_pages=FLAGS.block_pages)
   except api.ParameterError as e:   # this script's flags carry the API's parameter names, `source` aside
-    raise app.UsageError(e.renamed({**{p: f"--{p}" for p in e.params}, "source": "--model"})) from None
+    checks.fail(PROG, e.renamed({**{p: f"--{p}" for p in e.params}, "source": "--model", "preset": "--preset"}))
+  except ValueError as e:   # a bad GGUF file
+    checks.fail(PROG, e, status=1)
   os.makedirs(FLAGS.out, exist_ok=True)
-  lengths = sorted({int(n) for n in FLAGS.mtp_lengths}) if FLAGS.spec_type != "none" else [0]
-  if FLAGS.spec_type == "oracle" and 0 not in lengths:
-    raise app.UsageError("--spec_type=oracle drafts plain greedy's tokens: --mtp_lengths must include 0")
+  columns = [c for c in COLUMNS if c != "tokens_match" or FLAGS.compare_plain or FLAGS.spec_type != "none"]
+  plains = {ctx: plain_tokens(model, ctx) for ctx in contexts} if FLAGS.compare_plain else {}
   rows = []
   truths = {}
   with open(os.path.join(FLAGS.out, "results.jsonl"), "w") as jf:
     for ctx, budget, length in tqdm(list(itertools.product(contexts, budgets, lengths)), desc="sweep", unit="run"):
       key = (ctx, json.dumps(budget))
-      row, toks = sweep_row(model, ctx, budget, length, truths.get(key))
+      row, toks = sweep_row(model, ctx, budget, length, truths.get(key), plains.get(ctx))
       if length == 0:
         truths[key] = toks          # plain greedy: what the speculative rows must equal
+      row = {c: row[c] for c in columns}
       rows.append(row)
       jf.write(json.dumps(row, default=float) + "\n")
       jf.flush()
       tqdm.write(json.dumps(row, default=float))
   with open(os.path.join(FLAGS.out, "results.csv"), "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=COLUMNS)
+    w = csv.DictWriter(f, fieldnames=columns)
     w.writeheader()
     w.writerows(rows)
+  wrote = [os.path.join(FLAGS.out, n) for n in ("results.csv", "results.jsonl")]
   if plot(rows, os.path.join(FLAGS.out, "results.png")):
-    print(f"wrote {os.path.join(FLAGS.out, 'results.png')}")
+    wrote.append(os.path.join(FLAGS.out, "results.png"))
+    if any(r["pool_pages"] not in ("", None) and not r["error"] for r in rows):   # as plot_pools
+      wrote.append(os.path.join(FLAGS.out, "pools.png"))
+  print(f"{PROG}: wrote {', '.join(wrote)}", flush=True)
 
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  from kvjax import checks
+  app.run(main, flags_parser=checks.flags_parser(PROG))

@@ -34,10 +34,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from kvjax import compile_cache as cache_lib, config as config_lib
+from kvjax import checks, compile_cache as cache_lib, config as config_lib
 from kvjax import engine, generate as gen_lib, kv_build, parallel, speculative, text as text_lib, tiny, warmup as warm_lib, \
-    weights
+    qweights, weights as weights_lib
 from kvjax.generate import GenerationResult
 from kvjax.memory_report import available_memory
 from kvjax.model import AttentionOptions
@@ -96,10 +97,17 @@ class LoadedModel:
   cfg: config_lib.ModelConfig
   load_s: float
   source: str
+  weights: str = "dequantized"      # "quantized": matrices kept in their GGUF block format
 
   @property
   def layout(self) -> PageLayout:
     return self.runner.layout
+
+
+def weight_bytes(model: LoadedModel) -> int:
+  """Device bytes of the model's weights (quantized matrices at their stored size; a tied output
+  projection counted once)."""
+  return qweights.runner_bytes(model.runner)
 
 
 def parse_block_pages(value) -> Union[int, str]:
@@ -122,7 +130,9 @@ def _is_builtin(source: str) -> bool:
 def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str = "float32",
                page_tokens: int = 256, k_type: str = "q8_0", v_type: str = "q4_0", attn_impl: str = "auto",
                block_pages: Union[int, str] = "auto", weight_seed: int = 0,
-               tensor_parallel: int = 1, compile_cache: Union[bool, str, None] = None) -> LoadedModel:
+               tensor_parallel: int = 1, compile_cache: Union[bool, str, None] = None,
+               weights: Optional[str] = None, weights_impl: str = "xla",
+               weight_type: Optional[str] = None) -> LoadedModel:
   """Build a model and its runner.
 
   Args:
@@ -143,7 +153,17 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       model's KV heads, Gated DeltaNet key heads and FFN width.
     compile_cache: JAX's persistent compilation cache (`kvjax.compile_cache`): None or True the
       default directory (`KVJAX_COMPILE_CACHE_DIR`, else ~/.cache/kvjax/jax), a path, or False (off).
+    weights: "quantized" (a GGUF's matrices in Q8_0, Q4_0, Q4_K, Q5_K or Q6_K stay in their blocks
+      on the device and are dequantized as they are read: `kvjax.qweights`; other block types are
+      dequantized at load, with a notice), "dequantized" (every weight in `dtype`), or None: quantized
+      for a GGUF file on one device, else dequantized.
+    weights_impl: the quantized product: "xla" (dequantize in the step, then the dequantized weight's
+      product: the same logits) or "pallas" (`kvjax_pallas.quant_matmul`: dequantized in registers).
+    weight_type: with `preset`, draw the matrices that may stay quantized as random blocks of this
+      format (q8_0, q4_0, q4_k, q5_k, q6_k), kept quantized: the preset benchmarks as a quantized
+      file of its geometry runs.
   """
+  checks.check_types(preset=(preset, "str?"), page_tokens=(page_tokens, "int"), weight_seed=(weight_seed, "int"))
   if dtype not in DTYPES:
     raise ParameterError(f"dtype {dtype!r}: expected float32 or bfloat16", "dtype")
   if attn_impl not in IMPLEMENTATIONS + ("auto",):
@@ -155,6 +175,17 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
     if kind not in BLOCK_FORMATS:
       raise ParameterError(f"{name} {kind!r}: expected one of {', '.join(BLOCK_FORMATS)}", name)
   block_pages = parse_block_pages(block_pages)
+  if weights not in (None,) + qweights.WEIGHTS:
+    raise ParameterError(f"weights {weights!r}: expected {' or '.join(qweights.WEIGHTS)}", "weights")
+  if weights_impl not in qweights.IMPLEMENTATIONS:
+    raise ParameterError(f"weights_impl {weights_impl!r}: expected {' or '.join(qweights.IMPLEMENTATIONS)}",
+                         "weights_impl")
+  if weight_type is not None and (preset is None or weight_type not in qweights.FORMATS):
+    raise ParameterError(f"weight_type {weight_type!r}: expected one of {', '.join(qweights.FORMATS)}, with a "
+                         f"preset (a GGUF's types are its own)", "weight_type")
+  if (weights == "quantized" or weight_type) and tensor_parallel > 1:
+    raise ParameterError(f"weights 'quantized' runs on one device: weights='dequantized' with tensor_parallel "
+                         f"{tensor_parallel}", "weights")
   if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
     raise ParameterError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}", "tensor_parallel")
   if preset is None and not _is_builtin(source) and not os.path.exists(source):
@@ -178,12 +209,19 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
     except ValueError as e:
       raise ParameterError(f"preset: {e}", "preset") from None
     _check_tensor_parallel(cfg, tensor_parallel)
-    model = engine.build_model(cfg, weights.iter_random_device_tensors(cfg, weight_seed, dtype), dtype=jdtype,
+    checks.check_model_fits(cfg, page_tokens, "preset", preset, {} if weight_type else   # (blocks: smaller)
+                            config_lib.gguf_tensor_shapes(cfg), jdtype, tensor_parallel)
+    weights = "quantized" if weight_type else "dequantized"
+    model = engine.build_model(cfg, weights_lib.iter_random_device_tensors(cfg, weight_seed, dtype,
+                                                                           weight_type=weight_type), dtype=jdtype,
                                names=config_lib.gguf_tensor_shapes(cfg))
     tok = None
   else:
     try:
-      cfg, tensors, tok = tiny.load_model_source(source, seed=weight_seed, dtype=np.float32)
+      if weights is None:
+        weights = "quantized" if tensor_parallel == 1 else "dequantized"
+      cfg, tensors, tok = tiny.load_model_source(source, seed=weight_seed, dtype=np.float32, weights=weights,
+                                                 weights_impl=weights_impl)
     except FileNotFoundError as e:
       raise ModelNotFoundError(str(e), "source") from None
     except ValueError as e:
@@ -191,8 +229,13 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
         raise ParameterError(str(e), "source") from None
       raise
     _check_tensor_parallel(cfg, tensor_parallel)
+    checks.check_model_fits(cfg, page_tokens, "source", source, {} if weights == "quantized" else   # (blocks: smaller)
+                            config_lib.gguf_tensor_shapes(cfg, False), jdtype, tensor_parallel)
     model = engine.build_model(cfg, tensors, dtype=jdtype)
     cfg = model.cfg
+    if not any(qweights.is_quantized(x) for x in
+               jax.tree_util.tree_leaves(nnx.state(model), is_leaf=qweights.is_quantized)):
+      weights = "dequantized"     # nothing was stored in a kept block format
   layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, k_type, v_type, page_tokens)
   opts = AttentionOptions(attn_impl, block_pages, interpret)
   if tensor_parallel > 1:
@@ -201,7 +244,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
   else:
     runner = engine.Runner(model, layout, opts)
   jax.block_until_ready(runner.token_embd)
-  return LoadedModel(runner, tok, cfg, time.perf_counter() - t0, preset or source)
+  return LoadedModel(runner, tok, cfg, time.perf_counter() - t0, preset or source, weights or "dequantized")
 
 
 def _check_tensor_parallel(cfg: config_lib.ModelConfig, n: int) -> None:
@@ -222,6 +265,7 @@ def tensor_parallel(model: LoadedModel) -> int:
 def check_kv_budget(*, arena_mib: Optional[float] = None, pool_pages: Optional[int] = None,
                     copy_pages: int = 8, policy: str = "fixed", phased: bool = False) -> None:
   """The checks of `make_kv` that need no model (a front end can run them before a long load)."""
+  checks.check_types(arena_mib=(arena_mib, "real?"), pool_pages=(pool_pages, "int?"), copy_pages=(copy_pages, "int"))
   if policy not in POLICIES:
     raise ParameterError(f"policy must be 'fixed' or 'adaptive', got {policy!r}", "policy")
   if phased and arena_mib is None:
@@ -234,6 +278,7 @@ def check_kv_budget(*, arena_mib: Optional[float] = None, pool_pages: Optional[i
     raise ParameterError(f"pool_pages must be >= 1, got {pool_pages}", "pool_pages")
   if arena_mib is not None and not 0 < arena_mib < float("inf"):
     raise ParameterError(f"arena_mib must be > 0 and finite, got {arena_mib}", "arena_mib")
+  checks.check_arena_memory(arena_mib)   # before a model is loaded (make_kv checks a sharded model's arenas)
 
 
 MAX_POSITIONS = 2**31 - 1   # token positions are int32 in the compiled steps
@@ -288,9 +333,10 @@ class KVBudgetError(ParameterError, StreamBudgetError):
 class KVCache:
   """A KV cache made by `make_kv`: `provider` (what the runner reads and writes: `engine.PlainKV`,
   `StreamedKV`, `AdaptiveStreamedKV` or `PhasedKV`) and `info` (its budget: "kv" plain / streamed /
-  streamed+phased, "ctx_size", the page layout, for a streamed cache the pool split and
-  "all_pages_resident": every page of the context is resident, nothing streams). A cache holds one
-  sequence: `generate` resets a used cache (`reset`: a fresh one, same budget)."""
+  "all pages resident" (a budget that holds every page of the context: nothing streams), the last
+  two with "+phased" for the phase arena; "ctx_size", the page layout, for a budgeted cache the
+  pool split and "all_pages_resident"). A cache holds one sequence: `generate` resets a used
+  cache (`reset`: a fresh one, same budget)."""
 
   def __init__(self, build: Callable[[], Tuple[Any, Dict[str, Any]]]):
     self._build = build
@@ -345,6 +391,7 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
   length, or KV bytes beyond the host's available memory or the device's (where it reports it);
   a budget that cannot hold the cache (`KVBudgetError`, also a `StreamBudgetError`).
   """
+  checks.check_types(max_tokens=(max_tokens, "int"), ubatch=(ubatch, "int"))
   check_kv_budget(arena_mib=arena_mib, pool_pages=pool_pages, copy_pages=copy_pages, policy=policy,
                   phased=phased)
   if max_tokens < 1:
@@ -359,12 +406,13 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
     raise ParameterError(f"tensor_parallel {tensor_parallel(model)} runs the fixed split without phases (every "
                          f"device the same layout): use policy 'fixed' and no phased", "policy", "phased")
   check_kv_memory(model, max_tokens, streamed=arena_mib is not None or pool_pages is not None)
+  checks.check_budget_memory(arena_mib, pool_pages, model.layout.page_bytes, tensor_parallel(model))
   try:
     return KVCache(lambda: kv_build.build_kv(model, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased,
                                              ubatch, draft, prefill_block))
   except (StreamBudgetError, CapacityError) as e:   # the budget cannot hold the cache: named by its parameter
     name, value = ("arena_mib", arena_mib) if arena_mib is not None else ("pool_pages", pool_pages)
-    raise KVBudgetError(f"{name} {value:g}: {e}", name) from None
+    raise KVBudgetError(checks.budget_error(name, value, e), name) from None
 
 
 # ---------------------------------------------------------------------------
@@ -416,9 +464,12 @@ def _draft_params(spec: SpecConfig) -> speculative.DraftParams:
 
 
 def check_generation(*, n_predict: int = 32, temperature: float = 0.0, top_k: int = 0, ubatch: int = 256,
-                     spec: Optional[SpecConfig] = None, phased: bool = False) -> None:
+                     spec: Optional[SpecConfig] = None, phased: bool = False, top_p: float = 1.0) -> None:
   """The checks of `generate` that need no model (a front end can run them before a long load)."""
+  checks.check_types(n_predict=(n_predict, "int"), temperature=(temperature, "real"), top_k=(top_k, "int"),
+                     top_p=(top_p, "real"), ubatch=(ubatch, "int"))
   for ok, name, need in ((n_predict >= 1, "n_predict", ">= 1"), (ubatch >= 1, "ubatch", ">= 1"),
+                         (0.0 < top_p <= 1.0, "top_p", "in (0, 1] (1: off)"),
                          (ubatch <= MAX_ROWS, "ubatch", f"<= {MAX_ROWS} (the span kernels' rows a call)"),
                          (temperature >= 0.0, "temperature", ">= 0"), (top_k >= 0, "top_k", ">= 0")):
     if not ok:
@@ -494,11 +545,13 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
              top_k: int = 0, seed: int = 0, ignore_eos: bool = False, spec: Optional[SpecConfig] = None,
              ubatch: int = 256, warmup: bool = False, on_token: Optional[Callable[[int], None]] = None,
              on_logits: Optional[Callable[[int, Any], None]] = None,
-             exceed_context_length: bool = False) -> GenerationResult:
+             exceed_context_length: bool = False, top_p: float = 1.0,
+             on_prefill: Optional[Callable[[int, int], None]] = None) -> GenerationResult:
   """Prefill a prompt (`prompt` text or `prompt_tokens` ids) and generate up to `n_predict` tokens.
 
   kv: a cache from `make_kv` (reset first when used); None = a plain cache of `context_tokens`.
-  temperature / top_k / seed: sampling (temperature 0 = greedy; top_k 0 = whole vocabulary).
+  temperature / top_k / top_p / seed: sampling (temperature 0 = greedy; top_k 0 = whole vocabulary;
+    top_p < 1: nucleus, the most probable tokens up to that probability, before temperature).
   ignore_eos: keep generating past the tokenizer's end-of-sequence token.
   spec: speculative decoding (`SpecConfig`, greedy), output equal to greedy decoding.
   ubatch: prefill micro-batch (rows per forward).
@@ -506,6 +559,7 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
     returned run exclude compilation (otherwise `compile_ms` says how much of them it is).
   on_token: called with each generated token as it is committed (plain generation only).
   on_logits: called as `on_logits(step, logits)` with each logits row a token is sampled from (plain only).
+  on_prefill: called as `on_prefill(done_tokens, total_tokens)` after each prefill block (progress).
   exceed_context_length: with kv None, allow a cache beyond the model's context length.
 
   -> `GenerationResult(tokens, metrics, text)`. metrics: prompt_tokens, decode_tokens, prompt_ms,
@@ -514,10 +568,11 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   predicted_compiles: programs compiled in the prefill, up to the first decoded token, after it),
   warmup (warmup_compiles, ...), compile_cache_dir, spec_type ("none", "mtp", "ngram", "ngram+mtp",
   "oracle"; speculative runs add the metrics of `kvjax.speculative.generate_speculative`), the
-  cache's counters and budget (`KVCache.info`), load_s, attn_impl, attn_interpret.
+  cache's counters and budget (`KVCache.info`), load_s, attn_impl, attn_interpret, weights.
   """
+  checks.check_types(prompt=(prompt, "str?"), seed=(seed, "int"), prompt_tokens=(prompt_tokens, "ids?"))
   check_generation(n_predict=n_predict, temperature=temperature, top_k=top_k, ubatch=ubatch, spec=spec,
-                   phased=kv is not None and kv.info["kv"] == "streamed+phased")
+                   phased=kv is not None and kv.info["kv"].endswith("+phased"), top_p=top_p)
   if spec is not None and tensor_parallel(model) > 1:
     raise ParameterError(f"spec and tensor_parallel {tensor_parallel(model)} cannot be combined yet", "spec",
                          "tensor_parallel")
@@ -548,7 +603,7 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
                          f"use draft 'ngram'", "spec.draft")
   eos = None if (ignore_eos or model.tokenizer is None) else model.tokenizer.eos_id
   runner = model.runner
-  sampling = gen_lib.SamplingParams(temperature, top_k, seed)
+  sampling = gen_lib.SamplingParams(temperature, top_k, seed, top_p)
 
   def on_phase(phase):   # in each phase first the placements and copy waves later forwards may run
     if hasattr(kv.provider, "enter"):
@@ -567,14 +622,16 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
                             on_token=on_token, on_phase=on_phase, on_logits=on_logits)
 
   warm = _compile_ahead(model, kv, ubatch=ubatch, spec=spec) if warmup else {}
-  res = run_once(on_logits)
+  with gen_lib.prefill_progress(on_prefill):
+    res = run_once(on_logits)
   metrics = dict(res.metrics)
   metrics.setdefault("spec_type", "none")
   metrics["warmup"] = warmup
   metrics.update({f"warmup_{k}": v for k, v in warm.items()})
   metrics["compile_cache_dir"] = cache_lib.active() or ""
   metrics.update(kv.info)
-  metrics.update(load_s=model.load_s, attn_impl=runner.opts.implementation, attn_interpret=runner.opts.interpret)
+  metrics.update(load_s=model.load_s, attn_impl=runner.opts.implementation, attn_interpret=runner.opts.interpret,
+                 weights=model.weights)
   text = model.tokenizer.decode(res.tokens) if model.tokenizer is not None else ""
   return GenerationResult([int(t) for t in res.tokens], metrics, text)
 
@@ -583,7 +640,7 @@ def warmup(model: LoadedModel, kv: KVCache, *, ubatch: int = 256,
            spec: Optional[SpecConfig] = None) -> Dict[str, float]:
   """Compile every program a generation on `kv` can run (`kvjax.warmup`: a short generation through
   the cache, then what it did not reach). -> {"compiles": programs, "compile_ms", "s": seconds}."""
-  check_generation(n_predict=2, ubatch=ubatch, spec=spec, phased=kv.info["kv"] == "streamed+phased")
+  check_generation(n_predict=2, ubatch=ubatch, spec=spec, phased=kv.info["kv"].endswith("+phased"))
   n_predict = 2 + (0 if spec is None else 2 * _draft_params(spec).n_max)
   ids = warm_lib.short_prompt(kv.max_tokens, ubatch, n_predict + verify_rows(spec))
   t0 = time.perf_counter()

@@ -1,13 +1,13 @@
 """The `kvjax` console script: `generate`, `logits` and `memory` subcommands.
 
     kvjax generate --model tiny --prompt "Hello" --n-predict 32
-    kvjax generate -m model.gguf -p "Hello" -n 64 -c 4096 --kv-stream-arena-mib 2240 --json
+    kvjax generate -m model.gguf -f prompt.txt -n 64 -c 4096 --kv-stream-arena-mib 2240 --json
     kvjax logits   --model tiny --tokens 1,2,3,4 --out logits.npy [--mtp]
     kvjax memory   --config=configs/memory_27b.py [--config.mtp_depth=5]
 
 Flags use llama.cpp's dashed names where one exists (`--n-predict`,
 `--ctx-size`, `--cache-type-k`, `--ubatch-size`, ...) and its short names
-(`-m`, `-p`, `-n`, `-c`, `-s`, `-ub`, `-ctk`, `-ctv`, `--temp`). Each subcommand
+(`-m`, `-p`, `-f`, `-n`, `-c`, `-s`, `-ub`, `-ctk`, `-ctv`, `--temp`, `--top-p`). Each subcommand
 parses its own flags into a fresh `absl.flags.FlagValues`, so `main(argv)` can
 be called repeatedly in one process (tests, notebooks) without flag clashes.
 
@@ -15,10 +15,11 @@ The subcommands map flags onto `kvjax.api` (`FLAG_OF`: the API parameter of
 each flag, used to name flags in the API's error messages). `kvjax memory`
 imports no JAX: it is arithmetic (`kvjax.memory_report`).
 
-`generate` prints the generated text with unprintable characters escaped
-(`kvjax.api.printable`), then on stderr its timings, how much of them was
-compilation (a run without `--warmup` is mostly that), and notes such as
-"all pages resident: nothing streams".
+`generate` echoes the prompt and streams the generated text to stdout as it is
+generated, unprintable characters escaped (`kvjax.api.printable`); a prefill of
+several blocks shows a progress bar on stderr (a terminal only); then on stderr
+its timings (compilation excluded), a note of the compile time of a cold run,
+and notes such as "all pages resident: nothing streams".
 
 Errors a user can cause (bad flags, a missing or malformed GGUF, a KV pool
 too small for the context) are printed as one line `kvjax: error: ...` on
@@ -43,7 +44,7 @@ PROG = "kvjax"
 SUBCOMMANDS = ("generate", "logits", "memory")
 
 USAGE = f"""\
-usage: {PROG} <subcommand> [flags]
+usage: {PROG} <subcommand> [flags]   ({PROG} --version: the package version)
 
 subcommands:
   generate  prefill a prompt and decode tokens (plain or streamed KV cache)
@@ -64,9 +65,15 @@ class UsageError(ValueError):
 
 def _model_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("model", "tiny", "GGUF path, 'tiny' / 'tiny:SEED' for the built-in tiny model "
-                      "(random weights, its own tokenizer), or 'code-tiny' (trained on the Python stdlib)", flag_values=fv, short_name="m")
+                      "(random weights, its own tokenizer), 'code-tiny' (trained on the Python stdlib), or a "
+                      "kvjax.config preset (qwen38_27b: random weights, no tokenizer)", flag_values=fv, short_name="m")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight and activation dtype",
                     flag_values=fv)
+  flags.DEFINE_enum("weights", "auto", ["auto", "quantized", "dequantized"], "quantized: a GGUF's Q8_0 / Q4_0 / "
+                    "Q4_K / Q5_K / Q6_K matrices stay in their blocks on the device, dequantized as read (auto: "
+                    "quantized for a GGUF on one device); dequantized: every weight in --dtype", flag_values=fv)
+  flags.DEFINE_string("weight-type", "", "with a preset (--model qwen38_27b): its matrices as random blocks of "
+                      "this format, kept quantized (q8_0, q4_0, q4_k, q5_k, q6_k)", flag_values=fv)
   flags.DEFINE_string("cache-type-k", "q8_0", "K cache type: q8_0, q4_0, f16, bf16, f32", flag_values=fv,
                       short_name="ctk")
   flags.DEFINE_string("cache-type-v", "q4_0", "V cache type: q8_0, q4_0, f16, bf16, f32", flag_values=fv,
@@ -91,11 +98,15 @@ def _generate_flags(fv: flags.FlagValues) -> None:
   _model_flags(fv)
   flags.DEFINE_string("prompt", None, "prompt text (tokenized with the model's tokenizer)", flag_values=fv,
                       short_name="p")
+  flags.DEFINE_string("file", None, "read the prompt text from this file (one trailing newline dropped)",
+                      flag_values=fv, short_name="f")
   flags.DEFINE_string("prompt-tokens", None, "prompt as comma-separated token ids, e.g. 1,2,3",
                       flag_values=fv)
   flags.DEFINE_integer("n-predict", 32, "tokens to generate", flag_values=fv, short_name="n")
   flags.DEFINE_float("temperature", 0.0, "sampling temperature (0 = greedy)", flag_values=fv, short_name="temp")
   flags.DEFINE_integer("top-k", 0, "top-k sampling (0 = whole vocabulary)", flag_values=fv)
+  flags.DEFINE_float("top-p", 1.0, "nucleus sampling: the most probable tokens up to this probability "
+                     "(1.0 = off)", flag_values=fv)
   flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=fv, short_name="s")
   flags.DEFINE_integer("ctx-size", 0, "KV capacity in tokens (0 = prompt + n-predict); at most the model's "
                        "context length", flag_values=fv, short_name="c")
@@ -103,6 +114,10 @@ def _generate_flags(fv: flags.FlagValues) -> None:
                     "(its GGUF context_length)", flag_values=fv)
   flags.DEFINE_bool("ignore-eos", False, "keep generating past the end-of-sequence token", flag_values=fv)
   flags.DEFINE_bool("json", False, "print one JSON line {tokens, text, metrics} instead of the text",
+                    flag_values=fv)
+  flags.DEFINE_bool("no-display-prompt", False, "do not echo the prompt before the generated text",
+                    flag_values=fv)
+  flags.DEFINE_bool("no-progress", False, "no prefill progress bar on stderr (shown on a terminal only)",
                     flag_values=fv)
   flags.DEFINE_bool("warmup", False, "compile every program of the generation before the measured "
                     "run (so the timings exclude compilation; without it the output says how much of "
@@ -174,6 +189,7 @@ FLAG_OF = {
     "v_type": "--cache-type-v", "attn_impl": "--attn-impl", "block_pages": "--attn-block-pages",
     "prompt": "--prompt", "prompt_tokens": "--prompt-tokens", "tokens": "--tokens", "mtp": "--mtp",
     "n_predict": "--n-predict", "temperature": "--temperature", "top_k": "--top-k", "seed": "--seed",
+    "top_p": "--top-p", "preset": "--model",
     "max_tokens": "--ctx-size", "ubatch": "--ubatch-size", "arena_mib": "--kv-stream-arena-mib",
     "pool_pages": "--kv-stream-pool-pages", "copy_pages": "--kv-stream-copy-pages",
     "policy": "--kv-stream-policy", "phased": "--kv-stream-phased", "spec": "--spec-type",
@@ -182,6 +198,7 @@ FLAG_OF = {
     "spec.ngram_n": "--spec-ngram-size-n", "spec.ngram_m": "--spec-ngram-size-m",
     "spec.oracle_acceptance": "--spec-oracle-acceptance", "spec.rollback": "--spec-rollback",
     "exceed_context_length": "--exceed-context-length", "tensor_parallel": "--tensor-parallel",
+    "weights": "--weights", "weight_type": "--weight-type",
 }
 _SPEC_DRAFT = {"draft-mtp": "mtp", "ngram-simple": "ngram", "ngram-simple,draft-mtp": "ngram+mtp",
                "oracle": "oracle"}
@@ -208,12 +225,17 @@ def parse_block_pages(value):
 
 
 def _load(fv: flags.FlagValues):
-  from kvjax import api  # pylint: disable=import-outside-toplevel
-  return api.load_model(fv["model"].value, dtype=fv["dtype"].value, k_type=fv["cache-type-k"].value,
+  from kvjax import api, config as config_lib, tiny  # pylint: disable=import-outside-toplevel
+  source = fv["model"].value
+  preset = (source if source in config_lib.PRESETS and not tiny.is_builtin(source) and not os.path.exists(source)
+            else None)   # e.g. qwen38_27b: random weights of that geometry
+  return api.load_model(source, preset=preset, dtype=fv["dtype"].value, k_type=fv["cache-type-k"].value,
                         v_type=fv["cache-type-v"].value, page_tokens=fv["kv-page-tokens"].value,
                         attn_impl=fv["attn-impl"].value, block_pages=fv["attn-block-pages"].value,
                         tensor_parallel=fv["tensor-parallel"].value,
-                        compile_cache=_compile_cache(fv["compile-cache-dir"].value))
+                        compile_cache=_compile_cache(fv["compile-cache-dir"].value),
+                        weights=None if fv["weights"].value == "auto" else fv["weights"].value,
+                        weight_type=fv["weight-type"].value or None)
 
 
 def _compile_cache(value: str):
@@ -234,13 +256,17 @@ def _spec(fv: flags.FlagValues):
 
 
 def _summary(m: Dict[str, Any]) -> List[str]:
-  """The text output's report on stderr: timings, what part of them is compilation, notes."""
-  lines = [f"prefill {m['prompt_tokens']} tokens in {m['prompt_ms']:.1f} ms ({m['prefill_tps']:.1f} tok/s), "
-           f"decode {m['decode_tokens']} tokens in {m['predicted_ms']:.1f} ms ({m['decode_tps']:.1f} tok/s)"]
+  """The text output's report on stderr: timings and tok/s without the compilation inside them,
+  the compile time of a cold run, notes."""
+  pre_ms = max(m["prompt_ms"] - m["prompt_compile_ms"], 1e-6)
+  dec_ms = max(m["predicted_ms"] - m["predicted_compile_ms"], 1e-6)
+  n_dec = max(m["decode_tokens"] - 1, 0)   # the first token comes from the prefill's last row
+  lines = [f"prefill {m['prompt_tokens']} tokens in {pre_ms:.1f} ms ({m['prompt_tokens'] / pre_ms * 1e3:.1f} tok/s), "
+           f"decode {m['decode_tokens']} tokens in {dec_ms:.1f} ms ({n_dec / dec_ms * 1e3:.1f} tok/s)"]
   if not m["warmup"] and m["compile_ms"] > 0:
-    lines.append(f"cold run: {m['compile_ms']:.0f} ms of these timings is jax tracing and compiling "
-                 f"(prefill {m['prompt_compile_ms']:.0f} ms, decode {m['predicted_compile_ms']:.0f} ms); "
-                 f"--warmup times a warm run")
+    lines.append(f"cold run: {m['compile_ms'] / 1e3:.1f} s of jax tracing and compiling (prefill "
+                 f"{m['prompt_compile_ms'] / 1e3:.1f} s, decode {m['predicted_compile_ms'] / 1e3:.1f} s), not "
+                 f"counted above; --warmup compiles first and times a warm run")
   if m["spec_type"] != "none":
     lines.append(f"speculative ({m['spec_type']} drafts): {m['draft_accepted']} of {m['draft_generated']} "
                  f"drafts accepted ({100 * m['draft_acceptance']:.0f}%), {m['verify_forwards']} verify forwards")
@@ -250,16 +276,96 @@ def _summary(m: Dict[str, Any]) -> List[str]:
   return lines
 
 
+PROGRESS_DELAY_S = 1.0   # a prefill shorter than this shows no bar
+
+
+class _PrefillBar:
+  """`on_prefill(done, total)` -> a tqdm bar on `err` (tokens, tok/s, time left), gone when done."""
+
+  def __init__(self, err):
+    self.err, self.bar = err, None
+
+  def __call__(self, done: int, total: int) -> None:
+    if self.bar is None:
+      from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+      self.bar = tqdm(total=total, unit="tok", desc="prefill", file=self.err, leave=False, dynamic_ncols=True,
+                      delay=PROGRESS_DELAY_S)
+    self.bar.update(done - self.bar.n)
+    if done >= total:
+      self.close()
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+      self.bar = None
+
+
+def _prefill_bar(fv: flags.FlagValues, err):
+  """The prefill progress callback: a bar where stderr is a terminal, unless --no-progress."""
+  if fv["no-progress"].value or not getattr(err, "isatty", lambda: False)():
+    return None
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  return _PrefillBar(err) if importlib.util.find_spec("tqdm") is not None else None
+
+
+class _TextOut:
+  """The text output: the prompt echoed (unless None), then the generated text streamed a token at a
+  time (`on_token`; a character split over tokens waits for its last byte), escaped for a terminal."""
+
+  def __init__(self, tokenizer, out, echo: Optional[str]):
+    self.tok, self.out, self.echo = tokenizer, out, echo
+    self.pending: List[int] = []
+    self.streamed = False
+
+  def _write(self, text: str) -> None:
+    from kvjax.text import printable  # pylint: disable=import-outside-toplevel
+    if self.echo is not None:
+      text, self.echo = self.echo + text, None
+    self.out.write(printable(text))
+    self.out.flush()
+
+  def on_token(self, token: int) -> None:
+    self.streamed = True
+    self.pending.append(token)
+    text = self.tok.decode(self.pending)
+    if text.endswith("\ufffd") and len(self.pending) < 4:   # an incomplete UTF-8 character: wait
+      return
+    self.pending = []
+    self._write(text)
+
+  def finish(self, text: str) -> None:
+    """After the generation: what is left (all of `text` when nothing was streamed), a newline."""
+    self._write((self.tok.decode(self.pending) if self.pending else "") if self.streamed else text)
+    self.out.write("\n")
+    self.out.flush()
+
+
+def _prompt_text(fv: flags.FlagValues) -> Optional[str]:
+  """--prompt, or the text of --file (exactly one of --prompt, --file and --prompt-tokens)."""
+  given = [f"--{n}" for n in ("prompt", "file", "prompt-tokens") if fv[n].value is not None]
+  if len(given) > 1:
+    raise UsageError(f"give exactly one of --prompt, --file and --prompt-tokens (got {' and '.join(given)})")
+  path = fv["file"].value
+  if path is None:
+    return fv["prompt"].value
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"--file {path!r}: no such file")
+  with open(path, encoding="utf-8", errors="replace") as f:
+    text = f.read()
+  return text[:-1] if text.endswith("\n") else text   # as llama.cpp's -f
+
+
 def cmd_generate(fv: flags.FlagValues, out=None, err=None) -> int:
-  """`kvjax generate`: prints the generated text (unprintable characters escaped; timings and notes
-  on stderr), or one JSON line {tokens, text, metrics} with `--json`."""
+  """`kvjax generate`: echoes the prompt and streams the generated text (unprintable characters
+  escaped; a prefill progress bar, timings and notes on stderr), or prints one JSON line
+  {tokens, text, metrics} with `--json`."""
   out, err = out or sys.stdout, err or sys.stderr
   from kvjax import api  # pylint: disable=import-outside-toplevel
   spec = _spec(fv)
   budget = dict(arena_mib=fv["kv-stream-arena-mib"].value, pool_pages=fv["kv-stream-pool-pages"].value,
                 copy_pages=fv["kv-stream-copy-pages"].value, policy=fv["kv-stream-policy"].value,
                 phased=fv["kv-stream-phased"].value)
-  sampling = dict(temperature=fv["temperature"].value, top_k=fv["top-k"].value)
+  sampling = dict(temperature=fv["temperature"].value, top_k=fv["top-k"].value, top_p=fv["top-p"].value)
   ubatch, n_predict = fv["ubatch-size"].value, fv["n-predict"].value
   # checked before the (possibly long) model load
   api.check_generation(n_predict=n_predict, ubatch=ubatch, spec=spec, phased=budget["phased"], **sampling)
@@ -270,21 +376,31 @@ def cmd_generate(fv: flags.FlagValues, out=None, err=None) -> int:
       raise api.ParameterError(f"--kv-stream-prefill-block must be auto or a token count >= 0, got {block!r}",
                                "prefill_block")
     block = int(block)
+  text = _prompt_text(fv)
   ids = fv["prompt-tokens"].value
   ids = None if ids is None else parse_token_list(ids, "--prompt-tokens")
   model = _load(fv)
-  prompt = api.prompt_ids(model, fv["prompt"].value, ids)
+  prompt = api.prompt_ids(model, text, ids)
   ctx = api.context_tokens(len(prompt), n_predict, spec, fv["ctx-size"].value)
   kv = api.make_kv(model, ctx, ubatch=ubatch, exceed_context_length=fv["exceed-context-length"].value,
                    spec=spec, prefill_block=block, **budget)
-  res = api.generate(model, kv, prompt_tokens=prompt, n_predict=n_predict, seed=fv["seed"].value,
-                     ignore_eos=fv["ignore-eos"].value, spec=spec, ubatch=ubatch, warmup=fv["warmup"].value,
-                     **sampling)
-  if fv["json"].value:
+  as_json, tok = fv["json"].value, model.tokenizer
+  echo = None if fv["no-display-prompt"].value or tok is None else tok.decode(prompt)
+  show = None if as_json else _TextOut(tok, out, echo)
+  bar = _prefill_bar(fv, err)
+  try:
+    res = api.generate(model, kv, prompt_tokens=prompt, n_predict=n_predict, seed=fv["seed"].value,
+                       ignore_eos=fv["ignore-eos"].value, spec=spec, ubatch=ubatch, warmup=fv["warmup"].value,
+                       on_token=show.on_token if show and tok is not None and spec is None else None,
+                       on_prefill=bar, **sampling)
+  finally:
+    if bar is not None:
+      bar.close()
+  if as_json:
     print(json.dumps({"tokens": res.tokens, "text": res.text, "metrics": res.metrics}, default=_json_default),
           file=out, flush=True)
   else:
-    print(api.printable(res.text), file=out, flush=True)
+    show.finish(res.text)
     for line in _summary(res.metrics):
       print(f"{PROG}: {line}", file=err, flush=True)
   return 0
@@ -347,18 +463,14 @@ def _error(msg: str) -> None:
   print(f"{PROG}: error: {msg}", file=sys.stderr, flush=True)
 
 
-def _missing_config_file(args: Sequence[str]) -> Optional[str]:
-  """The `--config` path when it names no file (config_flags would only fail on first access)."""
-  for i, a in enumerate(args):
-    if a.startswith("--config="):
-      path = a[len("--config="):]
-    elif a == "--config" and i + 1 < len(args):
-      path = args[i + 1]
-    else:
-      continue
-    path = path.split(":", 1)[0]  # config_flags allows 'file.py:arg'
-    return None if os.path.isfile(path) else path
-  return None
+def version() -> str:
+  """The installed package's version (`kvjax.__version__` where it is not installed)."""
+  try:
+    from importlib.metadata import version as dist_version  # pylint: disable=import-outside-toplevel
+    return dist_version("kvjax")
+  except Exception:  # pylint: disable=broad-except
+    from kvjax import __version__  # pylint: disable=import-outside-toplevel
+    return __version__
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -368,6 +480,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if not argv or argv[0] in ("-h", "--help", "help"):
     print(USAGE, file=sys.stdout if argv else sys.stderr)
     return 0 if argv else 2
+  if argv[0] == "--version":
+    print(f"{PROG} {version()}")
+    return 0
   sub, rest = argv[0], argv[1:]
   if sub not in _COMMANDS:
     print(USAGE, file=sys.stderr)
@@ -375,14 +490,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2
   fv = flags.FlagValues()
   if sub == "memory":
+    from kvjax import checks  # pylint: disable=import-outside-toplevel
+    bad = checks.config_error(rest, example="configs/memory_27b.py")   # a missing file, an unknown field
+    if bad:
+      _error(bad)
+      return 2
     _memory_flags(fv, rest)
   else:
     _FLAG_SETS[sub](fv)
-  if sub == "memory":
-    missing = _missing_config_file(rest)
-    if missing:
-      _error(f"--config {missing!r}: no such file (expected e.g. configs/memory_27b.py)")
-      return 2
   if any(a in ("-h", "--help", "-help", "--helpfull") for a in rest):
     print(f"usage: {PROG} {sub} [flags]\n\n{fv.get_help()}")
     return 0

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax.config import MTP_OPTIONAL, ModelConfig, gguf_tensor_shapes
+from kvjax.qweights import QuantizedWeight, with_dtype
 from kvjax.model import AttentionOptions, KVRows, Qwen38, attend_wave, layer_groups, output_head, \
     param_path, place_pages, rms_norm, zero_recurrent_state
 from kvjax_pallas.span_attention import api as span_api
@@ -51,7 +52,10 @@ def _set_path(state, name, path, value):
   cur = var.get_value()
   if tuple(cur.shape) != tuple(value.shape):
     raise ValueError(f"tensor {name!r}: expected shape {tuple(cur.shape)}, found {tuple(value.shape)}")
-  var.set_value(jnp.asarray(value, dtype=cur.dtype))
+  if isinstance(value, QuantizedWeight):   # kept in its ggml blocks, computing in the model's dtype
+    var.set_value(with_dtype(value, jnp.dtype(cur.dtype).name))
+  else:
+    var.set_value(jnp.asarray(value, dtype=cur.dtype))
 
 
 def build_model(cfg: ModelConfig, tensors: Iterable[Tuple[str, np.ndarray]], dtype=jnp.float32,
@@ -103,7 +107,8 @@ def model_tensors(model: Qwen38) -> Dict[str, np.ndarray]:
         node = node[p]
     except (KeyError, IndexError, TypeError):
       continue
-    out[name] = np.asarray(node.get_value())
+    value = node.get_value()
+    out[name] = np.asarray(value.dequantize() if isinstance(value, QuantizedWeight) else value)
   return out
 
 
@@ -332,6 +337,41 @@ def _mtp_step(graphdef, state, token_embd_ve, output_norm_e, output_ve, hn_se, n
              layout, opts)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "layout", "opts", "steps"),
+                   donate_argnames=("pool_pn",))
+def _mtp_draft_steps(graphdef, state, token_embd_ve, output_norm_e, output_ve, hm_1e, d, p, p_min, pool_pn,
+                     table_t, pos, limit, *, layout, opts, steps):
+  """MTP drafting as one program: from the candidate `d` (top-1 probability `p`) proposed by the
+  MTP hidden `hm_1e`, up to `steps` draft steps, step i feeding (its hidden, its candidate) at MTP
+  position pos + i, while i < `limit` and every candidate so far reached `p_min` (a device mask:
+  the loop stops there, and rows it does not run are not written). -> (candidates [steps + 1] int32
+  and their top-1 probabilities [steps + 1] f32, `d` / `p` first (-1 / -1.0 where not reached),
+  pool_pn, the rows of every step `KVRows [steps, ...]` (zero where not run))."""
+  mtp = merge_static(graphdef, state)
+  kb, vb = layout.k_row_bytes, layout.v_row_bytes
+  cand_d = jnp.full((steps + 1,), -1, jnp.int32).at[0].set(d)
+  cand_p = jnp.full((steps + 1,), -1.0, jnp.float32).at[0].set(p)
+  rows0 = KVRows(jnp.zeros((steps, kb), jnp.uint8), jnp.zeros((steps, vb), jnp.uint8))
+
+  def go_on(c):
+    i, _, d, p, *_ = c
+    return (i < jnp.minimum(limit, steps)) & (p >= p_min)
+
+  def step(c):
+    i, hm, d, p, pool, cand_d, cand_p, rows = c
+    logits, hm, pool, r = mtp(hm, token_embd_ve[d[None]], output_norm_e, output_ve, pool, table_t, pos + i,
+                              jnp.int32(1), layout, opts)
+    probs = jax.nn.softmax(logits[0].astype(jnp.float32))
+    d = jnp.argmax(probs).astype(jnp.int32)
+    p = probs[d]
+    rows = KVRows(rows.k_sn.at[i].set(r.k_sn[0]), rows.v_sn.at[i].set(r.v_sn[0]))
+    return i + 1, hm, d, p, pool, cand_d.at[i + 1].set(d), cand_p.at[i + 1].set(p), rows
+
+  c = jax.lax.while_loop(go_on, step, (jnp.int32(0), hm_1e, jnp.asarray(d, jnp.int32),
+                                       jnp.asarray(p, jnp.float32), pool_pn, cand_d, cand_p, rows0))
+  return c[5], c[6], c[4], c[7]
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout"))
 def _mtp_attn_begin(graphdef, state, token_embd_ve, hn_se, next_tokens_s, pos, *, layout):
   """The MTP head up to span attention (copy waves): -> (u_se, q_shd, gate_se, rows)."""
@@ -379,6 +419,7 @@ class Runner:
   mtp_step = staticmethod(_mtp_step)
   mtp_attn_begin = staticmethod(_mtp_attn_begin)
   mtp_attn_end = staticmethod(_mtp_attn_end)
+  mtp_draft_steps = staticmethod(_mtp_draft_steps)    # None: a runner drafts step by step
 
   def __init__(self, model: Qwen38, layout: PageLayout, opts: AttentionOptions = AttentionOptions()):
     self.cfg = model.cfg
@@ -558,6 +599,25 @@ class Runner:
     kv.end_forward()
     return logits, hm
 
+
+  def mtp_draft(self, hm_1e, d, p, pos: int, steps: int, limit: int, p_min: float, kv: KVProvider):
+    """Up to `limit` <= `steps` MTP draft steps as one forward of the MTP layer (`_mtp_draft_steps`:
+    `steps` fixes the program, `limit` and `p_min` mask it) at MTP positions pos.. -> (candidates,
+    probabilities) as device arrays [steps + 1]. The layer must attend in one call (no copy waves:
+    the plain cache, or a streamed one's MTP ring lease)."""
+    n = max(1, min(steps, limit))
+    kv.begin_forward(pos, n, (self.mtp_layer,), wave_pages=self.partition_pages(1, kv.max_tokens))
+    lkv = kv.layer_kv(self.mtp_layer)
+    if lkv.waves > 1:
+      raise RuntimeError("mtp_draft: the MTP layer streams in copy waves (draft step by step)")
+    gdef, gstate = self.mtp
+    cand_d, cand_p, pool_pn, rows = self.mtp_draft_steps(
+        gdef, gstate, self.token_embd, self.output_norm, self.output, hm_1e, d, p, jnp.float32(p_min),
+        self.place(lkv), lkv.table_t, jnp.int32(pos), jnp.int32(limit), layout=self.layout, opts=self.opts,
+        steps=steps)
+    kv.end_layer(self.mtp_layer, pool_pn, rows)
+    kv.end_forward()
+    return cand_d, cand_p
 
 
 @functools.lru_cache(maxsize=64)

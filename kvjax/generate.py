@@ -15,6 +15,8 @@ spent tracing and compiling inside them (`CompileClock`): a first, cold run is m
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import time
@@ -29,27 +31,39 @@ from kvjax.engine import KVProvider, Runner
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """temperature 0 = greedy; top_k 0 = whole vocabulary. Seeded and reproducible."""
+  """temperature 0 = greedy; top_k 0 = whole vocabulary; top_p < 1 keeps the most probable tokens
+  up to that probability (nucleus, on the logits before temperature, as llama.cpp). Seeded and
+  reproducible."""
   temperature: float = 0.0
   top_k: int = 0
   seed: int = 0
+  top_p: float = 1.0
 
   def __post_init__(self):
     if not (self.temperature >= 0.0):
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     if self.top_k < 0:
       raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def _sample_jax(logits_v, key, temperature: float, top_k: int):
-  logits_v = logits_v.astype(jnp.float32) / temperature
+def _sample_jax(logits_v, key, temperature: float, top_k: int, top_p: float = 1.0):
+  raw = logits_v.astype(jnp.float32)
+  logits_v = raw / temperature
   if top_k:
     kth = jax.lax.top_k(logits_v, top_k)[0][-1]
     logits_v = jnp.where(logits_v < kth, -jnp.inf, logits_v)
+  if top_p < 1.0:   # the smallest set of top tokens whose probability reaches top_p (at least one)
+    kept = jnp.where(jnp.isneginf(logits_v), -jnp.inf, raw)
+    desc = jnp.sort(kept)[::-1]
+    p = jax.nn.softmax(desc)
+    n = jnp.maximum(jnp.sum(jnp.cumsum(p) - p < top_p), 1)
+    logits_v = jnp.where(kept < desc[n - 1], -jnp.inf, logits_v)
   return jax.random.categorical(key, logits_v)
 
 
-_sample_jit = jax.jit(_sample_jax, static_argnames=("temperature", "top_k"))
+_sample_jit = jax.jit(_sample_jax, static_argnames=("temperature", "top_k", "top_p"))
 
 
 def sample_token(logits_v, params: SamplingParams, step: int) -> int:
@@ -57,11 +71,33 @@ def sample_token(logits_v, params: SamplingParams, step: int) -> int:
   if params.temperature == 0.0:
     return int(jnp.argmax(logits_v))
   key = jax.random.fold_in(jax.random.PRNGKey(params.seed), step)
-  return int(_sample_jit(logits_v, key, temperature=params.temperature, top_k=params.top_k))
+  return int(_sample_jit(logits_v, key, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p))
 
 
 @dataclasses.dataclass
 class GenerationResult:
+  """What a generation returns (`generate`, `kvjax.api.generate`, speculative decoding).
+
+  tokens: the generated token ids, prompt excluded; the first one is sampled from the prompt's
+    last row, so `len(tokens)` is at most `n_predict` (fewer where EOS ended the generation).
+  metrics: the generation's numbers (`generation_metrics`), main keys:
+    prompt_tokens, decode_tokens (= len(tokens));
+    prompt_ms (the prefill and the first token's sampling), predicted_ms (the decode after it);
+    prefill_tps (prompt tokens over prompt_ms), decode_tps (the tokens after the first over
+      predicted_ms);
+    compile_ms = prompt_compile_ms + predicted_compile_ms (jax tracing and compiling inside those
+      timings; by stage compile_trace_ms, compile_lower_ms, compile_backend_ms),
+      compiles = prompt_compiles + first_token_compiles + predicted_compiles (programs compiled in
+      the prefill, up to the first decoded token, after it), compile_cache_hits;
+    a streamed cache's counters: h2d_bytes, h2d_calls, d2h_bytes, streamed_pages, waves, forwards,
+      ring_wraps, readiness_misses, pool_pages, resident_pages, ring_slots.
+    `kvjax.api.generate` adds warmup (and warmup_*), compile_cache_dir, spec_type, the cache's
+    `KVCache.info` (kv, ctx_size, page_tokens, all_pages_resident, ...), load_s, attn_impl,
+    attn_interpret; speculative decoding adds draft_generated, draft_accepted, draft_acceptance,
+    verify_forwards (`kvjax.speculative.generate_speculative`).
+  text: the tokens decoded by the model's tokenizer (filled by `kvjax.api.generate`; "" without
+    a tokenizer).
+  """
   tokens: List[int]                 # generated ids (prompt excluded)
   metrics: Dict[str, float]
   text: str = ""                    # the tokens decoded (filled by `kvjax.api.generate`)
@@ -141,6 +177,20 @@ class SequenceState:
     return logits, (out.hn_chunks if chunk_rows else out.hn_se)
 
 
+_ON_PREFILL: contextvars.ContextVar = contextvars.ContextVar("kvjax_on_prefill", default=None)
+
+
+@contextlib.contextmanager
+def prefill_progress(callback: Optional[Callable[[int, int], None]]):
+  """While entered, `prefill` calls `callback(done_tokens, total_tokens)` at its start (0 done) and
+  after each block it has run (waiting for the block's result first); None: no calls."""
+  token = _ON_PREFILL.set(callback)
+  try:
+    yield
+  finally:
+    _ON_PREFILL.reset(token)
+
+
 def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256, with_hidden: bool = False,
             all_logits: bool = False, block: Optional[int] = None):
   """Feed the prompt in micro-batches of `ubatch` rows; -> logits of its last row [V] (with
@@ -162,6 +212,9 @@ def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256, with_h
     raise ValueError(f"context full: {need} tokens needed, cache holds {cap} ({need - cap} more; "
                      f"raise --ctx-size)")
   block = max(ubatch, (block or getattr(seq.kv, "prefill_block", None) or ubatch) // ubatch * ubatch)
+  report = _ON_PREFILL.get()
+  if report is not None:
+    report(0, len(prompt))
   logits, hidden = [], []
   for i in range(0, len(prompt), block):
     part = prompt[i:i + block]
@@ -176,6 +229,9 @@ def prefill(seq: SequenceState, prompt: Sequence[int], ubatch: int = 256, with_h
       logits.append(out)
     else:
       logits = [out]
+    if report is not None:   # the block done, not only dispatched
+      jax.block_until_ready(out)
+      report(min(i + block, len(prompt)), len(prompt))
   logits = jnp.concatenate(logits, axis=0) if all_logits else logits[0]
   return (logits, HiddenRows(tuple(hidden))) if with_hidden else logits
 

@@ -35,12 +35,13 @@ from kvjax import tokenizer as tok_lib
 from kvjax.config import ARCH, ModelConfig
 from kvjax.gguf_meta import (_BLK, METADATA_SCHEMA, GGUFError, _is_int, _k, check_metadata,  # noqa: F401
                              config_from_metadata)
+from kvjax.qweights import QuantizedWeight
 from kvjax.text import quote
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
-WEIGHT_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
+WEIGHT_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
 
 
 # ---- low-level header parsing ----------------------------------------------
@@ -436,7 +437,8 @@ def write_gguf(path, config: ModelConfig, tensors: Mapping[str, np.ndarray],
   `tensors` maps GGUF names to numpy arrays of GGUF shape ([out, in]); every
   tensor of `config.gguf_tensor_shapes(config)` that is not optional must be
   present. Matrices are stored as `weight_type` ("f32", "f16", "bf16",
-  "q8_0"); 1-D tensors and `ssm_conv1d` stay F32.
+  "q8_0", "q4_0"); 1-D tensors and `ssm_conv1d` stay F32. A `QuantizedWeight` (numpy bytes in a
+  block format, e.g. Q4_K) is written as it is.
   """
   path = os.fspath(path)
   if weight_type not in WEIGHT_TYPES:
@@ -448,9 +450,9 @@ def write_gguf(path, config: ModelConfig, tensors: Mapping[str, np.ndarray],
   for t, a in tensors.items():
     if t not in expected:
       raise GGUFError(path, f"tensor {t}: not part of a {ARCH} model with this config")
-    if tuple(np.shape(a)) != tuple(expected[t]):
-      raise GGUFError(path, f"tensor {t}: wrong shape: expected {tuple(expected[t])}, "
-                      f"found {tuple(np.shape(a))}")
+    shape = tuple(a.shape) if isinstance(a, QuantizedWeight) else tuple(np.shape(a))
+    if shape != tuple(expected[t]):
+      raise GGUFError(path, f"tensor {t}: wrong shape: expected {tuple(expected[t])}, found {shape}")
 
   w = gguf.GGUFWriter(path, ARCH)
   w.add_name(name)
@@ -473,7 +475,7 @@ def write_gguf(path, config: ModelConfig, tensors: Mapping[str, np.ndarray],
   w.add_uint32(_k("ssm.inner_size"), config.linear_value_dim)
   w.add_uint32(_k("full_attention_interval"), config.full_attention_interval)
   w.add_uint32(_k("nextn_predict_layers"), config.mtp_layers)
-  w.add_uint32("general.file_type", {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}[weight_type])
+  w.add_uint32("general.file_type", {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}[weight_type])
 
   spec = dict(tokenizer_spec or {})
   w.add_tokenizer_model(str(spec.get("model", "gpt2")))
@@ -503,6 +505,9 @@ def write_gguf(path, config: ModelConfig, tensors: Mapping[str, np.ndarray],
       w.add_array(full, list(val))
 
   for t in sorted(tensors, key=_tensor_order):
+    if isinstance(tensors[t], QuantizedWeight):    # bytes already in a block format: as they are
+      w.add_tensor(t, np.asarray(tensors[t].data, np.uint8), raw_dtype=QT[tensors[t].fmt.upper()])
+      continue
     arr = np.asarray(tensors[t])
     qt = _stored_type(t, arr.ndim, weight_type)
     if qt != QT.F32 and arr.shape[-1] % gguf.GGML_QUANT_SIZES[qt][0]:

@@ -18,6 +18,13 @@ def _all_resident(split, layout: PageLayout, max_tokens: int) -> bool:
   return min(split.resident_pages_per_layer) >= layout.pages_for(max_tokens)
 
 
+def describe(all_pages_resident: bool, phased: bool = False) -> str:
+  """`info["kv"]` of a cache with a budget: "streamed", or "all pages resident" where the budget
+  holds every page of the context on the device (nothing streams; still the streamed cache's pool
+  and programs); "+phased" for the phase arena's cache."""
+  return ("all pages resident" if all_pages_resident else "streamed") + ("+phased" if phased else "")
+
+
 def build_kv(model, max_tokens: int, arena_mib, pool_pages, copy_pages, policy, phased,
               ubatch, draft: Optional[speculative.DraftParams] = None, prefill_block="auto") -> Tuple[Any, Dict[str, Any]]:
   """The cache of one device, or of a sharded model one cache per device (each with the whole
@@ -80,6 +87,7 @@ def build_device_kv(runner: engine.Runner, max_tokens: int, arena_mib, pool_page
     # the copy rate it measures feeds the adaptive policy only (bench_decode keeps its own timing)
     kv.timing_interval = 0
     info["all_pages_resident"] = _all_resident(stream, layout, max_tokens)
+  info["kv"] = describe(info["all_pages_resident"])
   info.update(pool_pages=kv.stream.pool_pages, ring_slots=kv.stream.ring_slots,   # the starting split
               copy_unit_pages=kv.copy_unit)      # copy_pages halved until that ring holds it
   # the prefill's block (`generate.prefill`): its hidden rows (and the MTP's) within the pool's bytes;
@@ -95,10 +103,10 @@ def build_device_kv(runner: engine.Runner, max_tokens: int, arena_mib, pool_page
   if phased:   # each phase's pool: a fixed split, or the policy rebound on it (adaptive)
     ws_prefill += prefill_block_bytes(block, row_bytes, layout.token_bytes) if block > ubatch else 0
     kv = PhasedKV(kv, int(arena_mib * 2**20), ws_prefill, ws, max_tokens, wave_pages)
-    info["kv"] = "streamed+phased"
     info["prefill_workspace_mib"] = ws_prefill / 2**20
     info["ubatch"] = ubatch
     info["all_pages_resident"] = all(_all_resident(kv.split_for(pages), layout, max_tokens)
                                      for pages in kv.region_pages.values())
+    info["kv"] = describe(info["all_pages_resident"], phased=True)
   kv.prefill_block = block
   return kv, info

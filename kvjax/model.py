@@ -31,6 +31,7 @@ from jax import lax
 
 from kvjax.config import ModelConfig, attention_block_shapes, common_block_shapes, mtp_extra_shapes, \
     recurrent_block_shapes
+from kvjax.qweights import QuantizedWeight
 from kvjax_pallas import ggml_codec
 from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import api as span_api
@@ -86,7 +87,13 @@ def rms_norm(x, w, eps):
 
 
 def linear(x, w):
-  """x [..., in] @ w[out, in].T -> [..., out] (w's dtype, f32 accumulation)."""
+  """x [..., in] @ w[out, in].T -> [..., out] (w's dtype, f32 accumulation). `w` may be a
+  `QuantizedWeight` (ggml blocks): "xla" dequantizes it and runs this same product (the bits of a
+  weight dequantized at load), "pallas" a kernel that dequantizes as it reads."""
+  if isinstance(w, QuantizedWeight):
+    if w.impl != "xla":
+      return w.matmul(x)
+    w = w.dequantize()
   y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32,
                  precision=_HI if w.dtype == jnp.float32 else None)
   return y

@@ -218,6 +218,7 @@ class ShardedRunner(engine.Runner):
   `device_runners[d]` is an ordinary `Runner` of device d's shard (its arrays are the ones the
   global arrays are joined from: no extra memory); `cfg` is the whole model's geometry, `layout`
   one device's KV page layout (`local_layout`)."""
+  mtp_draft_steps = None     # MTP drafting runs step by step (`speculative.mtp_draft`)
 
   def __init__(self, model: Qwen38, layout: PageLayout, opts: AttentionOptions, n: int,
                devices: Optional[Sequence[Any]] = None):

@@ -118,7 +118,8 @@ def check_ubatch(draft: DraftParams, ubatch: int, max_tokens: Optional[int] = No
 
 def ngram_draft(history: Sequence[int], n: int, m: int) -> List[int]:
   """ngram-simple: find the latest earlier occurrence of the last `n` tokens; propose up to `m`
-  tokens that followed it (none when the key never occurred before)."""
+  tokens that followed it (none when the key never occurred before). The plain backward scan
+  (`NgramIndex` gives the same drafts at a cost independent of the history's length)."""
   if len(history) <= n:
     return []
   key = list(history[-n:])
@@ -126,6 +127,37 @@ def ngram_draft(history: Sequence[int], n: int, m: int) -> List[int]:
     if list(history[start:start + n]) == key:
       return list(history[start + n:start + n + m])
   return []
+
+
+class NgramIndex:
+  """ngram-simple over a growing token history, incrementally: `latest[key]` is the latest start of
+  the n tokens `key` that some token follows, updated as tokens are appended (`extend`), so a
+  round's draft (`draft(m)`, equal to `ngram_draft(tokens, n, m)`) costs a dictionary lookup
+  whatever the history's length. `tokens` is the history itself (committed tokens only: the
+  speculative loop appends accepted tokens and never takes any back)."""
+
+  def __init__(self, n: int, tokens: Sequence[int] = ()):
+    if n < 1:
+      raise ValueError(f"ngram_n must be >= 1, got {n}")
+    self.n = n
+    self.tokens: List[int] = []
+    self.latest: Dict[tuple, int] = {}
+    self.extend(tokens)
+
+  def extend(self, tokens: Sequence[int]) -> None:
+    toks, n = self.tokens, self.n
+    for t in tokens:
+      toks.append(int(t))
+      start = len(toks) - n - 1          # the n tokens at `start` now have a follower
+      if start >= 0:
+        self.latest[tuple(toks[start:start + n])] = start
+
+  def draft(self, m: int) -> List[int]:
+    toks, n = self.tokens, self.n
+    if len(toks) <= n:
+      return []
+    start = self.latest.get(tuple(toks[-n:]))
+    return [] if start is None else toks[start + n:start + n + m]
 
 
 class OracleDrafter:
@@ -186,20 +218,23 @@ class DeviceRollback:
 
 
 class HostRollback:
-  """Recurrent checkpoints through a two-slot device stage into host snapshots.
+  """Recurrent checkpoints through a two-slot device stage into pinned host snapshots.
 
   During the verify forward each group's captured states (rows 0..R-1) are split as soon as its
-  step is dispatched: row R-1 stays on the device as the live state (all drafts accepted), rows
-  0..R-2 start copying to the host. At most two groups' snapshots are on the device at a time (the
-  one being produced and the one draining); a third waits for the oldest copy to land. On
-  rejection (j < R-1) row j of every group is copied back to the device.
+  step is dispatched (one program): row R-1 stays on the device as the live state (all drafts
+  accepted), rows 0..R-2 leave for pinned host memory by asynchronous copies (`jax.device_put` to
+  the `pinned_host` memory kind: the host does not wait, and the copies run beside the verify's
+  host-to-device stream). At most `SLOTS` groups' snapshots are on their way at a time (the one
+  being produced and the one draining: `stage_peak` counts it); a third waits for the oldest copy
+  to land. On rejection (j < R-1) row j of every group is copied back to the device.
   """
   name = "host"
   SLOTS = 2
 
   def __init__(self):
     self.d2h_bytes = self.h2d_bytes = 0
-    self._snapshots: Dict[int, list] = {}
+    self.stage_peak = 0                               # groups in the device stage at once
+    self._snapshots: Dict[int, list] = {}             # group -> per leaf, its rows' host arrays
     self._inflight: collections.deque = collections.deque()
     self._treedefs: Dict[int, object] = {}
 
@@ -209,38 +244,64 @@ class HostRollback:
 
   def _take(self, group: int, captured):
     leaves, self._treedefs[group] = jax.tree_util.tree_flatten(captured)
-    snaps = [a[:-1] for a in leaves]
-    for s in snaps:
-      s.copy_to_host_async()
-    self._inflight.append((group, snaps))
-    while len(self._inflight) > self.SLOTS:
-      self._drain()
-    return jax.tree_util.tree_unflatten(self._treedefs[group], [a[-1] for a in leaves])
+    while len(self._inflight) >= self.SLOTS:
+      self._land()
+    rows, live = _split_rows(leaves)
+    self._inflight.append((group, _to_host(rows)))
+    self.stage_peak = max(self.stage_peak, len(self._inflight))
+    return jax.tree_util.tree_unflatten(self._treedefs[group], live)
 
-  def _drain(self):
-    group, snaps = self._inflight.popleft()
-    host = [np.asarray(s) for s in snaps]
-    self.d2h_bytes += sum(h.nbytes for h in host)
+  def _land(self):
+    group, host = self._inflight.popleft()
+    jax.block_until_ready(host)
+    self.d2h_bytes += sum(int(h.nbytes) for h in jax.tree_util.tree_leaves(host))
     self._snapshots[group] = host
 
   def states_after(self, live, j: int, n_rows: int):
     while self._inflight:
-      self._drain()
+      self._land()
     if j == n_rows - 1:
       return live
-    dev = jax.devices()[0]
     out = []
     for g in range(len(live)):
-      rows = [jax.device_put(h[j], dev) for h in self._snapshots[g]]
-      self.h2d_bytes += sum(h[j].nbytes for h in self._snapshots[g])
+      rows = [_to_device(leaf_rows[j]) for leaf_rows in self._snapshots[g]]
+      self.h2d_bytes += sum(int(leaf_rows[j].nbytes) for leaf_rows in self._snapshots[g])
       out.append(jax.tree_util.tree_unflatten(self._treedefs[g], rows))
     return tuple(out)
 
 
+@jax.jit
+def _split_rows(leaves):
+  """Captured states [R, ...] a leaf -> (per leaf its rows 0..R-2 as separate arrays, rows R-1)."""
+  return [tuple(a[i] for i in range(a.shape[0] - 1)) for a in leaves], [a[-1] for a in leaves]
+
+
+def _to_host(tree):
+  """Device arrays -> their copies in pinned host memory (asynchronous), or numpy arrays where the
+  device has no pinned host memory."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  if not leaves or not _has_pinned_host(leaves[0]):
+    return jax.tree_util.tree_map(np.asarray, tree)
+  return jax.device_put(tree, jax.tree_util.tree_map(lambda a: a.sharding.with_memory_kind("pinned_host"), tree))
+
+
+def _to_device(x):
+  if isinstance(x, np.ndarray):
+    return jax.device_put(x, jax.devices()[0])
+  return jax.device_put(x, x.sharding.with_memory_kind("device"))
+
+
+def _has_pinned_host(a) -> bool:
+  dev = next(iter(a.devices()))
+  return any(m.kind == "pinned_host" for m in getattr(dev, "addressable_memories", lambda: [])())
+
+
+@jax.jit
 def _top1(logits_v):
+  """-> (the top-1 token, its probability), device scalars (as `_mtp_draft_steps` computes them)."""
   p = jax.nn.softmax(logits_v.astype(jnp.float32))
-  i = int(jnp.argmax(p))
-  return i, float(p[i])
+  i = jnp.argmax(p).astype(jnp.int32)
+  return i, p[i]
 
 
 def _forget(runner: Runner, kv: KVProvider) -> None:
@@ -263,8 +324,9 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
   """Greedy generation of up to `n_predict` tokens with drafts verified by the target.
 
   `drafter(history, m) -> up to m tokens`, when given, replaces the configured drafter (a research
-  hook). The oracle drafter needs plain greedy's tokens: `oracle_tokens`, or (None) a plain greedy
-  run on `kv` first (then forgotten; its decode rate is reported as `plain_decode_tps`).
+  hook; `history` is the committed tokens, the loop's own list grown in place: copy it to keep it).
+  The oracle drafter needs plain greedy's tokens: `oracle_tokens`, or (None) a plain greedy run on
+  `kv` first (then forgotten; its decode rate is reported as `plain_decode_tps`).
   `on_round(info)` is called after every round (see `speculate`); `on_phase("prefill")` before the
   prefill, inside its timing (as `kvjax.generate.generate`'s).
 
@@ -326,7 +388,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
   (with MTP drafting) `mtp_next` = `mtp_catch_up`'s result over them. -> (tokens, stats).
 
   `on_round(info)` after every round: `pos` (C), `drafts`, `target` (argmax of every verify row),
-  `accepted` (j), `logits` (the verify forward's [1 + k, V]), `draft_p` (MTP top-1 probabilities, `mtp_draft`),
+  `accepted` (j), `logits` (the verify forward's [W, V], a device array: rows 1 + k on are padding), `draft_p` (MTP top-1 probabilities, `mtp_draft`),
   `drafter` ("mtp", "ngram", "oracle", "custom"), `lease_bytes` (loaded by the MTP ring lease taken
   for this round's catch-up and the next round's drafting; 0 without one).
   """
@@ -349,6 +411,10 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
   drafted = accepted = rounds = ngram_rounds = mtp_h2d = lease_bytes = leases = 0
   round_lengths: List[List[int]] = []   # [drafts, accepted] of every verify round
   phase_ms: Dict[str, float] = collections.defaultdict(float)   # host wall time of each round's phases
+  # the committed tokens (prompt + output), grown in place; ngram drafting indexes them as they come
+  index = NgramIndex(draft.ngram_n, prompt) if draft.uses_ngram and drafter is None else None
+  history = index.tokens if index is not None else list(prompt)
+  commit = index.extend if index is not None else history.extend
   t_loop = time.perf_counter()
   if use_mtp:     # the first round's drafting runs under a ring lease taken after the prompt's catch-up
     h2d0 = _h2d(kv)
@@ -357,23 +423,24 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
     mtp_h2d += _h2d(kv) - h2d0
   while len(out_tokens) < n_predict:
     out_tokens.append(b)
+    commit((b,))
     if (eos_id is not None and b == eos_id) or len(out_tokens) >= n_predict:
       break
     c = seq.pos                      # committed target tokens; b sits at position c
     room = n_predict - len(out_tokens)
-    history = prompt + out_tokens
     t_phase = time.perf_counter()
     # 1. draft
     drafts, draft_p, source = [], [], spec_type
     if drafter is not None:
       drafts = [int(t) for t in drafter(history, min(draft.n_max, room))][:room]
     elif draft.uses_ngram:
-      drafts = ngram_draft(history, draft.ngram_n, min(draft.ngram_width, room))
+      drafts = index.draft(min(draft.ngram_width, room))
       source = "ngram"
       ngram_rounds += bool(drafts)
     if use_mtp and (not drafts or draft.oracle_mtp):
       h2d0 = _h2d(kv)
-      mtp_drafts, draft_p = mtp_draft(runner, kv, mtp_next, c, min(draft.n_max, room), draft.p_min)
+      mtp_drafts, draft_p = mtp_draft(runner, kv, mtp_next, c, min(draft.n_max, room), draft.p_min,
+                                      steps=draft.n_max - 1)
       mtp_h2d += _h2d(kv) - h2d0
       if not drafts:
         drafts, source = mtp_drafts, "mtp"
@@ -402,6 +469,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
     rounds += 1
     round_lengths.append([len(drafts), j])
     out_tokens.extend(drafts[:j])
+    commit(drafts[:j])
     if eos_id is not None and eos_id in drafts[:j]:
       out_tokens = out_tokens[:out_tokens.index(eos_id, len(out_tokens) - j) + 1]
       break
@@ -429,7 +497,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
       mtp_h2d += _h2d(kv) - h2d0
       phase_ms["mtp_catch_up"] += (time.perf_counter() - t_phase) * 1e3
     if on_round is not None:
-      on_round(dict(pos=c, drafts=drafts, target=target, accepted=j, logits=vout.logits_rv[:len(rows)],
+      on_round(dict(pos=c, drafts=drafts, target=target, accepted=j, logits=vout.logits_rv,
                     draft_p=draft_p, drafter=source, lease_bytes=round_lease))
     if rounds == 1 and on_first_round is not None:
       on_first_round()
@@ -458,30 +526,55 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
   return out_tokens, stats
 
 
-def mtp_draft(runner: Runner, kv: KVProvider, mtp_next, c: int, limit: int, p_min: float):
+def mtp_draft(runner: Runner, kv: KVProvider, mtp_next, c: int, limit: int, p_min: float,
+              steps: Optional[int] = None):
   """Up to `limit` MTP drafts for the round at position c, stopping below top-1 probability
-  `p_min`. `mtp_next` = (d_1, its probability, the MTP hidden that proposed it). -> (drafts, the
-  top-1 probability of every candidate looked at: the drafts', then the one that stopped drafting
-  below `p_min`, if any)."""
+  `p_min`. `mtp_next` = (d_1, its probability, the MTP hidden that proposed it), device values.
+  -> (drafts, the top-1 probability of every candidate looked at: the drafts', then the one that
+  stopped drafting below `p_min`, if any).
+
+  The draft steps run as one device program (`Runner.mtp_draft`, `steps` = the widest round's
+  steps, n_max - 1, so every round runs the same program) and the host reads the candidates once;
+  step by step (a forward and a read a step) where the MTP layer streams in copy waves (a streamed
+  cache without its ring lease) or the runner has no such program (`ShardedRunner`)."""
   d, p, h = mtp_next
+  steps = limit - 1 if steps is None else steps
+  if limit <= 1 or steps < 1:
+    cands = [jax.device_get((d, p))]
+  elif runner.mtp_draft_steps is not None and getattr(kv, "lease", True) is not None:
+    cand_d, cand_p = jax.device_get(runner.mtp_draft(h, d, p, c, steps, limit - 1, p_min, kv))
+    cands = list(zip(cand_d, cand_p))
+  else:
+    cands = _mtp_draft_stepwise(runner, kv, mtp_next, c, limit, p_min)
   drafts, probs = [], []
-  while len(drafts) < limit:
-    probs.append(p)
+  for d, p in cands:
+    probs.append(float(p))
     if p < p_min:
       break
-    drafts.append(d)
+    drafts.append(int(d))
     if len(drafts) == limit:
       break
-    # the MTP row (its own hidden for x_{c+i}, draft d_i) sits at MTP cache position c + i - 1
-    lg, h = runner.mtp_forward(h, np.array([d], np.int32), c + len(drafts) - 1, 1, kv)
-    d, p = _top1(lg[0])
   return drafts, probs
+
+
+def _mtp_draft_stepwise(runner: Runner, kv: KVProvider, mtp_next, c: int, limit: int, p_min: float):
+  """The candidates of `mtp_draft`, one MTP forward and one host read a step."""
+  d, p, h = mtp_next
+  d, p = jax.device_get((d, p))
+  cands = [(d, p)]
+  while len(cands) < limit and p >= p_min:
+    # the MTP row (its own hidden for x_{c+i}, draft d_i) sits at MTP cache position c + i - 1
+    lg, h = runner.mtp_forward(h, np.array([d], np.int32), c + len(cands) - 1, 1, kv)
+    d, p = jax.device_get(_top1(lg[0]))
+    cands.append((d, p))
+  return cands
 
 
 def mtp_catch_up(runner: Runner, kv: KVProvider, hn_se, next_tokens: Sequence[int], mtp_pos: int,
                  ubatch: int, pad_to: Optional[int] = None):
   """MTP rows (hn_se[i], next_tokens[i]) at MTP cache positions mtp_pos + i (with `pad_to`, one
-  forward of that many rows, the rest padding: hn_se has them). -> (draft, p, hm_last)."""
+  forward of that many rows, the rest padding: hn_se has them). -> (draft, p, hm_last), device
+  values (the round's drafting reads them with its own candidates)."""
   n = len(next_tokens)
   if pad_to is None:
     logits_v, hm = mtp_rows(runner, kv, hn_se, next_tokens, mtp_pos, ubatch)

@@ -44,14 +44,17 @@ def is_builtin(spec: str) -> bool:
   return spec == "tiny" or spec.startswith("tiny:") or spec in BUILTIN_GGUF
 
 
-def load_model_source(spec: str, seed: int = 0, dtype=np.float32
+def load_model_source(spec: str, seed: int = 0, dtype=np.float32, weights: str = "dequantized",
+                      weights_impl: str = "xla"
                       ) -> Tuple[ModelConfig, Iterator[Tuple[str, np.ndarray]], Optional[tok_lib.Tokenizer]]:
   """Resolve a model source ('tiny', 'tiny:SEED', 'code-tiny' or a GGUF path) -> `(config, tensor
   iterator, tokenizer)`.
 
   "tiny" (or "tiny:SEED") is the built-in random model; "code-tiny" the packaged trained GGUF;
   anything else is a GGUF path, opened and validated (`GGUFError` on a bad file) and read one
-  tensor at a time by the iterator; its tokenizer is None when the file has no token list.
+  tensor at a time by the iterator; its tokenizer is None when the file has no token list. With
+  `weights="quantized"` a GGUF's matrices in a kept block format come as `QuantizedWeight`s
+  (`kvjax.qweights`, product implementation `weights_impl`); the random tiny model has none.
   """
   if spec in BUILTIN_GGUF:
     spec = builtin_path(spec)
@@ -67,4 +70,7 @@ def load_model_source(spec: str, seed: int = 0, dtype=np.float32
   if not os.path.exists(spec):
     raise FileNotFoundError(f"source {spec!r}: no such file (expected a .gguf path, 'tiny' or 'code-tiny')")
   model = gguf_io.read_gguf(spec)
+  if weights == "quantized":
+    from kvjax import qweights
+    return model.config, qweights.quantized_tensors(model, dtype, weights_impl), model.tokenizer
   return model.config, model.iter_tensors(dtype), model.tokenizer

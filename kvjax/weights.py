@@ -9,7 +9,7 @@ Hugging Face's +1 already folded in; `ssm_a = -exp(A_log) < 0`).
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -51,13 +51,21 @@ def random_tensors(cfg: ModelConfig, seed: int = 0, dtype=np.float32,
 
 
 def iter_random_device_tensors(cfg: ModelConfig, seed: int = 0, dtype="bfloat16",
-                               include_optional: bool = True) -> Iterator[Tuple[str, "object"]]:
+                               include_optional: bool = True,
+                               weight_type: Optional[str] = None) -> Iterator[Tuple[str, "object"]]:
   """Like `iter_random_tensors`, but drawn on the default device with jax.random (for the
-  27B geometry, where numpy generation of 54 GB would dominate the run)."""
+  27B geometry, where numpy generation of 54 GB would dominate the run). `weight_type` (a block
+  format of `kvjax.qweights.FORMATS`): the matrices that may stay quantized come as random blocks
+  of that format (`qweights.random_quantized`, host bytes), as a quantized GGUF's would."""
   import jax
   import jax.numpy as jnp
+  from kvjax import qweights
   key = jax.random.PRNGKey(seed)
+  block = None if weight_type is None else qweights.block_values(weight_type)
   for k, (name, shape) in enumerate(sorted(gguf_tensor_shapes(cfg, include_optional).items())):
+    if block is not None and qweights.keeps_quantized(name) and len(shape) == 2 and shape[1] % block == 0:
+      yield name, qweights.random_quantized(weight_type, shape[0], shape[1], seed=seed * 1_000_003 + k)
+      continue
     kk = jax.random.fold_in(key, k)
     leaf = name.split(".", 2)[-1] if name.startswith("blk.") else name
     if leaf.endswith("norm.weight"):

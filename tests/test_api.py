@@ -104,6 +104,7 @@ def test_a_used_cache_is_reset_and_warmup_reuses_it(model, plain_run):
 def test_budget_holding_the_whole_context_streams_nothing(model):
   kv = api.make_kv(model, 100, pool_pages=9)   # 2 pages per cache layer, 3 layers: all resident
   assert kv.info["all_pages_resident"] is True and kv.info["resident_pages_per_layer"] == [2, 2, 2]
+  assert kv.info["kv"] == "all pages resident"
   res = api.generate(model, kv, prompt_tokens=PROMPT[:60], n_predict=40, ignore_eos=True, ubatch=32)
   assert res.metrics["streamed_pages"] == 0 and res.metrics["h2d_bytes"] == 0
 
@@ -268,4 +269,4 @@ def test_readme_api_example_runs_and_streams():
     exec(compile(blocks[0], "README.md", "exec"), ns)  # pylint: disable=exec-used
   m = ns["m"]
   assert m["streamed_pages"] > 0 and m["waves"] > 0 and m["h2d_bytes"] > 0
-  assert ns["fast"].tokens and ns["logits"].shape[0] == len(ns["res"].tokens)
+  assert ns["fast"].tokens and ns["logits"].shape[0] == len(ns["ids"]) > len(ns["res"].tokens)   # prompt + generated

@@ -8,11 +8,17 @@ a pool much smaller than the context (and the copy counters show that pages real
 arena budget arithmetic, logits / MTP logits files against `engine.Runner` run directly, the memory
 report against `kvjax.memory_report` (and that it imports no JAX), a GGUF file giving the same
 tokens as the built-in tiny model, and errors as one `kvjax: error:` line naming the flag, with no
-traceback and a non-zero exit status.
+traceback and a non-zero exit status. A new user's path: budgets, pages and weights beyond memory or
+the context refused before allocation, unknown config fields named with the closest one (`kvjax
+memory`, `experiments.run`), API type errors, the sweep's refusals and tokens_match, `-f` /
+`--top-p` / `--version`, streamed output with the prompt echoed, the prefill progress, where the
+experiments wrote, tok/s without compilation.
 """
 
+import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -88,7 +94,12 @@ def test_generate_text_output_is_the_decoded_tokens(capsys, plain_run):
   argv = ["generate", PROMPT_FLAG] + [a for a in COMMON if a != "--json"]
   rc, out, err = run_main(capsys, *argv)
   assert rc == 0, err
-  assert out == api.printable(tiny_tokenizer().decode(plain_run["tokens"])) + "\n"
+  # the prompt echoed (as llama.cpp does), then the generated text, streamed a token at a time
+  tok = tiny_tokenizer()
+  assert out == api.printable(tok.decode(PROMPT_IDS)) + api.printable(tok.decode(plain_run["tokens"])) + "\n"
+  rc, out, err = run_main(capsys, *argv, "--no-display-prompt")
+  assert rc == 0, err
+  assert out == api.printable(tok.decode(plain_run["tokens"])) + "\n"
   # timings on stderr; the module's earlier runs compiled these steps already
   assert "kvjax: prefill 100 tokens in " in err and "decode 40 tokens in " in err
   assert "nothing streams" not in err
@@ -104,7 +115,7 @@ def test_text_output_escapes_control_characters(capsys):
   assert "\x7f" in raw and "\x13" in raw
   rc, out, err = run_main(capsys, *argv)
   assert rc == 0, err
-  assert out == api.printable(raw) + "\n" and "\\x7f" in out and "\\x13" in out
+  assert out == "Hello" + api.printable(raw) + "\n" and "\\x7f" in out and "\\x13" in out
   assert not any(ord(c) < 32 and c not in "\n\t" or 0x7f <= ord(c) < 0xa0 for c in out)
 
 
@@ -150,11 +161,12 @@ def test_all_pages_resident_is_reported(capsys, plain_run):
   assert rc == 0, err
   m = json_line(out)["metrics"]
   assert m["all_pages_resident"] is True and m["streamed_pages"] == 0 and m["h2d_bytes"] == 0
+  assert m["kv"] == "all pages resident"
   rc, out, err = run_main(capsys, *argv)
   assert rc == 0 and "kvjax: all pages resident: nothing streams" in err
   rc, out, err = run_main(capsys, "generate", PROMPT_FLAG, *COMMON, "--kv-stream-pool-pages=6")
   m = json_line(out)["metrics"]
-  assert m["all_pages_resident"] is False and m["streamed_pages"] > 0
+  assert m["all_pages_resident"] is False and m["streamed_pages"] > 0 and m["kv"] == "streamed"
   assert "all_pages_resident" not in plain_run["metrics"]    # a plain cache has nothing to stream
 
 
@@ -333,7 +345,7 @@ def test_error_pool_too_small(capsys):
     (["generate", "--prompt=hi", "--n-predict=x"], "n-predict"),
     (["generate", "--prompt=hi", "--n-predict=0"], "--n-predict must be >= 1, got 0"),
     (["generate", "--prompt=hi", "--no-such-flag=1"], "no-such-flag"),
-    (["generate", "--prompt=hi", "--prompt-tokens=1,2"], "give exactly one of --prompt and --prompt-tokens"),
+    (["generate", "--prompt=hi", "--prompt-tokens=1,2"], "give exactly one of --prompt, --file and --prompt-tokens"),
     (["generate", "--prompt-tokens=1,999"], "--prompt-tokens: token id 999 is outside the vocabulary"),
     (["generate", "--prompt=hi", "--n-predict=8", "--ctx-size=4"], "--ctx-size 4 is too small"),
     (["generate", "--prompt=hi", "--kv-stream-pool-pages=4", "--kv-stream-arena-mib=1"],
@@ -444,7 +456,7 @@ def test_phased_adaptive_arena_streams_identically(capsys, plain_run):
   d = json_line(out)
   assert d["tokens"] == plain_run["tokens"]
   m = d["metrics"]
-  assert m["kv"] == "streamed+phased" and m["kv_policy"] == "adaptive"
+  assert m["kv"] == "all pages resident+phased" and m["kv_policy"] == "adaptive"   # 2.5 MiB holds 140 tokens
   assert m["policy_rebinds"] == 2 and m["policy_decisions"] == m["forwards"] + 2
   assert m["pool_pages"] == m["decode_pool_pages"] > m["prefill_pool_pages"]
 
@@ -456,7 +468,7 @@ def test_phased_arena_streams_identically(capsys, plain_run):
   d = json_line(out)
   assert d["tokens"] == plain_run["tokens"]
   m = d["metrics"]
-  assert m["kv"] == "streamed+phased"
+  assert m["kv"] == "all pages resident+phased"     # the arena holds every page of the 140 tokens
   # the decode layout's pool is larger than the prefill layout's by the workspace difference
   assert m["decode_pool_pages"] > m["prefill_pool_pages"]
   page_mib = m["pool_mib"] / m["pool_pages"]
@@ -513,7 +525,9 @@ def test_speculative_needs_greedy(capsys):
     (["--kv-page-tokens", "48", "--attn-impl", "mosaic"], 2, ["--kv-page-tokens 48", "multiple of 64"]),
     (["--kv-page-tokens", "3", "--attn-impl", "triton"], 2, ["--kv-page-tokens 3", "multiple of 16"]),
     (["--kv-page-tokens", "2147483648", "--exceed-context-length"], 2,
-     ["--ctx-size 5: the KV cache needs", "MiB of", "available"]),
+     ["--kv-page-tokens 2147483648 is beyond the model's context length of 8192 positions"]),
+    (["--ctx-size", "2000000000", "--exceed-context-length", "--kv-page-tokens", "8192"], 2,
+     ["--ctx-size 2000000000: the KV cache needs", "MiB of", "available"]),
     (["--top-k", "100000"], 2, ["--top-k 100000 is larger than the vocabulary of 384 tokens"]),
     (["--model", "tiny:abc"], 2, ["--model 'tiny:abc'"]),
     (["--temperature", "nan"], 2, ["--temperature must be >= 0, got nan"]),
@@ -555,3 +569,238 @@ def test_ctrl_c_one_line_status_130(capsys, monkeypatch):
   monkeypatch.setattr(api, "load_model", interrupted)
   rc, out, err = run_main(capsys, "generate", "--prompt-tokens", "1,2,3", "--n-predict", "2")
   assert rc == 130 and err == "kvjax: error: interrupted\n"
+
+
+# ---- a new user's path: one-line refusals before anything big is allocated ---------------------
+
+SMALL_HOST = {"host": 16 * 2**30, "device": None}   # a 16 GiB machine without a GPU
+
+
+@pytest.fixture(scope="module")
+def tiny64():
+  return api.load_model("tiny", page_tokens=64)
+
+
+@pytest.fixture
+def small_host(monkeypatch):
+  """Memory checks see a 16 GiB CPU host, whatever this machine has."""
+  monkeypatch.setattr(memory_report, "available_memory", lambda: dict(SMALL_HOST))
+
+
+def one_error_line(rc, err, status, *needles):
+  """Exactly one line on stderr, `kvjax: error: ...` naming `needles`, exit `status`."""
+  lines = err.splitlines()
+  assert rc == status and len(lines) == 1 and lines[0].startswith("kvjax: error: "), (rc, err)
+  for n in needles:
+    assert n in lines[0], (n, lines[0])
+
+
+def test_kv_budget_beyond_memory_refused(capsys, small_host, tiny64):
+  """A pool or an arena larger than the memory it would take: one line, exit 2, before allocation;
+  the API raises ParameterError naming the parameter, the value and the MiB needed / available."""
+  base = ["generate", "--prompt-tokens", "1,2,3", "-n", "2", "--kv-page-tokens", "64"]
+  rc, _, err = run_main(capsys, *base, "--kv-stream-pool-pages", "1000000000")
+  one_error_line(rc, err, 2, "--kv-stream-pool-pages 1000000000: the device pool (1000000000 pages of 13328 B)",
+                 "12,710,571.3 MiB of host memory needed, 16,384.0 MiB available")
+  rc, _, err = run_main(capsys, *base, "--kv-stream-arena-mib", "1e12")
+  one_error_line(rc, err, 2, "--kv-stream-arena-mib 1e+12: the arena", "MiB of host memory needed, 16,384.0 MiB")
+  for kw, name in ((dict(pool_pages=10**9), "pool_pages 1000000000"), (dict(arena_mib=1e12), "arena_mib 1e+12")):
+    with pytest.raises(api.ParameterError, match=re.escape(name) + ".* MiB of host memory needed") as e:
+      api.make_kv(tiny64, 160, **kw)
+    assert e.value.params == (name.split()[0],)
+  from kvjax import checks
+  gpu = {"host": 2**40, "device": 80 * 2**30}   # where the backend reports it, the device's memory counts
+  with pytest.raises(api.ParameterError, match="device memory needed, 81,920.0 MiB available"):
+    checks.check_pool_memory(10**7, 13328, available=gpu)
+  checks.check_pool_memory(6, 13328, available=gpu)
+
+
+def test_page_tokens_beyond_the_context_refused(capsys):
+  """--kv-page-tokens beyond the model's context length, or one the chosen kernel does not take:
+  refused at once (not a 60 s prefill of one huge page)."""
+  rc, _, err = run_main(capsys, "generate", "--prompt-tokens", "1,2", "-n", "2", "--kv-page-tokens", "1048576")
+  one_error_line(rc, err, 2, "--kv-page-tokens 1048576 is beyond the model's context length of 8192 positions",
+                 "at most 8192 tokens")
+  rc, _, err = run_main(capsys, "generate", "--prompt-tokens", "1,2", "-n", "2", "--kv-page-tokens", "40",
+                        "--attn-impl", "triton")
+  one_error_line(rc, err, 2, "--kv-page-tokens 40", "multiple of 16")
+  with pytest.raises(api.ParameterError, match="page_tokens 16384 is beyond the model's context length of 8192"):
+    api.load_model("tiny", page_tokens=16384)
+
+
+def test_weights_beyond_memory_refused(capsys, small_host):
+  """The 27B preset on a 16 GiB CPU host: refused from parameter count x dtype bytes, before a
+  weight is drawn (`--model qwen38_27b` loads the preset)."""
+  rc, _, err = run_main(capsys, "generate", "-m", "qwen38_27b", "--prompt-tokens", "1,2", "-n", "2")
+  one_error_line(rc, err, 2, "--model qwen38_27b: the weights (28,592,096,256 parameters x 4 B float32)",
+                 "109,070.2 MiB of host memory needed, 16,384.0 MiB available")
+  with pytest.raises(api.ParameterError, match=r"preset qwen38_27b: the weights .* x 2 B bfloat16\): 54,535.1 MiB"):
+    api.load_model(preset="qwen38_27b", dtype="bfloat16")
+
+
+def _experiment(args, timeout=240):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m"] + args, capture_output=True, text=True, cwd=REPO, env=env,
+                        timeout=timeout)
+
+
+def test_unknown_config_field_or_file_is_one_line(capsys):
+  """`kvjax memory` and `python -m experiments.run`: an unknown --config.FIELD names the closest
+  field; a missing config file names the path; one line, exit 2, no traceback."""
+  cfg = os.path.join(REPO, "configs", "memory_27b.py")
+  rc, _, err = run_main(capsys, "memory", f"--config={cfg}", "--config.mtp_dept=1")
+  one_error_line(rc, err, 2, "--config.mtp_dept:", "no field 'mtp_dept'", "did you mean --config.mtp_depth?")
+  rc, _, err = run_main(capsys, "memory", "--config", "configs/nope.py")
+  one_error_line(rc, err, 2, "--config 'configs/nope.py': no such file")
+  for args, needles in (
+      (["--config=configs/tiny_stream.py", "--config.n_predcit=8"],
+       ["run: error: --config.n_predcit:", "did you mean --config.n_predict?"]),
+      (["--config=configs/nope.py"], ["run: error: --config 'configs/nope.py': no such file"]),
+      (["--config=configs/tiny_stream.py", "--config.n_predict=abc"], ["run: error: ", "--config.n_predict=abc"])):
+    p = _experiment(["experiments.run"] + args)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    for n in needles:
+      assert n in p.stderr, p.stderr
+
+
+def test_api_budget_and_type_errors_name_the_parameter(capsys, tiny64):
+  """A phased arena too small: ParameterError naming arena_mib and the least it needs (the CLI: one
+  line, exit 2); arguments of the wrong type: the parameter and the type expected."""
+  with pytest.raises(api.ParameterError, match=r"^arena_mib 0.5: too small: at least \d+\.\d+ MiB needed") as e:
+    api.make_kv(tiny64, 160, arena_mib=0.5, phased=True)
+  assert e.value.params == ("arena_mib",)
+  rc, _, err = run_main(capsys, "generate", "--prompt-tokens", "1,2,3", "-n", "2", "-c", "160", "--kv-page-tokens",
+                        "64", "--kv-stream-arena-mib", "0.5", "--kv-stream-phased")   # the same workspaces
+  one_error_line(rc, err, 2, "--kv-stream-arena-mib 0.5: too small: at least")
+  for kw, msg in ((dict(prompt="hi", n_predict=2.5), "n_predict must be an int, got 2.5 (float)"),
+                  (dict(prompt_tokens="1,2"), "prompt_tokens must be a sequence of int token ids, got '1,2' (str)"),
+                  (dict(prompt_tokens=[1, 2.0]), "prompt_tokens must be a sequence of int token ids, got the "
+                                                 "element 2.0 (float)"),
+                  (dict(prompt="hi", temperature="0.5"), "temperature must be a number, got '0.5' (str)"),
+                  (dict(prompt=7), "prompt must be a str or None, got 7 (int)")):
+    with pytest.raises(api.ParameterError) as e:
+      api.generate(tiny64, **kw)
+    assert str(e.value).startswith(msg) and "\n" not in str(e.value), str(e.value)
+  with pytest.raises(api.ParameterError, match=r"max_tokens must be an int, got 160.0 \(float\)"):
+    api.make_kv(tiny64, 160.0)
+
+
+def test_sweep_refuses_bad_contexts_and_reports_tokens_match(tmp_path):
+  """sweep_fixed_span: a non-positive context is one line, exit 2; `--compare_plain` fills
+  tokens_match (the plain cache's greedy tokens); a sweep that compares nothing has no such column;
+  it says where it wrote its files."""
+  p = _experiment(["experiments.sweep_fixed_span", "--contexts=-128", f"--out={tmp_path}"])
+  assert p.returncode == 2 and p.stderr.splitlines() == ["sweep_fixed_span: error: --contexts -128: must be a "
+                                                         "positive count"], p.stderr
+  common = ["experiments.sweep_fixed_span", "--arena_mib=", "--pool_pages=6", "--decode_tokens=4",
+            "--page_tokens=64", "--ubatch=64", "--nowarmup"]
+  p = _experiment(common + ["--contexts=128", "--compare_plain", f"--out={tmp_path}/a"])
+  assert p.returncode == 0, p.stderr[-2000:]
+  with open(tmp_path / "a" / "results.csv", newline="") as f:
+    (row,) = list(csv.DictReader(f))
+  assert row["error"] == "" and row["tokens_match"] == "True"
+  assert f"sweep_fixed_span: wrote {tmp_path}/a/results.csv, {tmp_path}/a/results.jsonl" in p.stdout
+  p = _experiment(common + ["--contexts=4", f"--out={tmp_path}/b"])   # leaves no prompt: an error row
+  assert p.returncode == 0, p.stderr[-2000:]
+  with open(tmp_path / "b" / "results.csv", newline="") as f:
+    (row,) = list(csv.DictReader(f))
+  assert "tokens_match" not in row and "leaves no prompt" in row["error"]
+
+
+# ---- llama.cpp habits ----------------------------------------------------------------------------
+
+def test_file_flag_top_p_and_version(capsys, tmp_path):
+  """-f FILE (one trailing newline dropped) gives the tokens of -p; --top-p keeps the most probable
+  tokens (a tiny top-p sampled run is greedy); kvjax --version prints the package version."""
+  path = tmp_path / "prompt.txt"
+  path.write_text("Hello\n")
+  rc, out, err = run_main(capsys, "generate", "-f", str(path), "-n", "6", "--ignore-eos", "--kv-page-tokens", "64",
+                          "--json")
+  assert rc == 0, err
+  r = json_line(out)
+  assert r["metrics"]["prompt_tokens"] == 5
+  rc, out, _ = run_main(capsys, "generate", "--file", str(path), "-n", "6", "--ignore-eos", "--kv-page-tokens", "64",
+                        "--temperature", "1.0", "--top-p", "1e-6", "--seed", "3", "--json")
+  assert rc == 0 and json_line(out)["tokens"] == r["tokens"]   # only the top token survives top-p
+  rc, _, err = run_main(capsys, "generate", "-f", str(path), "-p", "hi")
+  one_error_line(rc, err, 2, "give exactly one of --prompt, --file and --prompt-tokens")
+  rc, _, err = run_main(capsys, "generate", "-f", str(tmp_path / "none.txt"))
+  one_error_line(rc, err, 1, "--file", "none.txt", "no such file")
+  rc, _, err = run_main(capsys, "generate", "-p", "hi", "--top-p", "0")
+  one_error_line(rc, err, 2, "--top-p must be in (0, 1] (1: off), got 0.0")
+  rc, out, _ = run_main(capsys, "--version")
+  assert rc == 0 and out.strip() == "kvjax 0.1.0"
+  from kvjax import generate as gen_lib
+  logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))   # top-p 0.7: the first two tokens
+  picks = {gen_lib.sample_token(logits, gen_lib.SamplingParams(1.0, 0, s, top_p=0.7), 0) for s in range(40)}
+  assert picks == {0, 1}
+
+
+def test_tokens_stream_as_generated(capsys, monkeypatch):
+  """The text output writes the prompt echo, then the tokens as they come (a write per token, not
+  one at the end); --json prints its one line only."""
+  writes = []
+
+  class Recorder:
+    def write(self, s):
+      writes.append(s)
+
+    def flush(self):
+      pass
+  monkeypatch.setattr(sys, "stdout", Recorder())
+  argv = ["generate", "-p", "Hello", "-n", "12", "--ignore-eos", "--kv-page-tokens", "64"]
+  assert cli.main(argv) == 0
+  text = "".join(writes)
+  assert text.startswith("Hello") and text.endswith("\n") and len(writes) >= 8, writes
+  writes.clear()
+  assert cli.main(argv + ["--no-display-prompt", "--json"]) == 0
+  assert len("".join(writes).splitlines()) == 1 and api.printable(json.loads("".join(writes))["text"]) in text
+
+
+def test_prefill_progress(capsys, monkeypatch, tiny64):
+  """api.generate(on_prefill=) is called at the start and after each prefill block (done, total);
+  the CLI draws a bar on a terminal's stderr (tokens, tok/s), none with --no-progress."""
+  calls = []
+  api.generate(tiny64, prompt_tokens=PROMPT_IDS, n_predict=2, ubatch=16, on_prefill=lambda d, t: calls.append((d, t)))
+  assert calls == [(0, 100)] + [(min(d, 100), 100) for d in range(16, 113, 16)]
+
+  class Terminal:
+    def __init__(self):
+      self.text = ""
+
+    def write(self, s):
+      self.text += s
+
+    def flush(self):
+      pass
+
+    def isatty(self):
+      return True
+  monkeypatch.setattr(cli, "PROGRESS_DELAY_S", 0)
+  for extra, shown in (([], True), (["--no-progress"], False)):
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    assert cli.main(["generate", PROMPT_FLAG, "-n", "2", "--ubatch-size", "16", "--kv-page-tokens", "64",
+                     "--json"] + extra) == 0
+    assert ("prefill: " in term.text and "/100 [" in term.text and "tok/s]" in term.text) == shown, term.text
+
+
+def test_run_says_where_it_wrote(tmp_path):
+  p = _experiment(["experiments.run", "--config=configs/tiny_stream.py", "--config.kv=plain",
+                   "--config.n_predict=2", f"--config.out_dir={tmp_path}"])
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert f"run: wrote {tmp_path}/tiny_stream.jsonl and {tmp_path}/tiny_stream.csv" in p.stderr
+  assert os.path.exists(tmp_path / "tiny_stream.csv")
+
+
+def test_summary_excludes_compilation():
+  """tok/s without the compile time inside the timings; a cold run adds one line of its compile time."""
+  m = {"prompt_tokens": 100, "prompt_ms": 1000.0, "prompt_compile_ms": 900.0, "decode_tokens": 11,
+       "predicted_ms": 600.0, "predicted_compile_ms": 500.0, "compile_ms": 1400.0, "warmup": False,
+       "spec_type": "none"}
+  lines = cli._summary(m)  # pylint: disable=protected-access
+  assert lines[0] == "prefill 100 tokens in 100.0 ms (1000.0 tok/s), decode 11 tokens in 100.0 ms (100.0 tok/s)"
+  assert lines[1].startswith("cold run: 1.4 s of jax tracing and compiling (prefill 0.9 s, decode 0.5 s), "
+                             "not counted above") and "--warmup" in lines[1]
+  assert len(cli._summary(dict(m, warmup=True, compile_ms=0.0, prompt_compile_ms=0.0,  # pylint: disable=protected-access
+                               predicted_compile_ms=0.0))) == 1

@@ -68,7 +68,7 @@ def mtp_runs(setup):
     rounds = []
 
     def on_round(info, kv=kv, cache=cache, rounds=rounds):
-      info = dict(info, logits=np.asarray(info["logits"]))
+      info = dict(info, logits=np.asarray(info["logits"])[:1 + len(info["drafts"])])
       if cache == "streamed":
         committed = info["pos"] + info["accepted"] + 1
         info["checks"] = {}
@@ -176,6 +176,36 @@ def test_verify_logits_are_the_same_bits_on_every_cache_and_rollback(setup, mtp_
   assert [r["drafts"] for r in p_rounds] == [r["drafts"] for r in s_rounds]
   for a, b in zip(p_rounds, s_rounds):
     assert np.array_equal(a["logits"], b["logits"]), f"verify forward at {a['pos']}"
+
+
+def test_mtp_drafting_in_one_program_equals_step_by_step(setup, mtp_runs, monkeypatch):
+  """The round's MTP draft steps run as one device program (`Runner.mtp_draft`, one call a round
+  with more than one draft step; under the streamed cache's ring lease too), with the drafts and the
+  probabilities (same bits) of one MTP forward a step; on the plain cache nothing compiles after the
+  first round (a streamed cache's staged shapes: `kvjax.warmup`, tests/test_warmup.py)."""
+  cfg, layout, runner, prompt, _ = setup
+  calls = []
+  fused = runner.mtp_draft
+  for cache in ("plain", "streamed"):
+    res, rounds, _ = mtp_runs[cache]
+    assert cache != "plain" or res.metrics["predicted_compiles"] == 0
+    kv = engine.PlainKV(cfg, layout, 70 + N + 8) if cache == "plain" else _streamed(cfg, layout, 70 + N + 8)
+    monkeypatch.setattr(runner, "mtp_draft", lambda *a: calls.append(1) or fused(*a))
+    steps = []
+    monkeypatch.setattr(runner, "mtp_draft_steps", None)       # step by step
+    speculative.generate_speculative(
+        runner, kv, prompt, N_MTP, speculative.DraftParams("mtp", n_max=3, p_min=P_MIN),
+        ubatch=32, on_round=lambda info, steps=steps: steps.append((info["drafts"], info["draft_p"])))
+    monkeypatch.undo()
+    assert not calls
+    assert [(r["drafts"], r["draft_p"]) for r in rounds] == steps, cache
+  counters = mtp_runs["streamed"][2].counters     # MTP, verify and decode layouts kept by key
+  assert counters["layout_hits"] > counters["layout_changes"] > 0
+  kv = engine.PlainKV(cfg, layout, 70 + N + 8)
+  monkeypatch.setattr(runner, "mtp_draft", lambda *a: calls.append(1) or fused(*a))
+  res = speculative.generate_speculative(runner, kv, prompt, N_MTP, speculative.DraftParams("mtp", n_max=3),
+                                         ubatch=32)
+  assert len(calls) == res.metrics["verify_forwards"] - 1 > 3   # every round but the last (1 token left)
 
 
 def test_p_min_stops_mtp_drafting(mtp_runs):
@@ -350,6 +380,42 @@ def test_host_rollback_restores_the_captured_rows_bit_for_bit(setup):
     assert all(np.array_equal(a, b) for a, b in zip(want, got))
   one_row = sum(x.nbytes for x in want)
   assert host.d2h_bytes == 3 * one_row and host.h2d_bytes == 3 * one_row   # rows 0..2 out, each back once
+  assert host.stage_peak == min(len(live), host.SLOTS)
+
+
+def test_host_rollback_stage_holds_two_groups_and_restores_any_row():
+  """Five groups' captured states (4 rows each) through the stage: at most two groups' snapshots
+  are on their way to the host at once; every row j comes back with its bits."""
+  rng = np.random.default_rng(0)
+  groups = [(jax.numpy.asarray(rng.standard_normal((4, 3, 5)), jax.numpy.float32),
+             jax.numpy.asarray(rng.integers(0, 9, (4, 2)), jax.numpy.int32)) for _ in range(5)]
+  for j in range(4):
+    host = speculative.HostRollback()
+    take = host.sink()
+    live = []
+    for g, captured in enumerate(groups):
+      live.append(take(g, captured))
+      assert len(host._inflight) <= host.SLOTS        # pylint: disable=protected-access
+    assert host.stage_peak == host.SLOTS
+    after = host.states_after(tuple(live), j, 4)
+    for g, captured in enumerate(groups):
+      for a, b in zip(after[g], captured):
+        assert np.array_equal(np.asarray(a), np.asarray(b[j])), (g, j)
+    assert host.d2h_bytes == sum(x.nbytes for c in groups for x in c) * 3 // 4
+    assert host.h2d_bytes == (0 if j == 3 else sum(x.nbytes for c in groups for x in c) // 4)
+
+
+def test_ngram_index_drafts_what_the_scan_drafts():
+  rng = np.random.default_rng(0)
+  for n in (1, 2, 3):
+    toks = [int(t) for t in rng.integers(0, 4, size=300)]   # a small vocabulary: many repeats
+    index = speculative.NgramIndex(n, toks[:5])
+    for i in range(5, len(toks) + 1):
+      for m in (1, 3):
+        assert index.draft(m) == speculative.ngram_draft(toks[:i], n, m), (n, i, m)
+      index.extend(toks[i:i + 1])
+  with pytest.raises(ValueError, match="ngram_n"):
+    speculative.NgramIndex(0)
 
 
 def test_draft_params_and_ngram():

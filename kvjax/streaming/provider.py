@@ -79,6 +79,7 @@ from kvjax_pallas.page_layout import PageLayout
 
 
 PIPELINE_DEPTH = 1   # layers whose copies are in flight beside the step being run
+LAYOUTS_KEPT = 4     # forward layouts kept by key (`begin_forward`)
 
 
 class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
@@ -117,6 +118,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     self._prefetch: Dict[int, Tuple[int, int, jax.Array]] = {}
     self.prefetch_next = 1
     self._lease: Optional[MTPLease] = None
+    self._layouts: Dict[tuple, Tuple[tuple, Dict[int, staging.LayerPlan]]] = {}   # key -> layout, LRU
     self._bind(stream)
     self._pending: Dict[int, Any] = {}           # rows of ended layers not yet published to the host
     self._ended = []                              # the layers of this forward that ended
@@ -135,7 +137,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     self.counters = dict(h2d_bytes=0, h2d_calls=0, ring_wraps=0, streamed_pages=0, readiness_misses=0,
                          forwards=0, host_ms=0.0, max_spans=0, ring_peak_slots=0, timed_copy_ms=0.0,
                          timed_bytes=0, elapsed_ms=0.0, staging_peak_bytes=0, deadline_samples=0,
-                         layout_changes=0, prefetch_hits=0, prefetch_dropped=0, waves=0,
+                         layout_changes=0, layout_hits=0, prefetch_hits=0, prefetch_dropped=0, waves=0,
                          waved_layers=0, tail_uploads=0, open_hits=0, host_begin_ms=0.0,
                          host_end_ms=0.0, rows_wait_ms=0.0, mtp_leases=0, mtp_lease_bytes=0,
                          mtp_lease_reloads=0, mtp_lease_refused=0)
@@ -179,6 +181,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
   def _forget_layout(self) -> None:
     self.plans.clear()
     self._shape_key = None
+    self._layouts.clear()
     self._stage = {}
     self._wave_stage = {}
     self._drop_prefetch()
@@ -314,9 +317,17 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
         self.open_page[a] = -1
     key = (self._bind_generation, self._full, self._content, active, self._order, self._wave_pages, held,
            None if self._lease is None else self._lease[:3])
-    if key != self._shape_key:
-      self._held = held
-      self._lay_out_forward()
+    if key != self._shape_key:     # a layout per key, the last few kept: roles that alternate
+      kept = self._layouts.pop(key, None)    # (MTP, verify, decode) lay out once each
+      if kept is None:
+        self._held = held
+        self._lay_out_forward()
+      else:
+        self._held, self._layer_plans = kept
+        self.counters["layout_hits"] += 1
+      self._layouts[key] = (self._held, self._layer_plans)
+      while len(self._layouts) > LAYOUTS_KEPT:
+        self._layouts.pop(next(iter(self._layouts)))
       self._shape_key = key
     for a in self._order:
       lp = self._layer_plans[a]

@@ -12,7 +12,9 @@ from typing import Callable
 import jax.numpy as jnp
 from jax import lax
 
-try:  # jax 0.10 / 0.11: the Triton compiler params live here
+try:  # jax 0.10 / 0.11: the Triton compiler params live here (the Triton backend, deprecated in
+  # jax 0.11 with no replacement for these kernels: the Triton span kernel and the combine that
+  # every kernel's partials go through; Mosaic GPU has none of its own yet)
   from jax.experimental.pallas import triton as _pltriton
 except ImportError:  # pragma: no cover
   _pltriton = None

@@ -11,6 +11,8 @@ Both kernels take Q8_0 K / Q4_0 V pages, head_dim 256, 1-4 KV heads, page_tokens
 
 Inline code (`plgpu.inline_mgpu`) runs only when compiled for the GPU; the Mosaic GPU
 interpreter runs the jnp forms (`k_in_ggml_order`, `vt_in_magic_order` with `ggml_codec`).
+The kernels' transposed SMEM operands are the refs' own views (`ref.transpose((1, 0))`, in jax
+0.10 and 0.11), not `plgpu.transpose_ref`, which jax 0.11 deprecates.
 """
 
 from __future__ import annotations

@@ -280,7 +280,7 @@ class _CompiledTile:
     del head
 
     def qk(acc):
-      plgpu.wgmma(acc, self.k_lhs(kbuf), plgpu.transpose_ref(qt, (1, 0)))     # Q^T [256, N]
+      plgpu.wgmma(acc, self.k_lhs(kbuf), qt.transpose((1, 0)))                 # Q^T [256, N]
       plgpu.wgmma_wait(0)
       return acc[...]
     return pl.run_scoped(qk, plgpu.ACC((BLOCK_TOKENS, self.n), jnp.float32))
@@ -292,14 +292,14 @@ class _CompiledTile:
 
     def pv(accs):
       for acc, vt in zip(accs, self.vt_lhs(vbuf, info)):
-        plgpu.wgmma(acc, vt, plgpu.transpose_ref(pt, (1, 0)))                 # P^T [64, N]
+        plgpu.wgmma(acc, vt, pt.transpose((1, 0)))                             # P^T [64, N]
       plgpu.wgmma_wait(0)
     return pl.run_state(pv)(tuple(plgpu.ACC.init(x) for x in o))
 
   def store_p(self, p_ref, p16):
     """p [64, N] f16 (WGMMA layout) -> the N-major P ref [N, 64]: one register shuffle into the
     transposed layout, then Mosaic's tiled store through the transposed view."""
-    plgpu.transpose_ref(p_ref, (1, 0))[...] = plgpu.layout_cast(p16, plgpu.Layout.WGMMA_TRANSPOSED)
+    p_ref.transpose((1, 0))[...] = plgpu.layout_cast(p16, plgpu.Layout.WGMMA_TRANSPOSED)
 
   def zeros(self):
     col = plgpu.Layout.WGMMA.reduce(0)

@@ -181,14 +181,14 @@ class _CompiledPrefill:
 
   def scores(self, q, kf):
     def qk(acc):
-      plgpu.wgmma(acc, q, plgpu.transpose_ref(kf, (1, 0)))                # K^T [256, 64]
+      plgpu.wgmma(acc, q, kf.transpose((1, 0)))                            # K^T [256, 64]
       plgpu.wgmma_wait(0)
       return acc[...]
     return pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, BLOCK_TOKENS), jnp.float32))
 
   def pv(self, o, p16, vtf):
     def pv(acc):
-      plgpu.wgmma(acc, p16, plgpu.transpose_ref(vtf, (1, 0)))              # V [64, 256]
+      plgpu.wgmma(acc, p16, vtf.transpose((1, 0)))                          # V [64, 256]
       plgpu.wgmma_wait(0)
     return pl.run_state(pv)(plgpu.ACC.init(o))
 

@@ -71,9 +71,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-try:  # jax 0.10 / 0.11: the Triton load and inline asm live here
+try:  # jax 0.10 / 0.11: the Triton load and inline asm (the Triton backend, deprecated in jax 0.11)
   from jax.experimental.pallas import triton as _pltriton
-except ImportError:  # pragma: no cover
+except ImportError:  # pragma: no cover (a jax without the Triton backend: "reference" only)
   _pltriton = None
 
 from kvjax_pallas.page_layout import PageLayout
@@ -328,14 +328,11 @@ def _dot_nn(a, b, precision):  # a [M, K] . b [K, N] -> [M, N] f32
 
 
 def _masked_load(ref, idx, mask, other):
-  """Masked gather `ref[idx]` (Triton load; the CPU interpreter runs it too); mask None: plain."""
+  """Masked gather `ref[idx]` (the Triton load, `jax.experimental.pallas.triton.load`: jax 0.10
+  and 0.11 have no `pl.load`; the CPU interpreter runs it too); mask None: plain."""
   if mask is None:
-    if _pltriton is not None and hasattr(_pltriton, "load"):
-      return _pltriton.load(ref.at[idx])
-    return pl.load(ref, idx)  # pragma: no cover (older jax)
-  if _pltriton is not None and hasattr(_pltriton, "load"):
-    return _pltriton.load(ref.at[idx], mask=mask, other=other)
-  return pl.load(ref, idx, mask=mask, other=other)  # pragma: no cover (older jax)
+    return _pltriton.load(ref.at[idx])
+  return _pltriton.load(ref.at[idx], mask=mask, other=other)
 
 
 def load_blocks(pool_ref, phys, row_hw, kind: str, head_dim: int):

@@ -1,0 +1,176 @@
+"""Weights kept in their GGUF block format on the device (`load_model(..., weights="quantized")`).
+
+A quantized GGUF's matrices (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: `kvjax_pallas.quant_matmul.FORMATS`)
+stay as ggml stored them, one row of blocks per output row, and are dequantized as they are read:
+
+    w = QuantizedWeight(data_nb, "q4_k", k=5120, dtype_name="bfloat16")   # data [N, row bytes] uint8
+    y_sn = linear(x_sk, w)            # x @ dequantize(w).T, f32 accumulation (`kvjax.model.linear`)
+    e_se = w[tokens_s]                # embedding rows, dequantized (a gather of their bytes first)
+
+A `QuantizedWeight` is a pytree whose one leaf is the bytes (format, row length, compute dtype and
+implementation are static), so it sits in an `nnx.Param` like any weight, is split with the model
+and passed to the compiled steps as a leaf. The product runs `kvjax_pallas.quant_matmul.quant_matmul`:
+"xla" (dequantize, then the same product as a dequantized weight's: bit for bit the logits of a
+model dequantized at load) or "pallas" (the kernel that dequantizes in registers).
+
+Tensors that stay dequantized: 1-D tensors, `ssm_conv1d` (a convolution, not a product) and any
+matrix stored in another type (F32 / F16 / BF16 as they are; other block types are dequantized at
+load, with a notice naming them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Iterator, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax_pallas.quant_matmul import api as qmm
+
+FORMATS = tuple(qmm.FORMATS)                 # formats kept quantized ("q8_0", "q4_0", "q4_k", ...)
+WEIGHTS = ("quantized", "dequantized")       # load_model(weights=)
+IMPLEMENTATIONS = ("xla", "pallas")
+# matrices read only through `linear` or an embedding gather (what may stay quantized)
+_PRODUCT_LEAVES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
+                   "ffn_up.weight", "ffn_down.weight", "attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight",
+                   "ssm_alpha.weight", "ssm_out.weight", "nextn.eh_proj.weight", "nextn.shared_head_head.weight")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+  """A matrix [N, K] as ggml blocks: `data` [N, row_bytes(fmt, K)] uint8."""
+  data: jax.Array
+  fmt: str = dataclasses.field(metadata=dict(static=True))
+  k: int = dataclasses.field(metadata=dict(static=True))
+  dtype_name: str = dataclasses.field(default="float32", metadata=dict(static=True))
+  impl: str = dataclasses.field(default="xla", metadata=dict(static=True))
+
+  @property
+  def shape(self) -> Tuple[int, int]:
+    return (int(self.data.shape[0]), self.k)
+
+  @property
+  def dtype(self):
+    """The compute dtype (what the activations are cast to, what a dequantized row is)."""
+    return jnp.dtype(self.dtype_name)
+
+  @property
+  def ndim(self) -> int:
+    return 2
+
+  @property
+  def nbytes(self) -> int:
+    return int(self.data.nbytes)
+
+  def __getitem__(self, index):
+    if index is Ellipsis:            # `param[...]`, as the model reads every weight
+      return self
+    return qmm.dequantize(self.data[index], self.fmt, self.k, self.dtype)
+
+  def dequantize(self):
+    return qmm.dequantize(self.data, self.fmt, self.k, self.dtype)
+
+  def matmul(self, x):
+    """x [..., K] @ dequantize(self).T -> [..., N] float32."""
+    lead = x.shape[:-1]
+    x_sk = x.reshape((-1, self.k)).astype(self.dtype)
+    y = qmm.quant_matmul(x_sk, self.data, self.fmt, self.k, implementation=self.impl,
+                         interpret=jax.default_backend() != "gpu")   # the kernel compiles for GPUs
+    return y.reshape(lead + (self.shape[0],))
+
+
+def block_values(fmt: str) -> int:
+  """Values a block of format `fmt` (a one-line ValueError for another name)."""
+  if fmt not in FORMATS:
+    raise ValueError(f"quantized format {fmt!r}: expected one of {', '.join(FORMATS)}")
+  return qmm.FORMATS[fmt].block_values
+
+
+def is_quantized(w: Any) -> bool:
+  return isinstance(w, QuantizedWeight)
+
+
+def keeps_quantized(name: str) -> bool:
+  """Is GGUF tensor `name` one that may stay quantized (a matrix read only by products)?"""
+  if name in ("token_embd.weight", "output.weight"):
+    return True
+  return name.startswith("blk.") and name.split(".", 2)[-1] in _PRODUCT_LEAVES
+
+
+def ggml_format(type_name: str) -> Optional[str]:
+  """GGML type name ("Q4_K") -> a kept format ("q4_k"), or None."""
+  fmt = type_name.lower()
+  return fmt if fmt in FORMATS else None
+
+
+def quantized_tensors(gguf_model, dtype=np.float32, impl: str = "xla", dtype_name: str = "float32",
+                      notice=None) -> Iterator[Tuple[str, Any]]:
+  """A GGUF's tensors, one at a time: the matrices in a kept format as `QuantizedWeight` (their
+  stored bytes, numpy), every other tensor dequantized to `dtype` (`GGUFModel.load_tensor`). Block
+  types that are dequantized instead of kept are named once through `notice` (default: a line on
+  stderr)."""
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"quantized weight implementation {impl!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
+  dequantized = set()
+  for name in gguf_model.tensor_names():
+    info = gguf_model.tensor_info(name)
+    type_name = info.ggml_type.name
+    fmt = ggml_format(type_name)
+    if fmt is not None and keeps_quantized(name) and len(info.shape) == 2:
+      rows = np.asarray(gguf_model.raw_bytes(name)).reshape(info.shape[0], -1)
+      yield name, QuantizedWeight(rows, fmt, int(info.shape[1]), dtype_name, impl)
+      continue
+    if type_name not in ("F32", "F16", "BF16") and len(info.shape) == 2:
+      dequantized.add(type_name)
+    yield name, gguf_model.load_tensor(name, dtype)
+  if dequantized:
+    msg = (f"kvjax: {', '.join(sorted(dequantized))} matrices dequantized at load (kept quantized: "
+           f"{', '.join(f.upper() for f in FORMATS)})")
+    (notice or (lambda m: print(m, file=sys.stderr)))(msg)
+
+
+# Random blocks: every byte pattern is a valid block, so the quantized values are drawn as random
+# bytes and only the f16 scales are set: (byte offset of d, of dmin or None, std of a value per
+# unit d, mean of a value per unit dmin offset), so that values have about the std asked for and,
+# for the K-quants, a mean near 0 (dmin = offset * d cancels the nibbles' mean on average).
+_RANDOM_SCALES = {"q8_0": (0, None, 73.9, 0.0), "q4_0": (0, None, 4.61, 0.0), "q4_k": (0, 2, 240.0, 7.5),
+                  "q5_k": (0, 2, 490.0, 15.5), "q6_k": (-2, None, 1365.0, 0.0)}
+
+
+def random_quantized(fmt: str, n: int, k: int, seed: int = 0, std: Optional[float] = None) -> QuantizedWeight:
+  """A random matrix [n, k] in block format `fmt` (numpy bytes; values of about `std`, default
+  1 / sqrt(k)): random quantized values with f16 scales that give that spread."""
+  block_values(fmt)
+  f = qmm.FORMATS[fmt]
+  if k % f.block_values:
+    raise ValueError(f"{fmt}: rows of {k} values are not a multiple of its {f.block_values}-value block")
+  rng = np.random.default_rng(seed)
+  nb = k // f.block_values
+  blocks = rng.integers(0, 256, (n, nb, f.block_bytes), dtype=np.uint8)
+  d_at, dmin_at, unit, offset = _RANDOM_SCALES[fmt]
+  d = np.full((n, nb), (1.0 / np.sqrt(k) if std is None else std) / unit, np.float16)
+  d_at = d_at % f.block_bytes
+  blocks[:, :, d_at:d_at + 2] = d.view(np.uint8).reshape(n, nb, 2)
+  if dmin_at is not None:
+    dmin = (d.astype(np.float32) * offset).astype(np.float16)
+    blocks[:, :, dmin_at:dmin_at + 2] = dmin.view(np.uint8).reshape(n, nb, 2)
+  return QuantizedWeight(blocks.reshape(n, nb * f.block_bytes), fmt, k)
+
+
+def with_dtype(w: QuantizedWeight, dtype_name: str) -> QuantizedWeight:
+  """`w` computing in `dtype_name` (the model's), its bytes on the device."""
+  return dataclasses.replace(w, data=jnp.asarray(w.data), dtype_name=dtype_name)
+
+
+def runner_bytes(runner) -> int:
+  """Device bytes of an `engine.Runner`'s weights (quantized ones at their stored size; an array
+  held twice, as a tied output projection, counted once)."""
+  trees = [leaves for _, leaves in runner.groups] + [runner.token_embd, runner.output_norm, runner.output]
+  if runner.mtp is not None:
+    trees.append(runner.mtp[1])
+  leaves = {id(x): x for x in jax.tree_util.tree_leaves(trees)}
+  return sum(int(x.nbytes) for x in leaves.values())
