@@ -1,45 +1,81 @@
-"""Kernel-study probe: is a layer step's lowering the same in two processes? (The persistent
-compilation cache keys `jit__group_step` by it; a second process that lowers other bytes misses.)
+"""Kernel-study probe: is a layer step's persistent-cache key the same in two processes? (The
+persistent compilation cache keys `jit__group_step` by its lowering, the backend, the XLA flags and
+the compile options; a second process whose key differs compiles again.)
 
-Lowers `_group_step` of a one-group 27B-geometry model (decode and prefill shapes, `auto`
-attention) and writes each lowering's text and sha256 under $OUT/<tag>/. Run it twice with two
-tags, then diff:  python -m experiments.kernel_lab.probe_cache_key a; ... b; diff -r $OUT/a $OUT/b
+Lowers and compiles `_group_step` of a 27B-geometry layer group (decode and prefill shapes,
+`--impl` attention) from abstract arguments (no weights are drawn), with jax's cache-key logger at
+DEBUG: each key component's running hash is logged. Writes each lowering's text, the log and a
+summary under $OUT/probe_cache_key/<tag>/. Run it twice with two tags, then diff:
+
+  python -m experiments.kernel_lab.probe_cache_key a; python -m experiments.kernel_lab.probe_cache_key b
+  diff -r $OUT/probe_cache_key/a $OUT/probe_cache_key/b
+
+The first component whose hash differs names the cause ("computation": the module's bytes;
+"compile_options", "XLA flags", "accelerator_config": the process's settings). `--lower_for=cuda`
+lowers for a GPU from any machine (no compile): the module text alone, for a CPU check.
 """
 
 import hashlib
+import logging
 import os
 import sys
 
+import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from kvjax import config, engine, weights
-from kvjax.config import gguf_tensor_shapes
-from kvjax.model import AttentionOptions
+from kvjax import config, engine
+from kvjax.model import AttentionOptions, Qwen38, zero_recurrent_state
 from kvjax_pallas.page_layout import PageLayout
 
 
-def main(tag: str) -> None:
+def _args(tag_argv):
+  args = dict(a.lstrip("-").split("=", 1) for a in tag_argv[1:] if "=" in a)
+  tag = next((a for a in tag_argv[1:] if "=" not in a), "a")
+  return tag, args.get("impl", "auto"), args.get("lower_for", "")
+
+
+def main(argv) -> None:
+  tag, impl, lower_for = _args(argv)
   out = os.path.join(os.environ.get("OUT", "runs"), "probe_cache_key", tag)
   os.makedirs(out, exist_ok=True)
+  handler = logging.FileHandler(os.path.join(out, "cache_key.log"), mode="w")
+  handler.setFormatter(logging.Formatter("%(message)s"))
+  key_log = logging.getLogger("jax._src.cache_key")
+  key_log.setLevel(logging.DEBUG)
+  key_log.addHandler(handler)
+  if not lower_for:
+    # one folder for both tags: its path is part of every key (the per-fusion autotune cache's)
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(os.path.join(out, "..", "cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   cfg = config.qwen38_27b(num_layers=4)
-  model = engine.build_model(cfg, weights.iter_random_device_tensors(cfg, 0, "bfloat16"), dtype=jnp.bfloat16,
-                             names=gguf_tensor_shapes(cfg).keys())
+  abstract = nnx.eval_shape(lambda: Qwen38(cfg, jnp.bfloat16))
   layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", page_tokens=256)
-  runner = engine.Runner(model, layout, AttentionOptions(implementation="auto"))
-  gd, gs = runner.groups[0]
-  st = runner.zero_states()[0]
+  opts = AttentionOptions(implementation=impl)
+  gd, gs = engine.split_static(abstract.groups[0])
+  gs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in gs]
+  st = jax.eval_shape(lambda: tuple(zero_recurrent_state(cfg) for _ in range(3)))
   pages = layout.pages_for(32768)
+  s = jax.ShapeDtypeStruct
+  summary = []
   for rows in (1, 256):
-    low = engine._group_step.lower(   # pylint: disable=protected-access
-        gd, gs, engine.on_device(jnp.zeros((rows, cfg.hidden_size), jnp.bfloat16)), st,
-        engine.on_device(jnp.zeros((64, layout.page_bytes), jnp.uint8)), engine.on_device(jnp.zeros((pages,), jnp.int32)),
-        engine.on_device(jnp.int32(0)), engine.on_device(jnp.int32(rows)), layout=layout, opts=runner.opts,
+    traced = engine._group_step.trace(   # pylint: disable=protected-access
+        gd, gs, s((rows, cfg.hidden_size), jnp.bfloat16), st, s((64, layout.page_bytes), jnp.uint8),
+        s((pages,), jnp.int32), s((), jnp.int32), s((), jnp.int32), layout=layout, opts=opts,
         chunked=rows > 1, capture=False)
-    text = low.as_text()
+    lowered = traced.lower(lowering_platforms=(lower_for,)) if lower_for else traced.lower()
+    text = lowered.as_text()
     with open(os.path.join(out, f"group_step_{rows}.mlir"), "w") as f:
       f.write(text)
-    print(tag, rows, hashlib.sha256(text.encode()).hexdigest()[:16], len(text), flush=True)
+    line = f"{tag} rows={rows} text_sha={hashlib.sha256(text.encode()).hexdigest()[:16]} chars={len(text)}"
+    if not lower_for:
+      key_log.debug("== compile rows=%d", rows)
+      lowered.compile()
+    summary.append(line)
+    print(line, flush=True)
+  with open(os.path.join(out, "summary.txt"), "w") as f:
+    f.write("\n".join(summary) + "\n")
 
 
 if __name__ == "__main__":
-  main(sys.argv[1] if len(sys.argv) > 1 else "a")
+  main(sys.argv)
