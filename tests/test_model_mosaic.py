@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 import pytest
+import jax
 import jax.numpy as jnp
 
 from kvjax import config, engine, weights
@@ -86,6 +87,22 @@ def test_auto_picks_mosaic_where_it_takes_the_call():
   assert api.resolve_implementation("auto", layout=lay, q_shape=(1, 24, 256),
                                     backend="cpu") == "reference"
   assert api.resolve_implementation("auto", backend="gpu") == "triton"   # shapes unknown
+
+
+def test_auto_gives_triton_the_calls_on_a_gpu_without_wgmma(monkeypatch):
+  """The Mosaic GPU kernels need Hopper (compute capability 9.x): on an Ampere or a Blackwell GPU
+  "auto" gives every call to Triton."""
+  class Dev:
+    platform = "gpu"
+
+    def __init__(self, cc):
+      self.compute_capability = cc
+
+  assert api.mosaic_device_ok(Dev("9.0")) and not api.mosaic_device_ok(Dev("8.6"))
+  assert not api.mosaic_device_ok(Dev("10.0")) and api.mosaic_device_ok(jax.devices("cpu")[0])
+  monkeypatch.setattr(api, "mosaic_device_ok", lambda device=None: False)
+  lay = PageLayout(4, 256, "q8_0", "q4_0", 256)
+  assert api.resolve_implementation("auto", layout=lay, q_shape=(1, 24, 256), backend="gpu") == "triton"
 
 
 def test_interpreted_mosaic_in_the_model_matches_the_reference():

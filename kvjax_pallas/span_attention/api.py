@@ -177,9 +177,23 @@ def _mosaic_block_pages(call: SpanCall, num_table_pages: int, sms: int) -> int:
   return _decode.choose_block_pages(num_table_pages, sms)
 
 
+def mosaic_device_ok(device=None) -> bool:
+  """Whether the Mosaic GPU kernels can run on `device` (default: jax's first): they are built on
+  Hopper's wgmma and TMA (compute capability 9.x), so on another NVIDIA GPU "auto" gives their
+  calls to Triton. True for a device that is not a GPU (routing decided for a GPU elsewhere)."""
+  try:
+    dev = jax.devices()[0] if device is None else device
+  except RuntimeError:
+    return True
+  cc = getattr(dev, "compute_capability", None)
+  if dev.platform != "gpu" or not cc:
+    return True
+  return str(cc).split(".")[0] == "9"
+
+
 def _mosaic_supports(call: SpanCall) -> bool:
-  return mosaic_takes(call.layout, call.head_dim, call.rows, call.precision, call.path,
-                      call.num_tokens)
+  return mosaic_device_ok() and mosaic_takes(call.layout, call.head_dim, call.rows, call.precision, call.path,
+                                             call.num_tokens)
 
 
 _REGISTRY = {impl.name: impl for impl in (
