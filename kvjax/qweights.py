@@ -166,6 +166,19 @@ def with_dtype(w: QuantizedWeight, dtype_name: str) -> QuantizedWeight:
   return dataclasses.replace(w, data=jnp.asarray(w.data), dtype_name=dtype_name)
 
 
+def memory_shapes(shapes, itemsize: int, fmt: Optional[str] = None):
+  """{name: shape} the weight-memory check counts at `itemsize` bytes a value, for weights whose
+  kept matrices are quantized: those come as one flat shape of their `fmt` bytes (rows of whole
+  blocks), or are left out where the format is not known yet (a GGUF's, read later: a lower
+  bound)."""
+  out = {n: s for n, s in shapes.items() if not keeps_quantized(n)}
+  if fmt is not None:
+    f = qmm.FORMATS[fmt]
+    kept = sum(s[0] * -(-s[1] // f.block_values) * f.block_bytes for n, s in shapes.items() if keeps_quantized(n))
+    out["(quantized matrices)"] = (-(-kept // itemsize),)
+  return out
+
+
 def runner_bytes(runner) -> int:
   """Device bytes of an `engine.Runner`'s weights (quantized ones at their stored size; an array
   held twice, as a tied output projection, counted once)."""
