@@ -23,4 +23,5 @@ def get_config():
   # kvjax.streaming.arena.workspace_bytes_from_compiled for kvjax's own executables.
   c.decode_workspace_mib = 12.0
   c.stage_in_arena = True
+  c.weight_type = "bf16"     # or a block format the matrices stay in: q8_0, q4_0, q4_k, q5_k, q6_k
   return c

@@ -33,6 +33,7 @@ the bytes free now, imports it when called).
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -54,7 +55,8 @@ def recurrent_layer_bytes(cfg: config_lib.ModelConfig) -> Tuple[int, int]:
 def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
                   k_type: str = "q8_0", v_type: str = "q4_0", arena_mib: float = 2240.0,
                   mtp_depth: int = 3, page_tokens: int = 256,
-                  decode_workspace_mib: float = 0.0, stage_in_arena: bool = True) -> Dict[str, float]:
+                  decode_workspace_mib: float = 0.0, stage_in_arena: bool = True,
+                  weight_type: str = "bf16") -> Dict[str, float]:
   """Byte accounting; returns an ordered dict of named quantities.
 
   Args:
@@ -67,6 +69,9 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
     decode_workspace_mib: the decode phase's workspace inside the arena (an
       input: measure it with `kvjax.streaming.arena.workspace_bytes_from_compiled`).
     stage_in_arena: whether the two-slot stage is carved out of the arena.
+    weight_type: the weights' device bytes: "bf16" / "f16" / "f32" every weight at that size, or a
+      block format (q8_0, q4_0, q4_k, q5_k, q6_k) for the matrices that stay quantized
+      (`kvjax.qweights`), the rest in bf16.
   """
   if context_tokens < 1:
     raise ValueError(f"context_tokens must be >= 1, got {context_tokens}")
@@ -93,7 +98,10 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
         f"({stage if stage_in_arena else 0} B); {-grant} B missing")
   pool_pages = grant // pl.page_bytes
   pool_layers = n_attn + model_cfg.mtp_layers
+  weights = weight_bytes(model_cfg, weight_type)
   return {
+      "weight_type": weight_type,
+      "weight_bytes": weights,
       "kv_layout": pl.describe(),
       "context_tokens": context_tokens,
       "page_tokens": page_tokens,
@@ -122,6 +130,7 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
 
 
 _LABELS = [
+    ("weight_bytes", "weights on the device"),
     ("kv_bytes_per_token_per_layer", "KV per token per layer"),
     ("kv_page_bytes", "KV per page"),
     ("kv_layer_bytes", "KV per layer at context"),
@@ -137,6 +146,18 @@ _LABELS = [
     ("decode_kv_grant_bytes", "decode KV grant"),
     ("decode_kv_pool_bytes", "decode KV pool (whole pages)"),
 ]
+
+
+def weight_bytes(model_cfg: config_lib.ModelConfig, weight_type: str = "bf16") -> int:
+  """Device bytes of the model's weights: every tensor at `weight_type`'s size ("bf16", "f16",
+  "f32"), or the matrices that stay quantized in block format `weight_type` and the rest in bf16."""
+  shapes = config_lib.gguf_tensor_shapes(model_cfg)
+  sizes = {"f32": 4, "bf16": 2, "f16": 2}
+  if weight_type not in sizes:
+    from kvjax import qweights  # pylint: disable=import-outside-toplevel  (block formats: jax's side)
+    qweights.block_values(weight_type)
+    shapes = qweights.memory_shapes(shapes, 2, weight_type)
+  return sum(math.prod(s) for s in shapes.values()) * sizes.get(weight_type, 2)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -170,7 +191,8 @@ def report_from_config(cfg) -> Dict[str, float]:
   return memory_report(
       model, context_tokens=cfg.context_tokens, k_type=cfg.k_type, v_type=cfg.v_type,
       arena_mib=cfg.arena_mib, mtp_depth=cfg.mtp_depth, page_tokens=cfg.page_tokens,
-      decode_workspace_mib=cfg.decode_workspace_mib, stage_in_arena=cfg.stage_in_arena)
+      decode_workspace_mib=cfg.decode_workspace_mib, stage_in_arena=cfg.stage_in_arena,
+      weight_type=cfg.get("weight_type", "bf16"))
 
 
 def main(argv=None):

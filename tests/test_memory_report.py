@@ -84,3 +84,17 @@ def test_format_table_and_cli():
   assert out.returncode == 0, out.stderr
   assert "MTP depth 5" in out.stdout and "436,731,904 B" in out.stdout   # 1,024 pages of 426,496 B
   assert "rollback host snapshots" in out.stdout
+
+
+def test_weight_bytes_by_type():
+  """The weights' device bytes: every tensor at the dtype's size, or the kept matrices in their
+  block format (the 27B: 53.3 GiB in bf16, about 15 GiB with Q4_K matrices)."""
+  from kvjax import config as config_lib
+  from kvjax.memory_report import memory_report, weight_bytes
+  cfg = config_lib.qwen38_27b()
+  bf16, q4k, q8 = (weight_bytes(cfg, t) for t in ("bf16", "q4_k", "q8_0"))
+  assert weight_bytes(cfg, "f32") == 2 * bf16 and 53 * 2**30 < bf16 < 54 * 2**30
+  assert 14 * 2**30 < q4k < 16 * 2**30 < q8 < bf16
+  assert memory_report(cfg, 4096, weight_type="q4_k")["weight_bytes"] == q4k
+  with pytest.raises(ValueError, match="q3_k"):
+    weight_bytes(cfg, "q3_k")
