@@ -12,6 +12,8 @@ configs/tiny_stream.py.
 
 import ml_collections
 
+from kvjax import spec_config
+
 
 def get_config():
   c = ml_collections.ConfigDict()
@@ -42,8 +44,6 @@ def get_config():
   c.warmup = True
   c.prompt_source = "random"  # a preset has no tokenizer: seeded random ids
   # speculative decoding (fields as in configs/tiny_stream.py); e.g. --config.spec_type=oracle
-  c.spec_type, c.spec_n_max, c.spec_p_min, c.spec_rollback = "none", 3, 0.0, "device"
-  c.spec_ngram_n, c.spec_ngram_m = 12, 0
-  c.spec_oracle_acceptance, c.spec_oracle_seed = 0.75, 0
+  c.update(spec_config.config_defaults())   # spec_type "none", spec_n_max 3, ...
   c.out_dir = "runs/"
   return c

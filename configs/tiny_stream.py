@@ -24,16 +24,19 @@ Fields (0 / "" mean "not set"):
   prompt_source  'corpus': prompt_tokens cut from the stdlib corpus (kvjax.corpus.prompt_tokens)
                  when the model has a tokenizer; 'random': seeded random ids
   spec_*         speculative decoding (kvjax.api.SpecConfig: spec_type is its draft, the rest its
-                 fields of the same name); with compare_plain the tokens are checked against plain
-                 greedy on the plain cache. Metrics: draft_generated / draft_accepted,
-                 acceptance_by_position, realized_verify_width (tokens a verify), verify_ms_by_width,
-                 mtp_lease_bytes_per_round, rollback_d2h_bytes / rollback_h2d_bytes
+                 fields of the same name, `kvjax.spec_config.config_key`); with compare_plain the
+                 tokens are checked against plain greedy on the plain cache. Metrics:
+                 draft_generated / draft_accepted, acceptance_by_position, realized_verify_width
+                 (tokens a verify), verify_ms_by_width, mtp_lease_bytes_per_round,
+                 rollback_d2h_bytes / rollback_h2d_bytes
 
   python -m experiments.run --config=configs/tiny_stream.py --config.spec_type=oracle \
       --config.spec_oracle_acceptance=0.9 --config.prompt_tokens=100
 """
 
 import ml_collections
+
+from kvjax import spec_config
 
 
 def get_config():
@@ -65,13 +68,9 @@ def get_config():
   c.compare_plain = True
   c.warmup = False
   c.prompt_source = "corpus"  # prompt_tokens from the stdlib corpus (models with a tokenizer) or "random"
-  c.spec_type = "none"    # speculative: "none", "mtp", "ngram", "ngram+mtp", "oracle"
-  c.spec_n_max = 3
-  c.spec_p_min = 0.0
-  c.spec_ngram_n = 12
-  c.spec_ngram_m = 0      # 0 = spec_n_max
-  c.spec_rollback = "device"
-  c.spec_oracle_acceptance = 0.75
-  c.spec_oracle_seed = 0
+  # speculative: every `SpecConfig` field by its config key, at its default: spec_type "none" (or "mtp",
+  # "ngram", "ngram+mtp", "oracle"), spec_n_max, spec_p_min, spec_ngram_n, spec_ngram_m (0 = spec_n_max),
+  # spec_oracle_acceptance, spec_oracle_seed, spec_rollback, spec_oracle_mtp
+  c.update(spec_config.config_defaults())
   c.out_dir = "runs/"
   return c

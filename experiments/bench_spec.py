@@ -112,7 +112,7 @@ def main(argv):
   widest = 1 + max(int(n) for n in FLAGS.n_max)
   # the arena holds the widest verify forward's scratch and the recurrent states its rows capture
   rows = FLAGS.verify_rows or max(widest, FLAGS.max_width if FLAGS.width_context else 1)
-  widest_draft = speculative.DraftParams("oracle", n_max=rows - 1, rollback=FLAGS.rollback) if rows > 1 else None
+  widest_draft = speculative.SpecConfig("oracle", n_max=rows - 1, rollback=FLAGS.rollback) if rows > 1 else None
   workspace, verify_states = speculative.decode_workspace_bytes(runner, max(int(c) for c in FLAGS.contexts), widest_draft)
   pool_pages = int((FLAGS.arena_mib * 2**20 - workspace) // layout.page_bytes)
   n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
@@ -148,9 +148,9 @@ def main(argv):
     return toks, (len(toks) - 1) / (time.perf_counter() - t)
 
   def spec(kv, ctx, n_max, truth, drafter=None):
-    draft = speculative.DraftParams("oracle", n_max=n_max, oracle_acceptance=FLAGS.acceptance,
-                                    oracle_seed=FLAGS.seed, rollback=FLAGS.rollback,
-                                    oracle_mtp=FLAGS.oracle_mtp and drafter is None)
+    draft = speculative.SpecConfig("oracle", n_max=n_max, oracle_acceptance=FLAGS.acceptance,
+                                   oracle_seed=FLAGS.seed, rollback=FLAGS.rollback,
+                                   oracle_mtp=FLAGS.oracle_mtp and drafter is None)
     # the synthetic MTP history holds ctx rows; the first MTP draft comes from a zero hidden state
     mtp_next = (truth[1], 1.0, jnp.zeros((1, cfg.hidden_size), jnp.dtype(FLAGS.dtype))) \
         if draft.oracle_mtp else None

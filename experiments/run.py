@@ -30,6 +30,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from kvjax import spec_config
+
 
 def define_flags():
   """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
@@ -47,25 +49,8 @@ CONFIG_FIELD_OF = {
     "temperature": "config.temperature", "top_k": "config.top_k", "seed": "config.seed",
     "arena_mib": "config.arena_mib", "pool_pages": "config.pool_pages", "copy_pages": "config.copy_pages",
     "tensor_parallel": "config.tensor_parallel",
-    "spec.draft": "config.spec_type", "spec.n_max": "config.spec_n_max", "spec.p_min": "config.spec_p_min",
-    "spec.ngram_n": "config.spec_ngram_n", "spec.ngram_m": "config.spec_ngram_m",
-    "spec.rollback": "config.spec_rollback", "spec.oracle_acceptance": "config.spec_oracle_acceptance",
-    "spec": "config.spec_type",
+    **spec_config.names("config.", spec_config.config_key),    # "spec.n_max": "config.spec_n_max", ...
 }
-
-# speculative config fields (absent or spec_type 'none': no speculation) -> `kvjax.api.SpecConfig`
-SPEC_FIELDS = {"spec_n_max": "n_max", "spec_p_min": "p_min", "spec_ngram_n": "ngram_n",
-               "spec_ngram_m": "ngram_m", "spec_rollback": "rollback",
-               "spec_oracle_acceptance": "oracle_acceptance", "spec_oracle_seed": "oracle_seed"}
-
-
-def spec_of(cfg):
-  """The config's speculative decoding as `kvjax.api.SpecConfig`, or None (spec_type 'none')."""
-  from kvjax import api
-  kind = cfg.get("spec_type", "none")
-  if kind in ("none", ""):
-    return None
-  return api.SpecConfig(kind, **{f: cfg[k] for k, f in SPEC_FIELDS.items() if k in cfg})
 
 
 def prompt_of(cfg, model) -> list:
@@ -94,7 +79,7 @@ def check_config(cfg) -> None:
   if cfg.get("prompt_source", "corpus") not in ("corpus", "random"):
     raise api.ParameterError(f"config.prompt_source {cfg.prompt_source!r}: expected 'corpus' or 'random'")
   api.check_generation(n_predict=cfg.n_predict, temperature=cfg.temperature, top_k=cfg.top_k, ubatch=cfg.ubatch,
-                       spec=spec_of(cfg))
+                       spec=spec_config.from_config(cfg))
   budget = {}
   if cfg.kv == "streamed":
     budget = {"arena_mib": cfg.arena_mib} if cfg.arena_mib > 0 else {"pool_pages": cfg.pool_pages}
@@ -110,7 +95,7 @@ def run_config(cfg) -> dict:
                          v_type=cfg.v_type, page_tokens=cfg.page_tokens, attn_impl=cfg.attn_impl,
                          block_pages=cfg.block_pages, tensor_parallel=cfg.get("tensor_parallel", 1))
   prompt = prompt_of(cfg, model)
-  spec = spec_of(cfg)
+  spec = spec_config.from_config(cfg)
   ctx = api.context_tokens(len(prompt), cfg.n_predict, spec, max_tokens=cfg.ctx_size)
 
   def once(kind, spec=None):

@@ -73,7 +73,7 @@ def soak(steps: int, prompt_tokens: int = 100, page_tokens: int = 64, pool_pages
   plain = gen_lib.generate(runner, plain_kv, prompt, steps)
   t1 = time.perf_counter()
   drafter = planted_drafter(prompt, plain.tokens, wrong_every, cfg.vocab_size)
-  draft = speculative.DraftParams("ngram", n_max)
+  draft = speculative.SpecConfig("ngram", n_max)
   # the same speculative rounds on the plain cache: the same forward shapes, so the same KV bytes
   spec_plain_kv = engine.PlainKV(cfg, layout, max_tokens)
   spec_plain = speculative.generate_speculative(runner, spec_plain_kv, prompt, steps, draft, drafter=drafter)

@@ -57,6 +57,8 @@ import time
 from absl import app, flags
 from tqdm import tqdm
 
+from kvjax import spec_config
+
 
 def define_flags():
   """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
@@ -76,15 +78,10 @@ def define_flags():
   flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
   flags.DEFINE_integer("seed", 0, "prompt seed")
   flags.DEFINE_bool("warmup", True, "run each configuration once before the measured run (compile)")
-  flags.DEFINE_string("spec_type", "none", "speculative drafter: none, mtp, ngram, ngram+mtp, oracle")
   flags.DEFINE_list("mtp_lengths", ["0"], "draft lengths (n_max) per context and budget; 0 = no speculation")
-  flags.DEFINE_float("spec_p_min", 0.0, "MTP drafting stops below this top-1 probability")
-  flags.DEFINE_integer("spec_ngram_n", 12, "ngram match key length")
-  flags.DEFINE_integer("spec_ngram_m", 0, "ngram draft length (0: the mtp length)")
-  flags.DEFINE_enum("spec_rollback", "device", ["device", "host"], "recurrent-state rollback")
-  flags.DEFINE_float("spec_oracle_acceptance", 0.75, "oracle: probability each draft is kept")
-  flags.DEFINE_bool("spec_oracle_mtp", False, "oracle: the MTP head still catches up and drafts every round "
-                    "(its cost, drafts unused)")
+  # --spec_type, --spec_p_min, ...: the other `SpecConfig` fields by their config keys
+  spec_config.define_flags(flags.FLAGS, spec_config.config_key, [spec_config.NONE, *spec_config.DRAFTS],
+                           skip=("n_max",))
   flags.DEFINE_bool("compare_plain", False, "also decode each context's prompt on the plain cache and "
                     "record in tokens_match whether every row's tokens equal it")
   flags.DEFINE_string("out", "runs/sweep_fixed_span", "output folder")
@@ -102,14 +99,14 @@ COLUMNS = ["context_capacity", "prompt_tokens", "decode_tokens", "arena_mib", "p
            "mtp_lease_bytes_per_round", "rollback_d2h_bytes", "rollback_h2d_bytes", "tokens_match"]
 
 
-def measure(runner, kv, prompt, decode_tokens, ubatch, draft=None, truth=None):
-  """Prefill + greedy decode (speculative with `draft`, a `DraftParams`: the oracle drafts from
+def measure(runner, kv, prompt, decode_tokens, ubatch, spec=None, truth=None):
+  """Prefill + greedy decode (speculative with `spec`, a `SpecConfig`: the oracle drafts from
   `truth`, plain greedy's tokens) with timings and decode-only copy counters. -> (row, tokens)."""
   import jax
   import jax.numpy as jnp
   from kvjax import generate, speculative
   seq = generate.SequenceState(runner, kv)
-  use_mtp = draft is not None and draft.uses_mtp
+  use_mtp = spec is not None and spec.uses_mtp
   t0 = time.perf_counter()
   out = generate.prefill(seq, prompt, ubatch, with_hidden=use_mtp)
   tok = int(jnp.argmax(out[0] if use_mtp else out))
@@ -117,12 +114,12 @@ def measure(runner, kv, prompt, decode_tokens, ubatch, draft=None, truth=None):
   t1 = time.perf_counter()
   before = dict(kv.counters)
   stats = {}
-  if draft is None:
+  if spec is None:
     toks = [tok]
     for _ in range(decode_tokens - 1):
       toks.append(int(jnp.argmax(seq.forward([toks[-1]]))))
   else:
-    toks, stats = speculative.speculate(seq, tok, decode_tokens, draft, prompt, ubatch, oracle_tokens=truth,
+    toks, stats = speculative.speculate(seq, tok, decode_tokens, spec, prompt, ubatch, oracle_tokens=truth,
                                         mtp_next=mtp_next)
   jax.block_until_ready(kv.pool_pn)
   t2 = time.perf_counter()
@@ -155,14 +152,12 @@ def _spec_columns(stats):
           "rollback_d2h_bytes": stats["rollback_d2h_bytes"], "rollback_h2d_bytes": stats["rollback_h2d_bytes"]}
 
 
-def draft_of(length: int):
-  """The `DraftParams` of one draft length of the sweep (None: plain decoding)."""
-  from kvjax import speculative
-  if FLAGS.spec_type == "none" or length == 0:
+def spec_of(length: int):
+  """The `SpecConfig` of one draft length of the sweep (None: plain decoding)."""
+  if FLAGS.spec_type == spec_config.NONE or length == 0:
     return None
-  return speculative.DraftParams(FLAGS.spec_type, n_max=length, p_min=FLAGS.spec_p_min, ngram_n=FLAGS.spec_ngram_n,
-                                 ngram_m=FLAGS.spec_ngram_m, oracle_acceptance=FLAGS.spec_oracle_acceptance,
-                                 rollback=FLAGS.spec_rollback, oracle_mtp=FLAGS.spec_oracle_mtp)
+  return spec_config.SpecConfig(n_max=length, **{f: FLAGS[spec_config.config_key(f)].value
+                                                 for f in spec_config.FIELDS if f != "n_max"})
 
 
 def prompt_for(model, n_prompt):
@@ -197,31 +192,30 @@ def sweep_row(model, ctx, budget, length=0, truth=None, plain=None):
   from kvjax import api
   from kvjax.streaming import StreamBudgetError
   row = {k: "" for k in COLUMNS}
-  spec = FLAGS.spec_type != "none"
   n_prompt = ctx - FLAGS.decode_tokens - (_longest() + 1)
   row.update(context_capacity=ctx, prompt_tokens=n_prompt, decode_tokens=FLAGS.decode_tokens, **budget)
-  if spec:
+  if FLAGS.spec_type != "none":
     row["mtp_length"] = length
   if n_prompt < 1:
     row["error"] = f"context {ctx} leaves no prompt after {FLAGS.decode_tokens} decode tokens"
     return row, None
   prompt = prompt_for(model, n_prompt)
-  draft = draft_of(length)
-  if draft is not None and draft.kind == "oracle" and truth is None:
+  spec = spec_of(length)
+  if spec is not None and spec.draft == "oracle" and truth is None:
     row["error"] = "the oracle drafts plain greedy's tokens, and the plain run of this budget failed"
     return row, None
   try:
     for _ in range(2 if FLAGS.warmup else 1):
       kv = api.make_kv(model, ctx, copy_pages=FLAGS.copy_pages, ubatch=FLAGS.ubatch,
-                       spec=draft, **budget)
-      m, toks = measure(model.runner, kv.provider, prompt, FLAGS.decode_tokens, FLAGS.ubatch, draft, truth)
+                       spec=spec, **budget)
+      m, toks = measure(model.runner, kv.provider, prompt, FLAGS.decode_tokens, FLAGS.ubatch, spec, truth)
   except StreamBudgetError as e:
     row["error"] = " ".join(str(e).split())
     return row, None
   row.update(m)
   if plain is not None:
     row["tokens_match"] = toks == plain
-  elif draft is not None and truth is not None:
+  elif spec is not None and truth is not None:
     row["tokens_match"] = toks == truth
   metrics = kv.metrics()
   row.update(decode_kv_pool_mib=metrics["pool_mib"], pool_pages=metrics["pool_pages"],

@@ -37,11 +37,12 @@ import numpy as np
 from flax import nnx
 
 from kvjax import checks, compile_cache as cache_lib, config as config_lib
-from kvjax import engine, generate as gen_lib, kv_build, parallel, speculative, text as text_lib, tiny, warmup as warm_lib, \
-    qweights, weights as weights_lib
+from kvjax import engine, generate as gen_lib, kv_build, parallel, spec_config, speculative, text as text_lib, tiny, \
+    warmup as warm_lib, qweights, weights as weights_lib
 from kvjax.generate import GenerationResult
 from kvjax.memory_report import available_memory
 from kvjax.model import AttentionOptions
+from kvjax.spec_config import SpecConfig   # one class from the command line to the round
 from kvjax.streaming import StreamBudgetError
 from kvjax.streaming.arena import CapacityError   # a phased arena too small for its workspaces
 from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout
@@ -50,7 +51,7 @@ from kvjax_pallas.span_attention.triton import MAX_QUERY_ROWS
 
 DTYPES = ("float32", "bfloat16")
 POLICIES = ("fixed", "adaptive")
-DRAFTS = speculative.DRAFT_KINDS
+DRAFTS = spec_config.DRAFTS   # SpecConfig.draft's values
 
 __all__ = ["ParameterError", "ModelNotFoundError", "LoadedModel", "KVCache", "SpecConfig", "GenerationResult",
            "load_model", "make_kv", "check_kv_budget", "check_generation", "check_context_length", "check_kv_memory",
@@ -209,8 +210,9 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
     except ValueError as e:
       raise ParameterError(f"preset: {e}", "preset") from None
     _check_tensor_parallel(cfg, tensor_parallel)
-    checks.check_model_fits(cfg, page_tokens, "preset", preset, {} if weight_type else   # (blocks: smaller)
-                            config_lib.gguf_tensor_shapes(cfg), jdtype, tensor_parallel)
+    shapes = config_lib.gguf_tensor_shapes(cfg)
+    checks.check_model_fits(cfg, page_tokens, "preset", preset, qweights.memory_shapes(shapes, jdtype.itemsize, weight_type)
+                            if weight_type else shapes, jdtype, tensor_parallel)
     weights = "quantized" if weight_type else "dequantized"
     model = engine.build_model(cfg, weights_lib.iter_random_device_tensors(cfg, weight_seed, dtype,
                                                                            weight_type=weight_type), dtype=jdtype,
@@ -229,8 +231,9 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
         raise ParameterError(str(e), "source") from None
       raise
     _check_tensor_parallel(cfg, tensor_parallel)
-    checks.check_model_fits(cfg, page_tokens, "source", source, {} if weights == "quantized" else   # (blocks: smaller)
-                            config_lib.gguf_tensor_shapes(cfg, False), jdtype, tensor_parallel)
+    shapes = config_lib.gguf_tensor_shapes(cfg, False)
+    checks.check_model_fits(cfg, page_tokens, "source", source, qweights.memory_shapes(shapes, jdtype.itemsize)
+                            if weights == "quantized" else shapes, jdtype, tensor_parallel)
     model = engine.build_model(cfg, tensors, dtype=jdtype)
     cfg = model.cfg
     if not any(qweights.is_quantized(x) for x in
@@ -361,7 +364,7 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
             pool_pages: Optional[int] = None, copy_pages: int = 8, policy: str = "fixed",
             phased: bool = False, ubatch: int = 256, prefill_block: Union[int, str] = "auto",
             exceed_context_length: bool = False,
-            spec: Union["SpecConfig", speculative.DraftParams, None] = None) -> KVCache:
+            spec: Optional[SpecConfig] = None) -> KVCache:
   """A KV cache of `max_tokens` token positions for `model` (its page layout).
 
   Plain (every page on the device) unless a budget is given; streamed (the history on the host,
@@ -384,8 +387,8 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
   exceed_context_length: allow more than the model's trained context (`cfg.context_length`).
   spec: the speculative decoding the cache will serve (`SpecConfig`): the arena then holds, beside
     the pool, the scratch of a verify forward of `verify_rows(spec)` rows and the recurrent states
-    it captures (`kvjax.speculative.verify_state_bytes`; a `speculative.DraftParams` is taken
-    too); `generate` refuses a spec whose verify the cache's arena was not measured for.
+    it captures (`kvjax.speculative.verify_state_bytes`); `generate` refuses a spec whose verify the
+    cache's arena was not measured for.
 
   Refused before anything is allocated (`ParameterError`): a capacity beyond the model's context
   length, or KV bytes beyond the host's available memory or the device's (where it reports it);
@@ -400,7 +403,6 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
     raise ParameterError(f"ubatch must be >= 1, got {ubatch}", "ubatch")
   if prefill_block != "auto" and not (isinstance(prefill_block, int) and prefill_block >= 0):
     raise ParameterError(f"prefill_block must be 'auto' or tokens >= 0, got {prefill_block!r}", "prefill_block")
-  draft = _as_draft(spec)
   check_context_length(model, max_tokens, exceed_context_length)
   if tensor_parallel(model) > 1 and (policy != "fixed" or phased):
     raise ParameterError(f"tensor_parallel {tensor_parallel(model)} runs the fixed split without phases (every "
@@ -409,7 +411,7 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
   checks.check_budget_memory(arena_mib, pool_pages, model.layout.page_bytes, tensor_parallel(model))
   try:
     return KVCache(lambda: kv_build.build_kv(model, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased,
-                                             ubatch, draft, prefill_block))
+                                             ubatch, spec, prefill_block))
   except (StreamBudgetError, CapacityError) as e:   # the budget cannot hold the cache: named by its parameter
     name, value = ("arena_mib", arena_mib) if arena_mib is not None else ("pool_pages", pool_pages)
     raise KVBudgetError(checks.budget_error(name, value, e), name) from None
@@ -419,48 +421,12 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
 # generation
 # ---------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class SpecConfig:
-  """Speculative decoding (greedy only): `draft` "mtp" (the model's attached MTP head proposes),
-  "ngram" (ngram-simple: the tokens that followed the latest earlier occurrence of the last
-  `ngram_n` tokens, up to `ngram_m`, 0 = n_max), "ngram+mtp" (ngram's match when there is one, MTP
-  otherwise) or "oracle" (cost studies: plain greedy's tokens, each kept with probability
-  `oracle_acceptance`, seeded by `oracle_seed`). At most `n_max` MTP / oracle drafts per round;
-  MTP drafting stops below top-1 probability `p_min`. `rollback` "device" (every verify row's
-  recurrent states kept on the device) or "host" (host snapshots through a two-slot stage)."""
-  draft: str = "mtp"
-  n_max: int = 3
-  p_min: float = 0.0
-  ngram_n: int = 12
-  ngram_m: int = 0
-  oracle_acceptance: float = 0.75
-  oracle_seed: int = 0
-  rollback: str = "device"
-
-
 MAX_ROWS = MAX_QUERY_ROWS   # query rows of one forward (prefill chunk, verify)
-
-
-def _as_draft(spec) -> Optional[speculative.DraftParams]:
-  return spec if spec is None or isinstance(spec, speculative.DraftParams) else _draft_params(spec)
 
 
 def verify_rows(spec: Optional[SpecConfig]) -> int:
   """Rows of a verify forward of `spec` (1 + the widest draft its drafters can make); 1 without."""
-  return 1 if spec is None else _draft_params(spec).verify_width
-
-
-def _draft_params(spec: SpecConfig) -> speculative.DraftParams:
-  if spec.draft not in DRAFTS:
-    raise ParameterError(f"spec.draft must be one of {', '.join(DRAFTS)}, got {spec.draft!r}", "spec.draft")
-  for ok, field, need in ((spec.n_max >= 1, "n_max", ">= 1"), (0.0 <= spec.p_min <= 1.0, "p_min", "in [0, 1]"),
-                          (spec.ngram_n >= 1, "ngram_n", ">= 1"), (spec.ngram_m >= 0, "ngram_m", ">= 0"),
-                          (0.0 <= spec.oracle_acceptance <= 1.0, "oracle_acceptance", "in [0, 1]"),
-                          (spec.rollback in speculative.ROLLBACKS, "rollback", "'device' or 'host'")):
-    if not ok:
-      raise ParameterError(f"spec.{field} must be {need}, got {getattr(spec, field)!r}", f"spec.{field}")
-  return speculative.DraftParams(spec.draft, spec.n_max, spec.p_min, spec.ngram_n, spec.ngram_m,
-                                 spec.oracle_acceptance, spec.oracle_seed, spec.rollback)
+  return 1 if spec is None else spec.verify_width
 
 
 def check_generation(*, n_predict: int = 32, temperature: float = 0.0, top_k: int = 0, ubatch: int = 256,
@@ -474,8 +440,7 @@ def check_generation(*, n_predict: int = 32, temperature: float = 0.0, top_k: in
                          (temperature >= 0.0, "temperature", ">= 0"), (top_k >= 0, "top_k", ">= 0")):
     if not ok:
       raise ParameterError(f"{name} must be {need}, got {locals()[name]}", name)
-  if spec is not None:
-    _draft_params(spec)
+  if spec is not None:   # its fields were checked when it was made (`SpecConfig`)
     if temperature != 0.0:
       raise ParameterError("spec verifies greedily: use temperature 0", "spec", "temperature")
     if phased:
@@ -485,7 +450,7 @@ def check_generation(*, n_predict: int = 32, temperature: float = 0.0, top_k: in
                            f"draft is {verify_rows(spec)} rows, at most {MAX_ROWS} rows a call: the widest draft "
                            f"must be <= {MAX_ROWS - 1}", "spec.n_max", "spec.ngram_m")
     try:
-      speculative.check_ubatch(_draft_params(spec), ubatch)
+      speculative.check_ubatch(spec, ubatch)
     except ValueError as e:
       raise ParameterError(str(e), "ubatch", "spec.n_max") from None
 
@@ -537,7 +502,7 @@ def context_tokens(n_prompt: int, n_predict: int, spec: Optional[SpecConfig] = N
     raise ParameterError(f"max_tokens {max_tokens} is too small: prompt {n_prompt} + n_predict {n_predict} "
                          f"needs {need} tokens ({need - max_tokens} more)", "max_tokens", "n_predict")
   cap = max_tokens or need
-  return max(cap, need + _draft_params(spec).verify_width - 1) if spec is not None else cap
+  return max(cap, need + spec.verify_width - 1) if spec is not None else cap
 
 
 def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Optional[str] = None,
@@ -590,7 +555,7 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
                          f"{f' + spec.n_max {spec.n_max}' if spec is not None else ''} needs {need} "
                          f"({need - kv.max_tokens} more)", "kv", "n_predict", *(("spec.n_max",) if spec else ()))
   if spec is not None and "decode_rows" in kv.info:     # an arena: was this verify measured into it?
-    need = speculative.verify_state_bytes(model.runner, _draft_params(spec))
+    need = speculative.verify_state_bytes(model.runner, spec)
     if kv.info["decode_rows"] < verify_rows(spec) or kv.info["verify_states_bytes"] < need:
       raise ParameterError(f"spec verifies {verify_rows(spec)} rows a forward and captures {need / 2**20:.1f} MiB of "
                            f"recurrent states; the cache's arena was measured for {kv.info['decode_rows']} rows and "
@@ -598,7 +563,7 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   if kv.info.get("ubatch", ubatch) != ubatch:
     raise ParameterError(f"ubatch {ubatch} differs from the {kv.info['ubatch']} rows the phased cache's prefill "
                          f"layout was measured for", "ubatch")
-  if spec is not None and _draft_params(spec).uses_mtp and not model.cfg.has_mtp:
+  if spec is not None and spec.uses_mtp and not model.cfg.has_mtp:
     raise ParameterError(f"spec.draft 'mtp': {model.source!r} has no MTP head (nextn_predict_layers = 0); "
                          f"use draft 'ngram'", "spec.draft")
   eos = None if (ignore_eos or model.tokenizer is None) else model.tokenizer.eos_id
@@ -609,14 +574,14 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
     if hasattr(kv.provider, "enter"):
       kv.provider.enter(phase)
     warm_lib.compile_cache(runner, kv.provider, warm_lib.forward_shapes(ubatch, verify_rows(spec)),
-                           mtp_lease=spec is not None and _draft_params(spec).uses_mtp)
+                           mtp_lease=spec is not None and spec.uses_mtp)
 
   def run_once(on_logits=None):
     if kv.used:
       kv.reset()
     kv.used = True
     if spec is not None:
-      return speculative.generate_speculative(runner, kv.provider, ids, n_predict, _draft_params(spec),
+      return speculative.generate_speculative(runner, kv.provider, ids, n_predict, spec,
                                               ubatch=ubatch, eos_id=eos, on_phase=on_phase)
     return gen_lib.generate(runner, kv.provider, ids, n_predict, sampling=sampling, ubatch=ubatch, eos_id=eos,
                             on_token=on_token, on_phase=on_phase, on_logits=on_logits)
@@ -641,7 +606,7 @@ def warmup(model: LoadedModel, kv: KVCache, *, ubatch: int = 256,
   """Compile every program a generation on `kv` can run (`kvjax.warmup`: a short generation through
   the cache, then what it did not reach). -> {"compiles": programs, "compile_ms", "s": seconds}."""
   check_generation(n_predict=2, ubatch=ubatch, spec=spec, phased=kv.info["kv"].endswith("+phased"))
-  n_predict = 2 + (0 if spec is None else 2 * _draft_params(spec).n_max)
+  n_predict = 2 + (0 if spec is None else 2 * spec.n_max)
   ids = warm_lib.short_prompt(kv.max_tokens, ubatch, n_predict + verify_rows(spec))
   t0 = time.perf_counter()
   with gen_lib.CompileClock() as clock:

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from absl import flags
 
-from kvjax import compile_cache as compile_cache_lib
+from kvjax import compile_cache as compile_cache_lib, spec_config
 from kvjax.text import one_line
 
 PROG = "kvjax"
@@ -129,23 +129,8 @@ def _generate_flags(fv: flags.FlagValues) -> None:
                        "many pages (resident + ring)", flag_values=fv)
   flags.DEFINE_integer("kv-stream-copy-pages", 8, "host->device copy unit in pages (a power of two; "
                        "halved until the ring holds it)", flag_values=fv)
-  flags.DEFINE_enum("spec-type", "none", ["none", "draft-mtp", "ngram-simple", "ngram-simple,draft-mtp", "oracle"],
-                    "speculative decoding (greedy only): drafts from the attached MTP head, from the "
-                    "sequence's own n-grams, both (ngram's match, else MTP), or an oracle (plain greedy's "
-                    "tokens with planted rejections, for cost studies), verified by the target with "
-                    "recurrent-state rollback", flag_values=fv)
-  flags.DEFINE_integer("spec-ngram-size-m", 0, "ngram-simple drafts per round (0: --spec-draft-n-max)",
-                       flag_values=fv)
-  flags.DEFINE_float("spec-oracle-acceptance", 0.75, "oracle drafts: probability each draft is kept",
-                     flag_values=fv)
-  flags.DEFINE_integer("spec-oracle-seed", 0, "oracle drafts: seed of the planted rejections", flag_values=fv)
-  flags.DEFINE_enum("spec-rollback", "device", ["device", "host"], "recurrent-state rollback: every verify "
-                    "row's states on the device, or host snapshots through a two-slot device stage",
-                    flag_values=fv)
-  flags.DEFINE_integer("spec-draft-n-max", 3, "drafts per round (verify width 1 + n)", flag_values=fv)
-  flags.DEFINE_float("spec-draft-p-min", 0.0, "MTP drafting stops below this top-1 probability",
-                     flag_values=fv)
-  flags.DEFINE_integer("spec-ngram-size-n", 12, "ngram-simple match key length", flag_values=fv)
+  # --spec-type, --spec-draft-n-max, ...: one flag a `SpecConfig` field (`kvjax.spec_config.flag_name`)
+  spec_config.define_flags(fv, spec_config.flag_name, [spec_config.NONE, *spec_config.LLAMA_CPP_DRAFTS])
   flags.DEFINE_enum("kv-stream-policy", "fixed", ["fixed", "adaptive"],
                     "resident/ring split: fixed, or adaptive (kvjax.streaming.policy, re-evaluated every forward)",
                     flag_values=fv)
@@ -192,16 +177,12 @@ FLAG_OF = {
     "top_p": "--top-p", "preset": "--model",
     "max_tokens": "--ctx-size", "ubatch": "--ubatch-size", "arena_mib": "--kv-stream-arena-mib",
     "pool_pages": "--kv-stream-pool-pages", "copy_pages": "--kv-stream-copy-pages",
-    "policy": "--kv-stream-policy", "phased": "--kv-stream-phased", "spec": "--spec-type",
+    "policy": "--kv-stream-policy", "phased": "--kv-stream-phased",
     "prefill_block": "--kv-stream-prefill-block",
-    "spec.draft": "--spec-type", "spec.n_max": "--spec-draft-n-max", "spec.p_min": "--spec-draft-p-min",
-    "spec.ngram_n": "--spec-ngram-size-n", "spec.ngram_m": "--spec-ngram-size-m",
-    "spec.oracle_acceptance": "--spec-oracle-acceptance", "spec.rollback": "--spec-rollback",
+    **spec_config.names("--", spec_config.flag_name),     # "spec.n_max": "--spec-draft-n-max", ...
     "exceed_context_length": "--exceed-context-length", "tensor_parallel": "--tensor-parallel",
     "weights": "--weights", "weight_type": "--weight-type",
 }
-_SPEC_DRAFT = {"draft-mtp": "mtp", "ngram-simple": "ngram", "ngram-simple,draft-mtp": "ngram+mtp",
-               "oracle": "oracle"}
 
 
 def parse_token_list(text: str, what: str = "--tokens") -> List[int]:
@@ -245,14 +226,8 @@ def _compile_cache(value: str):
 
 
 def _spec(fv: flags.FlagValues):
-  from kvjax import api  # pylint: disable=import-outside-toplevel
-  kind = fv["spec-type"].value
-  if kind == "none":
-    return None
-  return api.SpecConfig(_SPEC_DRAFT[kind], fv["spec-draft-n-max"].value, fv["spec-draft-p-min"].value,
-                        fv["spec-ngram-size-n"].value, fv["spec-ngram-size-m"].value,
-                        fv["spec-oracle-acceptance"].value, fv["spec-oracle-seed"].value,
-                        fv["spec-rollback"].value)
+  """The `SpecConfig` of the --spec-* flags, or None (--spec-type none)."""
+  return spec_config.from_flags(lambda name: fv[name].value)
 
 
 def _summary(m: Dict[str, Any]) -> List[str]:

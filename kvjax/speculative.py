@@ -25,13 +25,13 @@ One round, read top to bottom (C = committed tokens, b = the next token, already
    and held; the lease ends before the verify forward, which gets the whole ring.
 
 With greedy verification the output equals plain greedy decoding whenever the verify rows
-compute the same argmax as one-row decode steps (tested on CPU).
+compute the same argmax as one-row decode steps (tested on CPU). The round reads its configuration
+from `SpecConfig` (`kvjax.spec_config`; the API's `kvjax.api.SpecConfig` is the same class).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -42,77 +42,16 @@ import numpy as np
 from kvjax.engine import KVProvider, Runner, group_step_workspace_bytes, recurrent_state_bytes, select_row
 from kvjax.generate import CompileClock, GenerationResult, SequenceState, generate, generation_metrics, \
     mtp_rows, pick_row, prefill
-
-DRAFT_KINDS = ("mtp", "ngram", "ngram+mtp", "oracle")
-ROLLBACKS = ("device", "host")
+from kvjax.spec_config import SpecConfig, config_key
 
 
-@dataclasses.dataclass(frozen=True)
-class DraftParams:
-  """Drafting: `kind` "mtp" (the attached MTP head), "ngram" (ngram-simple), "ngram+mtp" (both:
-  ngram's match when there is one, MTP otherwise) or "oracle" (the target's greedy continuation,
-  each draft kept with probability `oracle_acceptance`, seeded by `oracle_seed`; the first planted
-  rejection ends the round). MTP and oracle propose at most `n_max` drafts a round, ngram at most
-  `ngram_m` (0: `n_max`); MTP drafting stops below top-1 probability `p_min`. `rollback` "device"
-  or "host" (`DeviceRollback`, `HostRollback`). `oracle_mtp` (oracle only, cost studies): the MTP
-  head still catches up and drafts every round under its ring lease, its drafts unused: the
-  oracle's acceptance at MTP drafting's cost."""
-  kind: str = "mtp"
-  n_max: int = 3
-  p_min: float = 0.0
-  ngram_n: int = 12
-  ngram_m: int = 0
-  oracle_acceptance: float = 0.75
-  oracle_seed: int = 0
-  rollback: str = "device"
-  oracle_mtp: bool = False
-
-  def __post_init__(self):
-    if self.kind not in DRAFT_KINDS:
-      raise ValueError(f"draft kind must be one of {', '.join(DRAFT_KINDS)}, got {self.kind!r}")
-    if self.n_max < 1:
-      raise ValueError(f"draft n_max must be >= 1, got {self.n_max}")
-    if not 0.0 <= self.p_min <= 1.0:
-      raise ValueError(f"draft p_min must be in [0, 1], got {self.p_min}")
-    if self.ngram_n < 1:
-      raise ValueError(f"ngram_n must be >= 1, got {self.ngram_n}")
-    if self.ngram_m < 0:
-      raise ValueError(f"ngram_m must be >= 0 (0: n_max), got {self.ngram_m}")
-    if not 0.0 <= self.oracle_acceptance <= 1.0:
-      raise ValueError(f"oracle_acceptance must be in [0, 1], got {self.oracle_acceptance}")
-    if self.rollback not in ROLLBACKS:
-      raise ValueError(f"rollback must be 'device' or 'host', got {self.rollback!r}")
-    if self.oracle_mtp and self.kind != "oracle":
-      raise ValueError(f"oracle_mtp runs the MTP head beside the oracle drafter: kind must be 'oracle', "
-                       f"got {self.kind!r}")
-
-  @property
-  def uses_mtp(self) -> bool:
-    return self.kind in ("mtp", "ngram+mtp") or self.oracle_mtp
-
-  @property
-  def uses_ngram(self) -> bool:
-    return self.kind in ("ngram", "ngram+mtp")
-
-  @property
-  def ngram_width(self) -> int:
-    return self.ngram_m or self.n_max
-
-  @property
-  def verify_width(self) -> int:
-    """1 + the widest draft any configured drafter can produce (rows of the widest verify)."""
-    widest = self.ngram_width if self.kind == "ngram" else \
-        max(self.n_max, self.ngram_width) if self.kind == "ngram+mtp" else self.n_max
-    return 1 + widest
-
-
-def check_ubatch(draft: DraftParams, ubatch: int, max_tokens: Optional[int] = None) -> int:
+def check_ubatch(spec: SpecConfig, ubatch: int, max_tokens: Optional[int] = None) -> int:
   """The verify width (clamped to the context `max_tokens`); a micro-batch narrower than it is
   refused, naming the width needed."""
-  width = draft.verify_width if max_tokens is None else min(draft.verify_width, max_tokens)
+  width = spec.verify_width if max_tokens is None else min(spec.verify_width, max_tokens)
   if ubatch < width:
     raise ValueError(f"micro-batch of {ubatch} rows is narrower than the verify width {width} (1 + the "
-                     f"widest {draft.kind} draft): a micro-batch of at least {width} rows is needed")
+                     f"widest {spec.draft} draft): a micro-batch of at least {width} rows is needed")
   return width
 
 
@@ -181,24 +120,24 @@ class OracleDrafter:
     return out
 
 
-def verify_state_bytes(runner: Runner, draft: DraftParams) -> int:
+def verify_state_bytes(runner: Runner, spec: SpecConfig) -> int:
   """Device bytes a verify forward's captured recurrent states hold beyond the live state (one
   row): rollback "device" keeps every group's states of the other W - 1 rows until the rollback;
   "host" holds at most `HostRollback.SLOTS` groups' W - 1 rows in its stage."""
-  rows = draft.verify_width - 1
+  rows = spec.verify_width - 1
   every, largest = recurrent_state_bytes(runner)
-  return rows * (every if draft.rollback == "device" else HostRollback.SLOTS * largest)
+  return rows * (every if spec.rollback == "device" else HostRollback.SLOTS * largest)
 
 
-def decode_workspace_bytes(runner: Runner, max_tokens: int, draft: Optional[DraftParams] = None):
+def decode_workspace_bytes(runner: Runner, max_tokens: int, spec: Optional[SpecConfig] = None):
   """-> (device bytes the arena holds beside the pool after the prompt, of which the verify's
-  captured recurrent states): the larger scratch of a one-row decode forward and of `draft`'s
+  captured recurrent states): the larger scratch of a one-row decode forward and of `spec`'s
   verify forward, plus the states that verify captures."""
   ws = group_step_workspace_bytes(runner, 1, max_tokens)
-  if draft is None or draft.verify_width == 1:
+  if spec is None or spec.verify_width == 1:
     return ws, 0
-  states = verify_state_bytes(runner, draft)
-  verify = group_step_workspace_bytes(runner, draft.verify_width, max_tokens, verify=True)
+  states = verify_state_bytes(runner, spec)
+  verify = group_step_workspace_bytes(runner, spec.verify_width, max_tokens, verify=True)
   return max(ws, verify) + states, states
 
 
@@ -315,7 +254,7 @@ def _h2d(kv) -> int:
 
 
 def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], n_predict: int,
-                         draft: DraftParams = DraftParams(), ubatch: int = 256,
+                         spec: SpecConfig = SpecConfig(), ubatch: int = 256,
                          eos_id: Optional[int] = None,
                          drafter: Optional[Callable[[Sequence[int], int], List[int]]] = None,
                          oracle_tokens: Optional[Sequence[int]] = None,
@@ -330,8 +269,8 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
   `on_round(info)` is called after every round (see `speculate`); `on_phase("prefill")` before the
   prefill, inside its timing (as `kvjax.generate.generate`'s).
 
-  Metrics add, under the drafter's name `spec_type` ("mtp", "ngram", "ngram+mtp", "oracle", or
-  "custom" for `drafter`) and `spec_rollback`: `draft_generated`, `draft_accepted`,
+  Metrics add, under the drafter's `spec_type` ("mtp", "ngram", "ngram+mtp", "oracle", or "custom"
+  for `drafter`) and `spec_rollback` (`SpecConfig`'s draft and rollback by their config keys): `draft_generated`, `draft_accepted`,
   `draft_acceptance` (accepted / generated), `acceptance_by_position` (per draft position, of the
   rounds that drafted it), `verify_forwards`, `realized_verify_width` (committed tokens per verify
   forward, the reference design's definition; `tokens_per_verify` is the same number),
@@ -342,11 +281,11 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
   `rollback_h2d_bytes` (host snapshots and restores), `draft_rounds` ([drafts, accepted] per round).
   """
   prompt = [int(t) for t in prompt]
-  check_ubatch(draft, ubatch)
-  if draft.uses_mtp and drafter is None and runner.mtp_layer is None:
-    raise ValueError("MTP drafting needs an MTP head (nextn_predict_layers = 1); use kind='ngram'")
+  check_ubatch(spec, ubatch)
+  if spec.uses_mtp and drafter is None and runner.mtp_layer is None:
+    raise ValueError("MTP drafting needs an MTP head (nextn_predict_layers = 1); use draft 'ngram'")
   plain_tps = None
-  if draft.kind == "oracle" and drafter is None and oracle_tokens is None:
+  if spec.draft == "oracle" and drafter is None and oracle_tokens is None:
     plain = generate(runner, kv, prompt, n_predict, ubatch=ubatch, eos_id=eos_id)
     oracle_tokens, plain_tps = plain.tokens, plain.metrics["decode_tps"]
     _forget(runner, kv)
@@ -360,11 +299,11 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
     b = int(jnp.argmax(logits))
     # MTP catch-up over the prompt: rows (hn_i, x_{i+1}) for i < C, with x_C = b
     mtp_next = mtp_catch_up(runner, kv, hn_se, prompt[1:] + [b], 0, ubatch) \
-        if draft.uses_mtp and drafter is None else None
+        if spec.uses_mtp and drafter is None else None
     t1 = time.perf_counter()
   first_round = []
   with CompileClock() as decode_clock:
-    out_tokens, stats = speculate(seq, b, n_predict, draft, prompt, ubatch, eos_id, drafter, oracle_tokens,
+    out_tokens, stats = speculate(seq, b, n_predict, spec, prompt, ubatch, eos_id, drafter, oracle_tokens,
                                   mtp_next, on_round, lambda: first_round.append(decode_clock.programs))
     t2 = time.perf_counter()
   first = first_round[0] if first_round else decode_clock.programs
@@ -378,7 +317,7 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
   return GenerationResult(out_tokens, metrics)
 
 
-def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, prompt: Sequence[int],
+def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prompt: Sequence[int],
               ubatch: int = 256, eos_id: Optional[int] = None,
               drafter: Optional[Callable[[Sequence[int], int], List[int]]] = None,
               oracle_tokens: Optional[Sequence[int]] = None, mtp_next=None,
@@ -394,16 +333,16 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
   """
   runner, kv = seq.runner, seq.kv
   prompt = [int(t) for t in prompt]
-  use_mtp = draft.uses_mtp and drafter is None
-  spec_type = draft.kind if drafter is None else "custom"
-  if drafter is None and draft.kind == "oracle":
+  use_mtp = spec.uses_mtp and drafter is None
+  spec_type = spec.draft if drafter is None else "custom"
+  if drafter is None and spec.draft == "oracle":
     if oracle_tokens is None:
       raise ValueError("the oracle drafter needs plain greedy's tokens (oracle_tokens)")
-    oracle = OracleDrafter(oracle_tokens, draft.oracle_acceptance, draft.oracle_seed, runner.cfg.vocab_size)
+    oracle = OracleDrafter(oracle_tokens, spec.oracle_acceptance, spec.oracle_seed, runner.cfg.vocab_size)
     drafter = lambda history, m: oracle(len(history) - len(prompt), m)  # pylint: disable=unnecessary-lambda-assignment
-  rollback = HostRollback() if draft.rollback == "host" else DeviceRollback()
-  width = draft.verify_width
-  width_max = draft.verify_width - 1
+  rollback = HostRollback() if spec.rollback == "host" else DeviceRollback()
+  width = spec.verify_width
+  width_max = spec.verify_width - 1
   drafted_at = np.zeros((max(width_max, 1),), np.int64)
   accepted_at = np.zeros_like(drafted_at)
   verify_ms: Dict[int, List[float]] = collections.defaultdict(list)
@@ -412,13 +351,13 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
   round_lengths: List[List[int]] = []   # [drafts, accepted] of every verify round
   phase_ms: Dict[str, float] = collections.defaultdict(float)   # host wall time of each round's phases
   # the committed tokens (prompt + output), grown in place; ngram drafting indexes them as they come
-  index = NgramIndex(draft.ngram_n, prompt) if draft.uses_ngram and drafter is None else None
+  index = NgramIndex(spec.ngram_n, prompt) if spec.uses_ngram and drafter is None else None
   history = index.tokens if index is not None else list(prompt)
   commit = index.extend if index is not None else history.extend
   t_loop = time.perf_counter()
   if use_mtp:     # the first round's drafting runs under a ring lease taken after the prompt's catch-up
     h2d0 = _h2d(kv)
-    lease_bytes += kv.lease_mtp(seq.pos + draft.n_max - 1)
+    lease_bytes += kv.lease_mtp(seq.pos + spec.n_max - 1)
     leases += 1
     mtp_h2d += _h2d(kv) - h2d0
   while len(out_tokens) < n_predict:
@@ -432,15 +371,15 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
     # 1. draft
     drafts, draft_p, source = [], [], spec_type
     if drafter is not None:
-      drafts = [int(t) for t in drafter(history, min(draft.n_max, room))][:room]
-    elif draft.uses_ngram:
-      drafts = index.draft(min(draft.ngram_width, room))
+      drafts = [int(t) for t in drafter(history, min(spec.n_max, room))][:room]
+    elif spec.uses_ngram:
+      drafts = index.draft(min(spec.ngram_width, room))
       source = "ngram"
       ngram_rounds += bool(drafts)
-    if use_mtp and (not drafts or draft.oracle_mtp):
+    if use_mtp and (not drafts or spec.oracle_mtp):
       h2d0 = _h2d(kv)
-      mtp_drafts, draft_p = mtp_draft(runner, kv, mtp_next, c, min(draft.n_max, room), draft.p_min,
-                                      steps=draft.n_max - 1)
+      mtp_drafts, draft_p = mtp_draft(runner, kv, mtp_next, c, min(spec.n_max, room), spec.p_min,
+                                      steps=spec.n_max - 1)
       mtp_h2d += _h2d(kv) - h2d0
       if not drafts:
         drafts, source = mtp_drafts, "mtp"
@@ -490,7 +429,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
       h2d0 = _h2d(kv)
       kv.truncate("mtp", c)
       if len(out_tokens) + 1 < n_predict:      # another round drafts
-        round_lease = kv.lease_mtp(seq.pos + draft.n_max - 1)
+        round_lease = kv.lease_mtp(seq.pos + spec.n_max - 1)
         lease_bytes += round_lease
         leases += 1
         mtp_next = mtp_catch_up(runner, kv, vout.hn_se, drafts[:j] + [b], c, ubatch, pad_to=width)
@@ -503,8 +442,8 @@ def speculate(seq: SequenceState, b: int, n_predict: int, draft: DraftParams, pr
       on_first_round()
   kv.release_lease()
   out_tokens = out_tokens[:n_predict]
-  stats = {
-      "spec_type": spec_type, "spec_rollback": rollback.name,
+  stats = {   # the drafter and the rollback under their config keys: spec_type, spec_rollback
+      config_key("draft"): spec_type, config_key("rollback"): rollback.name,
       "draft_generated": drafted, "draft_accepted": accepted,
       "draft_acceptance": accepted / drafted if drafted else 0.0,
       "acceptance_by_position": [float(a / d) if d else 0.0 for a, d in zip(accepted_at, drafted_at)],

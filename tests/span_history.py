@@ -13,9 +13,15 @@ from kvjax_pallas.page_layout import PageLayout
 class History:
   """Random K/V history encoded into pages, placeable anywhere in a pool."""
 
-  def __init__(self, layout: PageLayout, tokens: int, seed: int):
+  def __init__(self, layout: PageLayout, tokens: int, seed: int, pool_pages: int = 0,
+               table_len: int = 0):
+    """pool_pages / table_len: every pool this history places has at least that many physical
+    pages (random bytes past the placed ones) and every page table that many entries (junk past
+    the active pages), so that placements of one history share their shapes (a kernel compiles
+    once for them)."""
     rng = np.random.default_rng(seed)
     self.layout, self.tokens = layout, tokens
+    self.pool_pages, self.table_len = pool_pages, table_len
     self.num_pages = layout.pages_for(tokens)
     alloc = self.num_pages * layout.page_tokens  # slots past kv_len hold future tokens
     g, d = layout.num_kv_heads, layout.head_dim
@@ -30,6 +36,7 @@ class History:
   def pool(self, physical, num_phys: int, table_len: int):
     """Pool of random bytes with logical page i at physical[i]; table padded with junk."""
     lay, pt = self.layout, self.layout.page_tokens
+    num_phys, table_len = max(num_phys, self.pool_pages), max(table_len, self.table_len)
     pool = self.rng.integers(0, 256, (num_phys, lay.page_bytes), dtype=np.uint8)
     for i, p in enumerate(physical):
       pool[p, :lay.k_plane_bytes] = self.k_bytes[i * pt:(i + 1) * pt].reshape(-1)
@@ -100,11 +107,13 @@ def kernel_placement_and_waves(call, partial, shape, tokens: int, block_pages: i
   """`check_placement_and_waves` of a kernel's whole call and partial (each taking layout,
   block_pages, interpret; the partial num_q_heads) on a History of `tokens` tokens (seed 11) at a
   test shape, s_tok random query tokens (`random_query(query_seed, ...)`) -> (the output, the
-  history, q, q_pos)."""
+  history, q, q_pos). The three placements share one pool and table shape (the call compiles
+  once)."""
   # pylint: disable=import-outside-toplevel
   import functools
   layout, h = shape_layout(shape), shape["q_heads"]
-  hist = History(layout, tokens, seed=11)
+  n = layout.pages_for(tokens)
+  hist = History(layout, tokens, seed=11, pool_pages=2 * n + 2, table_len=n + 3)
   q, q_pos = random_query(query_seed, s_tok, h, shape["head_dim"], tokens)
   kw = dict(layout=layout, block_pages=block_pages, interpret=interpret)
   one = check_placement_and_waves(functools.partial(call, **kw),

@@ -42,6 +42,14 @@ def _layout(pair=("q8_0", "q4_0")) -> PageLayout:
   return PageLayout(SHAPE["kv_heads"], SHAPE["head_dim"], pair[0], pair[1], SHAPE["page_tokens"])
 
 
+def _history(layout: PageLayout, seed: int) -> History:
+  """A History of the class's tokens whose placements below all have one pool shape (2 n + 3
+  physical pages for n pages: the largest placement's) and one table length (n + 3): a kernel
+  compiles once for a (pair, rows, precision), whichever test places the pages."""
+  n = layout.pages_for(SHAPE["tokens"])
+  return History(layout, SHAPE["tokens"], seed=seed, pool_pages=2 * n + 3, table_len=n + 3)
+
+
 def _query(seed: int, rows: int, kv_len: int):
   rng = np.random.default_rng(seed + 1000)
   q = rng.standard_normal((rows, SHAPE["q_heads"], SHAPE["head_dim"])).astype(np.float32)
@@ -74,7 +82,7 @@ class TestSpanAttention:
   def test_matches_f64_oracle(self, impl, pair, rows):
     rows = SHAPE["prefill_rows"] if rows == "prefill" else rows
     layout = _layout(pair)
-    hist = History(layout, SHAPE["tokens"], seed=7)
+    hist = _history(layout, seed=7)
     pool, table = hist.resident_ring(resident=2, ring_base=hist.num_pages + 4, ring_slots=5, wrap=3)
     q, q_pos = _query(7, rows, hist.tokens)
     out = self._run(impl, q, pool, table, hist.tokens, q_pos, layout)
@@ -87,7 +95,7 @@ class TestSpanAttention:
   def test_f16x3_is_float32_class(self, impl, pair):
     """precision="f16x3" (16-bit tensor-core operands, split) stays within 1e-5 of float64."""
     layout = _layout(pair)
-    hist = History(layout, SHAPE["tokens"], seed=13)
+    hist = _history(layout, seed=13)
     pool, table = hist.resident_ring(resident=1, ring_base=hist.num_pages + 2, ring_slots=5, wrap=2)
     q, q_pos = _query(13, 2, hist.tokens)
     out = self._run(impl, q, pool, table, hist.tokens, q_pos, layout, precision="f16x3")
@@ -103,7 +111,7 @@ class TestSpanAttention:
     rows="prefill": the class's prefill chunk."""
     rows = SHAPE["prefill_rows"] if rows == "prefill" else rows
     layout = _layout(pair)
-    hist = History(layout, SHAPE["tokens"], seed=seed)
+    hist = _history(layout, seed=seed)
     pool, table = hist.resident_ring(resident=2, ring_base=hist.num_pages + 1, ring_slots=6, wrap=wrap)
     q, q_pos = _query(seed, rows, hist.tokens)
     args = (jnp.asarray(q), pool, table, hist.tokens, jnp.asarray(q_pos))
@@ -193,7 +201,7 @@ class TestSpanAttention:
   def test_auto_block_pages_same_answer(self, impl):
     """block_pages="auto" resolves to an int for the call's shapes and computes what that int does."""
     layout = _layout()
-    hist = History(layout, SHAPE["tokens"], seed=31)
+    hist = _history(layout, seed=31)
     pool, table = hist.resident_ring(resident=1, ring_base=hist.num_pages + 2, ring_slots=5, wrap=1)
     q, q_pos = _query(31, 5, hist.tokens)
     bp = api.resolve_block_pages("auto", table.shape[0], 5, SHAPE["q_heads"], layout)
@@ -207,7 +215,7 @@ class TestSpanAttention:
   def test_kv_len_and_positions_are_respected(self, impl):
     """A shorter kv_len and earlier query positions change the answer exactly as the oracle says."""
     layout = _layout()
-    hist = History(layout, SHAPE["tokens"], seed=3)
+    hist = _history(layout, seed=3)
     pool, table = hist.contiguous()
     kv_len = hist.tokens - layout.page_tokens - 3  # ends mid-page, one page fewer
     q, _ = _query(3, 2, kv_len)
@@ -221,7 +229,7 @@ class TestSpanAttention:
   @pytest.mark.parametrize("rows", [1, 5])
   def test_placement_invariance_bit_exact(self, impl, rows):
     layout = _layout()
-    hist = History(layout, SHAPE["tokens"], seed=11)
+    hist = _history(layout, seed=11)
     q, q_pos = _query(11, rows, hist.tokens)
     outs = []
     for pool, table in (hist.contiguous(),
@@ -233,7 +241,7 @@ class TestSpanAttention:
 
   def test_waves_equal_one_call_bit_exact(self, impl):
     layout = _layout()
-    hist = History(layout, SHAPE["tokens"], seed=5)
+    hist = _history(layout, seed=5)
     pool, table = hist.resident_ring(resident=2, ring_base=hist.num_pages + 1, ring_slots=7, wrap=6)
     q, q_pos = _query(5, 3, hist.tokens)
     h, d, bp = SHAPE["q_heads"], SHAPE["head_dim"], SHAPE["block_pages"]
@@ -253,7 +261,7 @@ class TestSpanAttention:
 
   def test_table_entry_out_of_range(self, impl):
     layout = _layout()
-    hist = History(layout, SHAPE["tokens"], seed=1)
+    hist = _history(layout, seed=1)
     pool, table = hist.contiguous()
     q, q_pos = _query(1, 1, hist.tokens)
     bad = table.at[1].set(pool.shape[0])
@@ -276,7 +284,7 @@ class TestSpanAttention:
   def test_kernel_refusals(self, kernel):
     impl = kernel
     layout = PageLayout(SHAPE["kv_heads"], SHAPE["head_dim"], "q4_0", "q8_0", SHAPE["page_tokens"])
-    hist = History(_layout(), SHAPE["tokens"], seed=2)
+    hist = _history(_layout(), seed=2)
     pool, table = hist.contiguous()
     q, q_pos = _query(2, 1, hist.tokens)
     with pytest.raises(ValueError, match="unsupported K/V pair Q4_0/Q8_0"):

@@ -78,7 +78,7 @@ def mtp_runs(setup):
                                   np.array_equal(got.pages_lpn, want.pages_lpn))
       rounds.append(info)
     res = speculative.generate_speculative(
-        runner, kv, prompt, N_MTP, speculative.DraftParams("mtp", n_max=3, p_min=P_MIN, rollback=rollback),
+        runner, kv, prompt, N_MTP, speculative.SpecConfig("mtp", n_max=3, p_min=P_MIN, rollback=rollback),
         ubatch=32, on_round=on_round)
     runs[cache] = (res, rounds, kv)
   return runs
@@ -194,7 +194,7 @@ def test_mtp_drafting_in_one_program_equals_step_by_step(setup, mtp_runs, monkey
     steps = []
     monkeypatch.setattr(runner, "mtp_draft_steps", None)       # step by step
     speculative.generate_speculative(
-        runner, kv, prompt, N_MTP, speculative.DraftParams("mtp", n_max=3, p_min=P_MIN),
+        runner, kv, prompt, N_MTP, speculative.SpecConfig("mtp", n_max=3, p_min=P_MIN),
         ubatch=32, on_round=lambda info, steps=steps: steps.append((info["drafts"], info["draft_p"])))
     monkeypatch.undo()
     assert not calls
@@ -203,7 +203,7 @@ def test_mtp_drafting_in_one_program_equals_step_by_step(setup, mtp_runs, monkey
   assert counters["layout_hits"] > counters["layout_changes"] > 0
   kv = engine.PlainKV(cfg, layout, 70 + N + 8)
   monkeypatch.setattr(runner, "mtp_draft", lambda *a: calls.append(1) or fused(*a))
-  res = speculative.generate_speculative(runner, kv, prompt, N_MTP, speculative.DraftParams("mtp", n_max=3),
+  res = speculative.generate_speculative(runner, kv, prompt, N_MTP, speculative.SpecConfig("mtp", n_max=3),
                                          ubatch=32)
   assert len(calls) == res.metrics["verify_forwards"] - 1 > 3   # every round but the last (1 token left)
 
@@ -230,7 +230,7 @@ def test_eos_inside_accepted_drafts_ends_generation(setup):
   want = generate.generate(runner, engine.PlainKV(cfg, layout, 70 + N + 8), prompt, N, ubatch=32, eos_id=eos)
   assert want.tokens == truth[:3]
   res = speculative.generate_speculative(runner, engine.PlainKV(cfg, layout, 70 + N + 8), prompt, N,
-                                         speculative.DraftParams("oracle", n_max=3, oracle_acceptance=1.0),
+                                         speculative.SpecConfig("oracle", n_max=3, oracle_acceptance=1.0),
                                          ubatch=32, eos_id=eos, oracle_tokens=truth)
   assert res.tokens == want.tokens
   assert res.metrics["verify_forwards"] == 1 and res.metrics["draft_accepted"] >= 2
@@ -254,7 +254,7 @@ def test_oracle_drafter_plants_seeded_rejections():
 def test_narrow_micro_batch_is_refused_before_anything_runs(setup):
   cfg, layout, runner, prompt, _ = setup
   kv = _streamed(cfg, layout, 70 + N + 8)
-  draft = speculative.DraftParams("ngram+mtp", n_max=3, ngram_m=48)
+  draft = speculative.SpecConfig("ngram+mtp", n_max=3, ngram_m=48)
   assert draft.verify_width == 49
   with pytest.raises(ValueError, match=r"micro-batch of 32 rows .* at least 49 rows"):
     speculative.generate_speculative(runner, kv, prompt, N, draft, ubatch=32)
@@ -262,10 +262,10 @@ def test_narrow_micro_batch_is_refused_before_anything_runs(setup):
 
 
 GRID_N = 12
-DRAFTS = {"mtp": dict(kind="mtp", n_max=3), "ngram": dict(kind="ngram", n_max=3, ngram_n=1),
-          "ngram+mtp": dict(kind="ngram+mtp", n_max=2, ngram_n=1, ngram_m=3),
-          "oracle-0.3": dict(kind="oracle", n_max=3, oracle_acceptance=0.3),
-          "oracle-0.9": dict(kind="oracle", n_max=3, oracle_acceptance=0.9)}   # verify width 4 for all
+DRAFTS = {"mtp": dict(draft="mtp", n_max=3), "ngram": dict(draft="ngram", n_max=3, ngram_n=1),
+          "ngram+mtp": dict(draft="ngram+mtp", n_max=2, ngram_n=1, ngram_m=3),
+          "oracle-0.3": dict(draft="oracle", n_max=3, oracle_acceptance=0.3),
+          "oracle-0.9": dict(draft="oracle", n_max=3, oracle_acceptance=0.9)}   # verify width 4 for all
 
 
 @pytest.mark.parametrize("rollback", ["device", "host"])
@@ -275,12 +275,12 @@ def test_greedy_output_equals_plain_for_every_drafter_cache_and_rollback(setup, 
   cfg, layout, runner, prompt, truth = setup
   max_tokens = 70 + N + 8
   kv = engine.PlainKV(cfg, layout, max_tokens) if cache == "plain" else _streamed(cfg, layout, max_tokens)
-  draft = speculative.DraftParams(**DRAFTS[drafter], rollback=rollback)
+  draft = speculative.SpecConfig(**DRAFTS[drafter], rollback=rollback)
   res = speculative.generate_speculative(runner, kv, prompt, GRID_N, draft, ubatch=32,
                                          oracle_tokens=truth[:GRID_N] if drafter.startswith("oracle") else None)
   assert res.tokens == truth[:GRID_N]
   m = res.metrics
-  assert m["spec_type"] == draft.kind and m["spec_rollback"] == rollback
+  assert m["spec_type"] == draft.draft and m["spec_rollback"] == rollback
   assert m["draft_generated"] > 0 and m["verify_forwards"] < GRID_N
   assert sum(int(w) for w in m["verify_ms_by_width"]) >= 2
   rounds = np.asarray(m["draft_rounds"])      # [drafts, accepted] per verify round
@@ -300,7 +300,7 @@ def test_oracle_with_mtp_cost_drafts_the_oracle_and_leases_every_round(setup):
   drafts under its lease every round (its cost); the output is plain greedy's."""
   cfg, layout, runner, prompt, truth = setup
   kv = _streamed(cfg, layout, 70 + N + 8)
-  draft = speculative.DraftParams("oracle", n_max=3, oracle_acceptance=0.9, oracle_mtp=True, rollback="host")
+  draft = speculative.SpecConfig("oracle", n_max=3, oracle_acceptance=0.9, oracle_mtp=True, rollback="host")
   rounds = []
   res = speculative.generate_speculative(runner, kv, prompt, GRID_N, draft, ubatch=32, oracle_tokens=truth[:GRID_N],
                                          on_round=rounds.append)
@@ -308,8 +308,8 @@ def test_oracle_with_mtp_cost_drafts_the_oracle_and_leases_every_round(setup):
   assert res.tokens == truth[:GRID_N] and m["draft_accepted"] > m["verify_forwards"] // 2
   assert {r["drafter"] for r in rounds} == {"oracle"} and all(r["draft_p"] for r in rounds)   # MTP drafted too
   assert m["mtp_leases"] == m["verify_forwards"] and m["mtp_lease_bytes_per_round"] > 0
-  with pytest.raises(ValueError, match="kind must be 'oracle'"):
-    speculative.DraftParams("mtp", oracle_mtp=True)
+  with pytest.raises(ValueError, match="spec.draft must be 'oracle'"):
+    speculative.SpecConfig("mtp", oracle_mtp=True)
 
 
 def test_mtp_lease_beside_copy_waves_equals_plain(setup):
@@ -319,7 +319,7 @@ def test_mtp_lease_beside_copy_waves_equals_plain(setup):
   the wave steps compile for this pool.)"""
   cfg, layout, runner, prompt, truth = setup
   kv = StreamedKV(cfg, layout, 70 + N + 8, StreamConfig(9, (1, 1, 4), 2))
-  res = speculative.generate_speculative(runner, kv, prompt, GRID_N, speculative.DraftParams("mtp", n_max=3),
+  res = speculative.generate_speculative(runner, kv, prompt, GRID_N, speculative.SpecConfig("mtp", n_max=3),
                                          ubatch=32)
   m = res.metrics
   assert res.tokens == truth[:GRID_N] and m["waved_layers"] > 0
@@ -338,8 +338,8 @@ def test_long_ngram_and_mtp_with_host_rollback_equals_plain(setup):
   truth = generate.generate(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, n, ubatch=32).tokens
   kv = engine.PlainKV(cfg, layout, max_tokens)
   res = speculative.generate_speculative(
-      runner, kv, prompt, n, speculative.DraftParams("ngram+mtp", n_max=3, ngram_n=3, ngram_m=6,
-                                                     rollback="host"), ubatch=32)
+      runner, kv, prompt, n, speculative.SpecConfig("ngram+mtp", n_max=3, ngram_n=3, ngram_m=6,
+                                                    rollback="host"), ubatch=32)
   assert res.tokens == truth
   m = res.metrics
   assert m["ngram_rounds"] > 0 and m["draft_accepted"] > 0 and m["draft_accepted"] < m["draft_generated"]
@@ -423,12 +423,33 @@ def test_draft_params_and_ngram():
   assert speculative.ngram_draft([1, 2, 3], 3, 2) == []
   assert speculative.ngram_draft([5, 6, 7, 8, 5, 6], 2, 4) == [7, 8, 5, 6]
   with pytest.raises(ValueError, match="n_max"):
-    speculative.DraftParams(n_max=0)
-  with pytest.raises(ValueError, match="kind"):
-    speculative.DraftParams(kind="eagle")
+    speculative.SpecConfig(n_max=0)
+  with pytest.raises(ValueError, match="spec.draft"):
+    speculative.SpecConfig(draft="eagle")
   with pytest.raises(ValueError, match="rollback"):
-    speculative.DraftParams(rollback="disk")
+    speculative.SpecConfig(rollback="disk")
   with pytest.raises(ValueError, match="oracle_acceptance"):
-    speculative.DraftParams(kind="oracle", oracle_acceptance=1.5)
-  assert speculative.DraftParams("ngram", n_max=3).verify_width == 4
-  assert speculative.DraftParams("ngram+mtp", n_max=5, ngram_m=2).verify_width == 6
+    speculative.SpecConfig(draft="oracle", oracle_acceptance=1.5)
+  assert speculative.SpecConfig("ngram", n_max=3).verify_width == 4
+  assert speculative.SpecConfig("ngram+mtp", n_max=5, ngram_m=2).verify_width == 6
+
+
+def test_one_spec_config_from_the_command_line_to_the_round():
+  """One class from the API to the round; its flags, config keys and metric names come from its
+  fields (llama.cpp's spellings where they differ); a bad field is the API's error naming spec.<field>."""
+  from kvjax import api, cli, spec_config  # pylint: disable=import-outside-toplevel
+  assert api.SpecConfig is speculative.SpecConfig is spec_config.SpecConfig
+  assert [spec_config.flag_name(f) for f in spec_config.FIELDS] == [
+      "spec-type", "spec-draft-n-max", "spec-draft-p-min", "spec-ngram-size-n", "spec-ngram-size-m",
+      "spec-oracle-acceptance", "spec-oracle-seed", "spec-rollback", "spec-oracle-mtp"]
+  assert [spec_config.config_key(f) for f in ("draft", "n_max", "rollback")] == ["spec_type", "spec_n_max",
+                                                                                   "spec_rollback"]
+  e = pytest.raises(api.ParameterError, speculative.SpecConfig, n_max=0).value
+  assert e.params == ("spec.n_max",) and e.renamed(cli.FLAG_OF) == "--spec-draft-n-max must be >= 1, got 0"
+  want = speculative.SpecConfig("ngram+mtp", n_max=5, p_min=0.1, ngram_n=2, ngram_m=7, rollback="host")
+  values = {spec_config.flag_name(f): getattr(want, f) for f in spec_config.FIELDS}
+  assert spec_config.from_flags({**values, "spec-type": "ngram-simple,draft-mtp"}.__getitem__) == want
+  assert spec_config.from_flags({**values, "spec-type": "none"}.__getitem__) is None
+  cfg = {spec_config.config_key(f): getattr(want, f) for f in spec_config.FIELDS}
+  assert spec_config.from_config(cfg) == want and spec_config.from_config({"spec_type": "none"}) is None
+  assert spec_config.from_config({"spec_type": "oracle"}) == speculative.SpecConfig("oracle")

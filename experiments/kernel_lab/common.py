@@ -56,10 +56,11 @@ def contexts(layout: PageLayout):
     yield ctx, n_pages, n_pages + 8, ctx * layout.token_bytes
 
 
-def time_calls(fn, iters: int, rounds: int) -> float:
+def time_calls(fn, iters: int, rounds: int, warm_up: bool = True) -> float:
   """Median seconds a call of `fn()` (no arguments), `iters` calls queued a round, after one
-  warm-up call (compile)."""
-  fn().block_until_ready()
+  warm-up call (compile; warm_up=False: the caller has called `fn` already)."""
+  if warm_up:
+    fn().block_until_ready()
   ts = []
   for _ in range(rounds):
     t = time.perf_counter()
@@ -77,11 +78,18 @@ def exact_pool(ctx: int, layout: PageLayout, num_phys: int, n_pages: int):
   return pool, rng.permutation(num_phys)[:n_pages].astype(np.int32)
 
 
-def timed(fn, nbytes: int, label: str, fields: tuple, rows: list) -> None:
+def timed(fn, nbytes: int, label: str, fields: tuple, rows: list,
+          checked_s: float | None = None) -> None:
   """Time `fn()` (`time_calls`: 2 calls in the interpreter), append fields + (us, GB/s) to rows
-  and print `label us=... gbps=...`."""
+  and print `label us=... gbps=...`. checked_s: the seconds of the caller's checked call of `fn`,
+  which compiled it (no warm-up call); in the interpreter that time is the one reported, with no
+  further call (an interpreter's time says nothing of a GPU's: the line shows the path ran)."""
   f = flags.FLAGS
-  t = time_calls(fn, 2 if f.interpret else f.dispatch_iters, 1 if f.interpret else f.rounds)
+  if f.interpret and checked_s is not None:
+    t = checked_s
+  else:
+    t = time_calls(fn, 2 if f.interpret else f.dispatch_iters, 1 if f.interpret else f.rounds,
+                   warm_up=checked_s is None)
   rows.append(tuple(fields) + (t * 1e6, nbytes / t / 1e9))
   print(f"{label} us={t * 1e6:.1f} gbps={nbytes / t / 1e9:.0f}", flush=True)
 

@@ -1,8 +1,9 @@
 """Host time of `StreamedKV.begin_forward` at the 27B geometry (no model, no GPU needed).
 
 A verify forward of `--rows` rows at each context over a synthetic history in a pool of
-`--pool_pages`, timed `--reps` times as a plain decode loop calls it, and again with a truncation
-before each call (a speculative round's rollback). Prints ms per call.
+`--pool_pages`, timed `--reps` times as a plain decode loop calls it, again with a truncation
+before each call (a speculative round's rollback), and with its layout built again each call (what
+a page boundary costs). Prints ms per call.
 
   python -m experiments.kernel_lab.probe_begin_forward --contexts=32768,131072
 """
@@ -39,11 +40,15 @@ def main(argv):
                     fixed_split(FLAGS.pool_pages, cfg.num_attention_layers + 1, max_tokens, layout, 32))
     synthetic.fill_streamed(kv, ctx)
     kv.begin_forward(ctx, FLAGS.rows, layers)        # the first call mirrors the pinned blocks
-    for variant, truncate in (("begin_forward", False), ("truncate + begin_forward", True)):
+    for variant, how in (("begin_forward", ""), ("truncate + begin_forward", "truncate"),
+                         ("lay out + begin_forward", "layout")):
       ts = []
       for _ in range(FLAGS.reps):
-        if truncate:
+        if how == "truncate":
           kv.truncate("target", ctx)
+        elif how == "layout":      # a new key: the layout built again (a page boundary, a new phase)
+          kv._layouts.clear()      # pylint: disable=protected-access
+          kv._shape_key = None     # pylint: disable=protected-access
         t = time.perf_counter()
         kv.begin_forward(ctx, FLAGS.rows, layers)
         ts.append((time.perf_counter() - t) * 1e3)

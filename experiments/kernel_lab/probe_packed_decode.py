@@ -29,6 +29,7 @@ fast as this format (docs/PERFORMANCE.md), so the page format stays ggml's (docs
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 from absl import app, flags
@@ -436,7 +437,9 @@ def main(argv):
                                  interpret=FLAGS.interpret)
         name = f"{variant} context={ctx} stages={stages} WGs={consumers}"
         try:
+          t = time.perf_counter()
           got = [np.asarray(x).astype(np.float64) for x in fn()]
+          checked_s = time.perf_counter() - t
         except Exception as e:  # pylint: disable=broad-except  (report it, go on to the next one)
           print(f"FAILED to build or run the packed probe {name} (SMEM {smem} B): "
                 f"{type(e).__name__}: {str(e)[:400]}", flush=True)
@@ -447,7 +450,7 @@ def main(argv):
                 flush=True)
           continue
         common.timed(lambda fn=fn: fn()[0], nbytes, f"packed {name} smem={smem} checked",
-                           (variant, ctx, stages, consumers, smem), rows)
+                     (variant, ctx, stages, consumers, smem), rows, checked_s)
   common.print_table(("variant", "ctx", "stages", "WGs", "SMEM B"), rows)
 
 

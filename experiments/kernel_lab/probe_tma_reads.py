@@ -36,6 +36,7 @@ checked on the GPU against numpy, bit for bit:
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 from absl import app, flags
@@ -502,15 +503,20 @@ def main(argv):
             fn = functools.partial(probe, lines, table, layout=layout,
                                    block_pages=FLAGS.block_pages, block_tokens=bt,
                                    stages=stages, interpret=FLAGS.interpret)
-            if not np.array_equal(np.asarray(fn()), expected(pool_np, table_np, layout,
-                                                             FLAGS.block_pages, bt, line)):
+            t = time.perf_counter()
+            got = np.asarray(fn())
+            checked_s = time.perf_counter() - t
+            if not np.array_equal(got, expected(pool_np, table_np, layout, FLAGS.block_pages, bt,
+                                                line)):
               raise SystemExit(f"TMA probe copied the wrong bytes at {ctx} tokens, {name}")
           elif work == "step":
             w, p, qt, pt = step_inputs(layout.head_dim, FLAGS.magic_n)
             fn = functools.partial(step_probe, lines, table, jnp.asarray(qt), jnp.asarray(pt),
                                    layout=layout, block_pages=FLAGS.block_pages, stages=stages,
                                    consumers=consumers)
+            t = time.perf_counter()
             got = [np.asarray(x) for x in fn()]
+            checked_s = time.perf_counter() - t
             want = expected_step_sums(pool_np, table_np, layout, FLAGS.block_pages, w, p)
             if not all(np.array_equal(a, b) for a, b in zip(got, want)):
               print(f"FAILED step check at {ctx} tokens, {name}: "
@@ -523,14 +529,16 @@ def main(argv):
             fn = functools.partial(magic_probe, rand_lines[line], table, jnp.asarray(rhs),
                                    layout=layout, block_pages=FLAGS.block_pages, stages=stages,
                                    consumers=consumers)
+            t = time.perf_counter()
             got = np.asarray(fn())
+            checked_s = time.perf_counter() - t
             want = expected_magic_sums(rand_pool, table_np, layout, FLAGS.block_pages, w)
             if not np.array_equal(got, want):
               print(f"FAILED magic check at {ctx} tokens, {name}: "
                     f"{float(np.mean(got == want)):.1%} of the sums equal", flush=True)
               continue
           common.timed(fn, nbytes, f"tma context={ctx} {name} smem={smem} checked",
-                       (ctx, work, line, bt, stages, consumers, smem), rows)
+                       (ctx, work, line, bt, stages, consumers, smem), rows, checked_s)
   common.print_table(("ctx", "work", "line", "BT", "stages", "WGs", "SMEM B"), rows)
 
 

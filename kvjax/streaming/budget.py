@@ -7,7 +7,10 @@ that in-flight uploads need, sized before anything is allocated.
 * `staging_pages` / `staging_unit_pages` / `staging_reserve_pages`: device pages held by uploads in
   flight (`StreamedKV` keeps its live staging at or under the reserve).
 * `fit_adaptive_pool` / `adaptive_staging_reserve_pages`: the same for the adaptive policy, whose
-  split changes at run time.
+  split changes at run time; `adaptive_minimum_pool` / `adaptive_ring_hint`: the smallest pool it
+  streams through (its ring holds an attention partition for copy waves).
+* `minimum_pool` / `check_pool`: the smallest pool a budget of pages streams through;
+  `smallest_budget` / `minimum_arena`: the least pages / bytes an arena's KV region / the arena needs.
 * `stream_config_from_budget`: the split for an arena in bytes or a pool in pages.
 
 Every refusal is a `StreamBudgetError` that names the pages (and MiB) missing.
@@ -21,6 +24,7 @@ from typing import Optional, Tuple
 from kvjax.config import ModelConfig
 from kvjax.streaming.host_history import pinned_available
 from kvjax.streaming.policy import minimum_pool_pages  # 1 resident page a layer + 1 ring slot
+from kvjax.streaming.policy_types import AUTO_RING_HINT
 from kvjax_pallas.page_layout import PageLayout
 
 
@@ -154,20 +158,77 @@ def adaptive_staging_reserve_pages(pool_pages: int, max_tokens: int, layout: Pag
   return staging_reserve_pages(all_streamed, max_tokens, layout, prefetch_depth, pinned)
 
 
+def adaptive_minimum_pool(n_layers: int, max_tokens: int, layout: PageLayout, wave_pages: int = 1) -> int:
+  """The smallest pool the adaptive policy streams through: a resident page a layer beside a ring of
+  one attention partition (`wave_pages`: the policy may leave a layer more streamed pages than the
+  ring holds, and copy waves hold whole partitions; its ring never shrinks below the hint
+  `adaptive_ring_hint` gives), or of a layer's pages at `max_tokens` where that is fewer; one slot
+  at least."""
+  return n_layers + max(1, min(int(wave_pages), layout.pages_for(max_tokens)))
+
+
+def adaptive_ring_hint(pool_pages: int, n_layers: int, wave_pages: int = 1) -> int:
+  """The policy's `initial_ring_slots` for a pool: 0 (its own hint, min(8, pages - layers)) where
+  that ring holds an attention partition, else a partition's slots (the policy's smallest ring is
+  at least its hint), within the pool."""
+  if wave_pages <= AUTO_RING_HINT:
+    return 0
+  return max(0, min(int(wave_pages), int(pool_pages) - n_layers))
+
+
+def minimum_pool(n_layers: int, max_tokens: int, layout: PageLayout, copy_pages: int = 32, wave_pages: int = 1,
+                 adaptive: bool = False) -> int:
+  """The smallest pool `fixed_split` takes: layers + 1 pages, more where that split streams in copy
+  waves through a ring narrower than one `wave_pages` attention partition; adaptive, also one the
+  policy streams through (`adaptive_minimum_pool`)."""
+  least = max(minimum_pool_pages(n_layers), adaptive_minimum_pool(n_layers, max_tokens, layout, wave_pages)
+              if adaptive else 0)
+  for pool in range(least, n_layers * layout.pages_for(max_tokens) + 2):   # all resident always streams
+    try:
+      fixed_split(pool, n_layers, max_tokens, layout, copy_pages, wave_pages)
+      return pool
+    except StreamBudgetError:
+      continue
+  return n_layers * layout.pages_for(max_tokens) + 1
+
+
+def check_pool(pool_pages: int, n_layers: int, max_tokens: int, layout: PageLayout, copy_pages: int = 32,
+               wave_pages: int = 1, adaptive: bool = False) -> None:
+  """A pool of `pool_pages` at least `minimum_pool`, else StreamBudgetError with the pages missing."""
+  need = minimum_pool(n_layers, max_tokens, layout, copy_pages, wave_pages, adaptive)
+  if pool_pages < need:
+    base, missing = minimum_pool_pages(n_layers), need - pool_pages
+    waves = "" if need == base else (
+        f"{f', {base - pool_pages} more pages,' if pool_pages < base else ''} and {need} where its layers stream "
+        f"in copy waves of whole {wave_pages}-page attention partitions (a ring of {need - n_layers} slots)")
+    raise StreamBudgetError(
+        f"KV pool too small: {pool_pages} pages ({mib(pool_pages * layout.page_bytes)}) cannot stream {n_layers} "
+        f"layers{' through the adaptive policy' if adaptive else ''}: the minimum is {base} pages (1 resident page "
+        f"a layer + 1 ring slot){waves}: {missing} more pages ({mib(missing * layout.page_bytes)}) needed"
+        + (", or fewer rows a forward (ubatch)" if waves else ""))
+
+
 def fit_adaptive_pool(available_pages: int, max_tokens: int, layout: PageLayout,
                       copy_pages: int = 32, prefetch_depth: int = 1,
-                      pinned: Optional[bool] = None) -> int:
+                      pinned: Optional[bool] = None, n_layers: int = 0, wave_pages: int = 1) -> int:
   """The largest pool whose pages plus `adaptive_staging_reserve_pages` fit in `available_pages`
-  (pool + reserve grows with the pool, so a bisection finds it)."""
+  (pool + reserve grows with the pool, so a bisection finds it), at least the policy's minimum pool
+  for `n_layers` cache layers and copy waves of `wave_pages` (`adaptive_minimum_pool`; 0 layers:
+  any pool of a page)."""
   if pinned is None:
     pinned = pinned_available()
   need = lambda pool: pool + adaptive_staging_reserve_pages(pool, max_tokens, layout, copy_pages,
                                                             prefetch_depth, pinned)
-  if need(1) > available_pages:
+  smallest = adaptive_minimum_pool(n_layers, max_tokens, layout, wave_pages) if n_layers else 1
+  if need(smallest) > available_pages:
+    missing = need(smallest) - available_pages
+    ring = f" ({n_layers} layers + a ring of {smallest - n_layers})" if n_layers else ""
     raise StreamBudgetError(
-        f"{available_pages} pages hold no adaptive pool: the smallest is 1 pool page + "
-        f"{need(1) - 1} staging pages; {need(1) - available_pages} more pages needed")
-  lo, hi = 1, int(available_pages)
+        f"KV budget too small: {available_pages} pages ({mib(available_pages * layout.page_bytes)}) hold no "
+        f"adaptive pool: the smallest is {smallest} pool page{'s' * (smallest > 1)}{ring} + "
+        f"{need(smallest) - smallest} staging pages; {missing} more pages ({mib(missing * layout.page_bytes)}) "
+        f"needed (the staging of any split the policy may pick)")
+  lo, hi = smallest, int(available_pages)
   while lo < hi:
     mid = (lo + hi + 1) // 2
     if need(mid) <= available_pages:
@@ -198,8 +259,29 @@ def fit_split(available_pages: int, n_layers: int, max_tokens: int, layout: Page
       break                                   # smaller pools cannot stream either
     if total <= available_pages:
       return split
-  # report what is missing: the pool size whose pool + staging is smallest (more resident pages
-  # stream fewer pages, so a larger pool can need less in all)
+  hi, total = smallest_budget(n_layers, max_tokens, layout, copy_pages, prefetch_depth, pinned, wave_pages)
+  missing = total - available_pages
+  raise StreamBudgetError(
+      f"KV budget too small: {available_pages} pages ({mib(available_pages * layout.page_bytes)}) cannot hold a "
+      f"pool that streams {n_layers} layers at {max_tokens} tokens plus the staging of its in-flight uploads: "
+      f"the smallest is {hi} pool pages + {total - hi} staging pages; {missing} more pages "
+      f"({mib(missing * layout.page_bytes)}) needed")
+
+
+def smallest_budget(n_layers: int, max_tokens: int, layout: PageLayout, copy_pages: int = 32,
+                    prefetch_depth: int = 1, pinned: Optional[bool] = None,
+                    wave_pages: int = 1) -> Tuple[int, int]:
+  """-> (pool pages, pool + staging pages) of the `fixed_split` pool whose pages plus staging reserve
+  are fewest: the least an arena's KV region holds a streamed cache in (`fit_split` takes any region
+  of at least that many pages). More resident pages stream fewer pages, so a larger pool can need
+  less in all: every pool from the smallest that streams to all resident is tried."""
+  if pinned is None:
+    pinned = pinned_available()
+
+  def need(pool):
+    split = fixed_split(pool, n_layers, max_tokens, layout, copy_pages, wave_pages)
+    return pool + staging_reserve_pages(split, max_tokens, layout, prefetch_depth, pinned)
+
   everything = layout.pages_for(max_tokens) * n_layers + 1          # all resident: always streams
   lo, hi = 1, everything
   while lo < hi:                                                       # smallest pool that streams
@@ -209,13 +291,8 @@ def fit_split(available_pages: int, n_layers: int, max_tokens: int, layout: Page
       hi = mid
     except StreamBudgetError:
       lo = mid + 1
-  total, hi = min((need(q)[1], q) for q in range(lo, everything + 1))
-  missing = total - available_pages
-  raise StreamBudgetError(
-      f"KV budget too small: {available_pages} pages ({mib(available_pages * layout.page_bytes)}) cannot hold a "
-      f"pool that streams {n_layers} layers at {max_tokens} tokens plus the staging of its in-flight uploads: "
-      f"the smallest is {hi} pool pages + {total - hi} staging pages; {missing} more pages "
-      f"({mib(missing * layout.page_bytes)}) needed")
+  total, pool = min((need(q), q) for q in range(lo, everything + 1))
+  return pool, total
 
 
 def stream_config_from_budget(cfg: ModelConfig, layout: PageLayout, max_tokens: int, *,
@@ -231,14 +308,62 @@ def stream_config_from_budget(cfg: ModelConfig, layout: PageLayout, max_tokens: 
   if pool_pages is None:
     left = arena_bytes - workspace_bytes
     if left < layout.page_bytes:
+      need = minimum_arena(n_layers, max_tokens, layout, workspace_bytes, copy_pages, wave_pages=wave_pages,
+                           prefetch_depth=prefetch_depth)
       raise StreamBudgetError(
-          f"arena of {mib(arena_bytes)} leaves no page after the {mib(workspace_bytes)} decode workspace: "
-          f"the workspace plus the minimum pool of {minimum_pool_pages(n_layers)} pages ({n_layers} layers + "
-          f"1) is {mib(workspace_bytes + minimum_pool_pages(n_layers) * layout.page_bytes)}, and the staging "
-          f"of in-flight uploads comes on top")
+          f"arena of {mib(arena_bytes)} leaves no page after the {mib(workspace_bytes)} decode workspace, "
+          f"{need.refusal(arena_bytes, layout.page_bytes)}")
     return fit_split(left // layout.page_bytes, n_layers, max_tokens, layout, copy_pages,
                      prefetch_depth, wave_pages=wave_pages)
   return fixed_split(int(pool_pages), n_layers, max_tokens, layout, copy_pages, wave_pages)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArenaNeed:
+  """The smallest arena a streamed cache fits (`minimum_arena`): `bytes`, the pages of a phase's
+  KV region (pool + staging) at least, and what decides it (`reason`, for a refusal)."""
+  bytes: int
+  region_pages: int
+  reason: str
+
+  def mib(self) -> str:
+    """`bytes` in MiB rounded up to 0.001 (an arena of that many MiB holds the cache)."""
+    return f"{-(-(self.bytes + 1) * 1000 // 2**20) / 1000:.3f} MiB"
+
+  def refusal(self, arena_bytes: int, page_bytes: int) -> str:
+    """The refusal of an arena of `arena_bytes`: the least needed, what decides it, the pages missing."""
+    missing = -(-(self.bytes - arena_bytes) // page_bytes)
+    return (f"too small: at least {self.mib()} needed ({self.reason}): {missing} more pages "
+            f"({mib(self.bytes - arena_bytes)})")
+
+
+def minimum_arena(n_layers: int, max_tokens: int, layout: PageLayout, decode_workspace_bytes: int,
+                  copy_pages: int = 32, adaptive: bool = False, wave_pages: int = 1,
+                  prefill_workspace_bytes: Optional[int] = None, prefetch_depth: int = 1,
+                  alignment: int = 256, prefill_rows: str = "ubatch rows a forward") -> ArenaNeed:
+  """The smallest arena `kvjax.api.make_kv` takes: the decode workspace beside the fewest pages of a
+  fixed pool plus its staging (`smallest_budget`; adaptive, also the policy's smallest pool plus the
+  staging of any split: `adaptive_minimum_pool`); phased (`prefill_workspace_bytes` given), each
+  phase's layout (`arena.phase_layouts`: its workspace, `alignment`-aligned, then the KV region)
+  holds a region of that many pages (`prefill_rows`: what sizes the prefill's workspace, for the
+  reason). An arena of at least this many bytes passes every check."""
+  pb = layout.page_bytes
+  pool, fixed = smallest_budget(n_layers, max_tokens, layout, copy_pages, prefetch_depth, wave_pages=wave_pages)
+  region, what = fixed, f"{pool} pool + {fixed - pool} staging"
+  if adaptive:
+    apool = adaptive_minimum_pool(n_layers, max_tokens, layout, wave_pages)
+    region = apool + adaptive_staging_reserve_pages(apool, max_tokens, layout, copy_pages, prefetch_depth)
+    what = f"{apool} pool + {region - apool} staging for any split the adaptive policy picks"
+  pages = max(fixed, region)
+  needs = [ArenaNeed(decode_workspace_bytes + pages * pb, region,
+                     f"the {mib(decode_workspace_bytes)} decode workspace beside {pages} KV pages ({what})")]
+  if prefill_workspace_bytes is not None:
+    up = lambda n: -(-n // alignment) * alignment
+    for phase, ws in (("prefill", prefill_workspace_bytes), ("decode", decode_workspace_bytes)):
+      rows = f" ({prefill_rows})" if phase == "prefill" else ""
+      needs.append(ArenaNeed(up(ws) + up(region * pb), region, f"the {phase} phase: its {mib(ws)} workspace{rows} "
+                                                               f"beside a KV region of {region} pages ({what})"))
+  return max(needs, key=lambda n: n.bytes)
 
 
 PREFILL_BLOCK_MAX_TOKENS = 16384   # the prefill's block: at most this many tokens a forward

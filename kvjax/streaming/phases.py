@@ -37,8 +37,9 @@ from typing import Optional
 import numpy as np
 
 from kvjax.streaming import arena as arena_lib
+from kvjax.streaming import budget as budget_lib
 from kvjax.streaming import policy as policy_lib
-from kvjax.streaming.budget import StreamBudgetError, StreamConfig, fit_adaptive_pool, fit_split
+from kvjax.streaming.budget import StreamBudgetError, StreamConfig, adaptive_ring_hint, fit_adaptive_pool, fit_split
 from kvjax.streaming.provider import StreamedKV
 
 
@@ -88,7 +89,13 @@ class PhasedKV:
     # KV region of each phase: the pool plus the staging of its in-flight uploads; both layouts are
     # validated up front (a refused phase is refused before any work)
     self.region_pages = {"prefill": self.layouts.prefill_kv_pages, "decode": self.layouts.decode_kv_pages}
-    self.pool_pages = {p: self.split_for(pages).pool_pages for p, pages in self.region_pages.items()}
+    self.pool_pages = {}
+    for p, pages in self.region_pages.items():
+      try:
+        self.pool_pages[p] = self.split_for(pages).pool_pages
+      except StreamBudgetError as e:   # which layout is short (the prefill's workspace grows with ubatch)
+        ws = prefill_workspace_bytes if p == "prefill" else decode_workspace_bytes
+        raise StreamBudgetError(f"{p} phase ({budget_lib.mib(ws)} workspace, {pages} pages left): {e}") from None
 
   def split_for(self, region_pages: int) -> StreamConfig:
     """The split of a KV region of `region_pages` pages: the pool plus the staging reserve of its
@@ -96,8 +103,8 @@ class PhasedKV:
     split, `fit_adaptive_pool`, and its policy splits it on rebind)."""
     kv = self.kv
     if isinstance(kv, AdaptiveStreamedKV):
-      return kv.initial_split(fit_adaptive_pool(region_pages, self.max_tokens, kv.layout,
-                                                kv.stream.copy_pages, kv.prefetch_depth))
+      return kv.initial_split(fit_adaptive_pool(region_pages, self.max_tokens, kv.layout, kv.stream.copy_pages,
+                                                kv.prefetch_depth, n_layers=kv.n_layers, wave_pages=kv.wave_pages))
     return fit_split(region_pages, kv.n_layers, self.max_tokens, kv.layout, kv.stream.copy_pages,
                      kv.prefetch_depth, wave_pages=self.wave_pages)
 
@@ -152,12 +159,16 @@ class AdaptiveStreamedKV(StreamedKV):
   the target's attention layers and the MTP layer are the policy's two caches of one budget."""
 
   def __init__(self, cfg, layout, max_tokens, pool_pages: int, copy_pages: int = 32,
-               policy_config: Optional[policy_lib.PolicyConfig] = None, pinned=None):
+               policy_config: Optional[policy_lib.PolicyConfig] = None, pinned=None, wave_pages: int = 1):
     n_target = cfg.num_attention_layers
     n_layers = n_target + (1 if cfg.has_mtp else 0)
+    # the widest forward's attention partition: the policy's ring holds one (`adaptive_ring_hint`),
+    # so the copy waves of a layer it leaves more streamed pages than the ring hold whole partitions
+    self.wave_pages = int(wave_pages)
     self.policy_config = policy_config or policy_lib.PolicyConfig(
         page_bytes=layout.page_bytes, pool_bytes=pool_pages * layout.page_bytes, layers=n_layers,
-        page_tokens=layout.page_tokens, caches=policy_lib.model_caches(n_target, n_layers - n_target))
+        page_tokens=layout.page_tokens, caches=policy_lib.model_caches(n_target, n_layers - n_target),
+        initial_ring_slots=adaptive_ring_hint(pool_pages, n_layers, self.wave_pages))
     self.policy_state = policy_lib.initialize(self.policy_config)
     caps = policy_lib.capacities(self.policy_config, self.policy_state)
     super().__init__(cfg, layout, max_tokens, StreamConfig(pool_pages, caps, copy_pages), pinned)
@@ -175,10 +186,15 @@ class AdaptiveStreamedKV(StreamedKV):
   def initial_split(self, pool_pages: int) -> StreamConfig:
     """The split a fresh policy gives a pool of `pool_pages` (`PhasedKV` sizes its phases with it;
     `rebind` then applies the policy's own step on that pool)."""
-    config = dataclasses.replace(self.policy_config, pool_bytes=pool_pages * self.layout.page_bytes
-                                 + self.policy_config.conversion_bytes)
+    config = self._config_for(pool_pages)
     return StreamConfig(pool_pages, policy_lib.capacities(config, policy_lib.initialize(config)),
                         self.stream.copy_pages)
+
+  def _config_for(self, pool_pages: int) -> policy_lib.PolicyConfig:
+    """The policy's config on a pool of `pool_pages` (a partition's ring hint follows the pool)."""
+    hint = adaptive_ring_hint(pool_pages, self.n_layers, self.wave_pages)
+    return dataclasses.replace(self.policy_config, pool_bytes=pool_pages * self.layout.page_bytes
+                               + self.policy_config.conversion_bytes, **({"initial_ring_slots": hint} if hint else {}))
 
   def _snapshot(self):
     self._last = dict(self.counters)
@@ -224,8 +240,8 @@ class AdaptiveStreamedKV(StreamedKV):
       super().rebind(stream)
       return
     tokens = max(int(np.max(h.tokens)) for h in self.histories.values())
-    r = policy_lib.rebind(self.policy_config, stream.pool_pages * self.layout.page_bytes
-                          + self.policy_config.conversion_bytes, tokens)
+    config = self._config_for(stream.pool_pages)
+    r = policy_lib.rebind(config, config.pool_bytes, tokens)
     super().rebind(StreamConfig(stream.pool_pages, r.layout.capacities, stream.copy_pages))
     self.policy_config, self.policy_state = r.config, r.decision.next
     self.decisions.append(r.decision)

@@ -441,10 +441,10 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
         phys = np.concatenate([phys, self.resident_base[a] + live + np.arange(self._active - open_page)])
       plan, table = self._plan_and_table(a, live, phys)
       units, pieces, tail = self._stage_layout(a, live, phys, held_from=open_page if held else -1)
-      plans[a] = staging.LayerPlan(plan, on_device(table), None if pieces is None else on_device(pieces),
+      plans[a] = staging.LayerPlan(plan, table, pieces,
                             units, tail, streamed, wraps, open_page=open_page)
       self.counters["max_spans"] = max(self.counters["max_spans"], len(plan.spans))
-    self._layer_plans = plans
+    self._layer_plans = staging.plans_on_device(plans)
 
   def _wave_layout(self, a: int, live: int, streamed: int) -> staging.LayerPlan:
     """Copy waves of layer a: wave 0 attends its resident pages and the streamed pages the ring
@@ -469,25 +469,21 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
       count = max(0, min(hi, need) - first)
       units, pieces, tail = ((), None, -1) if count == 0 else \
           self._stage_layout(a, first, self.ring_base + np.arange(hi - first), end=hi)
-      waves.append(staging.Wave((lo, hi), on_device(table), pieces, first, count, units, tail))
+      waves.append(staging.Wave((lo, hi), table, pieces, first, count, units, tail))
     return staging.LayerPlan(None, waves[0].table_t, waves[0].pieces, (), -1, streamed, 0, tuple(waves))
 
   def _plan_and_table(self, a: int, live: int, phys: np.ndarray):
     """Span plan and page table of layer a: its resident prefix, then the pool pages `phys` of its
     logical pages [live, active) as contiguous runs (ring, a wrapped ring run, the open slot)."""
     runs = [(int(self.resident_base[a]), live, "resident")]
-    i, ring_runs = 0, 0
-    while i < len(phys):
-      j = i + 1
-      while j < len(phys) and phys[j] == phys[j - 1] + 1:
-        j += 1
+    ring_runs = 0
+    for i, j in staging.contiguous_runs(phys):
       if phys[i] < self.ring_base:
         kind = "open"
       else:
         kind = "ring" if ring_runs == 0 else "ring_wrapped"
         ring_runs += 1
       runs.append((int(phys[i]), j - i, kind))
-      i = j
     kv_len = self._pos + self._n
     spans, kinds = spans_from_pages(self.layout, "pool", runs, kv_len)
     plan = make_plan(self.layout, {"pool": self.stream.pool_pages * self.layout.page_bytes}, spans,
@@ -509,20 +505,14 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     pages from this one on (the open region, `_open_split`; -1: none). `end`: the last logical
     page + 1 (a copy wave's)."""
     c = self.copy_unit
-    slot_of = lambda p: int(phys[p - live])
     need = min(self._active if end is None else end, self._content)   # committed streamed: [live, need)
     full = min(need, self._full)
     sources, rows = [], []
 
     def runs(first, end, row0):                   # contiguous destination runs (a wrap splits them)
-      out, p = [], first
-      while p < end:
-        q = p + 1
-        while q < end and slot_of(q) == slot_of(p) + (q - p):
-          q += 1
-        out.append((slot_of(p) - (p - row0), p - row0, q - row0))
-        p = q
-      return out
+      seg = phys[first - live:end - live]
+      return [(int(seg[i]) - (first + i - row0), first + i - row0, first + j - row0)
+              for i, j in staging.contiguous_runs(seg)]
 
     sealed = full // c * c
     for lo, hi in staging.unit_pieces(live, sealed, c, self.piece_units):
@@ -534,7 +524,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
       rows.append(runs(max(sealed, live), full, sealed))
     tail = full if need > full and full >= live and not held else -1
     if tail >= 0:
-      rows.append([(slot_of(tail), 0, 1)])
+      rows.append([(int(phys[tail - live]), 0, 1)])
     if not rows:
       return (), None, -1
     k = 2 if self.split_at_wrap else 1
@@ -543,7 +533,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     pieces = np.zeros((len(rows), k, 3), np.int32)
     for i, r in enumerate(rows):
       pieces[i, :len(r)] = r
-    return tuple(sources), tuple(on_device(list(pieces))), tail
+    return tuple(sources), tuple(pieces), tail      # host arrays: `_lay_out_forward` sends them
 
   def layer_kv(self, cache_layer: int):
     t0 = time.perf_counter()

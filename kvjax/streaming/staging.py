@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +115,46 @@ class LayerPlan(NamedTuple):
 
 
 
+
+
+def plans_on_device(plans: Dict[int, LayerPlan]) -> Dict[int, LayerPlan]:
+  """The layout's host arrays (page tables, placement pieces; of every layer and wave) on the
+  device in one transfer call, the plans rebuilt around them."""
+  host, index = [], {}
+
+  def take(x):                       # -> the index of a host array in `host`, or x as it is
+    if isinstance(x, np.ndarray):
+      if id(x) not in index:         # a wave's table is its layer's too: one device array
+        index[id(x)] = len(host)
+        host.append(x)
+      return index[id(x)]
+    return x
+
+  def swap(lp):
+    pieces = None if lp.pieces is None else tuple(take(x) for x in lp.pieces)
+    waves = tuple(w._replace(table_t=take(w.table_t), pieces=None if w.pieces is None else
+                             tuple(take(x) for x in w.pieces)) for w in lp.waves)
+    return lp._replace(table_t=take(lp.table_t), pieces=pieces, waves=waves)
+
+  marked = {a: swap(lp) for a, lp in plans.items()}
+  dev = on_device(host)
+  put = lambda x: dev[x] if isinstance(x, int) else x   # pylint: disable=unnecessary-lambda-assignment
+
+  def back(lp):
+    waves = tuple(w._replace(table_t=put(w.table_t), pieces=None if w.pieces is None else
+                             tuple(put(x) for x in w.pieces)) for w in lp.waves)
+    return lp._replace(table_t=put(lp.table_t), pieces=None if lp.pieces is None else
+                       tuple(put(x) for x in lp.pieces), waves=waves)
+
+  return {a: back(lp) for a, lp in marked.items()}
+
+
+def contiguous_runs(phys: np.ndarray):
+  """[(i, j)]: the maximal index ranges of `phys` whose values rise by one (contiguous pool pages)."""
+  if len(phys) == 0:
+    return []
+  cut = np.flatnonzero(np.diff(phys) != 1) + 1
+  return list(zip(np.concatenate([[0], cut]).tolist(), np.concatenate([cut, [len(phys)]]).tolist()))
 
 
 def compact_capacities(caps) -> str:
