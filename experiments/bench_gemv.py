@@ -51,6 +51,9 @@ def define_flags():
                        "many MiB (0: one copy)")
   flags.DEFINE_string("interpret", "auto", "run the kernel interpreted: true, false, auto (when the "
                       "backend is not a GPU)")
+  flags.DEFINE_list("tiles", [], "pallas tile configs to compare, each block_s:block_n:block_k:warps:stages "
+                    "(e.g. 16:64:512:4:3); each a row of impl 'pallas' with its tiles (default: the "
+                    "kernel's default_config)")
   flags.DEFINE_float("max_seconds", 1200.0, "stop starting new cases after this")
   flags.DEFINE_string("out", "", "JSON file for the rows (empty: none)")
 
@@ -102,11 +105,22 @@ def _time_calls(jax, fn, xs, ws, iters: int, rounds: int) -> float:
   return per[len(per) // 2]
 
 
+def parse_tiles(text: str):
+  """'bs:bn:bk:warps:stages' -> a QuantMatmulConfig."""
+  from kvjax_pallas.quant_matmul import api
+  parts = text.split(":")
+  if len(parts) != 5 or not all(p.isdigit() for p in parts):
+    raise app.UsageError(f"--tiles entry {text!r}: want block_s:block_n:block_k:warps:stages, 5 integers")
+  return api.QuantMatmulConfig(*(int(p) for p in parts))
+
+
 def run_case(jax, jnp, np, api, name, n, k, fmt, s, impl, interpret, copies_for, w_u8, ref_out,
-             x):
+             x, config=None, tiles=""):
   """One row of the table (a dict); the implementation's output is checked against ref_out."""
   from kvjax_pallas.quant_matmul import formats, reference
   row = dict(shape=name, n=n, k=k, fmt="dense" if impl == "bf16" else fmt, s=s, impl=impl)
+  if tiles:
+    row["tiles"] = tiles
   if impl == "bf16":
     w = jnp.asarray(np.random.default_rng(1).standard_normal((n, k)), jnp.bfloat16)
     w_bytes = n * k * 2
@@ -115,7 +129,7 @@ def run_case(jax, jnp, np, api, name, n, k, fmt, s, impl, interpret, copies_for,
   else:
     w = reference.halfword_view(w_u8) if impl == "pallas" else w_u8
     w_bytes = formats.row_bytes(fmt, k) * n
-    fn = jax.jit(lambda x, w: api.quant_matmul(x, w, fmt, k, implementation=impl,
+    fn = jax.jit(lambda x, w: api.quant_matmul(x, w, fmt, k, implementation=impl, config=config,
                                                interpret=interpret))
   ws = [w] + [w + 0 for _ in range(copies_for(w_bytes) - 1)]   # the copies: new buffers
   try:
@@ -138,7 +152,7 @@ def _fmt_row(r) -> str:
             f"  ERROR {r['error']}")
   check = f"{r['check']:.1e}" if "check" in r else "-"
   return (f"{r['shape']:>18} {r['n']:>6} {r['k']:>6} {r['fmt']:>5} {r['s']:>4} {r['impl']:>7} "
-          f"{r['ms']:>9.4f} {r['gbps']:>8.1f} {r['tflops']:>7.2f} {check:>8}")
+          f"{r['ms']:>9.4f} {r['gbps']:>8.1f} {r['tflops']:>7.2f} {check:>8} {r.get('tiles', '')}")
 
 
 def main(argv):
@@ -164,6 +178,7 @@ def main(argv):
   for impl in FLAGS.implementations:
     if impl != "bf16":
       api.get_implementation(impl)
+  tile_configs = [(t, parse_tiles(t)) for t in FLAGS.tiles] or [("", None)]
 
   def copies_for(nbytes: int) -> int:
     return max(1, min(64, math.ceil(FLAGS.rotate_mib * 2**20 / nbytes))) if FLAGS.rotate_mib else 1
@@ -171,7 +186,7 @@ def main(argv):
   print(f"backend {backend} ({jax.devices()[0].device_kind}), kernel interpret={interpret}, "
         f"{rounds_note} shapes, iters {FLAGS.iters} x rounds {FLAGS.rounds}", flush=True)
   print(f"{'shape':>18} {'N':>6} {'K':>6} {'fmt':>5} {'S':>4} {'impl':>7} {'ms':>9} {'GB/s':>8} "
-        f"{'TFLOP/s':>7} {'check':>8}", flush=True)
+        f"{'TFLOP/s':>7} {'check':>8} tiles", flush=True)
   table = []
   stopped = False
   for name, n, k in shapes:
@@ -186,10 +201,11 @@ def main(argv):
           if time.time() - t0 > FLAGS.max_seconds:
             stopped = True
             break
-          row = run_case(jax, jnp, np, api, name, n, k, fmt, s, impl, interpret, copies_for,
-                         w_u8, ref_out, x)
-          table.append(row)
-          print(_fmt_row(row), flush=True)
+          for tiles, config in (tile_configs if impl == "pallas" else [("", None)]):
+            row = run_case(jax, jnp, np, api, name, n, k, fmt, s, impl, interpret, copies_for,
+                           w_u8, ref_out, x, config, tiles)
+            table.append(row)
+            print(_fmt_row(row), flush=True)
   if stopped:
     print(f"stopped after --max_seconds={FLAGS.max_seconds}", flush=True)
   if FLAGS.out:

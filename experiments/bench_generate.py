@@ -26,6 +26,7 @@ one); `--warmup` compiles ahead (`api.warmup`) and reports it apart.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -56,6 +57,8 @@ def define_flags():
   flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
   flags.DEFINE_string("compile_cache_dir", "", "persistent compilation cache ('' : a fresh folder under --out; "
                       "'off': none)")
+  flags.DEFINE_string("cache_key_log", "", "write jax's persistent-cache key components (each program's "
+                      "running hashes) to this file: two processes' logs diffed name what differs")
   flags.DEFINE_bool("warmup", False, "compile ahead (api.warmup) before the timed generation")
   flags.DEFINE_bool("compare", True, "time bench_decode's page-aligned forward at each context too")
   flags.DEFINE_integer("compare_steps", 16, "timed forwards of the comparison")
@@ -113,7 +116,8 @@ def run_case(api, model, ctx: int, kind: str):
              compile_backend_ms=m["compile_backend_ms"], compile_cache_hits=m["compile_cache_hits"],
              decode_tps=m["decode_tps"], h2d_prefill_bytes=h2d_at_first[0] if h2d_at_first else 0,
              h2d_decode_bytes=m.get("h2d_bytes", 0) - (h2d_at_first[0] if h2d_at_first else 0),
-             waves=m.get("waves", 0), forwards=m.get("forwards", 0))
+             waves=m.get("waves", 0), forwards=m.get("forwards", 0),
+             compile_by_program=m.get("compile_by_program", {}))
   row["decode_mib_per_token"] = row["h2d_decode_bytes"] / 2**20 / max(1, len(stamps) - 1)
   cfg, lay = model.cfg, model.runner.layout
   row["uploads_over_history"] = row["h2d_prefill_bytes"] / (ctx * lay.token_bytes * cfg.num_attention_layers)
@@ -150,6 +154,13 @@ def main(argv):
   import jax
   from kvjax import api
   os.makedirs(FLAGS.out, exist_ok=True)
+  if FLAGS.cache_key_log:
+    handler = logging.FileHandler(FLAGS.cache_key_log, mode="w")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    for name in ("jax._src.cache_key", "jax._src.compiler"):   # the components; each program's hit or miss
+      logger = logging.getLogger(name)
+      logger.setLevel(logging.DEBUG)
+      logger.addHandler(handler)
   cache_dir = FLAGS.compile_cache_dir or os.path.join(FLAGS.out, f"jax-cache-{int(time.time())}")
   cache = False if cache_dir.lower() == "off" else cache_dir
   t0 = time.perf_counter()

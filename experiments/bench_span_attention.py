@@ -151,9 +151,13 @@ def _dispatch_step(fn, q):
 
 
 def _time_dispatch(fn, q, iters, rounds):
-  """Median seconds per call of `iters` dependent calls of a jitted step queued from Python."""
+  """Median seconds per call of `iters` dependent calls of a jitted step queued from Python, after
+  a warm-up call (compile; none with --interpret: an interpreter's time says nothing of a GPU's, so
+  its rounds only show that the path runs, and a warm-up call of an interpreted kernel costs
+  seconds)."""
   step, consts = _dispatch_step(fn, q)
-  step(q, consts).block_until_ready()
+  if not FLAGS.interpret:
+    step(q, consts).block_until_ready()
   ts = []
   for _ in range(rounds):
     x = q

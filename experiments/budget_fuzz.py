@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import json
 import os
 import re
@@ -52,6 +53,8 @@ def define_flags():
   flags.DEFINE_integer("first", 0, "judge cases from this index on (the same draws: a long run resumed)")
   flags.DEFINE_string("out", None, "folder for cases.jsonl")
   flags.DEFINE_string("only", "", "judge only these case indices (comma-separated; the same draws)")
+  flags.DEFINE_integer("clear_every", 10, "drop jax's compiled programs after every N cases (a long run holds "
+                       "thousands otherwise, until the JIT's code memory runs out)")
   flags.DEFINE_string("compile_cache", os.path.join(tempfile.gettempdir(), "kvjax-budget-fuzz-jax"),
                       "JAX's persistent compilation cache for the fuzz (a folder, or off): reruns compile less")
 
@@ -278,18 +281,17 @@ def sample_case(rng, seed: int, workspace_mib=None) -> Case:
 
 def workspace_estimates(model):   # (the partition does not change the reference steps' workspace)
   """`workspace_mib` for `sample_case`: the arena's larger workspace (decode with the verify; the
-  prefill's micro-batch where phased), from the compiled steps, remembered per shape."""
-  from kvjax import api, engine, speculative
+  prefill's micro-batch where phased), as an ample arena's cache reports it, remembered per shape."""
+  from kvjax import api
   memo: Dict[tuple, float] = {}
 
   def estimate(max_tokens, ubatch, spec, phased):
     key = (max_tokens, ubatch if phased else 0, spec)
     if key not in memo:
-      draft = None if spec is None else api.SpecConfig(spec[0], n_max=spec[1])
-      ws = speculative.decode_workspace_bytes(model.runner, max_tokens, draft)[0]
-      if phased:
-        ws = max(ws, engine.group_step_workspace_bytes(model.runner, ubatch, max_tokens))
-      memo[key] = ws / 2**20
+      case = Case(max_tokens, (1,), spec=spec, phased=phased, ubatch=ubatch, prefill_block=0)
+      info = api.make_kv(model, max_tokens, arena_mib=8.0, phased=phased, ubatch=ubatch, prefill_block=0,
+                         spec=spec_config(case)).info
+      memo[key] = max(info["decode_workspace_mib"], info.get("prefill_workspace_mib", 0.0))
     return memo[key]
   return estimate
 
@@ -317,6 +319,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if FLAGS.cases < 1:
     raise app.UsageError(f"--cases must be >= 1, got {FLAGS.cases}")
+  import jax
   t0 = time.perf_counter()
   models = Models(False if FLAGS.compile_cache == "off" else FLAGS.compile_cache)
   refs = References()
@@ -330,6 +333,9 @@ def main(argv):
   for i, case in enumerate(cases):
     if i < FLAGS.first or (only and i not in only):
       continue
+    if records and FLAGS.clear_every and len(records) % FLAGS.clear_every == 0:
+      jax.clear_caches()
+      gc.collect()
     t = time.perf_counter()
     outcome, detail = run_case(models, case, refs)
     r = dict(i=i, kind=case.kind, case=case.describe(), outcome=outcome, detail=detail,

@@ -571,9 +571,11 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   sampling = gen_lib.SamplingParams(temperature, top_k, seed, top_p)
 
   def on_phase(phase):   # in each phase first the placements and copy waves later forwards may run
-    if hasattr(kv.provider, "enter"):
+    phased = hasattr(kv.provider, "enter")   # a pool of its own a phase: that phase's forwards
+    if phased:
       kv.provider.enter(phase)
-    warm_lib.compile_cache(runner, kv.provider, warm_lib.forward_shapes(ubatch, verify_rows(spec)),
+    warm_lib.compile_cache(runner, kv.provider,
+                           warm_lib.forward_shapes(ubatch, verify_rows(spec), phase if phased else None),
                            mtp_lease=spec is not None and spec.uses_mtp)
 
   def run_once(on_logits=None):

@@ -116,7 +116,8 @@ BACKEND_COMPILE_EVENT = COMPILE_EVENTS[2]
 class CompileClock:
   """Seconds jax spends tracing and compiling while the clock is entered (`seconds`), and the
   programs it compiled (`programs`: backend compilations, a persistent-cache hit included; the
-  eager operations jax compiles for itself count too).
+  eager operations jax compiles for itself count too), and by program name (`by_program`:
+  {"jit(name)": [backend compilations, their seconds]}).
 
       with CompileClock() as clock:
         ...
@@ -128,11 +129,16 @@ class CompileClock:
     self.programs = 0
     self.by_stage = dict.fromkeys(("trace", "lower", "backend"), 0.0)   # seconds of each
     self.cache_hits = 0   # programs the persistent compilation cache gave (`kvjax.compile_cache`)
+    self.by_program: Dict[str, List[float]] = {}
 
-  def _listen(self, event: str, duration: float, **_):
+  def _listen(self, event: str, duration: float, fun_name: str = "?", **_):
     if event in COMPILE_EVENTS:
       self.seconds += duration
-      self.programs += event == BACKEND_COMPILE_EVENT
+      if event == BACKEND_COMPILE_EVENT:
+        self.programs += 1
+        entry = self.by_program.setdefault(str(fun_name), [0, 0.0])
+        entry[0] += 1
+        entry[1] += duration
       self.by_stage[("trace", "lower", "backend")[COMPILE_EVENTS.index(event)]] += duration
 
   def _count(self, event: str, **_):
@@ -319,6 +325,15 @@ def generation_metrics(kv: KVProvider, n_prompt: int, n_out: int, t0: float, t1:
   for stage in ("trace", "lower", "backend"):
     metrics[f"compile_{stage}_ms"] = sum(c.by_stage[stage] for c in clocks) * 1e3
   metrics["compile_cache_hits"] = sum(c.cache_hits for c in clocks)
+  by_program: Dict[str, List[float]] = {}
+  for c in clocks:
+    for name, (n, sec) in c.by_program.items():
+      e = by_program.setdefault(name, [0, 0.0])
+      e[0] += n
+      e[1] += sec
+  # {program: [compilations, backend ms]}, the costliest first
+  metrics["compile_by_program"] = {k: [int(n), round(sec * 1e3, 1)] for k, (n, sec) in
+                                   sorted(by_program.items(), key=lambda kv_: -kv_[1][1])}
   if hasattr(kv, "metrics"):
     metrics.update(kv.metrics())
   return metrics

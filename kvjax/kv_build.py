@@ -7,9 +7,8 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Tuple
 
 from kvjax import engine, parallel, speculative
-from kvjax.streaming import StreamedKV, adaptive_staging_reserve_pages, fit_adaptive_pool, \
+from kvjax.streaming import StreamBudgetError, StreamedKV, adaptive_staging_reserve_pages, fit_adaptive_pool, \
     staging_reserve_pages, stream_config_from_budget
-from kvjax.streaming import StreamBudgetError
 from kvjax.streaming.arena import align_up
 from kvjax.streaming.budget import check_pool, minimum_arena, prefill_block_bytes, prefill_block_tokens
 from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV

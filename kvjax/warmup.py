@@ -16,12 +16,13 @@ compiles nothing.
 
 from __future__ import annotations
 
-from typing import Iterable, Tuple
+from typing import Iterable, Optional, Tuple
 
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.engine import Runner, on_device
+from kvjax.streaming import relocate
 
 
 def _streamed(provider):
@@ -48,6 +49,11 @@ def compile_cache(runner: Runner, provider, rows: Iterable[Tuple[int, bool, bool
   calls = 0
   pool = kv.pool_pn
   pb = kv.layout.page_bytes
+  if kv.may_resplit():   # a new split of the same pool moves the resident pages (`relocate`)
+    window = relocate.window_pages(kv.layout.page_bytes, int(pool.shape[0]))
+    inert = on_device(jnp.zeros((relocate.max_windows(int(pool.shape[0]), kv.n_layers, window), 5), jnp.int32))
+    pool = relocate.move_runs(pool, inert, window)
+    calls += 1
   for pages, k in kv.staged_shapes():
     pool = runner.place_step(pool, on_device(jnp.zeros((pages, pb), jnp.uint8)),
                              on_device(jnp.zeros((k, 3), jnp.int32)))   # lo == hi: nothing placed
@@ -62,12 +68,13 @@ def compile_cache(runner: Runner, provider, rows: Iterable[Tuple[int, bool, bool
   return calls
 
 
-def forward_shapes(ubatch: int, verify_rows: int = 1) -> Tuple[Tuple[int, bool, bool], ...]:
+def forward_shapes(ubatch: int, verify_rows: int = 1, phase: Optional[str] = None) -> Tuple[Tuple[int, bool, bool], ...]:
   """(rows, chunked, capture) of the forwards a generation runs: prefill chunks, decode and, with
-  speculation, the verify forward (scan form, states captured)."""
-  out = [(int(ubatch), ubatch > 1, False), (1, False, False)]
-  if verify_rows > 1:
-    out.append((int(verify_rows), False, True))
+  speculation, the verify forward (scan form, states captured); those of one `phase` of a phased
+  cache ("prefill": the chunks; "decode": the rest), whose pool has a shape of its own."""
+  prefill = [(int(ubatch), ubatch > 1, False)]
+  decode = [(1, False, False)] + ([(int(verify_rows), False, True)] if verify_rows > 1 else [])
+  out = prefill if phase == "prefill" else decode if phase == "decode" else prefill + decode
   return tuple(dict.fromkeys(out))
 
 

@@ -84,7 +84,7 @@ def test_acceptance_runs(tmp_path):
   _, text = execute("acceptance", tmp_path)
   assert "all match greedy: True" in text
   rows = [l.split() for l in text.splitlines() if l.startswith(("mtp ", "ngram "))]
-  assert {r[0] for r in rows} == {"mtp", "ngram"} and all(r[2] == "256" for r in rows)
+  assert {r[0] for r in rows} == {"mtp", "ngram"} and all(r[2] == "32" for r in rows)
   assert 0.0 <= float(rows[0][3]) <= 1.0
 
 

@@ -1,8 +1,9 @@
 """kvjax.parallel: tensor-parallel decode over forced host devices, against the single-device model.
 
 The device count of the CPU backend is fixed when jax starts (`XLA_FLAGS=
---xla_force_host_platform_device_count=N`), so each comparison runs this file as a program in a
-fresh process (`_run`) that prints one JSON line; the tests judge it. The model: the tiny geometry
+--xla_force_host_platform_device_count=N`), so the comparisons run this file as a program in a
+fresh process with 4 host devices (`_run`): sharded over the first 2 and over all 4, against one
+single-device reference; it prints one JSON line, the test judges it. The model: the tiny geometry
 with 4 KV heads (so 2 and 4 devices divide them), one group (1 Gated DeltaNet + 1 attention: fewer
 blocks to compile) and the MTP head.
 """
@@ -47,8 +48,9 @@ def _greedy(runner, kv, prompt, n):
   return toks, np.stack(rows)
 
 
-def worker(n: int) -> dict:
-  """The comparisons at tensor parallel n (run in a process with >= n host devices)."""
+def worker(ns) -> dict:
+  """The comparisons at each tensor parallel n of `ns` (run in a process with >= max(ns) host
+  devices; n shards over the first n) against one single-device reference -> {n: results}."""
   import jax
   from kvjax import api, engine, parallel, weights
   from kvjax.model import AttentionOptions
@@ -57,13 +59,24 @@ def worker(n: int) -> dict:
   model = engine.build_model(cfg, weights.random_tensors(cfg, 1).items())
   layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", page_tokens=PAGE_TOKENS)
   one = api.LoadedModel(engine.Runner(model, layout, AttentionOptions()), None, cfg, 0.0, "tiny-4kv")
-  tp = api.LoadedModel(parallel.ShardedRunner(model, layout, AttentionOptions(), n), None, cfg,
-                       0.0, "tiny-4kv")
-  out = {"devices": len(jax.devices()), "local_kv_heads": tp.layout.num_kv_heads}
   cap = len(PROMPT) + DECODE
   # the single-device reference runs the plain cache: a streamed cache gives its logits bit for bit
   # (tests/test_streaming.py), so one reference serves both sharded caches
   ref_toks, ref_logits = _greedy(one.runner, api.make_kv(one, cap).provider, PROMPT, DECODE)
+  mtp_one = api.teacher_forced_logits(one, PROMPT, mtp=True, ubatch=UBATCH)
+  return {n: _sharded(n, model, layout, cfg, ref_toks, ref_logits, mtp_one, len(jax.devices()))
+          for n in ns}
+
+
+def _sharded(n, model, layout, cfg, ref_toks, ref_logits, mtp_one, host_devices) -> dict:
+  """The comparisons at tensor parallel n against the single-device reference."""
+  from kvjax import api, parallel
+  from kvjax.model import AttentionOptions
+  tp = api.LoadedModel(parallel.ShardedRunner(model, layout, AttentionOptions(), n), None, cfg,
+                       0.0, "tiny-4kv")
+  out = {"host_devices": host_devices, "mesh_devices": int(tp.runner.mesh.devices.size),
+         "local_kv_heads": tp.layout.num_kv_heads}
+  cap = len(PROMPT) + DECODE
   out["tokens_one"] = ref_toks
   out["logit_max"] = float(np.abs(ref_logits).max())
   tp_logits = {}
@@ -89,26 +102,33 @@ def worker(n: int) -> dict:
     except api.ParameterError as e:
       refusals.append(str(e))
   out["refusals"] = refusals
-  mtp_one = api.teacher_forced_logits(one, PROMPT, mtp=True, ubatch=UBATCH)
   mtp_tp = api.teacher_forced_logits(tp, PROMPT, mtp=True, ubatch=UBATCH)
   out["mtp_logit_diff"] = float(np.abs(mtp_one - mtp_tp).max())
   out["mtp_logit_max"] = float(np.abs(mtp_one).max())
   return out
 
 
-def _run(devices: int, n: int) -> dict:
+def _run(devices: int, ns) -> dict:
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
              PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(n)], env=env, cwd=ROOT,
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), *map(str, ns)], env=env, cwd=ROOT,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return {int(n): out for n, out in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_sharded_greedy_equals_one_device(n):
-  out = _run(n, n)
-  assert out["devices"] == n and out["local_kv_heads"] == 4 // n
+def test_sharded_greedy_equals_one_device():
+  """Sharded over 2 and over 4 devices (one process, 4 host devices): the single-device tokens and
+  logits within the all-reduce's rounding, plain and streamed (copy waves on every device), through
+  the API too, and the MTP head's; what is not built for several devices is refused."""
+  outs = _run(4, (2, 4))
+  assert sorted(outs) == [2, 4]
+  for n, out in outs.items():
+    _check_sharded(n, out)
+
+
+def _check_sharded(n, out):
+  assert out["host_devices"] == 4 and out["mesh_devices"] == n and out["local_kv_heads"] == 4 // n
   for kind in ("plain", "streamed"):
     r = out[kind]
     assert r["tokens_tp"] == out["tokens_one"], (kind, r, out["tokens_one"])
@@ -157,4 +177,4 @@ def test_shard_indices_cover_every_head_once():
 
 
 if __name__ == "__main__":
-  print(json.dumps(worker(int(sys.argv[1]))))
+  print(json.dumps(worker([int(a) for a in sys.argv[1:]])))

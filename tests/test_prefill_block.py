@@ -33,15 +33,26 @@ def _prefill_then_decode(runner, kv, prompt, block, ubatch=32, steps=3):
   return outs, np.asarray(hidden.rows())
 
 
+BLOCK_PROMPT, BLOCK_MAX_TOKENS = 700, 800
+
+
+@pytest.fixture(scope="module")
+def micro_batch_reference(tiny16):
+  """The prompt and the outputs of one forward a micro-batch on the plain cache (every case's
+  reference)."""
+  cfg, runner, layout = tiny16
+  prompt = list(np.random.default_rng(1).integers(0, cfg.vocab_size, BLOCK_PROMPT))
+  return prompt, _prefill_then_decode(runner, engine.PlainKV(cfg, layout, BLOCK_MAX_TOKENS), prompt, None)
+
+
 # 700 tokens: 43.75 pages (ends mid-page and, with 2-page copy units, mid-unit); blocks of 4 and 3
 # micro-batches (the last block shorter); pools: all resident, a ring that holds a layer, copy waves,
 # the minimum pool
 @pytest.mark.parametrize("pool,block", [(None, 96), (60, 128), (20, 128), (4, 96)])
-def test_block_prefill_has_the_bits_of_one_forward_a_micro_batch(tiny16, pool, block):
+def test_block_prefill_has_the_bits_of_one_forward_a_micro_batch(tiny16, micro_batch_reference, pool, block):
   cfg, runner, layout = tiny16
-  prompt = list(np.random.default_rng(1).integers(0, cfg.vocab_size, 700))
-  max_tokens = 800
-  want, want_hidden = _prefill_then_decode(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, None)
+  prompt, (want, want_hidden) = micro_batch_reference
+  max_tokens = BLOCK_MAX_TOKENS
   kv = engine.PlainKV(cfg, layout, max_tokens) if pool is None else \
       StreamedKV(cfg, layout, max_tokens, fixed_split(pool, 3, max_tokens, layout, copy_pages=2))
   got, hidden = _prefill_then_decode(runner, kv, prompt, block)

@@ -38,7 +38,7 @@ def test_streamed_greedy_equals_plain_long(tiny_runner):
   streams, ring wraps."""
   cfg, runner, layout = tiny_runner
   prompt = list(np.random.default_rng(7).integers(0, cfg.vocab_size, 8 * 256 + 230))
-  n_predict = 64     # the history crosses the 9th page's end at the 27th generated token
+  n_predict = 64     # the decode crosses a page boundary (the 9th page ends at token 2,304)
   max_tokens = LONG_CAPACITY         # 11 pages: a 1-page resident split
   plain_kv = engine.PlainKV(cfg, layout, max_tokens)
   plain, plain_logits = generate_logged(runner, plain_kv, prompt, n_predict)
@@ -330,7 +330,9 @@ def test_adaptive_staging_reserve_covers_every_split():
 def test_mtp_layer_streams_like_plain():
   """The MTP head's own cache layer (logical cache "mtp") streams through the shared ring too."""
   cfg, runner, layout = build_tiny_runner(4, page_tokens=16)
-  tokens = np.random.default_rng(9).integers(0, cfg.vocab_size, 120).astype(np.int32)
+  # one 64-token forward (the shape of the other tests' prefill chunks): 4 pages a layer, 3 of them
+  # streamed through the 9-slot ring
+  tokens = np.random.default_rng(9).integers(0, cfg.vocab_size, 64).astype(np.int32)
   n = len(tokens)
   results = []
   for kv in (engine.PlainKV(cfg, layout, CAPACITY),

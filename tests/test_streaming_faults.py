@@ -40,7 +40,7 @@ def decode(runner, kv, prompt, steps, fault_every=0):
 def test_failed_copies_retried_give_plain_logits_and_clean_counters(tiny_runner):
   cfg, runner, layout = tiny_runner
   prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 50))
-  steps, max_tokens = 8, 50 + 8 + 1
+  steps, max_tokens = 8, 256    # the capacity of tests/test_streaming.py's caches on 16-token pages
   plain, _ = decode(runner, engine.PlainKV(cfg, layout, max_tokens), prompt, steps)
 
   def streamed():

@@ -88,19 +88,21 @@ def _losses(out):
 
 
 def test_run_is_deterministic_and_resumes_exactly(tmp_path, toy_corpus):
+  """A second run from scratch, stopped at step 2 (the schedule still over 4 steps) and resumed
+  from its checkpoint: every step's loss and the held-out loss are the first run's bits (steps 1-2:
+  the run is deterministic; 3-4: the resume is exact)."""
   c = toy_config(toy_corpus)
   a = train.run(c, str(tmp_path / "a"), progress=False, log=lambda s: None)
-  b = train.run(c, str(tmp_path / "b"), progress=False, log=lambda s: None)
-  la, lb = _losses(tmp_path / "a"), _losses(tmp_path / "b")
-  assert la[4] == lb[4] and la == lb and a["heldout_loss"] == b["heldout_loss"]
+  la = _losses(tmp_path / "a")
   assert la[4] != la[1]                                        # it trained
-  # stopped at step 2 (schedule still over 4 steps), then resumed: steps 3 and 4 as in one run
   c.stop_step = 2
   train.run(c, str(tmp_path / "c"), progress=False, log=lambda s: None)
+  assert sorted(_losses(tmp_path / "c")) == [1, 2]
   c.stop_step = 0
-  train.run(c, str(tmp_path / "c"), resume=True, progress=False, log=lambda s: None)
+  resumed = train.run(c, str(tmp_path / "c"), resume=True, progress=False, log=lambda s: None)
   lc = _losses(tmp_path / "c")
-  assert lc[3] == la[3] and lc[4] == la[4]
+  assert lc == la
+  assert resumed["heldout_loss"] == a["heldout_loss"]
   # the export loads and runs in kvjax; its tokenizer is the one the run learned
   m = api.load_model(a["gguf"], k_type="f32", v_type="f32", page_tokens=16)
   spec = json.load(open(tmp_path / "a" / train.TOKENIZER_NAME))
@@ -113,7 +115,7 @@ def test_the_best_heldout_step_is_exported(tmp_path, toy_corpus):
   summary's held-out loss) is the step with the lowest held-out loss in the log, not the last one;
   with export_best off, it is the last step."""
   c = toy_config(toy_corpus)
-  c.steps, c.eval_every, c.lr, c.warmup_steps, c.min_lr_ratio = 8, 1, 0.5, 1, 1.0
+  c.steps, c.eval_every, c.lr, c.warmup_steps, c.min_lr_ratio = 5, 1, 0.5, 1, 1.0   # best: step 4
   s = train.run(c, str(tmp_path / "a"), progress=False, log=lambda m: None)
   held = {r["step"]: r["heldout_loss"] for r in train.read_log(str(tmp_path / "a" / train.LOG_NAME))}
   best = min(held, key=held.get)

@@ -291,8 +291,16 @@ def smallest_budget(n_layers: int, max_tokens: int, layout: PageLayout, copy_pag
       hi = mid
     except StreamBudgetError:
       lo = mid + 1
-  total, pool = min((need(q), q) for q in range(lo, everything + 1))
-  return pool, total
+  # every reserve holds at least `floor` pages a layer in flight (`staging_unit_pages`), so a pool
+  # past the best total less that cannot beat it
+  c, a = int(copy_pages), layout.pages_for(max_tokens)
+  floor = (prefetch_depth + 1) * (2 * c if pinned else min(c, 2 * min(c, a)))
+  best = (need(lo), lo)
+  for q in range(lo + 1, everything + 1):
+    if q + floor >= best[0]:
+      break
+    best = min(best, (need(q), q))
+  return best[1], best[0]
 
 
 def stream_config_from_budget(cfg: ModelConfig, layout: PageLayout, max_tokens: int, *,

@@ -183,6 +183,9 @@ class AdaptiveStreamedKV(StreamedKV):
   def may_wave(self, mtp_lease: bool = False) -> bool:
     return True   # the policy may give any layer fewer ring slots than it streams
 
+  def may_resplit(self) -> bool:
+    return True   # the policy re-splits the pool as the history grows
+
   def initial_split(self, pool_pages: int) -> StreamConfig:
     """The split a fresh policy gives a pool of `pool_pages` (`PhasedKV` sizes its phases with it;
     `rebind` then applies the policy's own step on that pool)."""

@@ -70,7 +70,7 @@ from kvjax.config import ModelConfig
 from kvjax.engine import LayerKV, on_device
 from kvjax.model import KVRows
 from kvjax.streaming.budget import StreamBudgetError, StreamConfig, copy_unit_pages, mib, staging_unit_pages
-from kvjax.streaming import staging
+from kvjax.streaming import relocate, staging
 from kvjax.streaming.host_history import HostHistory
 from kvjax.streaming.lease import MTPLease, MTPLeaseMixin
 from kvjax.streaming.span_plan import SpanPlan, make_plan, page_table, spans_from_pages
@@ -140,7 +140,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
                          layout_changes=0, layout_hits=0, prefetch_hits=0, prefetch_dropped=0, waves=0,
                          waved_layers=0, tail_uploads=0, open_hits=0, host_begin_ms=0.0,
                          host_end_ms=0.0, rows_wait_ms=0.0, mtp_leases=0, mtp_lease_bytes=0,
-                         mtp_lease_reloads=0, mtp_lease_refused=0)
+                         mtp_lease_reloads=0, mtp_lease_refused=0, moved_pages=0)
 
   # -- re-layout (phase change, policy repartition, new request) ---------------------
   def rebind(self, stream: StreamConfig) -> None:
@@ -161,16 +161,29 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
                               f"{stream.pool_pages} pages")
 
   def _bind(self, stream: StreamConfig) -> None:
-    """Lay out resident regions and the ring in a pool of `stream.pool_pages` (reused if same size)."""
+    """Lay out resident regions and the ring in a pool of `stream.pool_pages`. A pool of the same
+    size is kept, and each layer's valid resident prefix (up to its new capacity) moves inside it
+    to its new region (`relocate`); a new pool starts empty (refilled from the host)."""
+    caps = stream.resident_pages_per_layer
+    base = np.concatenate([[0], np.cumsum(caps)[:-1]]).astype(np.int64)
     if self.pool_pn is None or int(self.pool_pn.shape[0]) != stream.pool_pages:
       self.pool_pn = None  # free the old buffer before taking the new one
       self.pool_pn = on_device(jnp.zeros((stream.pool_pages, self.layout.page_bytes), jnp.uint8))
+      self.resident_valid[:] = 0
+    else:
+      keep = np.minimum(self.resident_valid, np.asarray(caps, np.int64))
+      moves = relocate.region_moves(self.resident_base, base, keep)
+      if moves:
+        window = relocate.window_pages(self.layout.page_bytes, stream.pool_pages)
+        plan = relocate.plan_moves(moves, stream.pool_pages, window,
+                                   relocate.max_windows(stream.pool_pages, self.n_layers, window))
+        self.pool_pn = relocate.move_runs(self.pool_pn, on_device(plan), window)
+        self.counters["moved_pages"] += sum(n for _, _, n in moves)
+      self.resident_valid[:] = keep
     self.stream = stream
     self.staging_unit = staging_unit_pages(stream, self.max_tokens, self.layout, self.pinned)
-    caps = stream.resident_pages_per_layer
-    self.resident_base = np.concatenate([[0], np.cumsum(caps)[:-1]]).astype(np.int64)
+    self.resident_base = base
     self.ring_base = stream.resident_total
-    self.resident_valid[:] = 0
     self.open_page[:] = -1
     self._forget_layout()
     self._bind_generation += 1

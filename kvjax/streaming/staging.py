@@ -281,6 +281,10 @@ class SourcesMixin:
     resident region)?"""
     return any(self.max_pages > r for r in self.stream.resident_pages_per_layer)
 
+  def may_resplit(self) -> bool:
+    """Can the split change while the pool keeps its size (the adaptive policy's)?"""
+    return False
+
   def may_wave(self, mtp_lease: bool = False) -> bool:
     """Can a forward of this cache stream a layer in copy waves (its streamed pages at `max_tokens`,
     with the MTP layer's lease taken where speculation drafts with it, beyond the ring)?"""
