@@ -59,7 +59,7 @@ def define_flags():
   flags.DEFINE_integer("decode_tokens", 64, "generated tokens per run")
   flags.DEFINE_float("acceptance", 0.75, "oracle: probability each draft is kept")
   flags.DEFINE_list("n_max", ["3", "5"], "oracle draft lengths")
-  flags.DEFINE_string("rollback", "device", "recurrent-state rollback: device or host")
+  flags.DEFINE_string("rollback", "replay", "recurrent-state rollback: replay, device or host")
   flags.DEFINE_integer("width_context", 131072, "context of the width sweep (0: none)")
   flags.DEFINE_integer("max_width", 6, "width sweep: verify widths 1..max_width")
   flags.DEFINE_integer("width_reps", 5, "width sweep: timed forwards per width")

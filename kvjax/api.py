@@ -575,7 +575,8 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
     if phased:
       kv.provider.enter(phase)
     warm_lib.compile_cache(runner, kv.provider,
-                           warm_lib.forward_shapes(ubatch, verify_rows(spec), phase if phased else None),
+                           warm_lib.forward_shapes(ubatch, verify_rows(spec), phase if phased else None,
+                                                   speculative.ROLLBACKS[spec.rollback].capture if spec else True),
                            mtp_lease=spec is not None and spec.uses_mtp)
 
   def run_once(on_logits=None):

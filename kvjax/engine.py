@@ -629,11 +629,11 @@ def _partition_pages(opts: AttentionOptions, layout: PageLayout, num_q_heads: in
 
 
 def group_step_workspace_bytes(runner: "Runner", rows: int, max_tokens: Optional[int] = None,
-                               verify: bool = False) -> int:
+                               verify=False) -> int:
   """Device scratch of the compiled group step for `rows` query rows (XLA memory analysis).
 
   The prefill phase runs `rows = ubatch` (chunked Gated DeltaNet), decode `rows = 1`, a
-  speculative verify (`verify`) `rows` in the scan form with every row's states captured. The page
+  speculative verify (`verify`: its capture, True or "replay") `rows` in the scan form. The page
   table is sized for `max_tokens`; the pool argument is donated (aliased to the output), so the
   pool size does not enter.
   """

@@ -88,6 +88,10 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
   per_layer_state = delta + conv
   checkpoint = n_rec * per_layer_state
   rollback = mtp_depth * checkpoint
+  # rollback by replay: the verify's 1 + N rows' inputs per GDN layer (conv inputs, keys, values,
+  # decay, beta; `kvjax.model.ReplayRows`), on the device until the round's rollback
+  hv, d = model_cfg.linear_num_value_heads, model_cfg.linear_head_dim
+  replay = (mtp_depth + 1) * n_rec * 4 * (model_cfg.conv_dim + 2 * hv * d + 2 * hv) if mtp_depth else 0
   stage = 2 * mtp_depth * per_layer_state
   arena = int(round(arena_mib * MIB))
   workspace = int(round(decode_workspace_mib * MIB))
@@ -118,6 +122,7 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
       "recurrent_checkpoint_bytes": checkpoint,
       "mtp_depth": mtp_depth,
       "rollback_host_bytes": rollback,
+      "rollback_replay_device_bytes": replay,
       "stage_device_bytes": stage,
       "arena_bytes": arena,
       "decode_workspace_bytes": workspace,
@@ -140,6 +145,7 @@ _LABELS = [
     ("conv_state_bytes_per_layer", "GDN conv state per layer"),
     ("recurrent_checkpoint_bytes", "recurrent state per checkpoint"),
     ("rollback_host_bytes", "rollback host snapshots"),
+    ("rollback_replay_device_bytes", "rollback by replay: verify rows kept"),
     ("stage_device_bytes", "two-slot device stage"),
     ("arena_bytes", "phase arena"),
     ("decode_workspace_bytes", "decode workspace"),

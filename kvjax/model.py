@@ -265,6 +265,31 @@ class RecurrentState(NamedTuple):
   delta_hkv: jax.Array  # [Hv, dk, dv] float32: delta-rule state per value head
 
 
+class ReplayRows(NamedTuple):
+  """A verify forward's rows of one Gated DeltaNet layer, what `replay_state` needs to rebuild
+  the state after any of them from the state before them (`capture="replay"`): per row tens of KB
+  where the state itself is MBs."""
+  qkv_sc: jax.Array     # [S, conv_dim] float32: the causal conv's inputs
+  k_shk: jax.Array      # [S, Hv, dk] float32: the delta rule's keys (normalised, tiled, masked)
+  v_shv: jax.Array      # [S, Hv, dv] float32
+  g_sh: jax.Array       # [S, Hv] float32: log decay
+  beta_sh: jax.Array    # [S, Hv] float32
+
+
+def replay_state(state: RecurrentState, rows: ReplayRows, row) -> RecurrentState:
+  """The state after verify row `row` (traced) of a forward that started from `state`: the conv
+  window slid past rows 0..row and the delta rule stepped through them, by the decode step's own
+  arithmetic (`delta_rule_step`), so the result is the captured state's bits."""
+  k1 = state.conv_kc.shape[0]
+  xpad = jnp.concatenate([state.conv_kc, rows.qkv_sc], axis=0)
+  conv = lax.dynamic_slice_in_dim(xpad, row + 1, k1, axis=0)
+
+  def body(i, s):
+    k_hk = rows.k_shk[i]
+    return delta_rule_step(s, k_hk, k_hk, rows.v_shv[i], rows.g_sh[i], rows.beta_sh[i])[0]
+  return RecurrentState(conv, lax.fori_loop(0, row + 1, body, state.delta_hkv))
+
+
 def zero_recurrent_state(cfg: ModelConfig) -> RecurrentState:
   return RecurrentState(jnp.zeros((cfg.conv_kernel - 1, cfg.conv_dim), jnp.float32),
                         jnp.zeros((cfg.linear_num_value_heads, cfg.linear_head_dim, cfg.linear_head_dim),
@@ -354,7 +379,8 @@ class GatedDeltaNet(nnx.Module):
 
   def __call__(self, h_se, state: RecurrentState, n_valid, chunked: bool, capture: bool = False):
     """`chunked`: WY chunked form (prefill) or token scan (decode / verify). `capture` (scan form
-    only): return the state after every row, each field with a leading row axis."""
+    only): True returns the state after every row, each field with a leading row axis; "replay"
+    returns the rows themselves (`ReplayRows`: `replay_state` rebuilds any row's state)."""
     cfg = self.cfg
     s = h_se.shape[0]
     Hk, Hv, dk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_head_dim
@@ -369,7 +395,9 @@ class GatedDeltaNet(nnx.Module):
     w = self.ssm_conv1d[...]                                         # [C, K]
     conv_sc = sum(xpad[j:j + s] * w[:, j] for j in range(K))
     conv_sc = jax.nn.silu(conv_sc)
-    if capture:
+    if capture == "replay":
+      new_conv = None
+    elif capture:
       new_conv = jnp.stack([lax.dynamic_slice_in_dim(xpad, i + 1, K - 1, axis=0) for i in range(s)])
     else:
       new_conv = lax.dynamic_slice_in_dim(xpad, n_valid, K - 1, axis=0)
@@ -392,9 +420,11 @@ class GatedDeltaNet(nnx.Module):
         raise ValueError("per-row state capture needs the scan form (chunked=False)")
       delta, o_shv = delta_rule_chunked(state.delta_hkv, q, k, v, g_sh, beta_sh)
     else:
-      delta, o_shv = delta_rule_scan(state.delta_hkv, q, k, v, g_sh, beta_sh, capture=capture)
+      delta, o_shv = delta_rule_scan(state.delta_hkv, q, k, v, g_sh, beta_sh, capture=capture is True)
     o_shv = rms_norm(o_shv, self.ssm_norm[...], cfg.rms_eps) * jax.nn.silu(z_shv)
     out = block_sum(linear(o_shv.reshape(s, Hv * dk).astype(self.ssm_out[...].dtype), self.ssm_out[...]))
+    if capture == "replay":   # the rows, not the states after them (`replay_state`)
+      return out, ReplayRows(qkv_sc, k, v, g_sh, beta_sh)
     return out, RecurrentState(new_conv, delta)
 
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 from kvjax import checks
 
 DRAFTS = ("mtp", "ngram", "ngram+mtp", "oracle")
-ROLLBACKS = ("device", "host")
+ROLLBACKS = ("replay", "device", "host")
 
 
 def _field(default, help_text: str, choices: Optional[Sequence[str]] = None):
@@ -37,9 +37,10 @@ class SpecConfig:
   tokens, up to `ngram_m`, 0 = n_max), "ngram+mtp" (ngram's match when there is one, MTP otherwise)
   or "oracle" (cost studies: plain greedy's tokens, each kept with probability `oracle_acceptance`,
   seeded by `oracle_seed`; the first planted rejection ends the round). At most `n_max` MTP / oracle
-  drafts per round; MTP drafting stops below top-1 probability `p_min`. `rollback` "device" (every
-  verify row's recurrent states kept on the device, `DeviceRollback`) or "host" (host snapshots
-  through a two-slot stage, `HostRollback`). `oracle_mtp` (oracle only, cost studies): the MTP head
+  drafts per round; MTP drafting stops below top-1 probability `p_min`. `rollback` "replay" (the
+  verify keeps its rows' inputs; the states after the accepted row are rebuilt from the states
+  before the verify, `ReplayRollback`), "device" (every verify row's recurrent states kept on the
+  device, `DeviceRollback`) or "host" (host snapshots through a two-slot stage, `HostRollback`). `oracle_mtp` (oracle only, cost studies): the MTP head
   still catches up and drafts every round under its ring lease, its drafts unused: the oracle's
   acceptance at MTP drafting's cost. Each field's `help` (its metadata) is its flag's help text."""
   draft: str = _field("mtp", "speculative decoding (greedy only): drafts from the attached MTP head, from the "
@@ -52,8 +53,9 @@ class SpecConfig:
   ngram_m: int = _field(0, "ngram-simple drafts per round (0: the MTP / oracle drafts per round)")
   oracle_acceptance: float = _field(0.75, "oracle drafts: probability each draft is kept")
   oracle_seed: int = _field(0, "oracle drafts: seed of the planted rejections")
-  rollback: str = _field("device", "recurrent-state rollback: every verify row's states on the device, or host "
-                         "snapshots through a two-slot device stage", ROLLBACKS)
+  rollback: str = _field("replay", "recurrent-state rollback: the verify's rows replayed from the states before "
+                         "it, every verify row's states kept on the device, or host snapshots through a "
+                         "two-slot device stage", ROLLBACKS)
   oracle_mtp: bool = _field(False, "oracle drafts: the MTP head still catches up and drafts every round (its "
                             "cost, drafts unused)")
 
@@ -63,7 +65,7 @@ class SpecConfig:
     for ok, field, need in ((self.n_max >= 1, "n_max", ">= 1"), (0.0 <= self.p_min <= 1.0, "p_min", "in [0, 1]"),
                             (self.ngram_n >= 1, "ngram_n", ">= 1"), (self.ngram_m >= 0, "ngram_m", ">= 0"),
                             (0.0 <= self.oracle_acceptance <= 1.0, "oracle_acceptance", "in [0, 1]"),
-                            (self.rollback in ROLLBACKS, "rollback", "'device' or 'host'")):
+                            (self.rollback in ROLLBACKS, "rollback", "one of " + ", ".join(ROLLBACKS))):
       if not ok:
         raise _error(f"spec.{field} must be {need}, got {getattr(self, field)!r}", field)
     if self.oracle_mtp and self.draft != "oracle":

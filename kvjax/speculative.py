@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.engine import KVProvider, Runner, group_step_workspace_bytes, recurrent_state_bytes, select_row
+from kvjax.model import replay_state
 from kvjax.generate import CompileClock, GenerationResult, SequenceState, generate, generation_metrics, \
     mtp_rows, pick_row, prefill
 from kvjax.spec_config import SpecConfig, config_key
@@ -125,8 +126,16 @@ def verify_state_bytes(runner: Runner, spec: SpecConfig) -> int:
   row): rollback "device" keeps every group's states of the other W - 1 rows until the rollback;
   "host" holds at most `HostRollback.SLOTS` groups' W - 1 rows in its stage."""
   rows = spec.verify_width - 1
+  if spec.rollback == "replay":   # every row's inputs of every layer (`model.ReplayRows`)
+    return spec.verify_width * replay_row_bytes(runner.cfg)
   every, largest = recurrent_state_bytes(runner)
   return rows * (every if spec.rollback == "device" else HostRollback.SLOTS * largest)
+
+
+def replay_row_bytes(cfg) -> int:
+  """Bytes one verify row's `ReplayRows` take over every Gated DeltaNet layer (float32)."""
+  hv, d = cfg.linear_num_value_heads, cfg.linear_head_dim
+  return 4 * (cfg.conv_dim + 2 * hv * d + 2 * hv) * len(cfg.recurrent_layers)
 
 
 def decode_workspace_bytes(runner: Runner, max_tokens: int, spec: Optional[SpecConfig] = None):
@@ -137,13 +146,14 @@ def decode_workspace_bytes(runner: Runner, max_tokens: int, spec: Optional[SpecC
   if spec is None or spec.verify_width == 1:
     return ws, 0
   states = verify_state_bytes(runner, spec)
-  verify = group_step_workspace_bytes(runner, spec.verify_width, max_tokens, verify=True)
+  verify = group_step_workspace_bytes(runner, spec.verify_width, max_tokens, verify=ROLLBACKS[spec.rollback].capture)
   return max(ws, verify) + states, states
 
 
 class DeviceRollback:
   """Every verify row's recurrent states stay on the device; rollback selects row j."""
   name = "device"
+  capture = True     # the verify forward's `capture_states`
 
   def __init__(self):
     self.d2h_bytes = self.h2d_bytes = 0
@@ -151,9 +161,33 @@ class DeviceRollback:
   def sink(self):
     return None
 
-  def states_after(self, captured, j: int, n_rows: int):
-    del n_rows
+  def states_after(self, captured, j: int, n_rows: int, before=None):
+    del n_rows, before
     return select_row(captured, j)
+
+
+class ReplayRollback:
+  """The verify keeps its rows' inputs, not the states after them (`capture="replay"`: per Gated
+  DeltaNet layer and row the conv inputs, keys, values, decay and beta, ~2-3 % of a state); rollback
+  rebuilds the states after row j from the states before the verify (`model.replay_state`, one
+  compiled call for every group, j traced): no state copies in the arena, none across the link."""
+  name = "replay"
+  capture = "replay"
+
+  def __init__(self):
+    self.d2h_bytes = self.h2d_bytes = 0
+
+  def sink(self):
+    return None
+
+  def states_after(self, captured, j: int, n_rows: int, before=None):
+    del n_rows
+    return _replay(before, captured, jnp.int32(j))
+
+
+@jax.jit
+def _replay(before, captured, j):
+  return tuple(tuple(replay_state(b, r, j) for b, r in zip(bg, rg)) for bg, rg in zip(before, captured))
 
 
 class HostRollback:
@@ -169,6 +203,7 @@ class HostRollback:
   """
   name = "host"
   SLOTS = 2
+  capture = True
 
   def __init__(self):
     self.d2h_bytes = self.h2d_bytes = 0
@@ -196,7 +231,8 @@ class HostRollback:
     self.d2h_bytes += sum(int(h.nbytes) for h in jax.tree_util.tree_leaves(host))
     self._snapshots[group] = host
 
-  def states_after(self, live, j: int, n_rows: int):
+  def states_after(self, live, j: int, n_rows: int, before=None):
+    del before
     while self._inflight:
       self._land()
     if j == n_rows - 1:
@@ -233,6 +269,9 @@ def _to_device(x):
 def _has_pinned_host(a) -> bool:
   dev = next(iter(a.devices()))
   return any(m.kind == "pinned_host" for m in getattr(dev, "addressable_memories", lambda: [])())
+
+
+ROLLBACKS = {r.name: r for r in (DeviceRollback, HostRollback, ReplayRollback)}
 
 
 @jax.jit
@@ -340,7 +379,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prom
       raise ValueError("the oracle drafter needs plain greedy's tokens (oracle_tokens)")
     oracle = OracleDrafter(oracle_tokens, spec.oracle_acceptance, spec.oracle_seed, runner.cfg.vocab_size)
     drafter = lambda history, m: oracle(len(history) - len(prompt), m)  # pylint: disable=unnecessary-lambda-assignment
-  rollback = HostRollback() if spec.rollback == "host" else DeviceRollback()
+  rollback = ROLLBACKS[spec.rollback]()
   width = spec.verify_width
   width_max = spec.verify_width - 1
   drafted_at = np.zeros((max(width_max, 1),), np.int64)
@@ -392,8 +431,9 @@ def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prom
     rows = [b] + drafts
     t_v = time.perf_counter()
     phase_ms["draft"] += (t_v - t_phase) * 1e3
-    vout = runner.forward(_padded(rows, width), c, len(rows), seq.rec_states, kv,
-                          logits_rows=np.arange(width), chunked=False, capture_states=True,
+    before = seq.rec_states
+    vout = runner.forward(_padded(rows, width), c, len(rows), before, kv,
+                          logits_rows=np.arange(width), chunked=False, capture_states=rollback.capture,
                           on_group_states=rollback.sink())
     target = [int(t) for t in np.asarray(jnp.argmax(vout.logits_rv, axis=-1))[:len(rows)]]
     t_phase = time.perf_counter()
@@ -413,7 +453,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prom
       out_tokens = out_tokens[:out_tokens.index(eos_id, len(out_tokens) - j) + 1]
       break
     # 4. rollback: the states after row j; the rejected rows leave the KV histories
-    seq.rec_states = rollback.states_after(vout.rec_states, j, width)
+    seq.rec_states = rollback.states_after(vout.rec_states, j, width, before)
     seq.pos = c + j + 1
     t_trunc = time.perf_counter()
     phase_ms["rollback"] += (t_trunc - t_phase) * 1e3

@@ -68,12 +68,14 @@ def compile_cache(runner: Runner, provider, rows: Iterable[Tuple[int, bool, bool
   return calls
 
 
-def forward_shapes(ubatch: int, verify_rows: int = 1, phase: Optional[str] = None) -> Tuple[Tuple[int, bool, bool], ...]:
+def forward_shapes(ubatch: int, verify_rows: int = 1, phase: Optional[str] = None,
+                   verify_capture=True) -> Tuple[Tuple[int, bool, bool], ...]:
   """(rows, chunked, capture) of the forwards a generation runs: prefill chunks, decode and, with
-  speculation, the verify forward (scan form, states captured); those of one `phase` of a phased
-  cache ("prefill": the chunks; "decode": the rest), whose pool has a shape of its own."""
+  speculation, the verify forward (scan form, `verify_capture`: the rollback's capture); those of
+  one `phase` of a phased cache ("prefill": the chunks; "decode": the rest), whose pool has a shape
+  of its own."""
   prefill = [(int(ubatch), ubatch > 1, False)]
-  decode = [(1, False, False)] + ([(int(verify_rows), False, True)] if verify_rows > 1 else [])
+  decode = [(1, False, False)] + ([(int(verify_rows), False, verify_capture)] if verify_rows > 1 else [])
   out = prefill if phase == "prefill" else decode if phase == "decode" else prefill + decode
   return tuple(dict.fromkeys(out))
 

@@ -135,12 +135,15 @@ def test_the_arena_holds_a_verify_forward_and_its_captured_states(model, plain):
   assert every == states and 0 < largest < every
   ctx = api.context_tokens(len(PROMPT), N, api.SpecConfig("mtp", n_max=5))
   base = api.make_kv(model, ctx, arena_mib=2)
-  dev = api.make_kv(model, ctx, arena_mib=2, spec=api.SpecConfig("mtp", n_max=5))
+  dev = api.make_kv(model, ctx, arena_mib=2, spec=api.SpecConfig("mtp", n_max=5, rollback="device"))
   host = api.make_kv(model, ctx, arena_mib=2, spec=api.SpecConfig("mtp", n_max=5, rollback="host"))
+  replay = api.make_kv(model, ctx, arena_mib=2, spec=api.SpecConfig("mtp", n_max=5))   # the default
   assert base.info["decode_rows"] == 1 and base.info["verify_states_bytes"] == 0
-  assert dev.info["decode_rows"] == host.info["decode_rows"] == 6
+  assert dev.info["decode_rows"] == host.info["decode_rows"] == replay.info["decode_rows"] == 6
   assert dev.info["verify_states_bytes"] == 5 * every
   assert host.info["verify_states_bytes"] == 5 * speculative.HostRollback.SLOTS * largest
+  assert replay.info["verify_states_bytes"] == 6 * speculative.replay_row_bytes(model.cfg) < every
+  assert sum(replay.info["resident_pages_per_layer"]) >= sum(dev.info["resident_pages_per_layer"])
   assert dev.info["decode_workspace_mib"] >= base.info["decode_workspace_mib"] + 5 * every / 2**20
   assert sum(dev.info["resident_pages_per_layer"]) <= sum(base.info["resident_pages_per_layer"])
   spec = api.SpecConfig("mtp", n_max=5)

@@ -41,6 +41,11 @@ def test_27b_recurrent_rollback_and_stage():
   assert r5["stage_device_bytes"] * 3 == r["stage_device_bytes"] * 5
   r0 = M.memory_report(config_lib.qwen38_27b(), 262_144, mtp_depth=0, arena_mib=2240)
   assert r0["rollback_host_bytes"] == 0 and r0["stage_device_bytes"] == 0
+  # replay keeps the 1 + N verify rows' inputs: what kvjax.speculative counts, ~3 % of the snapshots
+  from kvjax import speculative
+  assert r["rollback_replay_device_bytes"] == 4 * speculative.replay_row_bytes(config_lib.qwen38_27b())
+  assert r0["rollback_replay_device_bytes"] == 0
+  assert r["rollback_replay_device_bytes"] < 0.05 * r["rollback_host_bytes"]   # 16.6 MiB against 449
 
 
 def test_decode_grant_is_arena_minus_workspace_and_stage():

@@ -1,4 +1,4 @@
-"""Speculative decoding: drafts verified by the target, recurrent-state rollback (device and host),
+"""Speculative decoding: drafts verified by the target, recurrent-state rollback (replay, device and host),
 KV truncation of the target's and the MTP's histories, the oracle drafter, ngram + MTP."""
 
 import jax
@@ -268,8 +268,8 @@ DRAFTS = {"mtp": dict(draft="mtp", n_max=3), "ngram": dict(draft="ngram", n_max=
           "oracle-0.9": dict(draft="oracle", n_max=3, oracle_acceptance=0.9)}   # verify width 4 for all
 
 
-@pytest.mark.parametrize("rollback", ["device", "host"])
-@pytest.mark.parametrize("cache", ["plain", "streamed"])
+@pytest.mark.parametrize("cache,rollback", [("plain", "replay"), ("plain", "device"), ("streamed", "replay"),
+                                           ("streamed", "host")])
 @pytest.mark.parametrize("drafter", list(DRAFTS))
 def test_greedy_output_equals_plain_for_every_drafter_cache_and_rollback(setup, drafter, cache, rollback):
   cfg, layout, runner, prompt, truth = setup
@@ -364,6 +364,29 @@ def test_rollback_state_is_the_captured_row(setup):
   first = jax.tree.leaves(engine.select_row(cap.rec_states, 0))
   last = jax.tree.leaves(engine.select_row(cap.rec_states, 3))
   assert any(not np.allclose(a, b) for a, b in zip(first, last))  # the rows really differ
+
+
+def test_replayed_rows_give_the_captured_states_bit_for_bit(setup):
+  """capture_states="replay" keeps the rows' inputs (a few per cent of the states' bytes); the
+  states after row j rebuilt from the states before the verify are the captured row j's bits, for
+  every j, from a zero state and from a state mid-sequence."""
+  cfg, layout, runner, prompt, _ = setup
+  kv = engine.PlainKV(cfg, layout, 70 + N + 8)
+  before = runner.forward(np.array(prompt[:5], np.int32), 0, 5, runner.zero_states(), kv, chunked=False).rec_states
+  for start, states in ((0, runner.zero_states()), (5, before)):
+    rows = np.array(prompt[start:start + 4], np.int32)
+    cap = runner.forward(rows, start, 4, states, engine.PlainKV(cfg, layout, 70 + N + 8), chunked=False,
+                         capture_states=True)
+    rep = runner.forward(rows, start, 4, states, engine.PlainKV(cfg, layout, 70 + N + 8), chunked=False,
+                         capture_states="replay")
+    np.testing.assert_array_equal(np.asarray(rep.logits_rv), np.asarray(cap.logits_rv))
+    kept = sum(x.nbytes for x in jax.tree.leaves(rep.rec_states))
+    assert kept == 4 * speculative.replay_row_bytes(cfg) < sum(x.nbytes for x in jax.tree.leaves(cap.rec_states))
+    roll = speculative.ReplayRollback()
+    for j in range(4):
+      want = jax.tree.leaves(engine.select_row(cap.rec_states, j))
+      got = jax.tree.leaves(roll.states_after(rep.rec_states, j, 4, states))
+      assert len(want) == len(got) and all(np.array_equal(a, b) for a, b in zip(want, got)), (start, j)
 
 
 def test_host_rollback_restores_the_captured_rows_bit_for_bit(setup):

@@ -3,7 +3,7 @@
 # under $OUT, a short table last:
 #   1. the quantized-matmul kernel compiled for the GPU against its reference (tests, KVJAX_TEST_GPU=1)
 #   2. bench_gemv: GB/s of "xla" and "pallas" quantized products and of a bf16 dot, 27B shapes
-#   3. bench_spec --oracle_mtp at 128K, n_max 3: device and host rollback (MTP drafting as one
+#   3. bench_spec --oracle_mtp at 128K, n_max 3: replay, host and device rollback (MTP drafting as one
 #      program, layouts kept by key, pinned-host snapshots)
 #   4. bench_decode --weight_type=q4_k at 32K (weights kept quantized, "xla" product)
 # Args: the steps to run (default: 1 2 3 4).  bash experiments/kernel_lab/spec_quant_round.sh 2 3
@@ -27,7 +27,7 @@ for s in $steps; do
     1) step quant_tests env KVJAX_TEST_GPU=1 JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:cacheprovider \
          tests/test_quant_matmul.py -k gpu ;;
     2) step bench_gemv python3 -m experiments.bench_gemv --rows=1,4,256 --out="$OUT/gemv.json" ;;
-    3) for rb in device host; do
+    3) for rb in replay host device; do
          step "spec_$rb" python3 -m experiments.bench_spec --model=qwen38_27b --arena_mib=2240 --attn_impl=auto \
            --contexts=131072 --decode_tokens=48 --n_max=3 --acceptance=0.75 --allow_divergence --oracle_mtp \
            --width_context=0 --rollback=$rb --out="$OUT/spec_$rb"
