@@ -279,15 +279,17 @@ class ReplayRows(NamedTuple):
 def replay_state(state: RecurrentState, rows: ReplayRows, row) -> RecurrentState:
   """The state after verify row `row` (traced) of a forward that started from `state`: the conv
   window slid past rows 0..row and the delta rule stepped through them, by the decode step's own
-  arithmetic (`delta_rule_step`), so the result is the captured state's bits."""
+  arithmetic (`delta_rule_step`), so the result is the captured state's bits. The rows are few
+  (the verify width), so the steps are unrolled and masked past `row`: straight-line code, no
+  device loop whose every trip waits for its condition."""
   k1 = state.conv_kc.shape[0]
   xpad = jnp.concatenate([state.conv_kc, rows.qkv_sc], axis=0)
   conv = lax.dynamic_slice_in_dim(xpad, row + 1, k1, axis=0)
-
-  def body(i, s):
+  s = state.delta_hkv
+  for i in range(rows.k_shk.shape[0]):
     k_hk = rows.k_shk[i]
-    return delta_rule_step(s, k_hk, k_hk, rows.v_shv[i], rows.g_sh[i], rows.beta_sh[i])[0]
-  return RecurrentState(conv, lax.fori_loop(0, row + 1, body, state.delta_hkv))
+    s = jnp.where(i <= row, delta_rule_step(s, k_hk, k_hk, rows.v_shv[i], rows.g_sh[i], rows.beta_sh[i])[0], s)
+  return RecurrentState(conv, s)
 
 
 def zero_recurrent_state(cfg: ModelConfig) -> RecurrentState:
