@@ -94,8 +94,11 @@ def build_device_kv(runner: engine.Runner, max_tokens: int, arena_mib, pool_page
                                copy_pages, n_layers=n_layers, wave_pages=wave_pages)
     kv = AdaptiveStreamedKV(cfg, layout, max_tokens, pool, copy_pages, wave_pages=wave_pages)
     info["resident_pages_per_layer"] = list(kv.stream.resident_pages_per_layer)
-    info["staging_reserve_mib"] = (adaptive_staging_reserve_pages(pool, max_tokens, layout, copy_pages)
+    info["staging_reserve_mib"] = (adaptive_staging_reserve_pages(pool, max_tokens, layout, copy_pages,
+                                                                  n_layers=n_layers, wave_pages=wave_pages)
                                    * layout.page_bytes / 2**20)
+    info["wave_cap_pages"] = kv.wave_cap
+    info["wave_pages"] = wave_pages
     info["all_pages_resident"] = _all_resident(kv.stream, layout, max_tokens)   # the starting split
   else:
     kv = StreamedKV(cfg, layout, max_tokens, stream)

@@ -199,7 +199,10 @@ def test_adaptive_arena_budget(capsys, plain_run):
   layout = PageLayout(2, 64, "q8_0", "q4_0", 64)
   available = int((arena * 2**20 - round(m["decode_workspace_mib"] * 2**20)) // layout.page_bytes)
   staging = round(m["staging_reserve_mib"] * 2**20 / layout.page_bytes)
-  assert m["pool_pages"] == fit_adaptive_pool(available, m["ctx_size"], layout, 2, pinned=False)
+  # 3 cache layers (2 attention + MTP), each staging at most the cap (`adaptive_staging_cap`)
+  assert m["pool_pages"] == fit_adaptive_pool(available, m["ctx_size"], layout, 2, pinned=False, n_layers=3,
+                                              wave_pages=m["wave_pages"])
+  assert m["pool_pages"] >= fit_adaptive_pool(available, m["ctx_size"], layout, 2, pinned=False)
   assert staging > 0 and m["pool_pages"] + staging <= available
   assert 0 < m["staging_peak_bytes"] <= staging * layout.page_bytes
 

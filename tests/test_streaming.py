@@ -13,6 +13,7 @@ from kvjax import engine, generate
 from kvjax.streaming import (HostHistory, Span, SpanPlanError, StreamBudgetError, StreamConfig, StreamedKV,
                              fit_split, fixed_split, make_plan, page_table, staging_reserve_pages,
                              adaptive_staging_reserve_pages, fit_adaptive_pool)
+from kvjax.streaming.budget import adaptive_staging_cap
 from kvjax.streaming.budget import staging_pages
 from kvjax.streaming.span_plan import SpanPlan, validate_plan
 from kvjax_pallas import ggml_codec
@@ -325,6 +326,22 @@ def test_adaptive_staging_reserve_covers_every_split():
       assert pool + 1 + adaptive_staging_reserve_pages(pool + 1, 256, layout, 2, 1, pinned) > available
   with pytest.raises(StreamBudgetError, match=r"1 pool page \+ \d+ staging pages; \d+ more pages"):
     fit_adaptive_pool(5, 256, layout, 2, 1, pinned=True)
+  # with the layers known a layer stages at most the cap (the ring of the split the policy aims at;
+  # more streams in copy waves): the reserve covers every split's capped stages, is at most the
+  # uncapped one, and fit_adaptive_pool gives the largest pool that fits (need is not monotone)
+  for pool in (9, 17, 40, 120):
+    cap = adaptive_staging_cap(pool, 256, layout, 3, 2)
+    capped = adaptive_staging_reserve_pages(pool, 256, layout, 2, 1, True, n_layers=3)
+    assert 2 <= cap <= pool and capped <= adaptive_staging_reserve_pages(pool, 256, layout, 2, 1, True)
+    for r in range(0, pool // 3 + 1):
+      split = StreamConfig(pool, (r,) * 3, 2)
+      if split.ring_slots >= 1:
+        assert staging_reserve_pages(split, 256, layout, 1, True, cap=cap) <= capped, (pool, r)
+  for available in (30, 64, 200, 400):
+    pool = fit_adaptive_pool(available, 256, layout, 2, 1, True, n_layers=3)
+    need = lambda p: p + adaptive_staging_reserve_pages(p, 256, layout, 2, 1, True, n_layers=3)
+    assert need(pool) <= available and all(need(p) > available for p in range(pool + 1, available + 1))
+    assert pool >= fit_adaptive_pool(available, 256, layout, 2, 1, True)
 
 
 def test_mtp_layer_streams_like_plain():

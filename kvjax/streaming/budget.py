@@ -125,37 +125,64 @@ def staging_pages(streamed_pages: int, copy_pages: int, pinned: bool) -> int:
 
 
 def staging_unit_pages(stream: StreamConfig, max_tokens: int, layout: PageLayout,
-                       pinned: bool) -> int:
-  """Staging of one layer in flight: the most-streamed layer's uploads at `max_tokens`, and at
-  least one unit-aligned refill piece of resident pages (`StreamedKV._fill_resident` refills in
-  aligned pieces that fit this): one copy unit plus a pageable tail when pinned, one padded
-  piece of at most min(copy_pages, history) pages when pageable."""
+                       pinned: bool, cap: Optional[int] = None) -> int:
+  """Staging of one layer in flight: the most-streamed layer's uploads at `max_tokens` (at most
+  `cap` pages where the cache streams a layer in copy waves of at most that many: `wave_cap`),
+  and at least one unit-aligned refill piece of resident pages (`StreamedKV._fill_resident`
+  refills in aligned pieces that fit this): one copy unit plus a pageable tail when pinned, one
+  padded piece of at most min(copy_pages, history) pages when pageable."""
   a = layout.pages_for(max_tokens)
   worst = max(min(a - r, stream.ring_slots) for r in stream.resident_pages_per_layer)
+  if cap is not None:
+    worst = min(worst, int(cap))
   c = stream.copy_pages
   floor = 2 * c if pinned else min(c, 2 * min(c, a))
   return max(staging_pages(worst, c, pinned), floor)
 
 
 def staging_reserve_pages(stream: StreamConfig, max_tokens: int, layout: PageLayout,
-                          prefetch_depth: int = 1, pinned: Optional[bool] = None) -> int:
+                          prefetch_depth: int = 1, pinned: Optional[bool] = None,
+                          cap: Optional[int] = None) -> int:
   """Device pages the staging buffers of in-flight uploads can hold at once: the layer being
   placed plus `prefetch_depth` layers whose copies are in flight (`StreamedKV` keeps its live
   staging at or under this: counter `staging_peak_bytes`). pinned=None: whether this backend
   has pinned host memory (`host_history.pinned_available`)."""
   if pinned is None:
     pinned = pinned_available()
-  return (prefetch_depth + 1) * staging_unit_pages(stream, max_tokens, layout, pinned)
+  return (prefetch_depth + 1) * staging_unit_pages(stream, max_tokens, layout, pinned, cap)
+
+
+ADAPTIVE_OVERLAP_RATIO = 1.10   # the policy's default ring: 1.1 x one layer's streamed pages
+
+
+def adaptive_staging_cap(pool_pages: int, max_tokens: int, layout: PageLayout, n_layers: int,
+                         copy_pages: int = 32, wave_pages: int = 1) -> Optional[int]:
+  """The most streamed pages an adaptive cache of `pool_pages` over `n_layers` layers stages for
+  one layer at a time (`AdaptiveStreamedKV.wave_cap`; a layer that streams more goes in copy waves
+  of at most this many): the ring of the split the policy aims at for `max_tokens` (the most
+  resident pages a layer that leave a ring of `ADAPTIVE_OVERLAP_RATIO` x a layer's streamed pages:
+  `policy.overlap_target`), which holds what its decode profile streams a layer, at least a copy
+  unit and an attention partition (`wave_pages`). None (no cap) without layers."""
+  if n_layers < 1:
+    return None
+  a, p, L, q = layout.pages_for(max_tokens), int(pool_pages), int(n_layers), ADAPTIVE_OVERLAP_RATIO
+  r = 0 if L <= q else max(0, min(a, int((p - q * a) // (L - q)), (p - 1) // L))
+  while r > 0 and p - r * L < q * (a - r):      # the float bound's rounding
+    r -= 1
+  return max(1, min(p, max(p - r * L, int(copy_pages), int(wave_pages))))
 
 
 def adaptive_staging_reserve_pages(pool_pages: int, max_tokens: int, layout: PageLayout,
                                    copy_pages: int = 32, prefetch_depth: int = 1,
-                                   pinned: Optional[bool] = None) -> int:
+                                   pinned: Optional[bool] = None, n_layers: int = 0,
+                                   wave_pages: int = 1) -> int:
   """A staging reserve that holds for EVERY split of a `pool_pages` pool (the adaptive policy
   changes the split at run time): the all-streamed split (no resident pages, the ring is the whole
-  pool) streams the most pages a layer, and `staging_pages` only grows with them."""
+  pool) streams the most pages a layer, and `staging_pages` only grows with them; with `n_layers`
+  a layer stages at most `adaptive_staging_cap` pages at a time (more go in copy waves)."""
   all_streamed = StreamConfig(int(pool_pages), (0,), copy_pages)
-  return staging_reserve_pages(all_streamed, max_tokens, layout, prefetch_depth, pinned)
+  cap = adaptive_staging_cap(pool_pages, max_tokens, layout, n_layers, copy_pages, wave_pages)
+  return staging_reserve_pages(all_streamed, max_tokens, layout, prefetch_depth, pinned, cap)
 
 
 def adaptive_minimum_pool(n_layers: int, max_tokens: int, layout: PageLayout, wave_pages: int = 1) -> int:
@@ -218,7 +245,7 @@ def fit_adaptive_pool(available_pages: int, max_tokens: int, layout: PageLayout,
   if pinned is None:
     pinned = pinned_available()
   need = lambda pool: pool + adaptive_staging_reserve_pages(pool, max_tokens, layout, copy_pages,
-                                                            prefetch_depth, pinned)
+                                                            prefetch_depth, pinned, n_layers, wave_pages)
   smallest = adaptive_minimum_pool(n_layers, max_tokens, layout, wave_pages) if n_layers else 1
   if need(smallest) > available_pages:
     missing = need(smallest) - available_pages
@@ -228,14 +255,22 @@ def fit_adaptive_pool(available_pages: int, max_tokens: int, layout: PageLayout,
         f"adaptive pool: the smallest is {smallest} pool page{'s' * (smallest > 1)}{ring} + "
         f"{need(smallest) - smallest} staging pages; {missing} more pages ({mib(missing * layout.page_bytes)}) "
         f"needed (the staging of any split the policy may pick)")
+  # with the staging cap the reserve falls where the aimed-at split gains a resident page a
+  # layer, so `need` is not monotone: the largest fitting pool is searched from the top
   lo, hi = smallest, int(available_pages)
   while lo < hi:
     mid = (lo + hi + 1) // 2
-    if need(mid) <= available_pages:
-      lo = mid
+    if mid + adaptive_staging_reserve_pages(mid, max_tokens, layout, copy_pages, prefetch_depth, pinned) \
+        <= available_pages:
+      lo = mid                                    # uncapped: a pool that surely fits
     else:
       hi = mid - 1
-  return lo
+  best = lo
+  for pool in range(int(available_pages), lo, -1):
+    if need(pool) <= available_pages:
+      best = pool
+      break
+  return best
 
 
 def fit_split(available_pages: int, n_layers: int, max_tokens: int, layout: PageLayout,
@@ -360,7 +395,8 @@ def minimum_arena(n_layers: int, max_tokens: int, layout: PageLayout, decode_wor
   region, what = fixed, f"{pool} pool + {fixed - pool} staging"
   if adaptive:
     apool = adaptive_minimum_pool(n_layers, max_tokens, layout, wave_pages)
-    region = apool + adaptive_staging_reserve_pages(apool, max_tokens, layout, copy_pages, prefetch_depth)
+    region = apool + adaptive_staging_reserve_pages(apool, max_tokens, layout, copy_pages, prefetch_depth,
+                                                    n_layers=n_layers, wave_pages=wave_pages)
     what = f"{apool} pool + {region - apool} staging for any split the adaptive policy picks"
   pages = max(fixed, region)
   needs = [ArenaNeed(decode_workspace_bytes + pages * pb, region,

@@ -90,11 +90,11 @@ class MTPLeaseMixin:
       sources.append((staging.host_pages(hist, 0, sealed, sealed + c), sealed))
     nbytes = sum(int(x.nbytes) for x, _ in sources)
     if sources:
-      staged = [(staging.to_device(x), lo) for x, lo in sources]
-      live = nbytes + sum(int(p[2].nbytes) for p in self._prefetch.values())
-      self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live)
+      held = sum(int(p[2].nbytes) for p in self._prefetch.values())
       slot0 = self.ring_base + first - cap           # the pool page of logical page 0 under the lease
-      for arr, lo in staged:
+      for x, lo in sources:                          # one piece staged at a time, placed at once
+        arr = staging.to_device(x)
+        self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], held + int(x.nbytes))
         rows = (max(lo, cap) - lo, min(lo + int(arr.shape[0]), content) - lo)
         self.pool_pn = place_staged(self.pool_pn, arr, on_device(staging.pieces_array([(slot0 + lo,) + rows])))
       self.counters["h2d_bytes"] += nbytes

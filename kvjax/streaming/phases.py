@@ -186,6 +186,12 @@ class AdaptiveStreamedKV(StreamedKV):
   def may_resplit(self) -> bool:
     return True   # the policy re-splits the pool as the history grows
 
+  def _wave_cap(self, stream: StreamConfig):
+    # the reserve holds the stages of the split the policy aims at, not of every split: a layer
+    # the policy leaves more streamed pages streams them in copy waves (`adaptive_staging_cap`)
+    return budget_lib.adaptive_staging_cap(stream.pool_pages, self.max_tokens, self.layout, self.n_layers,
+                                           stream.copy_pages, self.wave_pages)
+
   def initial_split(self, pool_pages: int) -> StreamConfig:
     """The split a fresh policy gives a pool of `pool_pages` (`PhasedKV` sizes its phases with it;
     `rebind` then applies the policy's own step on that pool)."""

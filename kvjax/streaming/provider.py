@@ -172,16 +172,12 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
       self.resident_valid[:] = 0
     else:
       keep = np.minimum(self.resident_valid, np.asarray(caps, np.int64))
-      moves = relocate.region_moves(self.resident_base, base, keep)
-      if moves:
-        window = relocate.window_pages(self.layout.page_bytes, stream.pool_pages)
-        plan = relocate.plan_moves(moves, stream.pool_pages, window,
-                                   relocate.max_windows(stream.pool_pages, self.n_layers, window))
-        self.pool_pn = relocate.move_runs(self.pool_pn, on_device(plan), window)
-        self.counters["moved_pages"] += sum(n for _, _, n in moves)
+      self.pool_pn, moved = relocate.keep_prefixes(self.pool_pn, self.resident_base, base, keep, self.layout.page_bytes)
+      self.counters["moved_pages"] += moved
       self.resident_valid[:] = keep
     self.stream = stream
-    self.staging_unit = staging_unit_pages(stream, self.max_tokens, self.layout, self.pinned)
+    self.wave_cap = self._wave_cap(stream)
+    self.staging_unit = staging_unit_pages(stream, self.max_tokens, self.layout, self.pinned, self.wave_cap)
     self.resident_base = base
     self.ring_base = stream.resident_total
     self.open_page[:] = -1
@@ -190,6 +186,16 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     if self._lease is not None:   # the leased pages went with the old layout: load them again
       self.counters["mtp_lease_reloads"] += 1
       self._load_lease()
+
+  def _wave_cap(self, stream: StreamConfig) -> Optional[int]:   # pylint: disable=unused-argument
+    """The most streamed pages a layer stages at a time (more go in copy waves), or None: the
+    ring's (the fixed split's reserve holds its layers' stages whole)."""
+    return None
+
+  def _wave_ring(self) -> int:
+    """Ring slots a layer's streamed pages may take at once: the ring, or the staging cap."""
+    ring = self._target_ring()
+    return ring if self.wave_cap is None else min(ring, self.wave_cap)
 
   def _forget_layout(self) -> None:
     self.plans.clear()
@@ -435,7 +441,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
         continue
       live, streamed, open_page = self._open_split(a)
       wraps = 0
-      if streamed > ring:       # more streamed pages than slots: copy waves through the whole ring
+      if streamed > self._wave_ring():   # more streamed pages than slots (or the cap): copy waves
         plans[a] = self._wave_layout(a, live, streamed)
         head = plans[a].waves[-1].count % ring
         self.counters["ring_peak_slots"] = max(self.counters["ring_peak_slots"], ring)
@@ -465,7 +471,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     partition (`wave_pages`), so the folded carry has the bits of one call. A wave's streamed pages
     take ring slots 0.. and stage as a layer's do (`_stage_layout`: pieces of whole copy units, the
     partial last page; pages that hold no committed token yet are written by this forward's rows)."""
-    ring, b = self._target_ring(), self._wave_pages
+    ring, b = self._wave_ring(), self._wave_pages
     active, need = self._active, min(self._active, self._content)
     width = ring // b * b
     bounds, end = [0], (live + ring) // b * b

@@ -107,6 +107,19 @@ def move_runs(pool_pn, windows_m5, window: int):
   return _mover(int(window))(pool_pn, windows_m5)
 
 
+def keep_prefixes(pool_pn, old_base, new_base, keep, page_bytes: int):
+  """The pool with each layer's first `keep` resident pages moved from `old_base` to `new_base`
+  (one `move_runs` call, none when nothing moves) -> (pool, pages moved)."""
+  moves = region_moves(old_base, new_base, keep)
+  if not moves:
+    return pool_pn, 0
+  import jax
+  pool = int(pool_pn.shape[0])
+  window = window_pages(page_bytes, pool)
+  plan = plan_moves(moves, pool, window, max_windows(pool, len(keep), window))
+  return move_runs(pool_pn, jax.device_put(plan, next(iter(pool_pn.devices()))), window), sum(n for _, _, n in moves)
+
+
 def move_reference(pool: np.ndarray, moves: Sequence[Tuple[int, int, int]]) -> np.ndarray:
   """What `move_runs` must give: each run's pages at their destination, read from the pool as it
   was (numpy; the tests' reference)."""
