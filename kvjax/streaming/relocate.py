@@ -6,8 +6,7 @@ the capacities before it. The pages a layer keeps (its valid prefix, up to its n
 already on the device, at `old_base + p`; they go to `new_base + p` in one compiled program
 (`move_runs`) that copies them inside the pool, window by window, so the pool's memory is not
 doubled and nothing crosses the host link. Before, a rebind invalidated the mirror and every
-resident page was uploaded again from the host history (at 128K on the H200: ~200 ms at each
-page boundary of an adaptive decode, 2026-12-05).
+resident page was uploaded again from the host history (docs/PERFORMANCE.md has the cost).
 
 The runs keep their order in the pool (layer a's region before layer a + 1's, old and new), so
 they can move in place: first the runs that move down (destination below source), in ascending
