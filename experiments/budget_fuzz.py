@@ -38,6 +38,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 from absl import app, flags
 
+from experiments.lib.tables import outcome_table
+
 PAGE_TOKENS = 16
 MAX_TOKENS = (32, 48, 80, 128, 208)   # few capacities: each is a page-table shape to compile
 UBATCH = (1, 2, 3, 4, 8)
@@ -302,16 +304,8 @@ def sample_cases(n: int, seed: int, workspace_mib=None) -> List[Case]:
 
 
 def table(records) -> str:
-  outcomes = ["accepted", "refused", "FAIL"]
   counts = collections.Counter((r["kind"], r["outcome"].split()[0]) for r in records)
-  kinds = sorted({r["kind"] for r in records})
-  rows = [f"{'budget':<28}" + "".join(f"{o:>10}" for o in outcomes) + f"{'all':>8}"]
-  for k in kinds:
-    rows.append(f"{k:<28}" + "".join(f"{counts[(k, o)]:>10}" for o in outcomes)
-                + f"{sum(counts[(k, o)] for o in outcomes):>8}")
-  rows.append(f"{'all':<28}" + "".join(f"{sum(counts[(k, o)] for k in kinds):>10}" for o in outcomes)
-              + f"{len(records):>8}")
-  return "\n".join(rows)
+  return outcome_table(counts, ["accepted", "refused", "FAIL"], "budget", 28, 10)
 
 
 def main(argv):

@@ -28,6 +28,9 @@ import time
 
 from absl import app, flags
 
+from experiments.lib.tables import outcome_table
+
+
 def define_flags():
   """The command line's flags, defined when the module runs as a program (not at import: tests
   import several experiments into one process, and absl refuses a flag name defined twice)."""
@@ -104,15 +107,7 @@ def run(n: int, seed: int, cli_every: int = 0, timeout_s: float = 20.0, cli_time
 
 
 def table(counts) -> str:
-  outcomes = ["refused", "accepted_same", "accepted_changed", "FAIL"]
-  classes = sorted({c for c, _ in counts})
-  rows = [f"{'class':<18}" + "".join(f"{o:>18}" for o in outcomes) + f"{'total':>8}"]
-  for c in classes:
-    rows.append(f"{c:<18}" + "".join(f"{counts[(c, o)]:>18}" for o in outcomes)
-                + f"{sum(counts[(c, o)] for o in outcomes):>8}")
-  rows.append(f"{'all':<18}" + "".join(f"{sum(counts[(c, o)] for c in classes):>18}" for o in outcomes)
-              + f"{sum(counts.values()):>8}")
-  return "\n".join(rows)
+  return outcome_table(counts, ["refused", "accepted_same", "accepted_changed", "FAIL"], "class", 18, 18, "total")
 
 
 def main(argv):
