@@ -4,7 +4,10 @@ One script, one table. For each context it measures, per decode forward
 (one token, greedy, synchronised per token as a real decode loop is; ms a token):
 
 * `resident`  every page on the device (PlainKV: the compute-only cost);
-* `streamed`  a fixed resident/ring split inside `--arena_mib` (StreamedKV);
+* `streamed`  the fixed resident/ring split `make_kv(arena_mib=)` plans (`kvjax.streaming.plan`:
+              the pool is what the measured decode workspace and the staging of in-flight uploads
+              leave of `--arena_mib`), and one for each `--pool_pages` (a budget the plan refuses
+              prints its refusal);
 * `copy`      the streamed run's uploads alone (no compute) -> upload GB/s;
 
 and derives the share of copy time hidden behind compute,
@@ -92,8 +95,8 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from kvjax import api, config, engine, generate, parallel, weights
-  from kvjax.streaming import arena
+  from kvjax import api, config, engine, generate, kv_build, parallel, weights
+  from kvjax.streaming import StreamBudgetError
   from kvjax.model import AttentionOptions
   from experiments.lib import synthetic
   from kvjax_pallas.page_layout import PageLayout
@@ -158,18 +161,6 @@ def main(argv):
   log["mem_plain_short"] = _mem()
   print(json.dumps(log, default=float), flush=True)
 
-  # --- the decode workspace, from the compiled group step's own memory analysis ---------------
-  gd, gs = device_runner.groups[0]
-  st = device_runner.zero_states()[0]
-  pool_probe = jnp.zeros((4, layout.page_bytes), jnp.uint8)
-  comp = engine._group_step.lower(gd, gs, jnp.zeros((1, cfg.hidden_size), dtype), st, pool_probe,
-                                  jnp.zeros((4,), jnp.int32), jnp.int32(0), jnp.int32(1), layout=layout,
-                                  opts=opts, chunked=False).compile()
-  workspace = arena.workspace_bytes_from_compiled(comp)
-  log["decode_workspace_mib"] = workspace / 2**20
-  pool_pages = int((FLAGS.arena_mib * 2**20 - workspace) // layout.page_bytes)
-  log["pool_pages"] = pool_pages
-
   rows = []
   for ctx in [int(c) for c in FLAGS.contexts]:
     max_tokens = ctx + FLAGS.decode_steps + 8
@@ -179,24 +170,33 @@ def main(argv):
     _each_part(pk, lambda part: synthetic.fill_plain(part, ctx))
     row["resident_ms"], _ = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg)
     print(json.dumps(row, default=float), flush=True)
-    for pool in [pool_pages] + [int(p) for p in FLAGS.pool_pages]:
-      rows.append(_streamed_row(dict(row), pool, pk, runner, cfg, layout, ctx, max_tokens,
-                                decode_weight_bytes))
+    # the fixed splits make_kv plans (`plan_kv`): the arena's (the pool is what the measured decode
+    # workspace and the staging of in-flight uploads leave), then each pool of pages asked for
+    budgets = [dict(arena_mib=FLAGS.arena_mib)] + [dict(pool_pages=int(p)) for p in FLAGS.pool_pages]
+    for budget in budgets:
+      try:
+        plan = kv_build.plan(runner, max_tokens, copy_pages=FLAGS.copy_pages, ubatch=1, **budget)
+      except StreamBudgetError as e:   # a budget that cannot run, said as make_kv says it
+        print(json.dumps({"context": ctx, **budget, "refused": str(e)}), flush=True)
+        continue
+      if "arena_mib" in budget:
+        log.setdefault("decode_workspace_mib", plan.workspaces.decode_bytes / 2**20)
+      rows.append(_streamed_row(dict(row), plan, pk, runner, cfg, layout, ctx, decode_weight_bytes))
     del pk
   log["rows"] = rows
   _report(log, rows)
 
 
-def _streamed_row(row, pool_pages, pk, runner, cfg, layout, ctx, max_tokens, decode_weight_bytes):
-  """One streamed configuration: a fixed split of `pool_pages` (copy waves where a layer's streamed
+def _streamed_row(row, plan, pk, runner, cfg, layout, ctx, decode_weight_bytes):
+  """One streamed configuration: the fixed split of `plan` (copy waves where a layer's streamed
   pages exceed the ring), checked bit for bit against the resident cache `pk`, timed."""
   from experiments.lib import synthetic
-  from kvjax.streaming import StreamedKV, fixed_split
-  n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
-  split = fixed_split(pool_pages, n_layers, max_tokens, layout, FLAGS.copy_pages)
-  sk = _cache(runner, lambda d: StreamedKV(cfg, layout, max_tokens, split))
+  from kvjax import kv_build
+  split, pool_pages = plan.split, plan.pool_pages
+  sk = kv_build.build_from_plan(runner, plan)
 
   def fill(part):
+    part.timing_interval = 16     # deadline samples: every 16th forward's first copies timed alone
     part.prefetch_depth = FLAGS.pipeline_depth
     part.prefetch_next = FLAGS.prefetch_next
     synthetic.fill_streamed(part, ctx)
@@ -215,6 +215,8 @@ def _streamed_row(row, pool_pages, pk, runner, cfg, layout, ctx, max_tokens, dec
   row["resident_pages_per_layer"] = split.resident_pages_per_layer[0]
   row["ring_slots"] = split.ring_slots
   row["pool_pages"] = pool_pages
+  row["staging_reserve_pages"] = plan.staging_reserve_pages
+  row["partition_cap_pages"] = plan.partition_cap_pages
   row["waves_per_forward"] = sk.metrics()["waves_per_forward"]
   samples = sk.counters["deadline_samples"]
   row["deadline_samples"] = samples

@@ -55,7 +55,7 @@ def define_flags():
   flags.DEFINE_string("model", "qwen38_27b", "preset name")
   flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
   flags.DEFINE_list("contexts", ["32768", "131072", "262144"], "history lengths (tokens)")
-  flags.DEFINE_float("arena_mib", 2240.0, "device KV budget (MiB): pool = arena - decode workspace")
+  flags.DEFINE_float("arena_mib", 2240.0, "device KV arena (MiB): the pool make_kv plans in it (kvjax.streaming.plan)")
   flags.DEFINE_integer("decode_tokens", 64, "generated tokens per run")
   flags.DEFINE_float("acceptance", 0.75, "oracle: probability each draft is kept")
   flags.DEFINE_list("n_max", ["3", "5"], "oracle draft lengths")
@@ -98,7 +98,7 @@ def main(argv):
   from flax import nnx
   from kvjax import api, config, engine, generate, speculative, weights
   from kvjax.model import AttentionOptions
-  from kvjax.streaming import StreamedKV, fixed_split
+  from kvjax import kv_build
   from experiments.lib import synthetic
   from kvjax_pallas.page_layout import PageLayout
 
@@ -113,18 +113,24 @@ def main(argv):
   # the arena holds the widest verify forward's scratch and the recurrent states its rows capture
   rows = FLAGS.verify_rows or max(widest, FLAGS.max_width if FLAGS.width_context else 1)
   widest_draft = speculative.SpecConfig("oracle", n_max=rows - 1, rollback=FLAGS.rollback) if rows > 1 else None
-  workspace, verify_states = speculative.decode_workspace_bytes(runner, max(int(c) for c in FLAGS.contexts), widest_draft)
-  pool_pages = int((FLAGS.arena_mib * 2**20 - workspace) // layout.page_bytes)
-  n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
   log = {"flags": {k: FLAGS[k].value for k in FLAGS if k in (
       "model", "dtype", "contexts", "arena_mib", "decode_tokens", "acceptance", "n_max", "rollback",
-      "page_tokens", "copy_pages", "attn_impl")}, "device": str(jax.devices()[0]), "jax": jax.__version__,
-      "workspace_mib": workspace / 2**20, "verify_states_mib": verify_states / 2**20, "pool_pages": pool_pages}
+      "page_tokens", "copy_pages", "attn_impl")}, "device": str(jax.devices()[0]), "jax": jax.__version__}
   print(json.dumps(log), flush=True)
 
   def make_kv(ctx):
+    """The fixed split `make_kv(arena_mib=)` plans for this context (`plan_kv`: the pool is what the
+    widest verify's workspace and states and the staging of in-flight uploads leave of the arena)."""
     max_tokens = ctx + FLAGS.decode_tokens + max(widest, FLAGS.max_width) + 8
-    kv = StreamedKV(cfg, layout, max_tokens, fixed_split(pool_pages, n_layers, max_tokens, layout, FLAGS.copy_pages))
+    plan = kv_build.plan(runner, max_tokens, arena_mib=FLAGS.arena_mib, copy_pages=FLAGS.copy_pages,
+                         draft=widest_draft)
+    ws = plan.workspaces
+    log.setdefault("plans", {})[str(ctx)] = {
+        "pool_pages": plan.pool_pages, "ring_slots": plan.split.ring_slots,
+        "staging_reserve_pages": plan.staging_reserve_pages, "workspace_mib": ws.decode_bytes / 2**20,
+        "verify_states_mib": ws.verify_states_bytes / 2**20}
+    print(json.dumps({"context": ctx, **log["plans"][str(ctx)]}), flush=True)
+    kv = kv_build.build_from_plan(runner, plan)
     synthetic.fill_streamed(kv, ctx)
     return kv
 

@@ -61,8 +61,7 @@ def soak(steps: int, prompt_tokens: int = 100, page_tokens: int = 64, pool_pages
   import jax
   import numpy as np
   from experiments.lib.faults import RetryingRunner, copy_faults
-  from kvjax import api, engine, generate as gen_lib, speculative
-  from kvjax.streaming.phases import AdaptiveStreamedKV
+  from kvjax import api, engine, generate as gen_lib, kv_build, speculative
   model = api.load_model(f"tiny:{seed}", page_tokens=page_tokens, attn_impl=attn_impl)
   cfg, runner, layout = model.cfg, model.runner, model.layout
   prompt = [int(t) for t in np.random.default_rng(seed).integers(0, cfg.vocab_size, prompt_tokens)]
@@ -78,7 +77,9 @@ def soak(steps: int, prompt_tokens: int = 100, page_tokens: int = 64, pool_pages
   spec_plain_kv = engine.PlainKV(cfg, layout, max_tokens)
   spec_plain = speculative.generate_speculative(runner, spec_plain_kv, prompt, steps, draft, drafter=drafter)
   t2 = time.perf_counter()
-  kv = AdaptiveStreamedKV(cfg, layout, max_tokens, pool_pages, copy_pages)
+  # the adaptive cache make_kv plans for this pool (`plan_kv`; the ubatch of generate_speculative)
+  kv = kv_build.build_from_plan(runner, kv_build.plan(runner, max_tokens, pool_pages=pool_pages, copy_pages=copy_pages,
+                                                      policy="adaptive", ubatch=256, draft=draft))
   with copy_faults(every=fault_every) as faults:
     retrying = RetryingRunner(runner)
     res = speculative.generate_speculative(retrying, kv, prompt, steps, draft, drafter=drafter)

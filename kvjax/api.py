@@ -29,7 +29,7 @@ import dataclasses
 import os
 import re
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ from kvjax.model import AttentionOptions
 from kvjax.spec_config import SpecConfig   # one class from the command line to the round
 from kvjax.streaming import StreamBudgetError
 from kvjax.streaming.arena import CapacityError   # a phased arena too small for its workspaces
+from kvjax.streaming.plan import KVPlan
 from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout
 from kvjax_pallas.span_attention.api import IMPLEMENTATIONS, check_page_tokens, resolve_implementation
 from kvjax_pallas.span_attention.triton import MAX_QUERY_ROWS
@@ -334,26 +335,32 @@ class KVBudgetError(ParameterError, StreamBudgetError):
 
 
 class KVCache:
-  """A KV cache made by `make_kv`: `provider` (what the runner reads and writes: `engine.PlainKV`,
-  `StreamedKV`, `AdaptiveStreamedKV` or `PhasedKV`) and `info` (its budget: "kv" plain / streamed /
-  "all pages resident" (a budget that holds every page of the context: nothing streams), the last
-  two with "+phased" for the phase arena; "ctx_size", the page layout, for a budgeted cache the
-  pool split and "all_pages_resident"). A cache holds one sequence: `generate` resets a used
-  cache (`reset`: a fresh one, same budget)."""
+  """A KV cache made by `make_kv`: `plan` (its budget decided: `kvjax.streaming.plan.KVPlan`, every
+  size in pages and bytes), `provider` (what the runner reads and writes, built from the plan:
+  `engine.PlainKV`, `StreamedKV`, `AdaptiveStreamedKV` or `PhasedKV`) and `info` (the plan as a flat
+  dict for metrics: "kv" plain / streamed / "all pages resident" (a budget that holds every page of
+  the context: nothing streams), the last two with "+phased" for the phase arena; "ctx_size", the
+  page layout, for a budgeted cache the pool split and "all_pages_resident"). A cache holds one
+  sequence: `generate` resets a used cache (`reset`: a fresh one from the same plan)."""
 
-  def __init__(self, build: Callable[[], Tuple[Any, Dict[str, Any]]]):
+  def __init__(self, plan: KVPlan, build: Callable[[KVPlan], Any]):
+    self.plan = plan
     self._build = build
-    self.provider, self.info = build()
+    self.provider = build(plan)
     self.used = False
+
+  @property
+  def info(self) -> Dict[str, Any]:
+    return self.plan.info()
 
   @property
   def max_tokens(self) -> int:
     """The capacity asked for (a plain cache rounds it up to whole pages)."""
-    return self.info["ctx_size"]
+    return self.plan.max_tokens
 
   def reset(self) -> None:
     self.provider = None   # the old pool goes before the new one is allocated
-    self.provider, self.info = self._build()
+    self.provider = self._build(self.plan)
     self.used = False
 
   def metrics(self) -> Dict[str, Any]:
@@ -409,12 +416,13 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
                          f"device the same layout): use policy 'fixed' and no phased", "policy", "phased")
   check_kv_memory(model, max_tokens, streamed=arena_mib is not None or pool_pages is not None)
   checks.check_budget_memory(arena_mib, pool_pages, model.layout.page_bytes, tensor_parallel(model))
-  try:
-    return KVCache(lambda: kv_build.build_kv(model, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased,
-                                             ubatch, spec, prefill_block))
+  try:   # the budget decided before anything is allocated (`plan_kv`), then the cache built from it
+    plan = kv_build.plan(model.runner, max_tokens, arena_mib, pool_pages, copy_pages, policy, phased, ubatch, spec,
+                         prefill_block)
   except (StreamBudgetError, CapacityError) as e:   # the budget cannot hold the cache: named by its parameter
     name, value = ("arena_mib", arena_mib) if arena_mib is not None else ("pool_pages", pool_pages)
     raise KVBudgetError(checks.budget_error(name, value, e), name) from None
+  return KVCache(plan, lambda p: kv_build.build_from_plan(model.runner, p))
 
 
 # ---------------------------------------------------------------------------
@@ -635,7 +643,7 @@ def teacher_forced_logits(model: LoadedModel, tokens: Sequence[int], *, mtp: boo
     raise ParameterError(f"mtp needs at least 2 tokens, got {len(ids)}", "mtp")
   check_context_length(model, len(ids), exceed_context_length, param="tokens")
   check_kv_memory(model, len(ids))
-  kv, _ = kv_build.build_kv(model, len(ids), None, None, 32, "fixed", False, ubatch)
+  kv = kv_build.build_from_plan(model.runner, kv_build.plan(model.runner, len(ids), ubatch=ubatch))
   return gen_lib.teacher_forced_logits(model.runner, kv, ids, ubatch, mtp=mtp)
 
 

@@ -31,10 +31,11 @@ from flax import nnx
 
 from kvjax.config import MTP_OPTIONAL, ModelConfig, gguf_tensor_shapes
 from kvjax.qweights import QuantizedWeight, with_dtype
-from kvjax.model import AttentionOptions, KVRows, Qwen38, attend_wave, layer_groups, output_head, \
+from kvjax.model import AttentionOptions, KVRows, Qwen38, attend_wave, empty_carry, layer_groups, output_head, \
     param_path, place_pages, rms_norm, zero_recurrent_state
 from kvjax_pallas.span_attention import api as span_api
 from kvjax_pallas.page_layout import PageLayout
+from kvjax.streaming.arena import workspace_bytes_from_compiled   # imports no engine: no cycle
 
 
 # ---------------------------------------------------------------------------
@@ -253,9 +254,9 @@ def on_device(tree):
 
   jit caches an executable per argument placement as well as per shape: a committed array (the
   output of a step that took one, a staged page, a restored checkpoint) and an uncommitted one of the
-  same shape lower separately, so a run that mixed them compiled each group step twice (measured
-  2026-12-03: 18 group / 12 MTP compiles of a streamed speculative run, half of them repeats). The
-  runner's parameters, zero states and the caches' pools are committed, so every step output is."""
+  same shape lower separately, so a run that mixed them compiled each group step twice
+  (docs/log/performance-log.md, "Facts moved out of the code"). The runner's parameters, zero
+  states and the caches' pools are committed, so every step output is."""
   return jax.device_put(tree, default_device())
 
 
@@ -291,11 +292,13 @@ def _group_step(graphdef, state, x_se, rec_states, pool_pn, table_t, pos, n_vali
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout", "chunked", "capture"))
 def _group_attn_begin(graphdef, state, x_se, rec_states, pos, n_valid, *, layout, chunked, capture=False):
   """A group whose attention runs in copy waves (`_wave_step`), up to span attention:
-  -> (x_se after the recurrent blocks, states, q_shd, gate_se, rows)."""
+  -> (x_se after the recurrent blocks, states, q_shd, gate_se, rows, the empty carry the first wave
+  folds into: every wave then runs one program)."""
   group = merge_static(graphdef, state)
   x_se, states = group.run_recurrent(x_se, rec_states, n_valid, chunked, capture)
   q_shd, gate_se, rows = group.attention.attend_begin(x_se, pos, layout)
-  return x_se, states, q_shd, gate_se, rows
+  return x_se, states, q_shd, gate_se, rows, empty_carry(q_shd, layout)
+
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -374,11 +377,11 @@ def _mtp_draft_steps(graphdef, state, token_embd_ve, output_norm_e, output_ve, h
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout"))
 def _mtp_attn_begin(graphdef, state, token_embd_ve, hn_se, next_tokens_s, pos, *, layout):
-  """The MTP head up to span attention (copy waves): -> (u_se, q_shd, gate_se, rows)."""
+  """The MTP head up to span attention (copy waves): -> (u_se, q_shd, gate_se, rows, empty carry)."""
   mtp = merge_static(graphdef, state)
   u = mtp.block_input(hn_se, token_embd_ve[next_tokens_s])
   q_shd, gate_se, rows = mtp.block.attend_begin(u, pos, layout, rope_offset=1)
-  return u, q_shd, gate_se, rows
+  return u, q_shd, gate_se, rows, empty_carry(q_shd, layout)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -386,6 +389,35 @@ def _mtp_attn_end(graphdef, state, output_norm_e, output_ve, u_se, carry, gate_s
   mtp = merge_static(graphdef, state)
   o_shd = span_api.finalize(carry, mtp.block.mixer.cfg.num_attention_heads)
   return mtp.head(mtp.block.attend_end(u_se, o_shd, gate_se), output_norm_e, output_ve)
+
+
+# How each step's arguments and results divide over devices sharding the KV heads (`kvjax.parallel`
+# builds a shard_map a step from this table): PARAMS the parameter leaves (a spec each), SAME the
+# same array on every device, HEADS split by KV head along axis 0 (pools, tables, states, queries).
+PARAMS, SAME, HEADS = "params", "same", "heads"
+
+
+class StepRoles(NamedTuple):
+  step: Callable                 # a jitted engine step (its Python body runs per device)
+  inputs: Tuple[str, ...]        # the roles of its array arguments, after the static graphdef
+  outputs: Tuple[str, ...]
+  graphdef: bool                 # whether its first argument is the module's static structure
+  donate: Tuple[int, ...] = ()   # argument positions donated (the pool)
+
+
+STEP_ROLES: Dict[str, StepRoles] = {
+    "place_step": StepRoles(place_staged, (HEADS, HEADS, HEADS), (HEADS,), False, (0,)),
+    "group_step": StepRoles(_group_step, (PARAMS, SAME, HEADS, HEADS, HEADS, SAME, SAME), (SAME, HEADS, HEADS, HEADS),
+                            True, (4,)),
+    "group_attn_begin": StepRoles(_group_attn_begin, (PARAMS, SAME, HEADS, SAME, SAME),
+                                  (SAME, HEADS, HEADS, HEADS, HEADS, HEADS), True),
+    "group_attn_end": StepRoles(_group_attn_end, (PARAMS, SAME, HEADS, HEADS), (SAME,), True),
+    "wave_step": StepRoles(_wave_step, (HEADS,) * 5 + (SAME,) * 4, (HEADS, HEADS), False, (0,)),
+    "mtp_step": StepRoles(_mtp_step, (PARAMS,) + (SAME,) * 5 + (HEADS, HEADS, SAME, SAME), (SAME, SAME, HEADS, HEADS),
+                          True, (7,)),
+    "mtp_attn_begin": StepRoles(_mtp_attn_begin, (PARAMS,) + (SAME,) * 4, (SAME, HEADS, HEADS, HEADS, HEADS), True),
+    "mtp_attn_end": StepRoles(_mtp_attn_end, (PARAMS, SAME, SAME, SAME, HEADS, HEADS), (SAME, SAME), True),
+}
 
 
 def select_row(captured_states, row: int):
@@ -472,8 +504,9 @@ class Runner:
     chunked = (c > 1) if chunked is None else chunked
     if capture_states and (chunked or c < s):
       raise ValueError("capture_states needs the scan form in one chunk: pass chunked=False")
+    opts = self.call_opts(c, kv)
     kv.begin_forward(pos, n_valid, tuple(a for a in self.attn_index if a is not None),
-                     wave_pages=self.partition_pages(c, kv.max_tokens))
+                     wave_pages=self.partition_pages(c, kv.max_tokens, kv))
     m = 1 if c == s else max(1, -(-n_valid // c))   # chunks that hold a valid row
     if c == s:
       xs = [_embed_step(self.token_embd, jnp.asarray(tokens_s, jnp.int32))]
@@ -488,18 +521,18 @@ class Runner:
       if lkv.waves > 1:     # the layer's streamed pages exceed the ring: attention in copy waves
         begun = []
         for j in range(m):
-          x_in, st, q, gate, r = self.group_attn_begin(gdef, gstate, xs[j], st, *at[j], layout=self.layout,
-                                                       chunked=chunked, capture=capture_states)
-          begun.append((x_in, q, gate))
+          x_in, st, q, gate, r, empty = self.group_attn_begin(gdef, gstate, xs[j], st, *at[j], layout=self.layout,
+                                                              chunked=chunked, capture=capture_states)
+          begun.append((x_in, q, gate, empty))
           rows.append(r)
-        pool_pn, carries = self._waves(kv, a, lkv, [(q, r) for (_, q, _), r in zip(begun, rows)], at)
+        pool_pn, carries = self._waves(kv, a, lkv, [(q, r, e) for (_, q, _, e), r in zip(begun, rows)], at, opts)
         xs = [self.group_attn_end(gdef, gstate, x_in, carry, gate)
-              for (x_in, _, gate), carry in zip(begun, carries)]
+              for (x_in, _, gate, _), carry in zip(begun, carries)]
       else:
         pool_pn = self.place(lkv)
         for j in range(m):
           xs[j], st, pool_pn, r = self.group_step(gdef, gstate, xs[j], st, pool_pn, lkv.table_t, *at[j],
-                                                  layout=self.layout, opts=self.opts, chunked=chunked,
+                                                  layout=self.layout, opts=opts, chunked=chunked,
                                                   capture=capture_states)
           rows.append(r)
       if a is not None:
@@ -528,36 +561,34 @@ class Runner:
         hn.append(_norm_step(self.output_norm, x, eps=self.cfg.rms_eps))
     return (logits[0] if len(logits) == 1 else jnp.concatenate(logits, axis=0)), hn
 
-  def _waves(self, kv: KVProvider, a: int, lkv: LayerKV, chunks, at):
+  def _waves(self, kv: KVProvider, a: int, lkv: LayerKV, chunks, at, opts: AttentionOptions):
     """Attention of cache layer a in copy waves: each wave's pages through the ring, placed once,
-    then every chunk's `(q_shd, rows)` at its `(pos, n_valid)` attends them, each chunk's carry
-    folded in logical order -> (pool_pn, carry of each chunk)."""
-    pool_pn, carries = lkv.pool_pn, [None] * len(chunks)
+    then every chunk's `(q_shd, rows, empty carry)` at its `(pos, n_valid)` attends them, each
+    chunk's carry folded in logical order -> (pool_pn, carry of each chunk)."""
+    pool_pn, carries = lkv.pool_pn, [empty for _, _, empty in chunks]
     for w in range(lkv.waves):
       wkv = lkv if w == 0 else kv.wave_kv(a, w)._replace(pool_pn=pool_pn)
       lo, hi = wkv.tiles
       pool_pn = self.place(wkv)
-      for j, ((q_shd, rows), (pos, n_valid)) in enumerate(zip(chunks, at)):
+      for j, ((q_shd, rows, _), (pos, n_valid)) in enumerate(zip(chunks, at)):
         pool_pn, carries[j] = self.wave_step(pool_pn, wkv.table_t, rows, q_shd, carries[j], pos, n_valid,
-                                             jnp.int32(lo), jnp.int32(hi), layout=self.layout, opts=self.opts)
+                                             jnp.int32(lo), jnp.int32(hi), layout=self.layout, opts=opts)
     return pool_pn, carries
 
-  def compile_waves(self, pool_pn, table_t, rows: int, chunked: bool, capture: bool = False):
-    """Compile the copy-wave programs of a forward of `rows` rows (`_waves`: the group up to its
-    attention, a first and a later wave, the rest of the group) with inert arguments: no valid row,
-    so nothing is written to the pool. -> the pool (donated through the wave steps)."""
+  def compile_waves(self, pool_pn, table_t, rows: int, chunked: bool, capture: bool = False, kv=None):
+    """Compile the copy-wave programs of a forward of `rows` rows on `kv` (`_waves`: the group up to
+    its attention, a wave (one program for all: the first folds into the empty carry), the rest) with
+    inert arguments: no valid row, nothing written to the pool. -> the pool (donated through)."""
     k = next((g for g, a in enumerate(self.attn_index) if a is not None), None)
     if k is None:
       return pool_pn
     gdef, gstate = self.groups[k]
     x = on_device(jnp.zeros((rows, self.cfg.hidden_size), self.token_embd.dtype))
     zero = jnp.int32(0)
-    x_in, _, q, gate, kv_rows = self.group_attn_begin(gdef, gstate, x, self.zero_states()[k], zero, zero,
-                                                      layout=self.layout, chunked=chunked, capture=capture)
-    carry = None
-    for _ in range(2):   # the first wave starts from the empty carry, a later one from a carry
-      pool_pn, carry = self.wave_step(pool_pn, table_t, kv_rows, q, carry, zero, zero, zero, zero,
-                                      layout=self.layout, opts=self.opts)
+    x_in, _, q, gate, kv_rows, carry = self.group_attn_begin(gdef, gstate, x, self.zero_states()[k], zero, zero,
+                                                             layout=self.layout, chunked=chunked, capture=capture)
+    pool_pn, carry = self.wave_step(pool_pn, table_t, kv_rows, q, carry, zero, zero, zero, zero,
+                                    layout=self.layout, opts=self.call_opts(rows, kv))
     self.group_attn_end(gdef, gstate, x_in, carry, gate)
     return pool_pn
 
@@ -568,11 +599,21 @@ class Runner:
       pool_pn = self.place_step(pool_pn, rows_rn, pieces_k3)
     return pool_pn
 
-  def partition_pages(self, rows: int, max_tokens: int) -> int:
+  def partition_pages(self, rows: int, max_tokens: int, kv=None) -> int:
     """The logical partition (pages) of this runner's attention call for `rows` query rows over a
-    table of `max_tokens` tokens: copy waves split a layer at multiples of it."""
-    return _partition_pages(self.opts, self.layout, self.cfg.num_attention_heads, int(rows),
-                            self.layout.pages_for(int(max_tokens)))
+    table of `max_tokens` tokens (at most `kv`'s cap): copy waves split a layer at multiples of it."""
+    return _partition_pages(self.call_opts(rows, kv, max_tokens), self.layout, self.cfg.num_attention_heads,
+                            int(rows), self.layout.pages_for(int(max_tokens)))
+
+  def call_opts(self, rows: int, kv=None, max_tokens: Optional[int] = None) -> AttentionOptions:
+    """The attention options of a call of `rows` rows on cache `kv`: the runner's, with the partition
+    capped at the cache's `partition_cap` (`KVPlan.partition_cap_pages`) where theirs is larger."""
+    cap = getattr(kv, "partition_cap", None)
+    if cap is None:
+      return self.opts
+    pages = self.layout.pages_for(int(kv.max_tokens if max_tokens is None else max_tokens))
+    own = _partition_pages(self.opts, self.layout, self.cfg.num_attention_heads, int(rows), pages)
+    return self.opts if own <= cap else dataclasses.replace(self.opts, block_pages=int(cap))
 
   def head(self, x_se, rows):
     return _head_step(self.output_norm, self.output, x_se, jnp.asarray(rows, jnp.int32),
@@ -582,19 +623,21 @@ class Runner:
     """MTP rows at MTP-cache positions pos.. (RoPE position = cache position + 1)."""
     if self.mtp_layer is None:
       raise ValueError("this model has no MTP head (nextn_predict_layers = 0)")
+    opts = self.call_opts(hn_se.shape[0], kv)
     kv.begin_forward(pos, n_valid, (self.mtp_layer,),
-                     wave_pages=self.partition_pages(hn_se.shape[0], kv.max_tokens))
+                     wave_pages=self.partition_pages(hn_se.shape[0], kv.max_tokens, kv))
     lkv = kv.layer_kv(self.mtp_layer)
     gdef, gstate = self.mtp
     next_s, pos_a, nv_a = jnp.asarray(next_tokens_s, jnp.int32), jnp.int32(pos), jnp.int32(n_valid)
     if lkv.waves > 1:
-      u, q, gate, rows = self.mtp_attn_begin(gdef, gstate, self.token_embd, hn_se, next_s, pos_a, layout=self.layout)
-      pool_pn, (carry,) = self._waves(kv, self.mtp_layer, lkv, [(q, rows)], [(pos_a, nv_a)])
+      u, q, gate, rows, empty = self.mtp_attn_begin(gdef, gstate, self.token_embd, hn_se, next_s, pos_a,
+                                                    layout=self.layout)
+      pool_pn, (carry,) = self._waves(kv, self.mtp_layer, lkv, [(q, rows, empty)], [(pos_a, nv_a)], opts)
       logits, hm = self.mtp_attn_end(gdef, gstate, self.output_norm, self.output, u, carry, gate)
     else:
       logits, hm, pool_pn, rows = self.mtp_step(gdef, gstate, self.token_embd, self.output_norm, self.output,
                                             hn_se, next_s, self.place(lkv), lkv.table_t, pos_a, nv_a,
-                                            layout=self.layout, opts=self.opts)
+                                            layout=self.layout, opts=opts)
     kv.end_layer(self.mtp_layer, pool_pn, rows)
     kv.end_forward()
     return logits, hm
@@ -606,15 +649,15 @@ class Runner:
     probabilities) as device arrays [steps + 1]. The layer must attend in one call (no copy waves:
     the plain cache, or a streamed one's MTP ring lease)."""
     n = max(1, min(steps, limit))
-    kv.begin_forward(pos, n, (self.mtp_layer,), wave_pages=self.partition_pages(1, kv.max_tokens))
+    kv.begin_forward(pos, n, (self.mtp_layer,), wave_pages=self.partition_pages(1, kv.max_tokens, kv))
     lkv = kv.layer_kv(self.mtp_layer)
     if lkv.waves > 1:
       raise RuntimeError("mtp_draft: the MTP layer streams in copy waves (draft step by step)")
     gdef, gstate = self.mtp
     cand_d, cand_p, pool_pn, rows = self.mtp_draft_steps(
         gdef, gstate, self.token_embd, self.output_norm, self.output, hm_1e, d, p, jnp.float32(p_min),
-        self.place(lkv), lkv.table_t, jnp.int32(pos), jnp.int32(limit), layout=self.layout, opts=self.opts,
-        steps=steps)
+        self.place(lkv), lkv.table_t, jnp.int32(pos), jnp.int32(limit), layout=self.layout,
+        opts=self.call_opts(1, kv), steps=steps)
     kv.end_layer(self.mtp_layer, pool_pn, rows)
     kv.end_forward()
     return cand_d, cand_p
@@ -637,7 +680,6 @@ def group_step_workspace_bytes(runner: "Runner", rows: int, max_tokens: Optional
   table is sized for `max_tokens`; the pool argument is donated (aliased to the output), so the
   pool size does not enter.
   """
-  from kvjax.streaming.arena import workspace_bytes_from_compiled
   cfg, layout = runner.cfg, runner.layout
   k = next((i for i, a in enumerate(runner.attn_index) if a is not None), 0)
   gd, gs = runner.groups[k]

@@ -23,8 +23,9 @@ result. Rows (bytes unless named otherwise):
   `2 * N * (delta + conv state of one layer)`.
   (27B, N = 3: 6 * 3,268,608 B = 18.70 MiB, the reference's ~18.7 MiB.)
 * Decode KV grant: arena minus the decode workspace minus the stage when
-  `stage_in_arena`; the KV pool is that rounded down to whole pages, shared
-  by target + MTP attention layers (resident pages + ring).
+  `stage_in_arena`; the KV pool is what `make_kv`'s plan (`kvjax.streaming.plan.plan_kv`, a
+  fixed split) leaves of it after the staging of in-flight uploads, in whole pages, shared by
+  target + MTP attention layers (resident pages + ring).
 
 Run: `kvjax memory --config=configs/memory_27b.py` (or `python -m kvjax.memory_report --config=...`).
 Arithmetic only: this module imports no JAX, so the command answers at once (`available_memory`,
@@ -38,6 +39,8 @@ import os
 from typing import Dict, List, Optional, Tuple
 
 from kvjax import config as config_lib
+from kvjax.streaming.budget import StreamBudgetError
+from kvjax.streaming.plan import KVGeometry, Workspaces, plan_kv
 from kvjax_pallas.page_layout import PageLayout
 
 MIB = 1 << 20
@@ -56,7 +59,7 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
                   k_type: str = "q8_0", v_type: str = "q4_0", arena_mib: float = 2240.0,
                   mtp_depth: int = 3, page_tokens: int = 256,
                   decode_workspace_mib: float = 0.0, stage_in_arena: bool = True,
-                  weight_type: str = "bf16") -> Dict[str, float]:
+                  weight_type: str = "bf16", copy_pages: int = 8) -> Dict[str, float]:
   """Byte accounting; returns an ordered dict of named quantities.
 
   Args:
@@ -69,6 +72,8 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
     decode_workspace_mib: the decode phase's workspace inside the arena (an
       input: measure it with `kvjax.streaming.arena.workspace_bytes_from_compiled`).
     stage_in_arena: whether the two-slot stage is carved out of the arena.
+    copy_pages: the host -> device copy unit (`make_kv`'s): the pool is the plan's (`plan_kv`, a
+      fixed split, pinned host memory), the grant less the staging reserve of in-flight uploads.
     weight_type: the weights' device bytes: "bf16" / "f16" / "f32" every weight at that size, or a
       block format (q8_0, q4_0, q4_k, q5_k, q6_k) for the matrices that stay quantized
       (`kvjax.qweights`), the rest in bf16.
@@ -100,8 +105,16 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
     raise ValueError(
         f"arena of {arena} B is smaller than the decode workspace ({workspace} B) plus stage "
         f"({stage if stage_in_arena else 0} B); {-grant} B missing")
-  pool_pages = grant // pl.page_bytes
   pool_layers = n_attn + model_cfg.mtp_layers
+  # the pool `make_kv(arena_mib=...)` gives (`plan_kv`: a fixed split, pinned host history): the
+  # grant less the staging reserve of in-flight uploads, in whole pages
+  kv_plan, refusal = None, ""
+  try:
+    kv_plan = plan_kv(KVGeometry(n_attn, pool_layers, pl), context_tokens, arena_bytes=arena,
+                      copy_pages=copy_pages, workspaces=Workspaces(arena - grant), pinned=True)
+  except StreamBudgetError as e:
+    refusal = str(e)
+  pool_pages = kv_plan.pool_pages if kv_plan else 0
   weights = weight_bytes(model_cfg, weight_type)
   return {
       "weight_type": weight_type,
@@ -127,10 +140,15 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
       "arena_bytes": arena,
       "decode_workspace_bytes": workspace,
       "decode_kv_grant_bytes": grant,
+      "decode_kv_staging_bytes": kv_plan.staging_reserve_pages * pl.page_bytes if kv_plan else 0,
       "decode_kv_pool_pages": pool_pages,
       "decode_kv_pool_bytes": pool_pages * pl.page_bytes,
       "pool_layers": pool_layers,
       "pages_per_pool_layer": pool_pages / pool_layers,
+      "resident_pages_per_layer": kv_plan.split.resident_pages_per_layer[0] if kv_plan else 0,
+      "ring_slots": kv_plan.split.ring_slots if kv_plan else 0,
+      "copy_unit_pages": kv_plan.copy_unit_pages if kv_plan else 0,
+      "plan_refusal": refusal,
   }
 
 
@@ -150,6 +168,7 @@ _LABELS = [
     ("arena_bytes", "phase arena"),
     ("decode_workspace_bytes", "decode workspace"),
     ("decode_kv_grant_bytes", "decode KV grant"),
+    ("decode_kv_staging_bytes", "staging of in-flight uploads"),
     ("decode_kv_pool_bytes", "decode KV pool (whole pages)"),
 ]
 
@@ -188,6 +207,11 @@ def format_table(report: Dict[str, float]) -> str:
     lines.append(f"  {label:<{w}}  {n:>16,} B  {_fmt_bytes(n):>14}")
   lines.append(f"  {'decode KV pool pages':<{w}}  {report['decode_kv_pool_pages']:>16,}    "
                f"({report['pages_per_pool_layer']:.1f} per layer over {report['pool_layers']} layers)")
+  if report["plan_refusal"]:
+    lines.append(f"  the plan refuses this arena: {report['plan_refusal']}")
+  else:
+    lines.append(f"  {'fixed split':<{w}}  {report['resident_pages_per_layer']:>16,}    resident pages a layer, "
+                 f"a ring of {report['ring_slots']:,} slots, copy unit {report['copy_unit_pages']} pages")
   return "\n".join(lines)
 
 
@@ -198,7 +222,7 @@ def report_from_config(cfg) -> Dict[str, float]:
       model, context_tokens=cfg.context_tokens, k_type=cfg.k_type, v_type=cfg.v_type,
       arena_mib=cfg.arena_mib, mtp_depth=cfg.mtp_depth, page_tokens=cfg.page_tokens,
       decode_workspace_mib=cfg.decode_workspace_mib, stage_in_arena=cfg.stage_in_arena,
-      weight_type=cfg.get("weight_type", "bf16"))
+      weight_type=cfg.get("weight_type", "bf16"), copy_pages=cfg.get("copy_pages", 8))
 
 
 def main(argv=None):

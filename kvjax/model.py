@@ -1,6 +1,6 @@
 """Qwen3.8-style hybrid target (Gated DeltaNet + gated attention) and its MTP head, in Flax NNX.
 
-The math is `../shared/reference/qwen38-architecture.md`, in GGUF conventions:
+The math is that of docs/reference-design.md ("Model architecture"), in GGUF conventions:
 every parameter keeps its GGUF name (dots -> underscores, `.weight` dropped)
 and GGUF shape (`[out, in]`, applied as `x @ W.T`), norm weights are stored
 with the +1 folded in, and Gated DeltaNet value head j reads key head j % Hk.
@@ -257,6 +257,14 @@ def attend_wave(pool_pn, table_t, rows: KVRows, q_shd, carry, pos, n_valid, tile
       num_q_heads=q_shd.shape[1], block_pages=opts.block_pages, implementation=opts.implementation,
       interpret=opts.interpret)
   return pool_pn, carry
+
+
+def empty_carry(q_shd, layout: PageLayout):
+  """The attention carry before the first page, for the queries `q_shd [S, H, D]`: folding a
+  partition into it is an exact no-op (`reference.merge_partials`), so a first copy wave given it
+  runs the program of every later wave, with the bits of one call."""
+  s, h, d = q_shd.shape
+  return span_api.init_carry(layout.num_kv_heads, s * (h // layout.num_kv_heads), d)
 
 
 class RecurrentState(NamedTuple):

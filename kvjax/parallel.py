@@ -175,14 +175,13 @@ def _join_tree(mesh, trees, replicated_leaves=None):
 # ---------------------------------------------------------------------------
 # the per-device steps
 # ---------------------------------------------------------------------------
-# Argument kinds: "W" the module's parameter leaves (per-leaf specs), "R" replicated, "D" device axis 0.
-
-def _spmd_step(step, kinds_in: str, kinds_out: str, graphdef: bool, donate: Tuple[int, ...] = ()):
-  """The engine step `step` (a jitted function; its Python body is run per device) as a jitted
-  shard_map over the mesh. Same call signature as `step`, plus `mesh`, `wspec` (the parameter
-  leaves' specs) and `static` (the step's static keyword arguments as sorted items)."""
-  raw = step.__wrapped__
-  offset = 1 if graphdef else 0
+def _spmd_step(roles: engine.StepRoles):
+  """The engine step of `roles` (`engine.STEP_ROLES`; a jitted function whose Python body is run per
+  device) as a jitted shard_map over the mesh. Same call signature as the step, plus `mesh`, `wspec`
+  (the parameter leaves' specs) and `static` (the step's static keyword arguments as sorted items)."""
+  raw = roles.step.__wrapped__
+  offset = 1 if roles.graphdef else 0
+  spec = {engine.SAME: P(), engine.HEADS: P(AXIS)}
 
   def run(*args, mesh, wspec, static):
     pre, arrays = args[:offset], args[offset:]
@@ -191,25 +190,17 @@ def _spmd_step(step, kinds_in: str, kinds_out: str, graphdef: bool, donate: Tupl
       with sum_over(AXIS):
         return raw(*pre, *a, **dict(static))
 
-    spec = {"R": P(), "D": P(AXIS)}
-    in_specs = tuple(wspec if k == "W" else spec[k] for k in kinds_in)
-    out_specs = spec[kinds_out] if len(kinds_out) == 1 else tuple(spec[k] for k in kinds_out)
+    in_specs = tuple(wspec if r == engine.PARAMS else spec[r] for r in roles.inputs)
+    out_specs = spec[roles.outputs[0]] if len(roles.outputs) == 1 else tuple(spec[r] for r in roles.outputs)
     # check_vma=False: the span-attention loops start from constant carries, which the varying-axis
     # check rejects; the replicated outputs are equal on every device by construction (psum)
     return _shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*arrays)
 
-  return jax.jit(run, static_argnums=tuple(range(offset)), donate_argnums=donate,
+  return jax.jit(run, static_argnums=tuple(range(offset)), donate_argnums=roles.donate,
                  static_argnames=("mesh", "wspec", "static"))
 
 
-_PLACE_STEP = _spmd_step(engine.place_staged, "DDD", "D", False, donate=(0,))
-_GROUP_STEP = _spmd_step(engine._group_step, "WRDDDRR", "RDDD", True, donate=(4,))
-_GROUP_ATTN_BEGIN = _spmd_step(engine._group_attn_begin, "WRDRR", "RDDDD", True)
-_GROUP_ATTN_END = _spmd_step(engine._group_attn_end, "WRDD", "R", True)
-_WAVE_STEP = _spmd_step(engine._wave_step, "DDDDDRRRR", "DD", False, donate=(0,))
-_MTP_STEP = _spmd_step(engine._mtp_step, "WRRRRRDDRR", "RRDD", True, donate=(7,))
-_MTP_ATTN_BEGIN = _spmd_step(engine._mtp_attn_begin, "WRRRR", "RDDD", True)
-_MTP_ATTN_END = _spmd_step(engine._mtp_attn_end, "WRRRDD", "RR", True)
+_STEPS = {name: _spmd_step(roles) for name, roles in engine.STEP_ROLES.items()}
 
 
 class ShardedRunner(engine.Runner):
@@ -248,12 +239,8 @@ class ShardedRunner(engine.Runner):
     self.token_embd, self.output_norm, self.output = _join_tree(
         self.mesh, [(r.token_embd, r.output_norm, r.output) for r in self.device_runners], (True, True, True))
     self.mtp = module([r.mtp for r in self.device_runners]) if r0.mtp is not None else None
-    bind = lambda step: functools.partial(self._call, step)
-    self.group_step, self.group_attn_begin, self.group_attn_end = map(
-        bind, (_GROUP_STEP, _GROUP_ATTN_BEGIN, _GROUP_ATTN_END))
-    self.mtp_step, self.mtp_attn_begin, self.mtp_attn_end = map(bind, (_MTP_STEP, _MTP_ATTN_BEGIN, _MTP_ATTN_END))
-    self.wave_step = functools.partial(self._call, _WAVE_STEP)
-    self.place_step = functools.partial(self._call, _PLACE_STEP)
+    for name, step in _STEPS.items():   # the runner's steps (`engine.STEP_ROLES`), each a shard_map
+      setattr(self, name, functools.partial(self._call, step))
 
   def _replicated(self, structure, leaves) -> Tuple[bool, ...]:
     """Which parameter leaves of a module are replicated (every other one is sharded)."""
@@ -269,8 +256,11 @@ class ShardedRunner(engine.Runner):
   def zero_states(self):
     return _join_tree(self.mesh, per_device(self.mesh, lambda d: self.device_runners[d].zero_states()))
 
-  def partition_pages(self, rows: int, max_tokens: int) -> int:
-    return self.device_runners[0].partition_pages(rows, max_tokens)
+  def partition_pages(self, rows: int, max_tokens: int, kv=None) -> int:
+    return self.device_runners[0].partition_pages(rows, max_tokens, kv)
+
+  def call_opts(self, rows: int, kv=None, max_tokens=None):
+    return self.device_runners[0].call_opts(rows, kv, max_tokens)   # one device's heads and layout
 
 
 # ---------------------------------------------------------------------------

@@ -1,8 +1,4 @@
-"""`kvjax.policy` is `kvjax.streaming.policy` (the adaptive resident/ring policy) under its short
-name: importing it yields that very module."""
+"""`kvjax.policy`: the adaptive resident/ring policy's names under a short path (the module is
+`kvjax.streaming.policy`; patch that one)."""
 
-import sys
-
-from kvjax.streaming import policy as _policy
-
-sys.modules[__name__] = _policy
+from kvjax.streaming.policy import *  # noqa: F401,F403  pylint: disable=wildcard-import,unused-wildcard-import

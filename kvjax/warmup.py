@@ -61,7 +61,7 @@ def compile_cache(runner: Runner, provider, rows: Iterable[Tuple[int, bool, bool
   if kv.may_wave(mtp_lease):
     table = on_device(jnp.zeros((kv.max_pages,), jnp.int32))
     for s, chunked, capture in rows:
-      pool = runner.compile_waves(pool, table, s, chunked, capture)
+      pool = runner.compile_waves(pool, table, s, chunked, capture, kv=provider)
       calls += 1
   kv.pool_pn = pool
   done.add(phase)

@@ -133,3 +133,20 @@ def test_adaptive_ring_holds_a_wide_partition(models):
       assert policy_lib.budget(provider.policy_config).minimum_ring_slots >= 12, (pool, p)
       assert provider.stream.ring_slots >= 12, (pool, p, provider.stream)
   assert least == 15
+
+
+def test_a_pool_smaller_than_a_partition_caps_the_partition(models, refs):
+  """A pool whose ring cannot hold one attention partition of the kernels' "auto" choice (a few
+  pages for 128-row chunks over 800 tokens) is not refused: the plan caps the partition at what its
+  ring holds (`KVPlan.partition_cap_pages`), the layers stream in copy waves of such partitions, and
+  the tokens are plain greedy's: any pool of layers + 1 pages runs."""
+  own = models["auto"].runner.partition_pages(128, 800)
+  assert own > 1
+  for policy, pool in (("fixed", LAYERS + 1), ("adaptive", LAYERS + 2)):
+    caches = []
+    case = Case(800, (700,), 2, pool_pages=pool, ubatch=128, copy_pages=1, policy=policy)
+    assert judge(models, refs, case, caches)[0] == "accepted", policy
+    plan = caches[0].plan
+    assert plan.partition_cap_pages is not None and plan.partition_cap_pages < own, (policy, plan)
+    assert caches[0].info["partition_cap_pages"] == plan.partition_cap_pages
+    assert caches[0].metrics()["waved_layers"] > 0

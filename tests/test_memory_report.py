@@ -8,6 +8,7 @@ import pytest
 
 from kvjax import config as config_lib
 from kvjax import memory_report as M
+from kvjax.streaming.plan import KVGeometry, Workspaces, plan_kv
 
 MIB = 2**20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,8 +54,20 @@ def test_decode_grant_is_arena_minus_workspace_and_stage():
   r = M.memory_report(cfg, 163_840, arena_mib=2240, mtp_depth=3, decode_workspace_mib=12)
   assert r["decode_kv_grant_bytes"] == 2240 * MIB - 12 * MIB - r["stage_device_bytes"]
   page = r["kv_page_bytes"]
-  assert r["decode_kv_pool_pages"] == r["decode_kv_grant_bytes"] // page
-  assert 0 <= r["decode_kv_grant_bytes"] - r["decode_kv_pool_bytes"] < page
+  # the pool is make_kv's plan of that arena: the grant less the staging of in-flight uploads
+  geometry = KVGeometry(cfg.num_attention_layers, cfg.num_attention_layers + 1, M.PageLayout(
+      cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", 256))
+  plan = plan_kv(geometry, 163_840, arena_bytes=2240 * MIB, copy_pages=8, pinned=True,
+                 workspaces=Workspaces(12 * MIB + r["stage_device_bytes"]))
+  assert r["decode_kv_pool_pages"] == plan.pool_pages > 0 and r["ring_slots"] == plan.split.ring_slots
+  assert r["decode_kv_staging_bytes"] == plan.staging_reserve_pages * page > 0
+  assert r["decode_kv_pool_bytes"] + r["decode_kv_staging_bytes"] <= r["decode_kv_grant_bytes"]
+  assert r["plan_refusal"] == "" and "resident pages a layer" in M.format_table(r)
+  # an arena with a grant but too small to stream the context: the plan's refusal, in the table
+  small = M.memory_report(cfg, 163_840, arena_mib=40, mtp_depth=3, decode_workspace_mib=12)
+  assert small["decode_kv_grant_bytes"] > 0 and small["decode_kv_pool_pages"] == 0
+  assert small["plan_refusal"].startswith("too small: at least ") and "more pages" in small["plan_refusal"]
+  assert "the plan refuses this arena: too small" in M.format_table(small)
   r2 = M.memory_report(cfg, 163_840, arena_mib=2240, mtp_depth=3, decode_workspace_mib=12,
                        stage_in_arena=False)
   assert r2["decode_kv_grant_bytes"] == 2228 * MIB

@@ -178,3 +178,24 @@ def test_shard_indices_cover_every_head_once():
 
 if __name__ == "__main__":
   print(json.dumps(worker([int(a) for a in sys.argv[1:]])))
+
+
+def test_every_runner_step_declares_its_roles():
+  """The engine declares how each step's arguments divide over devices (`engine.STEP_ROLES`), one
+  role per positional array argument, for exactly the steps `Runner` calls (the sharded runner
+  builds its shard_maps from that table)."""
+  import inspect
+  from kvjax import engine, parallel
+  steps = {name for name, v in vars(engine.Runner).items()
+           if isinstance(v, staticmethod) and name.endswith(("_step", "_begin", "_end")) and name != "mtp_draft_steps"}
+  assert steps == set(engine.STEP_ROLES), steps ^ set(engine.STEP_ROLES)
+  for name, roles in engine.STEP_ROLES.items():
+    assert getattr(engine.Runner, name) is roles.step, name
+    params = [p for p in inspect.signature(roles.step.__wrapped__).parameters.values()
+              if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert len(params) == roles.graphdef + len(roles.inputs), (name, [p.name for p in params], roles.inputs)
+    assert set(roles.inputs + roles.outputs) <= {engine.PARAMS, engine.SAME, engine.HEADS}
+    assert roles.inputs.count(engine.PARAMS) == roles.graphdef     # the parameters come with the structure
+    for i in roles.donate:
+      assert params[i].name.startswith("pool"), (name, i)   # positions count the graphdef
+  assert set(parallel._STEPS) == set(engine.STEP_ROLES)

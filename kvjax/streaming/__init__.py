@@ -1,13 +1,25 @@
 """Streamed KV: host-authoritative paged history, resident pages + one shared ring, span plans, and
-the memory policy that sizes them (budget arithmetic, the phase arena, the adaptive policy)."""
-from kvjax.streaming.budget import (StreamBudgetError, StreamConfig, adaptive_staging_reserve_pages,
-                                    fit_adaptive_pool, fit_split, fixed_split, staging_reserve_pages,
-                                    stream_config_from_budget)
-from kvjax.streaming.host_history import HostHistory
-from kvjax.streaming.provider import StreamedKV
-from kvjax.streaming.span_plan import Span, SpanPlan, SpanPlanError, make_plan, page_table, validate_plan
+the memory policy that sizes them (the plan of a budget, budget arithmetic, the phase arena, the
+adaptive policy). Names load with their module on first use: the arithmetic (`plan`, `budget`,
+`policy`) imports no JAX, so `kvjax memory` answers at once."""
 
-__all__ = ["HostHistory", "StreamBudgetError", "StreamConfig", "StreamedKV",
-           "adaptive_staging_reserve_pages", "fit_adaptive_pool", "fit_split", "fixed_split",
-           "staging_reserve_pages", "stream_config_from_budget", "Span", "SpanPlan", "SpanPlanError",
-           "make_plan", "page_table", "validate_plan"]
+import importlib
+
+_EXPORTS = {
+    "budget": ("StreamBudgetError", "StreamConfig", "adaptive_staging_reserve_pages", "fit_adaptive_pool",
+               "fit_split", "fixed_split", "staging_reserve_pages", "stream_config_from_budget"),
+    "host_history": ("HostHistory",),
+    "provider": ("StreamedKV",),
+    "span_plan": ("Span", "SpanPlan", "SpanPlanError", "make_plan", "page_table", "validate_plan"),
+    "plan": ("KVGeometry", "KVPlan", "Workspaces", "plan_kv"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+  if name not in _WHERE:
+    raise AttributeError(f"module 'kvjax.streaming' has no attribute {name!r}")
+  value = getattr(importlib.import_module(f"kvjax.streaming.{_WHERE[name]}"), name)
+  globals()[name] = value
+  return value

@@ -22,7 +22,6 @@ import dataclasses
 from typing import Optional, Tuple
 
 from kvjax.config import ModelConfig
-from kvjax.streaming.host_history import pinned_available
 from kvjax.streaming.policy import minimum_pool_pages  # 1 resident page a layer + 1 ring slot
 from kvjax.streaming.policy_types import AUTO_RING_HINT
 from kvjax_pallas.page_layout import PageLayout
@@ -30,6 +29,12 @@ from kvjax_pallas.page_layout import PageLayout
 
 class StreamBudgetError(ValueError):
   """The device pool cannot hold what a forward needs (the message says how much is missing)."""
+
+
+def pinned_host() -> bool:
+  """Whether this backend has pinned host memory (imports JAX: the arithmetic itself does not)."""
+  from kvjax.streaming.host_history import pinned_available   # pylint: disable=import-outside-toplevel
+  return pinned_available()
 
 
 def mib(nbytes: float) -> str:
@@ -103,8 +108,8 @@ def copy_unit_pages(stream: StreamConfig) -> int:
   """The copy unit a streamed cache uses: `stream.copy_pages`, halved until the ring holds it. A
   layer's open copy unit uploads whole (a fixed shape, so the compiled steps do not change as
   pages fill), so with a ring of a few slots a 32-page unit moved ~30x the bytes that stream
-  (measured 2026-12-03: 35.8 MB against 1.1 MB for the same 100 tokens of the tiny model in a
-  6-page pool); the staging reserve keeps counting `copy_pages`, an upper bound."""
+  (docs/log/performance-log.md, "The copy unit capped at the ring"); the staging reserve keeps
+  counting `copy_pages`, an upper bound."""
   c = int(stream.copy_pages)
   while c > 1 and c > stream.ring_slots:
     c //= 2
@@ -148,7 +153,7 @@ def staging_reserve_pages(stream: StreamConfig, max_tokens: int, layout: PageLay
   staging at or under this: counter `staging_peak_bytes`). pinned=None: whether this backend
   has pinned host memory (`host_history.pinned_available`)."""
   if pinned is None:
-    pinned = pinned_available()
+    pinned = pinned_host()
   return (prefetch_depth + 1) * staging_unit_pages(stream, max_tokens, layout, pinned, cap)
 
 
@@ -243,7 +248,7 @@ def fit_adaptive_pool(available_pages: int, max_tokens: int, layout: PageLayout,
   for `n_layers` cache layers and copy waves of `wave_pages` (`adaptive_minimum_pool`; 0 layers:
   any pool of a page)."""
   if pinned is None:
-    pinned = pinned_available()
+    pinned = pinned_host()
   need = lambda pool: pool + adaptive_staging_reserve_pages(pool, max_tokens, layout, copy_pages,
                                                             prefetch_depth, pinned, n_layers, wave_pages)
   smallest = adaptive_minimum_pool(n_layers, max_tokens, layout, wave_pages) if n_layers else 1
@@ -279,7 +284,7 @@ def fit_split(available_pages: int, n_layers: int, max_tokens: int, layout: Page
   """The largest `fixed_split` pool whose pages plus its staging reserve fit in `available_pages`
   (the staging buffers of in-flight uploads live in the same arena as the pool)."""
   if pinned is None:
-    pinned = pinned_available()
+    pinned = pinned_host()
 
   def need(pool):
     split = fixed_split(pool, n_layers, max_tokens, layout, copy_pages, wave_pages)
@@ -311,7 +316,7 @@ def smallest_budget(n_layers: int, max_tokens: int, layout: PageLayout, copy_pag
   of at least that many pages). More resident pages stream fewer pages, so a larger pool can need
   less in all: every pool from the smallest that streams to all resident is tried."""
   if pinned is None:
-    pinned = pinned_available()
+    pinned = pinned_host()
 
   def need(pool):
     split = fixed_split(pool, n_layers, max_tokens, layout, copy_pages, wave_pages)
@@ -383,7 +388,8 @@ class ArenaNeed:
 def minimum_arena(n_layers: int, max_tokens: int, layout: PageLayout, decode_workspace_bytes: int,
                   copy_pages: int = 32, adaptive: bool = False, wave_pages: int = 1,
                   prefill_workspace_bytes: Optional[int] = None, prefetch_depth: int = 1,
-                  alignment: int = 256, prefill_rows: str = "ubatch rows a forward") -> ArenaNeed:
+                  alignment: int = 256, prefill_rows: str = "ubatch rows a forward",
+                  pinned: Optional[bool] = None) -> ArenaNeed:
   """The smallest arena `kvjax.api.make_kv` takes: the decode workspace beside the fewest pages of a
   fixed pool plus its staging (`smallest_budget`; adaptive, also the policy's smallest pool plus the
   staging of any split: `adaptive_minimum_pool`); phased (`prefill_workspace_bytes` given), each
@@ -391,11 +397,11 @@ def minimum_arena(n_layers: int, max_tokens: int, layout: PageLayout, decode_wor
   holds a region of that many pages (`prefill_rows`: what sizes the prefill's workspace, for the
   reason). An arena of at least this many bytes passes every check."""
   pb = layout.page_bytes
-  pool, fixed = smallest_budget(n_layers, max_tokens, layout, copy_pages, prefetch_depth, wave_pages=wave_pages)
+  pool, fixed = smallest_budget(n_layers, max_tokens, layout, copy_pages, prefetch_depth, pinned, wave_pages=wave_pages)
   region, what = fixed, f"{pool} pool + {fixed - pool} staging"
   if adaptive:
     apool = adaptive_minimum_pool(n_layers, max_tokens, layout, wave_pages)
-    region = apool + adaptive_staging_reserve_pages(apool, max_tokens, layout, copy_pages, prefetch_depth,
+    region = apool + adaptive_staging_reserve_pages(apool, max_tokens, layout, copy_pages, prefetch_depth, pinned,
                                                     n_layers=n_layers, wave_pages=wave_pages)
     what = f"{apool} pool + {region - apool} staging for any split the adaptive policy picks"
   pages = max(fixed, region)

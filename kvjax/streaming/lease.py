@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.engine import on_device, place_staged

@@ -39,7 +39,8 @@ import numpy as np
 from kvjax.streaming import arena as arena_lib
 from kvjax.streaming import budget as budget_lib
 from kvjax.streaming import policy as policy_lib
-from kvjax.streaming.budget import StreamBudgetError, StreamConfig, adaptive_ring_hint, fit_adaptive_pool, fit_split
+from kvjax.streaming.budget import StreamBudgetError, StreamConfig, adaptive_ring_hint
+from kvjax.streaming.plan import KVGeometry, adaptive_policy_config, region_split
 from kvjax.streaming.provider import StreamedKV
 
 
@@ -98,15 +99,14 @@ class PhasedKV:
         raise StreamBudgetError(f"{p} phase ({budget_lib.mib(ws)} workspace, {pages} pages left): {e}") from None
 
   def split_for(self, region_pages: int) -> StreamConfig:
-    """The split of a KV region of `region_pages` pages: the pool plus the staging reserve of its
-    in-flight uploads (`fit_split`; an adaptive provider's pool leaves room for the staging of any
-    split, `fit_adaptive_pool`, and its policy splits it on rebind)."""
+    """The split of a KV region of `region_pages` pages: the plan's rule (`plan.region_split`: the
+    pool plus the staging reserve of its in-flight uploads; an adaptive provider's pool leaves room
+    for the staging of any split, and its policy splits it on rebind)."""
     kv = self.kv
-    if isinstance(kv, AdaptiveStreamedKV):
-      return kv.initial_split(fit_adaptive_pool(region_pages, self.max_tokens, kv.layout, kv.stream.copy_pages,
-                                                kv.prefetch_depth, n_layers=kv.n_layers, wave_pages=kv.wave_pages))
-    return fit_split(region_pages, kv.n_layers, self.max_tokens, kv.layout, kv.stream.copy_pages,
-                     kv.prefetch_depth, wave_pages=self.wave_pages)
+    adaptive = isinstance(kv, AdaptiveStreamedKV)
+    geometry = KVGeometry(kv.n_layers - ("mtp" in kv.histories), kv.n_layers, kv.layout,
+                          kv.wave_pages if adaptive else self.wave_pages)
+    return region_split(geometry, region_pages, self.max_tokens, kv.stream.copy_pages, adaptive, kv.prefetch_depth)
 
   def enter(self, phase: str) -> None:
     if phase not in self.pool_pages:
@@ -165,10 +165,8 @@ class AdaptiveStreamedKV(StreamedKV):
     # the widest forward's attention partition: the policy's ring holds one (`adaptive_ring_hint`),
     # so the copy waves of a layer it leaves more streamed pages than the ring hold whole partitions
     self.wave_pages = int(wave_pages)
-    self.policy_config = policy_config or policy_lib.PolicyConfig(
-        page_bytes=layout.page_bytes, pool_bytes=pool_pages * layout.page_bytes, layers=n_layers,
-        page_tokens=layout.page_tokens, caches=policy_lib.model_caches(n_target, n_layers - n_target),
-        initial_ring_slots=adaptive_ring_hint(pool_pages, n_layers, self.wave_pages))
+    self.policy_config = policy_config or adaptive_policy_config(
+        KVGeometry(n_target, n_layers, layout, self.wave_pages), pool_pages)
     self.policy_state = policy_lib.initialize(self.policy_config)
     caps = policy_lib.capacities(self.policy_config, self.policy_state)
     super().__init__(cfg, layout, max_tokens, StreamConfig(pool_pages, caps, copy_pages), pinned)
@@ -203,7 +201,7 @@ class AdaptiveStreamedKV(StreamedKV):
     """The policy's config on a pool of `pool_pages` (a partition's ring hint follows the pool)."""
     hint = adaptive_ring_hint(pool_pages, self.n_layers, self.wave_pages)
     return dataclasses.replace(self.policy_config, pool_bytes=pool_pages * self.layout.page_bytes
-                               + self.policy_config.conversion_bytes, **({"initial_ring_slots": hint} if hint else {}))
+                               + self.policy_config.conversion_bytes, initial_ring_slots=hint)
 
   def _snapshot(self):
     self._last = dict(self.counters)

@@ -517,7 +517,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
 
     Sources are ("block", lo, hi): sealed copy units [lo, hi) as one pinned mirror, and
     ("unit", u, 0): one copy unit u, whole (the open unit too: pinned memory mirrors full pages
-    only). The sealed units come in pieces of up to 16 units (`staging.unit_pieces`), so every staged
+    only). The sealed units come in pieces of 16 units and powers of two below (`staging.unit_pieces`), so every staged
     array has one of a fixed set of shapes whatever the history's length (the placements compile
     once); the first unit's pages before `live` travel along unplaced. A partial last page that
     streams is uploaded on its own (`tail`). `held_from`: the device holds the committed rows of

@@ -4,15 +4,15 @@
   -> a device array); the fault-injection tests replace it (`experiments.lib.faults`).
 * `Staged`, `Wave`, `LayerPlan`: what a forward stages, a copy wave, one cache layer's cached part of
   a forward.
-* `unit_pieces`, `piece_units`: the staged arrays' fixed set of shapes (1..16 copy units); `pack_rows`:
-  the forward's new rows packed into one device-to-host copy.
+* `unit_pieces`, `piece_units`, `piece_sizes`: the staged arrays' fixed set of shapes (16 copy
+  units and the powers of two below); `pack_rows`: the forward's new rows packed into one
+  device-to-host copy.
 * `ResidentRefillMixin`: resident pages the device does not hold yet (first forwards, after a
   rebind), uploaded in unit-aligned pieces and placed run by run.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import jax
@@ -22,7 +22,6 @@ import numpy as np
 from kvjax.engine import place_staged, default_device, on_device
 from kvjax.streaming.host_history import HostHistory
 from kvjax.streaming.span_plan import SpanPlan
-from kvjax.streaming import staging  # noqa: F401  (the mixin looks `to_device` up at call time)
 
 
 PIECE_BYTES = 64 << 20   # the largest staged piece: copies of this size run at the link's speed
@@ -35,23 +34,31 @@ def piece_units(copy_pages: int, page_bytes: int, pool_pages: int) -> int:
   return max(1, int(cap))
 
 
-MAX_PIECE_UNITS = 16   # staged shapes a cache compiles a placement for: 1..16 units, and one page
+MAX_PIECE_UNITS = 16   # the largest staged piece in copy units (pieces of 16, 8, 4, 2, 1 units and one page)
 
 
 def unit_pieces(first: int, end: int, copy_pages: int, max_units: int) -> List[Tuple[int, int]]:
   """The copy units that cover pages [first, end) (`end` a multiple of `copy_pages`), from the unit
-  holding `first` on, as pieces of `max_units` whole units and one of the rest: -> page ranges
-  [(lo, hi)]. Every staged array then has one of `max_units` shapes, whatever the history's length,
-  so the placements compile once (`kvjax.engine.Runner.place`), and a layer streams in few large
-  copies; the pages of the first unit before `first` travel along unplaced (at most
+  holding `first` on, as pieces of `max_units` whole units and the rest in pieces of powers of two
+  units, largest first: -> page ranges [(lo, hi)]. Every staged array then has one of the few
+  shapes `piece_sizes` lists, whatever the history's length, so the placements compile once
+  (`kvjax.engine.Runner.place`: 6 programs for 16-unit pieces, not 16), and a layer streams in few
+  large copies; the pages of the first unit before `first` travel along unplaced (at most
   copy_pages - 1)."""
   c = int(copy_pages)
   out, u, end_u = [], int(first) // c, int(end) // c
   while u < end_u:
     n = min(int(max_units), end_u - u)
+    if n < max_units:
+      n = 1 << (n.bit_length() - 1)     # the largest power of two within the rest
     out.append((u * c, (u + n) * c))
     u += n
   return out
+
+
+def piece_sizes(max_units: int) -> List[int]:
+  """The copy units a piece of `unit_pieces` can hold: `max_units` and the powers of two below it."""
+  return sorted({int(max_units)} | {1 << i for i in range(int(max_units).bit_length()) if 1 << i < max_units})
 
 
 def host_pages(hist: HostHistory, l: int, lo: int, hi: int) -> np.ndarray:
@@ -189,7 +196,7 @@ class ResidentRefillMixin:
       first = end
     return pool
 
-  def _upload(self, hist: HostHistory, l: int, lo: int, hi: int) -> List[staging.Staged]:
+  def _upload(self, hist: HostHistory, l: int, lo: int, hi: int) -> List[Staged]:
     """Host->device copies of logical pages [lo, hi) outside the compiled steps (resident refills):
     whole pinned copy units where the history has them, pageable numpy for the partial tail page(s),
     padded to one copy unit, so every staged array has a shape of the layers' stages."""
@@ -202,7 +209,7 @@ class ResidentRefillMixin:
       arr, valid = hist.pinned_chunk(l, chunk)
       pinned_end = min(end, chunk * c + valid) if arr is not None else page
       if pinned_end > page:
-        staged.append(staging.Staged(staging.to_device(arr), page - chunk * c, page, pinned_end - page))
+        staged.append(Staged(to_device(arr), page - chunk * c, page, pinned_end - page))
         self.counters["h2d_bytes"] += c * pb
         self.counters["h2d_calls"] += 1
       if end > pinned_end:      # pageable: the rest of the unit, padded to one unit (one shape)
@@ -210,7 +217,7 @@ class ResidentRefillMixin:
         src = hist.pages_lpn[l, pinned_end:pinned_end + c]
         if src.shape[0] < c:
           src = np.concatenate([src, np.zeros((c - src.shape[0], pb), np.uint8)])
-        staged.append(staging.Staged(staging.to_device(src), 0, pinned_end, n))
+        staged.append(Staged(to_device(src), 0, pinned_end, n))
         self.counters["h2d_bytes"] += c * pb
         self.counters["h2d_calls"] += 1
       page = end
@@ -219,7 +226,7 @@ class ResidentRefillMixin:
                                               self._held_bytes + self._staging_live)
     return staged
 
-  def _place(self, pool, staged: List[staging.Staged], dst: Callable[[int], int]):
+  def _place(self, pool, staged: List[Staged], dst: Callable[[int], int]):
     """Copy staged pages into the pool at `dst(logical page)` (consecutive pages to consecutive
     pool pages): one placement call a staged array, the compiled one of the layer steps."""
     for st in staged:
@@ -259,7 +266,7 @@ class SourcesMixin:
     shapes without pinned memory)."""
     kind, lo, hi = src
     if not self.pinned:
-      return staging.host_pages(hist, l, *self._source_pages(src))
+      return host_pages(hist, l, *self._source_pages(src))
     if kind == "block":
       return hist.pinned_block(l, lo, hi)
     arr, _ = hist.pinned_chunk(l, lo)
@@ -270,10 +277,10 @@ class SourcesMixin:
   # -- the compiled shapes (kvjax.warmup) -------------------------------------------
   def staged_shapes(self):
     """-> [(pages, k)]: every (staged array pages, destination runs) a placement of this cache can
-    take: pieces of 1..16 copy units and the partial page (a layer's, a wave's: k runs, 2 where a run
-    splits at the ring's wrap), copy units (resident refills, the MTP lease: one run)."""
+    take: pieces of `piece_sizes` copy units and the partial page (a layer's, a wave's: k runs, 2
+    where a run splits at the ring's wrap), copy units (resident refills, the MTP lease: one run)."""
     c, k = self.copy_unit, 2 if self.split_at_wrap else 1
-    sizes = [c * j for j in range(1, self.piece_units + 1)] + [1]
+    sizes = [c * j for j in piece_sizes(self.piece_units)] + [1]
     return sorted({(n, k) for n in sizes} | {(n, 1) for n in sizes})
 
   def may_stream(self) -> bool:
