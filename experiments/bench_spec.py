@@ -22,7 +22,9 @@ round, with --oracle_mtp); rollback MiB (host rollback's copies). After the tabl
 row's ms a round split by phase. `--out` gets bench_spec.json (every row, with the stats).
 
 Then, at `--width_context`, ms per verify forward for verify widths 1..`--max_width` (what one
-more row costs when the history streams). Each timing excludes compilation (a warm-up first).
+more row costs when the history streams). Each timing excludes compilation (a warm-up first); the
+programs go to the persistent compilation cache (`kvjax.compile_cache`: `KVJAX_COMPILE_CACHE_DIR`,
+else ~/.cache/kvjax/jax), so a later run (another rollback, another width) loads them.
 Every oracle row reports the MTP-free costs; MTP lease bytes and rollback bytes come with `stats`.
 
 `--verify_rows=W` runs a numerics check instead, at each context, on the plain cache and on the
@@ -98,11 +100,13 @@ def main(argv):
   from flax import nnx
   from kvjax import api, config, engine, generate, speculative, weights
   from kvjax.model import AttentionOptions
-  from kvjax import kv_build
+  from kvjax import compile_cache, kv_build
   from experiments.lib import synthetic
   from kvjax_pallas.page_layout import PageLayout
 
   os.makedirs(FLAGS.out, exist_ok=True)
+  # programs of an earlier run (another rollback, another width) load from the persistent cache
+  print(json.dumps({"compile_cache_dir": compile_cache.enable() or ""}), flush=True)
   cfg = config.preset(FLAGS.model)
   model = engine.build_model(cfg, weights.iter_random_device_tensors(cfg, 0, FLAGS.dtype),
                              dtype=jnp.dtype(FLAGS.dtype), names=config.gguf_tensor_shapes(cfg))
