@@ -380,7 +380,7 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
       workspace and the staging of in-flight uploads, in whole pages; or
     pool_pages: a device pool of this many pages.
   copy_pages: host -> device copy unit in pages (a power of two).
-  policy: "fixed" (a uniform resident prefix per layer, `stream_config_from_budget`) or "adaptive"
+  policy: "fixed" (a uniform resident prefix per layer, `kvjax.streaming.plan.plan_kv`) or "adaptive"
     (`kvjax.streaming.policy` re-splits the pool every forward).
   A model sharded over N devices (`load_model(tensor_parallel=N)`) gets one cache per device, each
   holding its own KV heads; `arena_mib` and `pool_pages` are then per device.

@@ -7,7 +7,7 @@ import importlib
 
 _EXPORTS = {
     "budget": ("StreamBudgetError", "StreamConfig", "adaptive_staging_reserve_pages", "fit_adaptive_pool",
-               "fit_split", "fixed_split", "staging_reserve_pages", "stream_config_from_budget"),
+               "fit_split", "fixed_split", "staging_reserve_pages"),
     "host_history": ("HostHistory",),
     "provider": ("StreamedKV",),
     "span_plan": ("Span", "SpanPlan", "SpanPlanError", "make_plan", "page_table", "validate_plan"),

@@ -11,7 +11,8 @@ that in-flight uploads need, sized before anything is allocated.
   streams through (its ring holds an attention partition for copy waves).
 * `minimum_pool` / `check_pool`: the smallest pool a budget of pages streams through;
   `smallest_budget` / `minimum_arena`: the least pages / bytes an arena's KV region / the arena needs.
-* `stream_config_from_budget`: the split for an arena in bytes or a pool in pages.
+
+A budget becomes a split in one place, `kvjax.streaming.plan.plan_kv`, made of these pieces.
 
 Every refusal is a `StreamBudgetError` that names the pages (and MiB) missing.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Tuple
 
-from kvjax.config import ModelConfig
 from kvjax.streaming.policy import minimum_pool_pages  # 1 resident page a layer + 1 ring slot
 from kvjax.streaming.policy_types import AUTO_RING_HINT
 from kvjax_pallas.page_layout import PageLayout
@@ -341,29 +341,6 @@ def smallest_budget(n_layers: int, max_tokens: int, layout: PageLayout, copy_pag
       break
     best = min(best, (need(q), q))
   return best[1], best[0]
-
-
-def stream_config_from_budget(cfg: ModelConfig, layout: PageLayout, max_tokens: int, *,
-                              arena_bytes: Optional[int] = None, pool_pages: Optional[int] = None,
-                              workspace_bytes: int = 0, copy_pages: int = 32,
-                              prefetch_depth: int = 1, wave_pages: int = 1) -> StreamConfig:
-  """The fixed split for `--kv-stream-arena-mib` (arena minus the decode workspace, in whole pages,
-  minus the staging reserve of in-flight uploads: `fit_split`) or `--kv-stream-pool-pages` (the
-  pool directly; its staging comes on top, see `staging_reserve_pages`)."""
-  if (arena_bytes is None) == (pool_pages is None):
-    raise ValueError("give exactly one of arena_bytes or pool_pages")
-  n_layers = cfg.num_attention_layers + (1 if cfg.has_mtp else 0)
-  if pool_pages is None:
-    left = arena_bytes - workspace_bytes
-    if left < layout.page_bytes:
-      need = minimum_arena(n_layers, max_tokens, layout, workspace_bytes, copy_pages, wave_pages=wave_pages,
-                           prefetch_depth=prefetch_depth)
-      raise StreamBudgetError(
-          f"arena of {mib(arena_bytes)} leaves no page after the {mib(workspace_bytes)} decode workspace, "
-          f"{need.refusal(arena_bytes, layout.page_bytes)}")
-    return fit_split(left // layout.page_bytes, n_layers, max_tokens, layout, copy_pages,
-                     prefetch_depth, wave_pages=wave_pages)
-  return fixed_split(int(pool_pages), n_layers, max_tokens, layout, copy_pages, wave_pages)
 
 
 @dataclasses.dataclass(frozen=True)
