@@ -150,3 +150,15 @@ def test_a_pool_smaller_than_a_partition_caps_the_partition(models, refs):
     assert plan.partition_cap_pages is not None and plan.partition_cap_pages < own, (policy, plan)
     assert caches[0].info["partition_cap_pages"] == plan.partition_cap_pages
     assert caches[0].metrics()["waved_layers"] > 0
+
+
+def test_a_capped_partition_compiles_nothing_across_page_boundaries(models):
+  """The capped partition is fixed for the cache's life (a static argument that does not follow the
+  history): a decode of 40 tokens crossing page and copy-unit boundaries (16-token pages, 1-page
+  units) compiles nothing after its first token."""
+  case = Case(800, (300,), 40, pool_pages=LAYERS + 1, ubatch=128, copy_pages=1)
+  kv = budget_fuzz.make_kv(models, case)
+  assert kv.plan.partition_cap_pages is not None
+  res = api.generate(models["auto"], kv, prompt_tokens=[t % 200 + 3 for t in range(300)], n_predict=40,
+                     ignore_eos=True, ubatch=128)
+  assert len(res.tokens) == 40 and res.metrics["predicted_compiles"] == 0, res.metrics["compile_by_program"]
