@@ -95,55 +95,42 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from kvjax import api, config, engine, generate, kv_build, parallel, weights
-  from kvjax.streaming import StreamBudgetError
-  from kvjax.model import AttentionOptions
+  from kvjax import api, generate, qweights
   from experiments.lib import synthetic
-  from kvjax_pallas.page_layout import PageLayout
 
   os.makedirs(FLAGS.out, exist_ok=True)
   log = {"flags": {k: FLAGS[k].value for k in FLAGS if k in (
       "model", "dtype", "contexts", "arena_mib", "decode_steps", "page_tokens", "copy_pages", "attn_impl",
       "block_pages", "k_type", "v_type", "tensor_parallel", "weight_type")}, "device": str(jax.devices()[0]),
       "jax": jax.__version__}
-  cfg = config.preset(FLAGS.model)
   tp = FLAGS.tensor_parallel
-  parallel.check_tensor_parallel(cfg, tp)
-  if FLAGS.weight_type and tp > 1:
-    raise app.UsageError("--weight_type (quantized weights) runs on one device: --tensor_parallel=1")
-  dtype = jnp.dtype(FLAGS.dtype)
   t0 = time.perf_counter()
-  model = engine.build_model(cfg, weights.iter_random_device_tensors(cfg, 0, FLAGS.dtype,
-                                                                   weight_type=FLAGS.weight_type or None),
-                             dtype=dtype, names=config.gguf_tensor_shapes(cfg))
-  jax.block_until_ready(jax.tree.leaves(nnx_state(model)))
+  try:     # the model as users load it: random weights of the preset's geometry, drawn on the device
+    loaded = api.load_model(preset=FLAGS.model, dtype=FLAGS.dtype, page_tokens=FLAGS.page_tokens,
+                            k_type=FLAGS.k_type, v_type=FLAGS.v_type, attn_impl=FLAGS.attn_impl,
+                            block_pages=FLAGS.block_pages, tensor_parallel=tp,
+                            weight_type=FLAGS.weight_type or None, compile_cache=False)
+  except api.ParameterError as e:
+    raise app.UsageError(str(e)) from None
+  runner, cfg = loaded.runner, loaded.cfg
+  device_runner = runner.device_runners[0] if tp > 1 else runner
+  jax.block_until_ready([leaves for _, leaves in device_runner.groups])
   log["build_s"] = time.perf_counter() - t0
   log["mem_after_build"] = _mem()
-  weight_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(nnx_state(model)))
   # a decode forward reads every target weight once, one embedding row, none of the MTP head
-  mtp_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(nnx_state(model.mtp))) if model.mtp is not None else 0
-  embd = model.token_embd[...]
-  decode_weight_bytes = weight_bytes - mtp_bytes - embd.nbytes
-  log["weight_gib"] = weight_bytes / 2**30
+  # (with tensor parallelism: one device's shard of the target, the replicated head)
+  mtp_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(device_runner.mtp[1])) if device_runner.mtp else 0
+  decode_weight_bytes = (qweights.runner_bytes(device_runner) - mtp_bytes
+                         - int(device_runner.token_embd.nbytes))
+  log["weight_gib"] = (api.weight_bytes(loaded) if tp == 1 else
+                       sum(qweights.runner_bytes(d) for d in runner.device_runners)) / 2**30
   log["decode_weight_gib"] = decode_weight_bytes / 2**30
-
-  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, FLAGS.k_type, FLAGS.v_type, FLAGS.page_tokens)
-  opts = AttentionOptions(FLAGS.attn_impl, api.parse_block_pages(FLAGS.block_pages))
   if tp > 1:
-    runner = parallel.ShardedRunner(model, layout, opts, tp)
-    layout = runner.layout          # one device's KV heads
-    device_runner = runner.device_runners[0]
-    # what one device reads a decode forward: its shard of the target's weights, the replicated head
-    decode_weight_bytes = sum(x.size * x.dtype.itemsize for _, leaves in device_runner.groups for x in leaves) + \
-        device_runner.output.size * device_runner.output.dtype.itemsize
     log["decode_weight_gib_per_device"] = decode_weight_bytes / 2**30
-    del model, embd                 # the shards hold what each device needs
-  else:
-    runner = device_runner = engine.Runner(model, layout, opts)
 
   # --- end-to-end plain check: real prefill + decode --------------------------------------------
   prompt = list(np.random.default_rng(0).integers(0, cfg.vocab_size, FLAGS.prompt))
-  kv = _cache(runner, lambda d: engine.PlainKV(cfg, layout, FLAGS.prompt + 64))
+  kv = api.make_kv(loaded, FLAGS.prompt + 64).provider
   seq = generate.SequenceState(runner, kv)
   t = time.perf_counter()
   logits = generate.prefill(seq, prompt, ubatch=min(256, FLAGS.prompt))
@@ -165,35 +152,37 @@ def main(argv):
   for ctx in [int(c) for c in FLAGS.contexts]:
     max_tokens = ctx + FLAGS.decode_steps + 8
     row = {"context": ctx, "tensor_parallel": tp}
-    # resident (compute only)
-    pk = _cache(runner, lambda d: engine.PlainKV(cfg, layout, max_tokens))
+    # resident (compute only): the plain cache `make_kv` gives without a budget
+    pk = api.make_kv(loaded, max_tokens, exceed_context_length=True).provider
     _each_part(pk, lambda part: synthetic.fill_plain(part, ctx))
     row["resident_ms"], _ = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg)
     print(json.dumps(row, default=float), flush=True)
-    # the fixed splits make_kv plans (`plan_kv`): the arena's (the pool is what the measured decode
-    # workspace and the staging of in-flight uploads leave), then each pool of pages asked for
+    # the fixed splits `make_kv` plans (`plan_kv`) and builds: the arena's (the pool is what the
+    # measured decode workspace and the staging of in-flight uploads leave), then each pool asked for
     budgets = [dict(arena_mib=FLAGS.arena_mib)] + [dict(pool_pages=int(p)) for p in FLAGS.pool_pages]
     for budget in budgets:
       try:
-        plan = kv_build.plan(runner, max_tokens, copy_pages=FLAGS.copy_pages, ubatch=1, **budget)
-      except StreamBudgetError as e:   # a budget that cannot run, said as make_kv says it
+        cache = api.make_kv(loaded, max_tokens, copy_pages=FLAGS.copy_pages, ubatch=1,
+                            exceed_context_length=True, **budget)
+      except api.KVBudgetError as e:   # a budget that cannot run, as make_kv refuses it
         print(json.dumps({"context": ctx, **budget, "refused": str(e)}), flush=True)
         continue
       if "arena_mib" in budget:
-        log.setdefault("decode_workspace_mib", plan.workspaces.decode_bytes / 2**20)
-      rows.append(_streamed_row(dict(row), plan, pk, runner, cfg, layout, ctx, decode_weight_bytes))
+        log.setdefault("decode_workspace_mib", cache.plan.workspaces.decode_bytes / 2**20)
+      rows.append(_streamed_row(dict(row), cache, pk, runner, cfg, ctx, decode_weight_bytes))
+      del cache
     del pk
   log["rows"] = rows
   _report(log, rows)
 
 
-def _streamed_row(row, plan, pk, runner, cfg, layout, ctx, decode_weight_bytes):
-  """One streamed configuration: the fixed split of `plan` (copy waves where a layer's streamed
-  pages exceed the ring), checked bit for bit against the resident cache `pk`, timed."""
+def _streamed_row(row, cache, pk, runner, cfg, ctx, decode_weight_bytes):
+  """One streamed configuration: `make_kv`'s cache `cache`, the fixed split of its plan (copy waves
+  where a layer's streamed pages exceed the ring), checked bit for bit against the resident cache
+  `pk`, timed."""
   from experiments.lib import synthetic
-  from kvjax import kv_build
+  plan, sk = cache.plan, cache.provider
   split, pool_pages = plan.split, plan.pool_pages
-  sk = kv_build.build_from_plan(runner, plan)
 
   def fill(part):
     part.timing_interval = 16     # deadline samples: every 16th forward's first copies timed alone
@@ -218,6 +207,8 @@ def _streamed_row(row, plan, pk, runner, cfg, layout, ctx, decode_weight_bytes):
   row["staging_reserve_pages"] = plan.staging_reserve_pages
   row["partition_cap_pages"] = plan.partition_cap_pages
   row["waves_per_forward"] = sk.metrics()["waves_per_forward"]
+  # the plan's own account, made before the cache was built (`KVPlan.decode_cost`)
+  row["plan_ring_fills_per_forward"] = plan.decode_cost(ctx).ring_fills
   samples = sk.counters["deadline_samples"]
   row["deadline_samples"] = samples
   row["readiness_miss_share"] = sk.counters["readiness_misses"] / samples if samples else 0.0
@@ -246,21 +237,13 @@ def _report(log, rows):
   print(json.dumps({k: v for k, v in log.items() if k != "rows"}, default=float))
   print(f"{'tp':>2} {'context':>8} {'resident':>9} {'streamed':>9} {'copy':>7} {'x max':>6} {'hidden':>6} {'overlap':>7} {'GB/s':>6} "
         f"{'MiB/fwd':>8} {'host ms':>7} {'misses':>6} {'exact':>5} {'r/layer':>7} {'ring':>5} {'pool':>5} "
-        f"{'waves':>6}")
+        f"{'waves':>6} {'plan':>6}")
   for r in rows:
     print(f"{r['tensor_parallel']:>2} {r['context']:>8} {r['resident_ms']:>9.2f} {r['streamed_ms']:>9.2f} {r['copy_ms']:>7.2f} "
           f"{r['slowdown']:>6.3f} {r['hidden_share']:>6.2f} {r['overlap_share']:>7.2f} {r['upload_gbs']:>6.1f} {r['streamed_mib_per_forward']:>8.1f} "
           f"{r['host_ms_per_forward']:>7.2f} {r['readiness_miss_share']:>6.2f} "
           f"{r.get('bit_exact_steps', 0):>5} {r['resident_pages_per_layer']:>7} {r['ring_slots']:>5} "
-          f"{r['pool_pages']:>5} {r['waves_per_forward']:>6.1f}")
-
-
-def _cache(runner, make):
-  """make(d) -> one device's KV provider; with a sharded runner, one per device as one provider."""
-  from kvjax import parallel
-  if not isinstance(runner, parallel.ShardedRunner):
-    return make(0)
-  return parallel.ShardedKV(runner.mesh, parallel.per_device(runner.mesh, make))
+          f"{r['pool_pages']:>5} {r['waves_per_forward']:>6.1f} {r.get('plan_ring_fills_per_forward', 0):>6}")
 
 
 def _each_part(kv, fn):
@@ -269,11 +252,6 @@ def _each_part(kv, fn):
   if isinstance(kv, parallel.ShardedKV):
     return parallel.per_device(kv.mesh, lambda d: fn(kv.parts[d]))
   return [fn(kv)]
-
-
-def nnx_state(module):
-  from flax import nnx
-  return nnx.state(module)
 
 
 def _time_decode(runner, kv, ctx, steps, cfg):
@@ -338,8 +316,8 @@ def _time_copies(kv, ctx, steps, runner):
     pos = int(part.histories["target"].tokens[0])
     part.begin_forward(pos, 1, layers)
     sources = [x for a in layers for w in range(max(1, len(part._layer_plans[a].waves)))   # copy waves too
-               for x in part._stage_sources(a, w)]
-    part._stage, part._wave_stage = {}, {}
+               for x in part.stage_sources(a, w)]
+    part.stager.clear()
     return sources
 
   sources = _each_part(kv, sources_of)
@@ -366,20 +344,27 @@ def _on_part_device(kv, d, fn):
 
 def _check_bit_exact(runner, plain_kv, streamed_kv, ctx, steps):
   """Greedy decode from the same context through both caches: the logits of every step must be the
-  same bits. -> the number of steps compared (raises on the first difference)."""
+  same bits. The resident cache runs the streamed cache's attention partition (a plan's
+  `partition_cap_pages` changes the partials' combining order, so the bits are compared at the same
+  partition). -> the number of steps compared (raises on the first difference)."""
   import jax.numpy as jnp
   import numpy as np
   from kvjax import generate
   outs = []
-  for kv in (plain_kv, streamed_kv):
-    seq = generate.SequenceState(runner, kv)
-    seq.pos = ctx
-    tok, logits = 1, []
-    for _ in range(steps):
-      lg = np.asarray(seq.forward([tok]))
-      logits.append(lg)
-      tok = int(jnp.argmax(lg))
-    outs.append(logits)
+  own_cap = getattr(plain_kv, "partition_cap", None)
+  plain_kv.partition_cap = getattr(streamed_kv, "partition_cap", None)
+  try:
+    for kv in (plain_kv, streamed_kv):
+      seq = generate.SequenceState(runner, kv)
+      seq.pos = ctx
+      tok, logits = 1, []
+      for _ in range(steps):
+        lg = np.asarray(seq.forward([tok]))
+        logits.append(lg)
+        tok = int(jnp.argmax(lg))
+      outs.append(logits)
+  finally:
+    plain_kv.partition_cap = own_cap
   for i, (a, b) in enumerate(zip(*outs)):
     if not np.array_equal(a, b):
       raise AssertionError(f"context {ctx}: streamed logits differ from resident at decode step {i}")
@@ -387,5 +372,8 @@ def _check_bit_exact(runner, plain_kv, streamed_kv, ctx, steps):
 
 
 if __name__ == "__main__":
+  # the resident comparison cache sits beside the weights and the streamed cache: on an 80 GB card
+  # the 27B at 128K needs more than jax's default 75% of the device (2026-12-05, H100)
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   define_flags()
   app.run(main)

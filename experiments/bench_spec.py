@@ -97,22 +97,20 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from flax import nnx
-  from kvjax import api, config, engine, generate, speculative, weights
-  from kvjax.model import AttentionOptions
-  from kvjax import compile_cache, kv_build
+  from kvjax import api, generate, speculative
+  from kvjax import compile_cache
   from experiments.lib import synthetic
-  from kvjax_pallas.page_layout import PageLayout
 
   os.makedirs(FLAGS.out, exist_ok=True)
   # programs of an earlier run (another rollback, another width) load from the persistent cache
   print(json.dumps({"compile_cache_dir": compile_cache.enable() or ""}), flush=True)
-  cfg = config.preset(FLAGS.model)
-  model = engine.build_model(cfg, weights.iter_random_device_tensors(cfg, 0, FLAGS.dtype),
-                             dtype=jnp.dtype(FLAGS.dtype), names=config.gguf_tensor_shapes(cfg))
-  jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
-  layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", FLAGS.page_tokens)
-  runner = engine.Runner(model, layout, AttentionOptions(FLAGS.attn_impl, api.parse_block_pages(FLAGS.block_pages)))
+  try:     # the model as users load it: random weights of the preset's geometry, drawn on the device
+    loaded = api.load_model(preset=FLAGS.model, dtype=FLAGS.dtype, page_tokens=FLAGS.page_tokens,
+                            attn_impl=FLAGS.attn_impl, block_pages=FLAGS.block_pages, compile_cache=True)
+  except api.ParameterError as e:
+    raise app.UsageError(str(e)) from None
+  runner, cfg = loaded.runner, loaded.cfg
+  jax.block_until_ready([leaves for _, leaves in runner.groups])
   widest = 1 + max(int(n) for n in FLAGS.n_max)
   # the arena holds the widest verify forward's scratch and the recurrent states its rows capture
   rows = FLAGS.verify_rows or max(widest, FLAGS.max_width if FLAGS.width_context else 1)
@@ -126,15 +124,15 @@ def main(argv):
     """The fixed split `make_kv(arena_mib=)` plans for this context (`plan_kv`: the pool is what the
     widest verify's workspace and states and the staging of in-flight uploads leave of the arena)."""
     max_tokens = ctx + FLAGS.decode_tokens + max(widest, FLAGS.max_width) + 8
-    plan = kv_build.plan(runner, max_tokens, arena_mib=FLAGS.arena_mib, copy_pages=FLAGS.copy_pages,
-                         draft=widest_draft)
-    ws = plan.workspaces
+    cache = api.make_kv(loaded, max_tokens, arena_mib=FLAGS.arena_mib, copy_pages=FLAGS.copy_pages,
+                        spec=widest_draft, exceed_context_length=True)
+    plan, ws = cache.plan, cache.plan.workspaces
     log.setdefault("plans", {})[str(ctx)] = {
         "pool_pages": plan.pool_pages, "ring_slots": plan.split.ring_slots,
         "staging_reserve_pages": plan.staging_reserve_pages, "workspace_mib": ws.decode_bytes / 2**20,
         "verify_states_mib": ws.verify_states_bytes / 2**20}
     print(json.dumps({"context": ctx, **log["plans"][str(ctx)]}), flush=True)
-    kv = kv_build.build_from_plan(runner, plan)
+    kv = cache.provider
     synthetic.fill_streamed(kv, ctx)
     return kv
 
@@ -147,7 +145,8 @@ def main(argv):
     return seq
 
   if FLAGS.verify_rows:
-    _verify_rows(runner, cfg, layout, make_kv, restart, log)
+    _verify_rows(runner, lambda n: api.make_kv(loaded, n, exceed_context_length=True).provider, make_kv,
+                 restart, log)
     return
 
   def plain(kv, ctx):
@@ -269,8 +268,9 @@ def _profile(run, ctx):
   print(f"timeline {ctx}: " + json.dumps(summ), flush=True)
 
 
-def _verify_rows(runner, cfg, layout, make_kv, restart, log):
-  """`--verify_rows`: verify-forward logits against one-row forwards, per row, plain and streamed."""
+def _verify_rows(runner, make_plain, make_kv, restart, log):
+  """`--verify_rows`: verify-forward logits against one-row forwards, per row, plain (`make_plain(n)`:
+  `make_kv`'s plain cache of n positions) and streamed."""
   import numpy as np
   from kvjax import engine
   from experiments.lib import synthetic
@@ -280,7 +280,7 @@ def _verify_rows(runner, cfg, layout, make_kv, restart, log):
     logits = {}
     for cache in ("plain", "streamed"):
       if cache == "plain":
-        kv = engine.PlainKV(cfg, layout, ctx + w + 8)
+        kv = make_plain(ctx + w + 8)
         synthetic.fill_plain(kv, ctx)
       else:
         kv = make_kv(ctx)

@@ -109,7 +109,7 @@ def soak(steps: int, prompt_tokens: int = 100, page_tokens: int = 64, pool_pages
       "forwards": kv.counters["forwards"], "policy_decisions": len(kv.decisions),
       "repartitions": sum(1 for d in kv.decisions if d.partition_changed),
       "ring_wraps": kv.counters["ring_wraps"], "streamed_pages": kv.counters["streamed_pages"],
-      "staging_peak_bytes": kv.counters["staging_peak_bytes"], "staging_live_bytes_after": kv._staging_live,
+      "staging_peak_bytes": kv.counters["staging_peak_bytes"], "staging_live_bytes_after": kv.stager.refill_bytes,
       "attn_impl": runner.opts.implementation, "device": str(jax.devices()[0]),
       "plain_s": t1 - t0, "spec_plain_s": t2 - t1, "soak_s": t3 - t2,
   }

@@ -17,14 +17,17 @@ from kvjax.streaming.plan import KVGeometry, KVPlan, Workspaces, plan_kv
 def geometry(runner: engine.Runner, max_tokens: int, ubatch: int,
              draft: Optional[speculative.SpecConfig] = None) -> KVGeometry:
   """The model as the plan sees it: its cache layers (the target's attention layers, the MTP's), the
-  page layout, the widest forward's attention partition (a copy wave holds whole ones) and a prefill
-  block's hidden-row bytes a token (the MTP's too, with speculation)."""
+  page layout, the largest attention partition of the forwards the cache admits (a micro-batch of
+  `ubatch` rows, a decode row, a verify's rows: a copy wave holds whole ones), the decode row's own
+  partition, and a prefill block's hidden-row bytes a token (the MTP's too, with speculation)."""
   cfg = runner.cfg
+  rows = {int(ubatch), 1} | ({int(draft.verify_width)} if draft is not None else set())
   return KVGeometry(n_target_layers=cfg.num_attention_layers,
                     n_layers=cfg.num_attention_layers + (1 if cfg.has_mtp else 0), layout=runner.layout,
-                    wave_pages=runner.partition_pages(ubatch, max_tokens),
+                    wave_pages=max(runner.partition_pages(r, max_tokens) for r in rows),
                     block_row_bytes=cfg.hidden_size * runner.token_embd.dtype.itemsize * (1 if draft is None else 2),
-                    partition_auto=runner.opts.block_pages == "auto")
+                    partition_auto=runner.opts.block_pages == "auto",
+                    decode_wave_pages=runner.partition_pages(1, max_tokens))
 
 
 def measure(runner: engine.Runner, max_tokens: int, ubatch: int, phased: bool,

@@ -148,6 +148,9 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
       "resident_pages_per_layer": kv_plan.split.resident_pages_per_layer[0] if kv_plan else 0,
       "ring_slots": kv_plan.split.ring_slots if kv_plan else 0,
       "copy_unit_pages": kv_plan.copy_unit_pages if kv_plan else 0,
+      # a decode forward at the full context: ring fills (copy waves) and streamed bytes, in advance
+      "decode_ring_fills": kv_plan.decode_cost(context_tokens - 1).ring_fills if kv_plan else 0,
+      "decode_stream_bytes": kv_plan.decode_cost(context_tokens - 1).streamed_bytes if kv_plan else 0,
       "plan_refusal": refusal,
   }
 
@@ -212,6 +215,8 @@ def format_table(report: Dict[str, float]) -> str:
   else:
     lines.append(f"  {'fixed split':<{w}}  {report['resident_pages_per_layer']:>16,}    resident pages a layer, "
                  f"a ring of {report['ring_slots']:,} slots, copy unit {report['copy_unit_pages']} pages")
+    lines.append(f"  {'decode forward at ctx':<{w}}  {report['decode_ring_fills']:>16,}    ring fills (copy waves), "
+                 f"{_fmt_bytes(report['decode_stream_bytes'])} streamed")
   return "\n".join(lines)
 
 

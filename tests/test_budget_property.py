@@ -162,3 +162,27 @@ def test_a_capped_partition_compiles_nothing_across_page_boundaries(models):
   res = api.generate(models["auto"], kv, prompt_tokens=[t % 200 + 3 for t in range(300)], n_predict=40,
                      ignore_eos=True, ubatch=128)
   assert len(res.tokens) == 40 and res.metrics["predicted_compiles"] == 0, res.metrics["compile_by_program"]
+
+
+@pytest.mark.parametrize("pool", [LAYERS + 1, LAYERS + 4, 2 * LAYERS + 4])
+def test_the_plan_counts_a_decode_forwards_ring_fills_in_advance(models, pool):
+  """`KVPlan.decode_cost` (made before the cache is built) gives the ring fills (copy waves) and
+  streamed pages of every decode forward, at every context from a prompt ending mid-page across
+  page boundaries: the cost of a small pool is known before anything is allocated."""
+  from kvjax import generate
+  case = Case(MAX_TOKENS, (30,), 2, pool_pages=pool, ubatch=UBATCH, copy_pages=1)
+  cache = budget_fuzz.make_kv(models, case)
+  kv = cache.provider
+  seq = generate.SequenceState(models["auto"].runner, kv)
+  for lo in range(0, 30, UBATCH):    # the prompt in micro-batches of the planned width
+    seq.forward(list(range(3 + lo, 3 + min(30, lo + UBATCH))), pad_to=UBATCH)
+    seq.pos = min(30, lo + UBATCH)
+  fills = []
+  for _ in range(40):                # tokens 31..70: pages 2..5 of 16 tokens
+    before, streamed = kv.counters["waves"], kv.counters["streamed_pages"]
+    cost = cache.plan.decode_cost(seq.pos)
+    seq.forward([7])
+    assert kv.counters["waves"] - before == cost.ring_fills, (pool, seq.pos, cost)
+    assert kv.counters["streamed_pages"] - streamed == cost.streamed_pages, (pool, seq.pos, cost)
+    fills.append(cost.ring_fills)
+  assert max(fills) > 0 and (pool > LAYERS + 1 or cache.plan.decode_cost(70).waved_layers > 0), fills

@@ -173,9 +173,15 @@ def test_bench_decode_smoke(tmp_path):
   out = str(tmp_path / "bd")
   p = _run(["-m", "experiments.bench_decode", "--model=tiny", "--dtype=float32",
             "--contexts=4096", "--arena_mib=1.5", "--page_tokens=64", "--copy_pages=4", "--prompt=64",
-            "--decode_steps=2", "--check_steps=3", "--block_pages=4", "--profile", f"--out={out}"], cwd=REPO)
+            "--decode_steps=2", "--check_steps=3", "--block_pages=4", "--pool_pages=8", "--profile",
+            f"--out={out}"], cwd=REPO)
   log = json.load(open(os.path.join(out, "bench_decode.json")))
-  (row,) = log["rows"]
+  row, small = log["rows"]
+  # the plan's ring fills, counted before the cache was built, are what the decode forwards did
+  for r in (row, small):
+    assert r["waves_per_forward"] == r["plan_ring_fills_per_forward"] > 0, r
+  assert small["pool_pages"] == 8 and small["bit_exact_steps"] == 3
+  assert small["waves_per_forward"] > 2 * row["waves_per_forward"]    # a 5-slot ring: copy waves
   assert row["context"] == 4096 and row["resident_ms"] > 0 and row["streamed_ms"] > 0
   assert row["streamed_mib_per_forward"] > 0 and row["h2d_calls_per_forward"] > 0
   layout = PageLayout(2, 64, "q8_0", "q4_0", 64)

@@ -113,7 +113,7 @@ def _check_placement(kv, tokens):
     base = int(kv.resident_base[a])
     open_page = int(kv.open_page[a])
     if open_page >= 0:     # a streamed layer: the region's last o pages are its open region
-      cap, o = lay.capacities[a], kv._open_pages(a)   # pylint: disable=protected-access
+      cap, o = lay.capacities[a], kv.device.open_pages(a)
       live = min(live, cap - o)
       rows = int(kv.open_rows[a])
       assert rows == int(hist.tokens[h]) - open_page * lt.page_tokens > 0, f"layer {a}"

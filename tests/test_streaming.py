@@ -463,15 +463,15 @@ def test_prefetched_block_dropped_only_when_rows_inside_it_change():
   seq = generate.SequenceState(runner, kv)
   generate.prefill(seq, list(range(1, 101)), ubatch=64)
   seq.forward([5])
-  (first, (src, hi, block)), = kv._prefetch.items()
+  (first, (src, hi, block)), = kv.stager.prefetched.items()
   dropped = kv.counters["prefetch_dropped"]
-  lo = kv._source_pages(src)[0]
+  lo = kv.stager.source_pages(src)[0]
   assert first == 0 and hi > lo and block.shape == (hi - lo, layout.page_bytes)
   kv.truncate("mtp", 0)                                     # another cache's rows: kept
   kv.truncate("target", hi * layout.page_tokens + 1)       # above the block: kept
-  assert first in kv._prefetch and kv.counters["prefetch_dropped"] == dropped
+  assert first in kv.stager.prefetched and kv.counters["prefetch_dropped"] == dropped
   kv.truncate("target", hi * layout.page_tokens - 1)       # inside it: dropped
-  assert not kv._prefetch and kv.counters["prefetch_dropped"] == dropped + 1
+  assert not kv.stager.prefetched and kv.counters["prefetch_dropped"] == dropped + 1
 
 
 @pytest.mark.parametrize("kv_types", [("q8_0", "q4_0"), ("f16", "f16")])

@@ -57,7 +57,7 @@ def test_failed_copies_retried_give_plain_logits_and_clean_counters(tiny_runner)
     np.testing.assert_array_equal(b, a, err_msg=f"step {step}: streamed vs plain")
     np.testing.assert_array_equal(c, a, err_msg=f"step {step}: streamed with failed copies vs plain")
   # nothing of the failed forwards stays counted: the staging peak is the clean run's
-  assert kv._staging_live == 0 and kv._held_bytes == clean_kv._held_bytes
+  assert kv.stager.refill_bytes == 0 and kv.stager.held_bytes == clean_kv.stager.held_bytes
   assert kv.counters["staging_peak_bytes"] == clean_kv.counters["staging_peak_bytes"] > 0
   assert kv.counters["forwards"] == clean_kv.counters["forwards"] == steps + 1
   assert kv.d2h_bytes == clean_kv.d2h_bytes
@@ -67,7 +67,7 @@ def test_failed_copies_retried_give_plain_logits_and_clean_counters(tiny_runner)
 
   kv.reset()
   assert all(v == 0 for v in kv.counters.values()), kv.counters
-  assert kv.d2h_bytes == 0 and kv._staging_live == 0 and not kv._stage and not kv._pending
+  assert kv.d2h_bytes == 0 and kv.stager.refill_bytes == 0 and not kv.stager.stage and not kv._pending
   again, _ = decode(runner, kv, prompt, 2)
   for a, b in zip(again, plain):
     np.testing.assert_array_equal(a, b)

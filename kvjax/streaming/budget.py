@@ -20,7 +20,7 @@ Every refusal is a `StreamBudgetError` that names the pages (and MiB) missing.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from kvjax.streaming.policy import minimum_pool_pages  # 1 resident page a layer + 1 ring slot
 from kvjax.streaming.policy_types import AUTO_RING_HINT
@@ -102,6 +102,22 @@ def fixed_split(pool_pages: int, n_layers: int, max_tokens: int, layout: PageLay
     hint = min(max(8, wave_pages), pool_pages - n_layers)
     r = min(a, (pool_pages - hint) // n_layers)
   return StreamConfig(pool_pages, (r,) * n_layers, copy_pages)
+
+
+def wave_bounds(live: int, ring: int, wave_pages: int, active: int) -> List[int]:
+  """Logical page bounds [0, b1, ..., active] of a layer's copy waves: wave 0 attends its `live`
+  resident pages and the streamed pages the ring holds, each later wave the next ring-ful, every
+  inner bound a multiple of the attention partition (`wave_pages`), so that the folded carry has the
+  bits of one call."""
+  width = ring // wave_pages * wave_pages
+  if width < 1:
+    raise ValueError(f"a ring of {ring} slots holds no {wave_pages}-page partition")
+  bounds, end = [0], (live + ring) // wave_pages * wave_pages
+  while end < active:
+    bounds.append(end)
+    end += width
+  bounds.append(active)
+  return bounds
 
 
 def copy_unit_pages(stream: StreamConfig) -> int:

@@ -38,9 +38,10 @@ class KVGeometry:
   n_target_layers: int     # the target's attention layers
   n_layers: int            # cache layers: the target's attention layers and the MTP's
   layout: PageLayout
-  wave_pages: int = 1      # the widest forward's attention partition (copy waves hold whole ones)
+  wave_pages: int = 1      # the largest attention partition of the forwards admitted (copy waves hold whole ones)
   block_row_bytes: int = 0  # device bytes of a prefill block's hidden rows, a token
   partition_auto: bool = False  # the kernels' partition is theirs to choose ("auto"): a pool may cap it
+  decode_wave_pages: int = 0  # a decode forward's (one row) attention partition (0: wave_pages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,20 @@ class PhasePlan:
   """A phase's KV region of the arena (pool + staging, pages) and the split of its pool."""
   region_pages: int
   split: StreamConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCost:
+  """What a decode forward of the plan's starting split streams at one context, known before
+  anything is built: `ring_fills` (the target layers' ring fills: 1 for a layer streamed in one
+  call, one per copy wave for a layer in waves, 0 for one all resident; each copy wave is one more
+  kernel call and one more wait for its uploads), `waved_layers` and `streamed_pages` (attended
+  from the ring: the uploads, but for the open copy unit a layer keeps on the device)."""
+  context_tokens: int
+  ring_fills: int
+  waved_layers: int
+  streamed_pages: int
+  streamed_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +96,8 @@ class KVPlan:
   prefill_workspace_bytes: Optional[int] = None   # the prefill phase's: a micro-batch's and its block's rows
   phases: Tuple[Tuple[str, PhasePlan], ...] = ()
   tensor_parallel: int = 1
+  n_target_layers: int = 0       # cache layers a decode forward of the target attends (the first ones)
+  decode_wave_pages: int = 1     # a decode forward's attention partition, the cap applied
 
   @property
   def streamed(self) -> bool:
@@ -102,6 +119,27 @@ class KVPlan:
     splits = [p.split for _, p in self.phases] if self.phased else [self.split]
     a = self.layout.pages_for(self.max_tokens)
     return all(min(s.resident_pages_per_layer) >= a for s in splits)
+
+  def decode_cost(self, context_tokens: int) -> DecodeCost:
+    """The cost of one decode forward at `context_tokens` tokens of history (the new token's row
+    included) on the starting split (the decode phase's, phased; the adaptive policy may re-split
+    later): how many ring fills (copy waves) and streamed pages, as the cache will lay them out."""
+    if self.split is None:
+      return DecodeCost(int(context_tokens), 0, 0, 0, 0)
+    split = self.phase["decode"].split if self.phased else self.split
+    ring = split.ring_slots if self.wave_cap_pages is None else min(split.ring_slots, self.wave_cap_pages)
+    active = self.layout.pages_for(int(context_tokens) + 1)
+    fills = waved = pages = 0
+    for cap in split.resident_pages_per_layer[:self.n_target_layers]:
+      live = min(cap, active)
+      streamed = active - live
+      pages += streamed
+      if streamed > ring:
+        waved += 1
+        fills += len(budget_lib.wave_bounds(live, ring, self.decode_wave_pages, active)) - 1
+      else:
+        fills += int(streamed > 0)
+    return DecodeCost(int(context_tokens), fills, waved, pages, pages * self.layout.page_bytes)
 
   def describe(self) -> str:
     """"plain", "streamed", or "all pages resident" where the budget holds every page of the context
@@ -128,6 +166,8 @@ class KVPlan:
       out.update(wave_cap_pages=self.wave_cap_pages, wave_pages=self.wave_pages)
     if self.partition_cap_pages is not None:
       out["partition_cap_pages"] = self.partition_cap_pages
+    cost = self.decode_cost(self.max_tokens - 1)
+    out.update(decode_ring_fills_at_ctx_size=cost.ring_fills, decode_stream_mib_at_ctx_size=cost.streamed_bytes / 2**20)
     out.update(all_pages_resident=self.all_pages_resident, pool_pages=self.split.pool_pages,
                ring_slots=self.split.ring_slots, copy_unit_pages=self.copy_unit_pages,
                prefill_block=self.prefill_block_tokens)
@@ -202,7 +242,8 @@ def plan_kv(geometry: KVGeometry, max_tokens: int, *, arena_bytes: Optional[int]
   if best is None:   # not even one page a partition: the least pool that runs at all
     _plan(dataclasses.replace(geometry, wave_pages=1), max_tokens, pool_pages=pool_pages, **kw)
     raise first_error
-  return dataclasses.replace(best, partition_cap_pages=best.wave_pages)
+  return dataclasses.replace(best, partition_cap_pages=best.wave_pages,
+                             decode_wave_pages=min(best.decode_wave_pages, best.wave_pages))
 
 
 def _plan(geometry: KVGeometry, max_tokens: int, *, arena_bytes: Optional[int] = None,
@@ -220,7 +261,9 @@ def _plan(geometry: KVGeometry, max_tokens: int, *, arena_bytes: Optional[int] =
   staging of in-flight uploads."""
   lay, n = geometry.layout, geometry.n_layers
   base = dict(max_tokens=int(max_tokens), layout=lay, policy=policy, phased=phased, ubatch=int(ubatch),
-              copy_pages=int(copy_pages), wave_pages=int(geometry.wave_pages), tensor_parallel=int(tensor_parallel))
+              copy_pages=int(copy_pages), wave_pages=int(geometry.wave_pages), tensor_parallel=int(tensor_parallel),
+              n_target_layers=int(geometry.n_target_layers),
+              decode_wave_pages=int(geometry.decode_wave_pages or geometry.wave_pages))
   if arena_bytes is None and pool_pages is None:
     return KVPlan(**dict(base, policy="plain"))
   if (arena_bytes is None) == (pool_pages is None):

@@ -42,10 +42,14 @@ hide behind (docs/PERFORMANCE.md, "Host-to-device copies").
 * `end_forward` publishes the new rows to the host histories (device -> host:
   only the changed tail).
 
-The MTP ring lease (`lease_mtp` / `release_lease`, for speculative decoding's
-catch-up and drafting) holds slots at the end of the ring for the MTP layer:
-its committed streamed suffix is loaded there once, its forwards stage nothing,
-and the other layers' layouts use only the slots before the lease.
+Parts, each with its own interface and tests: `device` (`device_pool.DevicePool`:
+the pool buffer, its regions, valid resident prefixes and open regions), `stager`
+(`staging.Stager`: every upload, the stages in flight, the prefetched block,
+resident refills and their staging bytes), `mtp_lease` (`lease.RingLease`, for
+speculative decoding: slots at the end of the ring hold the MTP layer's streamed
+suffix, loaded once; the other layers use only the slots before it) and the host
+histories (`host_history.HostHistory`). What stays here: the forward's layout and
+the `KVProvider` protocol that drives the parts.
 
 Counters: h2d bytes and copies, d2h bytes, ring wraps, streamed pages, MTP
 leases (taken, bytes loaded, reloads after a rebind, refused: not in the ring), host
@@ -63,18 +67,19 @@ import time
 from typing import Any, Dict, Optional, Tuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig
 from kvjax.engine import LayerKV, on_device
 from kvjax.model import KVRows
-from kvjax.streaming.budget import StreamBudgetError, StreamConfig, copy_unit_pages, mib, staging_unit_pages
-from kvjax.streaming import relocate, staging
+from kvjax.streaming.budget import (StreamBudgetError, StreamConfig, copy_unit_pages, mib, staging_unit_pages,
+                                    wave_bounds)
+from kvjax.streaming import staging
 from kvjax.streaming.host_history import HostHistory
-from kvjax.streaming.lease import MTPLease, MTPLeaseMixin
+from kvjax.streaming.device_pool import DevicePool
+from kvjax.streaming.lease import MTPLease, RingLease
 from kvjax.streaming.span_plan import SpanPlan, make_plan, page_table, spans_from_pages
-from kvjax.streaming.staging import ResidentRefillMixin, compact_capacities
+from kvjax.streaming.staging import Stager, compact_capacities
 from kvjax_pallas.page_layout import PageLayout
 
 
@@ -82,12 +87,14 @@ PIPELINE_DEPTH = 1   # layers whose copies are in flight beside the step being r
 LAYOUTS_KEPT = 4     # forward layouts kept by key (`begin_forward`)
 
 
-class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
-  """KV provider over host-authoritative histories, resident pages and one shared ring."""
+class StreamedKV:
+  """KV provider over host-authoritative histories, resident pages and one shared ring. Two parts
+  with their own interfaces: `stager` (`staging.Stager`: the uploads on their way to the device)
+  and `mtp_lease` (`lease.RingLease`: the MTP layer's ring lease; None without an MTP layer)."""
 
   def __init__(self, cfg: ModelConfig, layout: PageLayout, max_tokens: int, stream: StreamConfig,
                pinned: Optional[bool] = None, split_at_wrap: bool = False):
-    self.cfg, self.layout, self.stream = cfg, layout, stream
+    self.cfg, self.layout = cfg, layout
     self.split_at_wrap = split_at_wrap
     self.prefetch_depth = PIPELINE_DEPTH
     n_target = cfg.num_attention_layers
@@ -102,38 +109,13 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     self.pinned = self.histories["target"].pinned
     self.max_pages = max_pages
     self.piece_units = staging.piece_units(self.copy_unit, layout.page_bytes, stream.pool_pages)
-    self.pool_pn = None
-    self.resident_valid = np.zeros((self.n_layers,), np.int64)  # valid prefix pages on the device
-    # The open region of a streamed layer (the last copy unit of its resident region) holds the copy
-    # unit its rows are written to; `open_page` / `open_rows`: the unit's first logical page and how
-    # many of its rows the device holds there (-1: none), so a decode forward uploads neither the
-    # open unit nor the partial page (`_open_split`).
-    self.open_page = np.full((self.n_layers,), -1, np.int64)
-    self.open_rows = np.zeros((self.n_layers,), np.int64)
-    self.open_slots = True
+    self.device = DevicePool(layout, self.n_layers, n_target, self.copy_unit)   # the pool, its regions
     self.plans: Dict[int, SpanPlan] = {}
     self._bind_generation = 0
-    # the next forward's first layers' sealed blocks, copied during this forward's last layer:
-    # cache layer -> (lo, hi, device block); `prefetch_next` layers (1: the first layer's only)
-    self._prefetch: Dict[int, Tuple[int, int, jax.Array]] = {}
+    # the next forward's first `prefetch_next` layers' first sealed blocks are copied during this
+    # forward's last layer (`stager.prefetch`)
     self.prefetch_next = 1
-    self._lease: Optional[MTPLease] = None
     self._layouts: Dict[tuple, Tuple[tuple, Dict[int, staging.LayerPlan]]] = {}   # key -> layout, LRU
-    self._bind(stream)
-    self._pending: Dict[int, Any] = {}           # rows of ended layers not yet published to the host
-    self._ended = []                              # the layers of this forward that ended
-    self._packed: Optional[jax.Array] = None     # the forward's rows on their way to the host
-    self._stage: Dict[int, Tuple[jax.Array, ...]] = {}
-    self._wave_stage: Dict[Tuple[int, int], Tuple[jax.Array, ...]] = {}
-    self._wave_pages = 1
-    self._order: Tuple[int, ...] = ()
-    self._layer_plans: Dict[int, staging.LayerPlan] = {}
-    self._shape_key = None
-    self.timing_interval = 16      # every N-th forward is a deadline sample (0: never)
-    self._staging_live = 0         # bytes of refill uploads not yet placed
-    self._held_bytes = 0           # bytes of the stage of the layer being run
-    self.deadline_samples = np.zeros((self.n_layers,), np.int64)
-    self.deadline_misses = np.zeros((self.n_layers,), np.int64)
     self.counters = dict(h2d_bytes=0, h2d_calls=0, ring_wraps=0, streamed_pages=0, readiness_misses=0,
                          forwards=0, host_ms=0.0, max_spans=0, ring_peak_slots=0, timed_copy_ms=0.0,
                          timed_bytes=0, elapsed_ms=0.0, staging_peak_bytes=0, deadline_samples=0,
@@ -141,6 +123,19 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
                          waved_layers=0, tail_uploads=0, open_hits=0, host_begin_ms=0.0,
                          host_end_ms=0.0, rows_wait_ms=0.0, mtp_leases=0, mtp_lease_bytes=0,
                          mtp_lease_reloads=0, mtp_lease_refused=0, moved_pages=0)
+    self.stager = Stager(layout, self.copy_unit, self.pinned, self.counters)
+    self.mtp_lease = RingLease(self.n_layers - 1, self.histories["mtp"], layout, self.stager) if cfg.has_mtp else None
+    self._bind(stream)
+    self._pending: Dict[int, Any] = {}           # rows of ended layers not yet published to the host
+    self._ended = []                              # the layers of this forward that ended
+    self._packed: Optional[jax.Array] = None     # the forward's rows on their way to the host
+    self._wave_pages = 1
+    self._order: Tuple[int, ...] = ()
+    self._layer_plans: Dict[int, staging.LayerPlan] = {}
+    self._shape_key = None
+    self.timing_interval = 16      # every N-th forward is a deadline sample (0: never)
+    self.deadline_samples = np.zeros((self.n_layers,), np.int64)
+    self.deadline_misses = np.zeros((self.n_layers,), np.int64)
 
   # -- re-layout (phase change, policy repartition, new request) ---------------------
   def rebind(self, stream: StreamConfig) -> None:
@@ -164,26 +159,12 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     """Lay out resident regions and the ring in a pool of `stream.pool_pages`. A pool of the same
     size is kept, and each layer's valid resident prefix (up to its new capacity) moves inside it
     to its new region (`relocate`); a new pool starts empty (refilled from the host)."""
-    caps = stream.resident_pages_per_layer
-    base = np.concatenate([[0], np.cumsum(caps)[:-1]]).astype(np.int64)
-    if self.pool_pn is None or int(self.pool_pn.shape[0]) != stream.pool_pages:
-      self.pool_pn = None  # free the old buffer before taking the new one
-      self.pool_pn = on_device(jnp.zeros((stream.pool_pages, self.layout.page_bytes), jnp.uint8))
-      self.resident_valid[:] = 0
-    else:
-      keep = np.minimum(self.resident_valid, np.asarray(caps, np.int64))
-      self.pool_pn, moved = relocate.keep_prefixes(self.pool_pn, self.resident_base, base, keep, self.layout.page_bytes)
-      self.counters["moved_pages"] += moved
-      self.resident_valid[:] = keep
-    self.stream = stream
+    self.counters["moved_pages"] += self.device.bind(stream)
     self.wave_cap = self._wave_cap(stream)
     self.staging_unit = staging_unit_pages(stream, self.max_tokens, self.layout, self.pinned, self.wave_cap)
-    self.resident_base = base
-    self.ring_base = stream.resident_total
-    self.open_page[:] = -1
     self._forget_layout()
     self._bind_generation += 1
-    if self._lease is not None:   # the leased pages went with the old layout: load them again
+    if self.lease is not None:   # the leased pages went with the old layout: load them again
       self.counters["mtp_lease_reloads"] += 1
       self._load_lease()
 
@@ -201,23 +182,14 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     self.plans.clear()
     self._shape_key = None
     self._layouts.clear()
-    self._stage = {}
-    self._wave_stage = {}
-    self._drop_prefetch()
+    self.stager.clear()
+    self.stager.drop_prefetch()
 
-  def _drop_prefetch(self, below_token: Optional[int] = None, history: Optional[HostHistory] = None,
-                     keep: Tuple[int, ...] = None) -> None:
-    """Forget the next forward's prefetched blocks: all of them, or those of `history` in which rows
-    from `below_token` on change, or those of layers not in `keep`."""
+  def _drop_prefetch(self, below_token: int, history: HostHistory) -> None:
+    """Forget the next forward's prefetched blocks of `history` in which rows from `below_token` on
+    change."""
     pt = self.layout.page_tokens
-    for a, (_, hi, _) in list(self._prefetch.items()):   # (source, its end page, device array)
-      if history is not None and self.history_of(a)[0] is not history:
-        continue
-      if keep is not None and a in keep:
-        continue
-      if below_token is None or below_token < hi * pt:
-        del self._prefetch[a]
-        self.counters["prefetch_dropped"] += 1
+    self.stager.drop_prefetch(lambda a, hi: self.history_of(a)[0] is history and below_token < hi * pt)
 
   def truncate(self, cache: str, tokens: int) -> None:
     """Forget rows >= tokens of logical cache "target" or "mtp" (rejected speculative rows): the host
@@ -234,9 +206,8 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     for h in self.histories.values():
       h.truncate(0)
       h.d2h_bytes = 0
-    self._lease = None
-    self.resident_valid[:] = 0
-    self.open_page[:] = -1
+    self.release_lease()
+    self.device.forget()
     self._forget_layout()
     self._drop_forward_state()
     self.deadline_samples[:] = 0
@@ -249,10 +220,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     self._pending.clear()
     self._ended = []
     self._packed = None
-    self._stage = {}
-    self._wave_stage = {}
-    self._staging_live = 0
-    self._held_bytes = 0
+    self.stager.clear()
 
   # -- mapping -----------------------------------------------------------------
   def history_of(self, cache_layer: int) -> Tuple[HostHistory, int]:
@@ -261,38 +229,101 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
       return self.histories["target"], cache_layer
     return self.histories["mtp"], 0
 
+  # -- the device pool (`device_pool.DevicePool`) ------------------------------------
+  pool_pn = property(lambda self: self.device.pool_pn, lambda self, v: setattr(self.device, "pool_pn", v))
+  open_slots = property(lambda self: self.device.open_slots, lambda self, v: setattr(self.device, "open_slots", v))
+  stream = property(lambda self: self.device.stream)
+  resident_valid = property(lambda self: self.device.resident_valid)
+  resident_base = property(lambda self: self.device.resident_base)
+  ring_base = property(lambda self: self.device.ring_base)
+  open_page = property(lambda self: self.device.open_page)
+  open_rows = property(lambda self: self.device.open_rows)
+
   def _split(self, a: int, active: int) -> Tuple[int, int]:
-    """(resident live pages, streamed pages) of cache layer a with `active` pages."""
-    live = min(self.stream.resident_pages_per_layer[a], active)
-    return live, active - live
+    return self.device.split(a, active)
 
   def _open_split(self, a: int) -> Tuple[int, int, int]:
-    """-> (resident live pages, ring pages, first page of the open unit or -1) of cache layer a in
-    this forward.
+    """Layer a's (resident live pages, ring pages, open unit's first page or -1) in this forward."""
+    return self.device.open_split(a, self._active, self._full, self._target_ring())
 
-    A layer that streams without copy waves keeps its open copy unit on the device: the last
-    `copy_unit` slots of its resident region (the open region; one page where the region is smaller:
-    `_open_pages`) hold the unit of the forward's first
-    written page (`full`) instead of resident pages [cap - c, cap), which stream instead. The rows
-    written stay there, so a decode forward uploads neither the open unit nor the partial page: a
-    layer streams its sealed units (`_stage_layout`) and nothing else, and a page that fills needs
-    no new pinned mirror. The forward's pages must lie in that unit, past the resident prefix. The
-    target's layers only: the MTP layer's forwards run under its ring lease (`lease_mtp`), whose
-    suffix starts at its capacity."""
-    cap, active, full = self.stream.resident_pages_per_layer[a], self._active, self._full
-    if active <= cap:
-      return active, 0, -1
-    o = self._open_pages(a)
-    first = full // o * o
-    if self.open_slots and cap >= 1 and a < self.cfg.num_attention_layers and first >= cap - o \
-        and active <= first + o and first - (cap - o) <= self._target_ring():
-      return cap - o, first - (cap - o), first
-    return cap, active - cap, -1
+  def _fill_resident(self, a: int, pool):
+    """Upload resident pages holding committed tokens that the device does not hold yet (first
+    forwards, and after a rebind: the resident mirror is rebuilt from the host), in unit-aligned
+    pieces whose staging fits one staging unit (`staging_unit_pages`)."""
+    hist, l = self.history_of(a)
+    need = min(self._open_split(a)[0], self._content)
+    first, base, c = int(self.resident_valid[a]), int(self.resident_base[a]), self.copy_unit
+    piece = max(c, (self.staging_unit - c) // c * c)   # unit-aligned pieces: staging <= one unit
+    while first < need:
+      end = min(need, (first // piece + 1) * piece)
+      pool = self.stager.place(pool, self.stager.upload(hist, l, first, end), lambda p: base + p)
+      self.pool_pn = pool    # the old buffer was donated: the live one stays even if a later copy fails
+      first = end
+    return pool
 
-  def _open_pages(self, a: int) -> int:
-    """The open region's pages: one copy unit, or one page where the resident region is smaller (then
-    the open unit's full pages stream, and only the partial page stays on the device)."""
-    return self.copy_unit if self.stream.resident_pages_per_layer[a] >= self.copy_unit else 1
+  # -- the MTP ring lease (`lease.RingLease`) ------------------------------------------
+  @property
+  def lease(self) -> Optional[MTPLease]:
+    return None if self.mtp_lease is None else self.mtp_lease.held
+
+  def lease_mtp(self, end_tokens: int) -> int:
+    """Hold ring slots for the MTP layer's pages past its resident ones, up to `end_tokens` tokens
+    (the furthest its forwards may reach before `release_lease`), and load its committed suffix
+    into them in one pass (-> bytes uploaded). A suffix that does not fit the ring is not leased
+    (counter `mtp_lease_refused`): the MTP layer then streams per forward as any layer."""
+    if self.mtp_lease is None:
+      raise ValueError("lease_mtp: this model has no MTP layer")
+    self.mtp_lease.hold(end_tokens, self.max_tokens)
+    nbytes = self._load_lease()
+    self.counters["mtp_leases"] += self.lease is not None
+    return nbytes
+
+  def release_lease(self) -> None:
+    """Give every ring slot back to the target (a no-op without a lease)."""
+    if self.mtp_lease is not None:
+      self.mtp_lease.release()   # the layout key holds the lease: the next forward lays out again
+
+  def _leased(self, a: int) -> bool:
+    return self.mtp_lease is not None and self.mtp_lease.holds(a)
+
+  def _target_ring(self) -> int:
+    return self.stream.ring_slots if self.mtp_lease is None else self.mtp_lease.target_ring(self.stream.ring_slots)
+
+  def _load_lease(self) -> int:
+    self._shape_key = None
+    a = self.mtp_lease.layer
+    self.pool_pn, nbytes = self.mtp_lease.load(self.pool_pn, self.stream.resident_pages_per_layer[a],
+                                               self.stream.ring_slots, self.ring_base, self.copy_unit,
+                                               self.piece_units)
+    self.counters["mtp_lease_refused"] += nbytes is None
+    return nbytes or 0
+
+  def _lease_plan(self, a: int, live: int, streamed: int) -> staging.LayerPlan:
+    """The leased MTP layer's forward: its streamed pages are the lease's slots, in order; nothing
+    stages (the committed ones were loaded by the lease, later ones are written by its forwards)."""
+    plan, table = self._plan_and_table(a, live, self.ring_base + self.lease.first_slot + np.arange(streamed))
+    return staging.LayerPlan(plan, on_device(table), None, (), -1, 0, 0)
+
+  # -- the compiled shapes (kvjax.warmup) --------------------------------------------
+  def staged_shapes(self):
+    """Every (staged array pages, destination runs) a placement of this cache can take."""
+    return staging.staged_shapes(self.copy_unit, self.piece_units, self.split_at_wrap)
+
+  def may_stream(self) -> bool:
+    """Can a forward stream a page (a layer's pages at `max_tokens` beyond its resident region)?"""
+    return any(self.max_pages > r for r in self.stream.resident_pages_per_layer)
+
+  def may_resplit(self) -> bool:
+    """Can the split change while the pool keeps its size (the adaptive policy's)?"""
+    return False
+
+  def may_wave(self, mtp_lease: bool = False) -> bool:
+    """Can a forward stream a layer in copy waves (its streamed pages at `max_tokens`, with the MTP
+    layer's lease taken where speculation drafts with it, beyond the ring)?"""
+    caps = self.stream.resident_pages_per_layer
+    streamed = max(self.max_pages - r for r in caps) + (self.copy_unit - 1)   # the open region's slack
+    lease = self.max_pages - caps[-1] if self.cfg.has_mtp and mtp_lease else 0
+    return streamed + lease > self.stream.ring_slots
 
   # -- KVProvider ----------------------------------------------------------------
   def begin_forward(self, pos: int, n_tokens: int, cache_layers: Tuple[int, ...],
@@ -311,8 +342,8 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
         raise ValueError(f"cache layer {a}: forward at position {pos} but only {hist.tokens[l]} tokens "
                          f"are committed")
       if self._leased(a):
-        if end > self._lease.end_tokens:
-          raise ValueError(f"MTP forward to {end} tokens runs past its ring lease ({self._lease.end_tokens} "
+        if end > self.lease.end_tokens:
+          raise ValueError(f"MTP forward to {end} tokens runs past its ring lease ({self.lease.end_tokens} "
                            f"tokens): release_lease() and lease_mtp({end}) first")
         continue
       _, streamed = self._split(a, active)
@@ -321,7 +352,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
         raise StreamBudgetError(
             f"ring too small: cache layer {a} streams {streamed} pages in copy waves of whole "
             f"{wave_pages}-page attention partitions (a forward of {n_tokens} rows up to token {end}), but "
-            f"the ring has {ring} slots{' outside the MTP lease' if self._lease else ''}: {missing} more "
+            f"the ring has {ring} slots{' outside the MTP lease' if self.lease else ''}: {missing} more "
             f"pool pages ({mib(missing * lay.page_bytes)}), attention block_pages 1, or fewer rows a "
             f"forward (ubatch) would do")
     self._pos, self._n, self._active = pos, n_tokens, active
@@ -335,7 +366,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
       if self._open_split(a)[2] != self.open_page[a]:
         self.open_page[a] = -1
     key = (self._bind_generation, self._full, self._content, active, self._order, self._wave_pages, held,
-           None if self._lease is None else self._lease[:3])
+           None if self.lease is None else self.lease[:3])
     if key != self._shape_key:     # a layout per key, the last few kept: roles that alternate
       kept = self._layouts.pop(key, None)    # (MTP, verify, decode) lay out once each
       if kept is None:
@@ -366,14 +397,14 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     self._depth = 1 if any(self._layer_plans[a].waves for a in self._order) else max(1, self.prefetch_depth)
     first = self._order[0] if self._order else None
     if first is not None and self._leased(first):
-      self._stage[first] = ()   # nothing stages; a block prefetched for the next verify forward stays
+      self.stager.stage[first] = ()   # nothing stages; a block prefetched for the next verify stays
     elif first is not None:
       t0 = time.perf_counter()
       nbytes = self._issue(first)
       c["host_ms"] += (time.perf_counter() - t0) * 1e3
       c["host_begin_ms"] += (time.perf_counter() - t0) * 1e3
       if self._sampling and nbytes:   # the first layer's copies run alone: the copy rate
-        jax.block_until_ready(self._stage[first])
+        jax.block_until_ready(self.stager.stage[first])
         c["timed_copy_ms"] += (time.perf_counter() - t0) * 1e3
         c["timed_bytes"] += nbytes
       t0 = time.perf_counter()
@@ -383,33 +414,18 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
       c["host_begin_ms"] += (time.perf_counter() - t0) * 1e3
 
   def _open_held(self, a: int) -> bool:
-    """Does layer a's open region hold the committed rows of this forward's open unit?"""
-    o = self._open_pages(a)
-    first = self._full // o * o
-    return bool(self.open_page[a] == first and self.open_rows[a] >= self._pos - first * self.layout.page_tokens)
+    return self.device.open_held(a, self._full, self._pos)
+
+  def stage_sources(self, a: int, wave: int = 0) -> Tuple:
+    """The host arrays layer a's stage (or its copy wave `wave`) copies in this forward."""
+    lp = self._layer_plans[a]
+    return self.stager.sources(*self.history_of(a), lp.waves[wave] if lp.waves else lp)
 
   def _issue(self, a: int, wave: int = 0) -> int:
-    """Queue the host-to-device copies of layer a's stage, or of its copy wave `wave` (-> bytes);
-    a sealed block prefetched by the previous forward is used as it is."""
-    reuse = False
-    if not wave:
-      pre = self._prefetch.pop(a, None)
-      units = self._layer_plans[a].units
-      reuse = pre is not None and bool(units) and units[0] == pre[0]
-      if pre is not None:
-        self.counters["prefetch_hits" if reuse else "prefetch_dropped"] += 1
-    sources = self._stage_sources(a, wave, skip_first=reuse)
-    staged = ((pre[2],) if reuse else ()) + tuple(staging.to_device(x) for x in sources)
-    if wave:
-      self._wave_stage[(a, wave)] = staged
-    else:
-      self._stage[a] = staged
-    if not sources:
-      return 0
-    nbytes = sum(int(x.nbytes) for x in sources)
-    self.counters["h2d_bytes"] += nbytes
-    self.counters["h2d_calls"] += len(sources)
-    return nbytes
+    """Queue the host-to-device copies of layer a's stage, or of its copy wave `wave` (-> bytes)."""
+    lp = self._layer_plans[a]
+    hist, l = self.history_of(a)
+    return self.stager.issue((a, wave) if wave else a, hist, l, lp.waves[wave] if lp.waves else lp)
 
   def _issue_prefetch(self) -> None:
     """After the last layer's copies: copy the sealed blocks of the next forward's first
@@ -422,12 +438,8 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     sealed = self._full // self.copy_unit * self.copy_unit
     for a in self._order[:max(1, self.prefetch_next)]:
       units = self._layer_plans[a].units
-      if not units or self._source_pages(units[0])[1] > sealed:   # sealed pieces only: they stay
-        continue
-      src = self._source_array(*self.history_of(a), units[0])
-      self._prefetch[a] = (units[0], self._source_pages(units[0])[1], staging.to_device(src))
-      c["h2d_bytes"] += int(src.nbytes)
-      c["h2d_calls"] += 1
+      if units and self.stager.source_pages(units[0])[1] <= sealed:   # sealed pieces only: they stay
+        self.stager.prefetch(a, *self.history_of(a), units[0])
 
   def _lay_out_forward(self) -> None:
     """Ring slots, span plan, page table and placement pieces of every layer of this forward."""
@@ -471,14 +483,8 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     partition (`wave_pages`), so the folded carry has the bits of one call. A wave's streamed pages
     take ring slots 0.. and stage as a layer's do (`_stage_layout`: pieces of whole copy units, the
     partial last page; pages that hold no committed token yet are written by this forward's rows)."""
-    ring, b = self._wave_ring(), self._wave_pages
-    active, need = self._active, min(self._active, self._content)
-    width = ring // b * b
-    bounds, end = [0], (live + ring) // b * b
-    while end < active:
-      bounds.append(end)
-      end += width
-    bounds.append(active)
+    ring, active, need = self._wave_ring(), self._active, min(self._active, self._content)
+    bounds = wave_bounds(live, ring, self._wave_pages, active)
     waves = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
       first = max(lo, live)
@@ -511,48 +517,10 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
 
   def _stage_layout(self, a: int, live: int, phys: np.ndarray, held_from: int = -1,
                     end: Optional[int] = None):
-    """-> (sources, pieces (one device [k, 3] int32 per staged array) or None, tail page or -1):
-    which host arrays carry layer a's streamed pages that hold committed tokens, and where their
-    rows go.
-
-    Sources are ("block", lo, hi): sealed copy units [lo, hi) as one pinned mirror, and
-    ("unit", u, 0): one copy unit u, whole (the open unit too: pinned memory mirrors full pages
-    only). The sealed units come in pieces of 16 units and powers of two below (`staging.unit_pieces`), so every staged
-    array has one of a fixed set of shapes whatever the history's length (the placements compile
-    once); the first unit's pages before `live` travel along unplaced. A partial last page that
-    streams is uploaded on its own (`tail`). `held_from`: the device holds the committed rows of
-    pages from this one on (the open region, `_open_split`; -1: none). `end`: the last logical
-    page + 1 (a copy wave's)."""
-    c = self.copy_unit
+    """Layer a's stage in this forward (`staging.stage_layout`; `end`: a copy wave's last page + 1)."""
     need = min(self._active if end is None else end, self._content)   # committed streamed: [live, need)
-    full = min(need, self._full)
-    sources, rows = [], []
-
-    def runs(first, end, row0):                   # contiguous destination runs (a wrap splits them)
-      seg = phys[first - live:end - live]
-      return [(int(seg[i]) - (first + i - row0), first + i - row0, first + j - row0)
-              for i, j in staging.contiguous_runs(seg)]
-
-    sealed = full // c * c
-    for lo, hi in staging.unit_pieces(live, sealed, c, self.piece_units):
-      sources.append(("block", lo, hi) if hi - lo > c else ("unit", lo // c, 0))
-      rows.append(runs(max(lo, live), hi, lo))
-    held = held_from >= 0
-    if full > max(sealed, live) and not (held and held_from <= sealed):   # the open copy unit, whole
-      sources.append(("unit", sealed // c, 0))
-      rows.append(runs(max(sealed, live), full, sealed))
-    tail = full if need > full and full >= live and not held else -1
-    if tail >= 0:
-      rows.append([(int(phys[tail - live]), 0, 1)])
-    if not rows:
-      return (), None, -1
-    k = 2 if self.split_at_wrap else 1
-    if max(len(r) for r in rows) > k:
-      raise AssertionError("a ring run that does not split at the wrap crossed it")
-    pieces = np.zeros((len(rows), k, 3), np.int32)
-    for i, r in enumerate(rows):
-      pieces[i, :len(r)] = r
-    return tuple(sources), tuple(pieces), tail      # host arrays: `_lay_out_forward` sends them
+    return staging.stage_layout(live, phys, need, min(need, self._full), self.copy_unit, self.piece_units,
+                                held_from, 2 if self.split_at_wrap else 1)
 
   def layer_kv(self, cache_layer: int):
     t0 = time.perf_counter()
@@ -561,11 +529,10 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
       raise RuntimeError(f"cache layer {a} was not announced to begin_forward ({self._order})")
     lp = self._layer_plans[a]
     idx = self._order.index(a)
-    stage = self._stage.pop(a, None)
+    stage = self.stager.take(a)
     if stage is None:
       raise RuntimeError(f"cache layer {a}: no staged pages (layers must run in the order given to "
                          f"begin_forward: {self._order})")
-    self._held_bytes = sum(int(s.nbytes) for s in stage)
     pool = self._fill_resident(a, self.pool_pn)      # refills (rare) before the next layer's copies
     ahead = idx + self._depth
     if len(lp.waves) > 1:               # the layer's next wave goes out before this wave's step
@@ -574,7 +541,7 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
       self._issue(self._order[ahead])
     elif ahead == len(self._order):     # ... and then the next forward's first
       self._issue_prefetch()
-    self._note_staging()
+    self.stager.note_peak()
     if stage and idx > 0:       # a deadline sample: were this layer's pages there when enqueued?
       self.deadline_samples[a] += 1
       self.counters["deadline_samples"] += 1
@@ -594,11 +561,10 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     t0 = time.perf_counter()
     a = cache_layer
     lp = self._layer_plans.get(a)
-    stage = self._wave_stage.pop((a, wave), None)
+    stage = self.stager.take((a, wave))
     if lp is None or not 0 < wave < len(lp.waves) or stage is None:
       raise RuntimeError(f"cache layer {a}: wave {wave} was not issued (waves run in order after "
                          f"layer_kv)")
-    self._held_bytes = sum(int(s.nbytes) for s in stage)
     idx = self._order.index(a)
     if wave + 1 < len(lp.waves):
       self._issue(a, wave + 1)
@@ -606,16 +572,10 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
       self._issue(self._order[idx + 1])
     else:
       self._issue_prefetch()
-    self._note_staging()
+    self.stager.note_peak()
     wv = lp.waves[wave]
     self.counters["host_ms"] += (time.perf_counter() - t0) * 1e3
     return LayerKV(None, wv.table_t, stage, wv.pieces if stage else None, len(lp.waves), wv.tiles)
-
-  def _note_staging(self) -> None:
-    live = self._held_bytes + sum(int(s.nbytes) for d in (self._stage, self._wave_stage)
-                                  for v in d.values() for s in v)
-    live += sum(int(p[2].nbytes) for p in self._prefetch.values())
-    self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live)
 
   def end_layer(self, cache_layer: int, pool_pn, rows) -> None:
     """`rows`: the layer's `KVRows`, or a tuple of them, one a chunk of a chunked forward
@@ -666,16 +626,13 @@ class StreamedKV(MTPLeaseMixin, ResidentRefillMixin, staging.SourcesMixin):
     t0 = time.perf_counter()
     for hist in {id(self.history_of(a)[0]): self.history_of(a)[0] for a in layers}.values():
       self._drop_prefetch(self._pos, hist)   # rows rewritten inside a prefetched block (rare)
-    kb, pt = self.layout.k_row_bytes, self.layout.page_tokens
+    kb = self.layout.k_row_bytes
     for a, rows_sr in rows.items():
       hist, l = self.history_of(a)
       hist.write_rows(l, self._pos, rows_sr[:self._n, :kb], rows_sr[:self._n, kb:])
-    for a in layers:
+    for a in layers:     # the rows written stay in the open region (not in copy waves)
       live, _, open_page = self._open_split(a)
-      self.resident_valid[a] = live
-      if open_page >= 0 and not self._layer_plans[a].waves:   # the rows written stay in the open region
-        self.open_page[a] = open_page
-        self.open_rows[a] = self._pos + self._n - open_page * pt
+      self.device.commit(a, live, -1 if self._layer_plans[a].waves else open_page, self._pos + self._n)
     self._ended.clear()
     self._pending.clear()
     c = self.counters

@@ -7,8 +7,9 @@
 * `unit_pieces`, `piece_units`, `piece_sizes`: the staged arrays' fixed set of shapes (16 copy
   units and the powers of two below); `pack_rows`: the forward's new rows packed into one
   device-to-host copy.
-* `ResidentRefillMixin`: resident pages the device does not hold yet (first forwards, after a
-  rebind), uploaded in unit-aligned pieces and placed run by run.
+* `Stager`: the uploads of a streamed cache as a part of it: each layer's stage issued ahead of its
+  step, the next forward's prefetched block, resident refills (pages the device does not hold
+  yet: first forwards, after a rebind), and the staging bytes they hold.
 """
 
 from __future__ import annotations
@@ -175,28 +176,112 @@ def compact_capacities(caps) -> str:
   return ",".join(f"{n}x{c}" for n, c in runs)
 
 
-class ResidentRefillMixin:
-  """`StreamedKV`'s resident refills (uses its histories, counters, split and pool)."""
+class Stager:
+  """The uploads of a streamed cache, a part with a small interface: it owns what is on its way to
+  the device and accounts for it.
 
-  def _fill_resident(self, a: int, pool):
-    """Upload resident pages holding committed tokens that the device does not hold yet
-    (first forwards, and after a rebind: the resident mirror is rebuilt from the host), in
-    unit-aligned pieces whose staging fits one staging unit (`staging_unit_pages`)."""
-    hist, l = self.history_of(a)
-    live = self._open_split(a)[0]
-    need = min(live, self._content)
-    first = int(self.resident_valid[a])
-    base = int(self.resident_base[a])
+  * A layer's stage (or a copy wave's), issued ahead of its step (`issue`) and taken by it
+    (`take`); a layer's first piece may come from the block prefetched for it during the previous
+    forward (`prefetch`; `drop_prefetch` forgets blocks whose rows change).
+  * Resident refills: pages uploaded in copy-unit pieces (`upload`) and placed run by run (`place`).
+  * The sources: which host array carries a stage source (`source_array`: a pinned mirror, or numpy
+    pages of the same shapes without pinned memory) and the pages it carries (`source_pages`).
+  * Staging bytes: `held_bytes` (the stage of the step being run), `refill_bytes` (refills not yet
+    placed), the peak of everything live in `counters["staging_peak_bytes"]`; bytes and calls in
+    `counters["h2d_bytes"]`, `["h2d_calls"]`, prefetch hits and drops.
+
+  Every copy goes through this module's `to_device` (the fault-injection tests replace it)."""
+
+  def __init__(self, layout, copy_unit: int, pinned: bool, counters: Dict[str, Any]):
+    self.layout, self.copy_unit, self.pinned, self.counters = layout, int(copy_unit), bool(pinned), counters
+    self.stage: Dict[Any, Tuple[jax.Array, ...]] = {}        # layer a, or (a, wave) -> device arrays
+    self.prefetched: Dict[int, Tuple[Any, int, jax.Array]] = {}   # a -> (source, its end page, array)
+    self.held_bytes = 0
+    self.refill_bytes = 0
+
+  # -- sources -----------------------------------------------------------------------
+  def source_pages(self, src) -> Tuple[int, int]:
+    """The logical pages [lo, hi) a stage source carries."""
+    kind, lo, hi = src
     c = self.copy_unit
-    piece = max(c, (self.staging_unit - c) // c * c)   # unit-aligned pieces: staging <= one unit
-    while first < need:
-      end = min(need, (first // piece + 1) * piece)
-      pool = self._place(pool, self._upload(hist, l, first, end), lambda p: base + p)
-      self.pool_pn = pool    # the old buffer was donated: the live one stays even if a later copy fails
-      first = end
-    return pool
+    return (lo, hi) if kind == "block" else (lo * c, (lo + 1) * c)
 
-  def _upload(self, hist: HostHistory, l: int, lo: int, hi: int) -> List[Staged]:
+  def source_array(self, hist: HostHistory, l: int, src) -> Any:
+    """The host array of one stage source of layer l of `hist`: ("block", lo, hi) a pinned mirror of
+    sealed pages [lo, hi), ("unit", u, 0) copy unit u's pinned mirror (numpy pages of the same
+    shapes without pinned memory)."""
+    kind, lo, hi = src
+    if not self.pinned:
+      return host_pages(hist, l, *self.source_pages(src))
+    if kind == "block":
+      return hist.pinned_block(l, lo, hi)
+    arr, _ = hist.pinned_chunk(l, lo)
+    if arr is None:
+      raise AssertionError(f"copy unit {lo} of {hist.name} layer {l} has no full page")
+    return arr
+
+  def sources(self, hist: HostHistory, l: int, plan, skip_first: bool = False) -> Tuple:
+    """The host arrays of a stage (`plan`: a `LayerPlan` or a `Wave`), in the order of its pieces:
+    its units' arrays, then the partial last page (numpy). `skip_first`: the first is on the device
+    already (prefetched)."""
+    out = [self.source_array(hist, l, src) for src in (plan.units[1:] if skip_first else plan.units)]
+    if plan.tail_page >= 0:
+      out.append(hist.pages_lpn[l, plan.tail_page:plan.tail_page + 1].copy())
+    return tuple(out)
+
+  # -- a layer's stage -----------------------------------------------------------------
+  def issue(self, key, hist: HostHistory, l: int, plan) -> int:
+    """Queue the copies of the stage `plan` under `key` (a cache layer, or (layer, wave) for a copy
+    wave) -> bytes copied. A layer's block prefetched by the previous forward is used as it is when
+    it is the stage's first source (a prefetch hit), else dropped."""
+    reuse, pre = False, None
+    if not isinstance(key, tuple):
+      pre = self.prefetched.pop(key, None)
+      reuse = pre is not None and bool(plan.units) and plan.units[0] == pre[0]
+      if pre is not None:
+        self.counters["prefetch_hits" if reuse else "prefetch_dropped"] += 1
+    sources = self.sources(hist, l, plan, skip_first=reuse)
+    self.stage[key] = ((pre[2],) if reuse else ()) + tuple(to_device(x) for x in sources)
+    nbytes = sum(int(x.nbytes) for x in sources)
+    self.counters["h2d_bytes"] += nbytes
+    self.counters["h2d_calls"] += len(sources)
+    return nbytes
+
+  def take(self, key) -> Optional[Tuple[jax.Array, ...]]:
+    """The stage issued under `key` (None: none was), now held by the step being run."""
+    stage = self.stage.pop(key, None)
+    if stage is not None:
+      self.held_bytes = sum(int(s.nbytes) for s in stage)
+    return stage
+
+  def prefetch(self, a: int, hist: HostHistory, l: int, src) -> None:
+    """Copy layer a's first stage source now, for the next forward (`issue` uses it)."""
+    arr = self.source_array(hist, l, src)
+    self.prefetched[a] = (src, self.source_pages(src)[1], to_device(arr))
+    self.counters["h2d_bytes"] += int(arr.nbytes)
+    self.counters["h2d_calls"] += 1
+
+  def drop_prefetch(self, drop: Callable[[int, int], bool] = lambda a, hi: True) -> None:
+    """Forget the prefetched blocks for which `drop(layer, end page)` holds (default: all)."""
+    for a, (_, hi, _) in list(self.prefetched.items()):
+      if drop(a, hi):
+        del self.prefetched[a]
+        self.counters["prefetch_dropped"] += 1
+
+  def clear(self) -> None:
+    """Let go of every stage in flight (a new layout, a failed forward); prefetched blocks stay."""
+    self.stage = {}
+    self.held_bytes = 0
+    self.refill_bytes = 0
+
+  def note_peak(self) -> None:
+    """The staging peak: the step's stage, the stages in flight, refills, prefetched blocks."""
+    live = self.held_bytes + self.refill_bytes + sum(int(s.nbytes) for v in self.stage.values() for s in v)
+    live += sum(int(p[2].nbytes) for p in self.prefetched.values())
+    self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"], live)
+
+  # -- resident refills ------------------------------------------------------------------
+  def upload(self, hist: HostHistory, l: int, lo: int, hi: int) -> List[Staged]:
     """Host->device copies of logical pages [lo, hi) outside the compiled steps (resident refills):
     whole pinned copy units where the history has them, pageable numpy for the partial tail page(s),
     padded to one copy unit, so every staged array has a shape of the layers' stages."""
@@ -221,81 +306,68 @@ class ResidentRefillMixin:
         self.counters["h2d_bytes"] += c * pb
         self.counters["h2d_calls"] += 1
       page = end
-    self._staging_live += sum(int(st.array.nbytes) for st in staged)
-    self.counters["staging_peak_bytes"] = max(self.counters["staging_peak_bytes"],
-                                              self._held_bytes + self._staging_live)
+    self.refill_bytes += sum(int(st.array.nbytes) for st in staged)
+    self.note_peak()
     return staged
 
-  def _place(self, pool, staged: List[Staged], dst: Callable[[int], int]):
+  def place(self, pool, staged: List[Staged], dst: Callable[[int], int]):
     """Copy staged pages into the pool at `dst(logical page)` (consecutive pages to consecutive
     pool pages): one placement call a staged array, the compiled one of the layer steps."""
     for st in staged:
       base = dst(st.first) - st.offset
       pool = place_staged(pool, st.array, on_device(pieces_array([(base, st.offset, st.offset + st.count)])))
-    self._staging_live -= sum(int(st.array.nbytes) for st in staged)   # placed: buffers let go
+    self.refill_bytes -= sum(int(st.array.nbytes) for st in staged)   # placed: buffers let go
     return pool
 
 
-class SourcesMixin:
-  """`StreamedKV`'s stage sources (which host array carries a piece of a layer's pages) and its
-  fixed set of staged shapes (what `kvjax.warmup` compiles)."""
+def staged_shapes(copy_unit: int, piece_units: int, split_at_wrap: bool):
+  """-> [(pages, k)]: every (staged array pages, destination runs) a placement of a cache can take:
+  pieces of `piece_sizes` copy units and the partial page (a layer's, a wave's: k runs, 2 where a
+  run splits at the ring's wrap), copy units (resident refills, the MTP lease: one run)."""
+  k = 2 if split_at_wrap else 1
+  sizes = [copy_unit * j for j in piece_sizes(piece_units)] + [1]
+  return sorted({(n, k) for n in sizes} | {(n, 1) for n in sizes})
 
-  def _source_pages(self, src) -> Tuple[int, int]:
-    """The logical pages [lo, hi) a stage source carries."""
-    kind, lo, hi = src
-    c = self.copy_unit
-    return (lo, hi) if kind == "block" else (lo * c, (lo + 1) * c)
 
-  def _stage_sources(self, a: int, wave: int = 0, skip_first: bool = False) -> Tuple:
-    """The host arrays of layer a's stage (or of its copy wave `wave`), in the order of its pieces:
-    pinned_host arrays (numpy pages without pinned memory, padded to the same shapes), then the
-    partial last page (numpy). `skip_first`: the first source is already on the device
-    (prefetched)."""
-    hist, l = self.history_of(a)
-    lp = self._layer_plans[a]
-    if lp.waves:
-      lp = lp.waves[wave]
-    out = [self._source_array(hist, l, src) for src in (lp.units[1:] if skip_first else lp.units)]
-    if lp.tail_page >= 0:
-      out.append(hist.pages_lpn[l, lp.tail_page:lp.tail_page + 1].copy())
-    return tuple(out)
+def stage_layout(live: int, phys: np.ndarray, need: int, full: int, copy_unit: int, piece_units: int,
+                 held_from: int = -1, k: int = 1):
+  """-> (sources, pieces (one [k, 3] int32 per staged array) or None, tail page or -1): which host
+  arrays carry a layer's streamed pages [live, need) that hold committed tokens (`full`: pages whose
+  every token is committed), and where their rows go (`phys`: the pool page of each logical page
+  from `live` on).
 
-  def _source_array(self, hist: HostHistory, l: int, src) -> Any:
-    """The host array of one stage source of layer l of `hist`: ("block", lo, hi) a pinned mirror of
-    sealed pages [lo, hi), ("unit", u, 0) copy unit u's pinned mirror (numpy pages of the same
-    shapes without pinned memory)."""
-    kind, lo, hi = src
-    if not self.pinned:
-      return host_pages(hist, l, *self._source_pages(src))
-    if kind == "block":
-      return hist.pinned_block(l, lo, hi)
-    arr, _ = hist.pinned_chunk(l, lo)
-    if arr is None:
-      raise AssertionError(f"copy unit {lo} of {hist.name} layer {l} has no full page")
-    return arr
+  Sources are ("block", lo, hi): sealed copy units [lo, hi) as one pinned mirror, and
+  ("unit", u, 0): one copy unit u, whole (the open unit too: pinned memory mirrors full pages
+  only). The sealed units come in pieces of 16 units and powers of two below (`unit_pieces`), so
+  every staged array has one of a fixed set of shapes whatever the history's length (the placements
+  compile once); the first unit's pages before `live` travel along unplaced. A partial last page that
+  streams is uploaded on its own (`tail`). `held_from`: the device holds the committed rows of pages
+  from this one on (the open region; -1: none). `k`: destination runs a staged array may have (2:
+  a ring run may split at the wrap)."""
+  c = copy_unit
+  sources, rows = [], []
 
-  # -- the compiled shapes (kvjax.warmup) -------------------------------------------
-  def staged_shapes(self):
-    """-> [(pages, k)]: every (staged array pages, destination runs) a placement of this cache can
-    take: pieces of `piece_sizes` copy units and the partial page (a layer's, a wave's: k runs, 2
-    where a run splits at the ring's wrap), copy units (resident refills, the MTP lease: one run)."""
-    c, k = self.copy_unit, 2 if self.split_at_wrap else 1
-    sizes = [c * j for j in piece_sizes(self.piece_units)] + [1]
-    return sorted({(n, k) for n in sizes} | {(n, 1) for n in sizes})
+  def runs(first, end, row0):                   # contiguous destination runs (a wrap splits them)
+    seg = phys[first - live:end - live]
+    return [(int(seg[i]) - (first + i - row0), first + i - row0, first + j - row0)
+            for i, j in contiguous_runs(seg)]
 
-  def may_stream(self) -> bool:
-    """Can a forward of this cache stream a page (a layer's pages at `max_tokens` beyond its
-    resident region)?"""
-    return any(self.max_pages > r for r in self.stream.resident_pages_per_layer)
-
-  def may_resplit(self) -> bool:
-    """Can the split change while the pool keeps its size (the adaptive policy's)?"""
-    return False
-
-  def may_wave(self, mtp_lease: bool = False) -> bool:
-    """Can a forward of this cache stream a layer in copy waves (its streamed pages at `max_tokens`,
-    with the MTP layer's lease taken where speculation drafts with it, beyond the ring)?"""
-    caps = self.stream.resident_pages_per_layer
-    streamed = max(self.max_pages - r for r in caps) + (self.copy_unit - 1)   # the open region's slack
-    lease = self.max_pages - caps[-1] if self.cfg.has_mtp and mtp_lease else 0
-    return streamed + lease > self.stream.ring_slots
+  sealed = full // c * c
+  for lo, hi in unit_pieces(live, sealed, c, piece_units):
+    sources.append(("block", lo, hi) if hi - lo > c else ("unit", lo // c, 0))
+    rows.append(runs(max(lo, live), hi, lo))
+  held = held_from >= 0
+  if full > max(sealed, live) and not (held and held_from <= sealed):   # the open copy unit, whole
+    sources.append(("unit", sealed // c, 0))
+    rows.append(runs(max(sealed, live), full, sealed))
+  tail = full if need > full and full >= live and not held else -1
+  if tail >= 0:
+    rows.append([(int(phys[tail - live]), 0, 1)])
+  if not rows:
+    return (), None, -1
+  if max(len(r) for r in rows) > k:
+    raise AssertionError("a ring run that does not split at the wrap crossed it")
+  pieces = np.zeros((len(rows), k, 3), np.int32)
+  for i, r in enumerate(rows):
+    pieces[i, :len(r)] = r
+  return tuple(sources), tuple(pieces), tail      # host arrays: the forward's layout sends them
