@@ -53,6 +53,7 @@ def define_flags():
   flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
   flags.DEFINE_string("weight_type", "", "matrices as random blocks of this format, kept quantized (q8_0, q4_0, "
                       "q4_k, q5_k, q6_k; '': dequantized in --dtype)")
+  flags.DEFINE_string("weights_impl", "xla", "the quantized product with --weight_type: xla, pallas or pallas_gemv")
   flags.DEFINE_list("contexts", ["32768", "131072"], "history lengths (tokens)")
   flags.DEFINE_float("arena_mib", 2240.0, "device KV budget for the streamed run (MiB)")
   flags.DEFINE_list("pool_pages", [], "more streamed runs with these KV pools (pages; the smallest that "
@@ -101,7 +102,7 @@ def main(argv):
   os.makedirs(FLAGS.out, exist_ok=True)
   log = {"flags": {k: FLAGS[k].value for k in FLAGS if k in (
       "model", "dtype", "contexts", "arena_mib", "decode_steps", "page_tokens", "copy_pages", "attn_impl",
-      "block_pages", "k_type", "v_type", "tensor_parallel", "weight_type")}, "device": str(jax.devices()[0]),
+      "block_pages", "k_type", "v_type", "tensor_parallel", "weight_type", "weights_impl")}, "device": str(jax.devices()[0]),
       "jax": jax.__version__}
   tp = FLAGS.tensor_parallel
   t0 = time.perf_counter()
@@ -109,7 +110,8 @@ def main(argv):
     loaded = api.load_model(preset=FLAGS.model, dtype=FLAGS.dtype, page_tokens=FLAGS.page_tokens,
                             k_type=FLAGS.k_type, v_type=FLAGS.v_type, attn_impl=FLAGS.attn_impl,
                             block_pages=FLAGS.block_pages, tensor_parallel=tp,
-                            weight_type=FLAGS.weight_type or None, compile_cache=False)
+                            weight_type=FLAGS.weight_type or None, weights_impl=FLAGS.weights_impl,
+                            compile_cache=False)
   except api.ParameterError as e:
     raise app.UsageError(str(e)) from None
   runner, cfg = loaded.runner, loaded.cfg

@@ -7,7 +7,8 @@ For every weight shape of the 27B geometry (`kvjax.config.qwen38_27b`: the atten
 (+ gate), k, v and output projections, the recurrent layers' qkv and gate projections, the FFN's
 gate / up and down), every format (q8_0, q4_0, q4_k, q5_k, q6_k), rows S (1, 4: decode and
 verify; 256: a prefill chunk) and implementation of `kvjax_pallas.quant_matmul.api` ("xla":
-dequantize then dot; "pallas": the kernel; plus "bf16", a plain bf16 x bf16 dot of dense weights
+dequantize then dot; "pallas": the kernel; "pallas_gemv": its GEMV for S <= 16 (no dot, split
+over K); plus "bf16", a plain bf16 x bf16 dot of dense weights
 as the baseline): the median time a call, effective GB/s and TFLOP/s.
 
 Bytes counted: what a call must read once, the weight matrix as stored (N x row_bytes; N x K x 2
@@ -43,7 +44,8 @@ def define_flags():
   flags.DEFINE_bool("small", False, "CPU smoke test: small shapes, S 1 and 4, one round")
   flags.DEFINE_list("formats", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"], "weight formats")
   flags.DEFINE_list("rows", ["1", "4", "256"], "rows S of x")
-  flags.DEFINE_list("implementations", ["xla", "pallas", "bf16"], "xla, pallas, bf16 (baseline)")
+  flags.DEFINE_list("implementations", ["xla", "pallas", "pallas_gemv", "bf16"],
+                    "xla, pallas, pallas_gemv, bf16 (baseline)")
   flags.DEFINE_list("shapes", [], "tensor names to keep (default: all), e.g. ffn_up.weight")
   flags.DEFINE_integer("iters", 20, "calls a round")
   flags.DEFINE_integer("rounds", 5, "timed rounds (median)")
@@ -127,7 +129,7 @@ def run_case(jax, jnp, np, api, name, n, k, fmt, s, impl, interpret, copies_for,
     fn = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
                                                   preferred_element_type=jnp.float32))
   else:
-    w = reference.halfword_view(w_u8) if impl == "pallas" else w_u8
+    w = reference.halfword_view(w_u8) if impl.startswith("pallas") else w_u8
     w_bytes = formats.row_bytes(fmt, k) * n
     fn = jax.jit(lambda x, w: api.quant_matmul(x, w, fmt, k, implementation=impl, config=config,
                                                interpret=interpret))

@@ -42,7 +42,7 @@ def define_flags():
   flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
   flags.DEFINE_string("weight_type", "", "a preset's matrices as random blocks of this format, kept quantized "
                       "(q8_0, q4_0, q4_k, q5_k, q6_k; '': dequantized in --dtype)")
-  flags.DEFINE_string("weights_impl", "xla", "the quantized product: xla or pallas")
+  flags.DEFINE_string("weights_impl", "xla", "the quantized product: xla, pallas or pallas_gemv")
   flags.DEFINE_list("contexts", ["32768", "131072"], "prompt lengths (tokens)")
   flags.DEFINE_list("kinds", ["fixed"], "cache kinds: fixed, adaptive, phased")
   flags.DEFINE_integer("n_predict", 1024, "decoded tokens a generation")

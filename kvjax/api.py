@@ -216,7 +216,8 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
                             if weight_type else shapes, jdtype, tensor_parallel)
     weights = "quantized" if weight_type else "dequantized"
     model = engine.build_model(cfg, weights_lib.iter_random_device_tensors(cfg, weight_seed, dtype,
-                                                                           weight_type=weight_type), dtype=jdtype,
+                                                                           weight_type=weight_type,
+                                                                           weights_impl=weights_impl), dtype=jdtype,
                                names=config_lib.gguf_tensor_shapes(cfg))
     tok = None
   else:

@@ -32,7 +32,7 @@ from kvjax_pallas.quant_matmul import api as qmm
 
 FORMATS = tuple(qmm.FORMATS)                 # formats kept quantized ("q8_0", "q4_0", "q4_k", ...)
 WEIGHTS = ("quantized", "dequantized")       # load_model(weights=)
-IMPLEMENTATIONS = ("xla", "pallas")
+IMPLEMENTATIONS = qmm.IMPLEMENTATIONS          # load_model(weights_impl=): "xla", "pallas", "pallas_gemv"
 # matrices read only through `linear` or an embedding gather (what may stay quantized)
 _PRODUCT_LEAVES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
                    "ffn_up.weight", "ffn_down.weight", "attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight",

@@ -9,6 +9,7 @@ Hugging Face's +1 already folded in; `ssm_a = -exp(A_log) < 0`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
@@ -52,11 +53,13 @@ def random_tensors(cfg: ModelConfig, seed: int = 0, dtype=np.float32,
 
 def iter_random_device_tensors(cfg: ModelConfig, seed: int = 0, dtype="bfloat16",
                                include_optional: bool = True,
-                               weight_type: Optional[str] = None) -> Iterator[Tuple[str, "object"]]:
+                               weight_type: Optional[str] = None,
+                               weights_impl: str = "xla") -> Iterator[Tuple[str, "object"]]:
   """Like `iter_random_tensors`, but drawn on the default device with jax.random (for the
   27B geometry, where numpy generation of 54 GB would dominate the run). `weight_type` (a block
   format of `kvjax.qweights.FORMATS`): the matrices that may stay quantized come as random blocks
-  of that format (`qweights.random_quantized`, host bytes), as a quantized GGUF's would."""
+  of that format (`qweights.random_quantized`, host bytes), as a quantized GGUF's would, their
+  product `weights_impl` (`kvjax.qweights.IMPLEMENTATIONS`)."""
   import jax
   import jax.numpy as jnp
   from kvjax import qweights
@@ -64,7 +67,8 @@ def iter_random_device_tensors(cfg: ModelConfig, seed: int = 0, dtype="bfloat16"
   block = None if weight_type is None else qweights.block_values(weight_type)
   for k, (name, shape) in enumerate(sorted(gguf_tensor_shapes(cfg, include_optional).items())):
     if block is not None and qweights.keeps_quantized(name) and len(shape) == 2 and shape[1] % block == 0:
-      yield name, qweights.random_quantized(weight_type, shape[0], shape[1], seed=seed * 1_000_003 + k)
+      w = qweights.random_quantized(weight_type, shape[0], shape[1], seed=seed * 1_000_003 + k)
+      yield name, dataclasses.replace(w, impl=weights_impl)
       continue
     kk = jax.random.fold_in(key, k)
     leaf = name.split(".", 2)[-1] if name.startswith("blk.") else name

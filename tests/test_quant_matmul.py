@@ -147,8 +147,9 @@ def test_kernel_decode_bit_exact(fmt):
 # ----------------------------------------------------------------------------- matmul
 
 
-@pytest.fixture(params=api.IMPLEMENTATIONS)
+@pytest.fixture(params=[i for i in api.IMPLEMENTATIONS if i != "pallas_gemv"])
 def impl(request):
+  """The matmul implementations ("pallas_gemv" is its own test below: its rows are the GEMV's)."""
   return request.param
 
 
@@ -204,6 +205,55 @@ class TestQuantMatmul:
     _check_close(out, x.astype(np.float64) @ w_nk.T, x, w_nk)
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_gemv_matches_the_f64_oracle_and_reference(fmt):
+  """"pallas_gemv" (interpreted on CPU): f32 x of 1 and 5 rows (padded to 8), bf16 x of 2 rows,
+  within float32 summation rounding of the float64 product and of the jnp reference; a matrix of
+  48 columns (3 column tiles) and an odd block count (one block a chunk, no K split); more than 16
+  rows go to the matmul kernel."""
+  from kvjax_pallas.quant_matmul import gemv
+  n, k = SHAPE["n"], SHAPE["k"]
+  w = random_weights(fmt, n, k, seed=40)
+  w_nk = np.asarray(ref.dequantize_jit(jnp.asarray(w), fmt=fmt, k=k), np.float64)
+  run = lambda x, w, k, **kw: np.asarray(api.quant_matmul(jnp.asarray(x), jnp.asarray(w), fmt, k,  # noqa: E731
+                                                          implementation="pallas_gemv", interpret=INTERPRET, **kw))
+  for s in (1, 5):
+    x = _x(s, k, seed=40 + s)
+    out = run(x, w, k)
+    assert out.shape == (s, n)
+    _check_close(out, x.astype(np.float64) @ w_nk.T, x, w_nk)
+    _check_close(out, np.asarray(ref.quant_matmul_reference(jnp.asarray(x), jnp.asarray(w), fmt, k)), x, w_nk)
+  xb = _x(2, k, seed=49).astype(jnp.bfloat16)
+  wb = np.asarray(ref.dequantize_jit(jnp.asarray(w), fmt=fmt, k=k, dtype=jnp.bfloat16), np.float64)
+  _check_close(run(xb, w, k), xb.astype(np.float64) @ wb.T, xb.astype(np.float32), wb)
+  f = formats.FORMATS[fmt]
+  k3 = 3 * f.block_values
+  w3 = random_weights(fmt, 48, k3, seed=41)
+  t = gemv.resolve_tiles(gemv.GemvConfig(block_n=32), fmt, 3, 48, k3)
+  assert (t.bn, t.split, t.kb * t.chunks * t.split) == (16, 1, 3)
+  w3_nk = np.asarray(ref.dequantize_jit(jnp.asarray(w3), fmt=fmt, k=k3), np.float64)
+  x3 = _x(3, k3, seed=41)
+  _check_close(run(x3, w3.view(np.uint16), k3, config=gemv.GemvConfig(block_n=32)), x3.astype(np.float64) @ w3_nk.T,
+               x3, w3_nk)
+
+
+def test_gemv_tiles_and_bad_configs():
+  """The GEMV's tiles: rows padded to a power of two, a K chunk within `block_k` and within the
+  product's register budget (fewer blocks for more rows), K split into at most `split_k` ranges;
+  bad configs and row counts refused."""
+  from kvjax_pallas.quant_matmul import gemv
+  t1 = gemv.resolve_tiles(gemv.DEFAULT_CONFIG, "q8_0", 1, 17408, 5120)
+  t8 = gemv.resolve_tiles(gemv.DEFAULT_CONFIG, "q8_0", 7, 17408, 5120)
+  assert (t1.s_pad, t1.bn, t1.kb, t1.split, t1.chunks) == (1, 16, 8, 4, 5)     # 160 blocks
+  assert t8.s_pad == 8 and t8.kb == 4 and t8.kb * t8.chunks * t8.split == 5120 // 32
+  assert 8 * 16 * t8.kb * 16 <= gemv.PRODUCT_FLOATS
+  with pytest.raises(ValueError, match="split_k"):
+    gemv.resolve_tiles(gemv.GemvConfig(split_k=3), "q4_0", 1, 64, 512)
+  with pytest.raises(ValueError, match="17"):
+    gemv.resolve_tiles(gemv.DEFAULT_CONFIG, "q4_0", 17, 64, 512)
+  assert sorted(gemv.plane_order("q4_k").tolist()) == list(range(256))
+
+
 def test_gpu_kernel_at_27b_shapes():
   """Compiled kernel (GPU only) at the 27B model's projection shapes, decode and prefill rows,
   against the jnp reference."""
@@ -237,6 +287,14 @@ def test_lowers_for_the_triton_backend(fmt):
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
             jax.ShapeDtypeStruct((tiles.s_pad, k), dtype), w)
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+  from kvjax_pallas.quant_matmul import gemv     # the GEMV: 1 and 5 rows (padded to 8)
+  for s, dtype in ((1, jnp.bfloat16), (5, jnp.float32)):
+    tiles = gemv.resolve_tiles(gemv.DEFAULT_CONFIG, fmt, s, n, k)
+    fn = functools.partial(gemv._call, fmt=fmt, cfg=gemv.DEFAULT_CONFIG, tiles=tiles, interpret=False)
+    exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            jax.ShapeDtypeStruct((tiles.s_pad, k // f.block_values, f.block_values), dtype), w)
+    assert "__gpu$xla.gpu.triton" in exp.mlir_module()
 
 
 def test_bench_small_runs(tmp_path):
@@ -250,9 +308,9 @@ def test_bench_small_runs(tmp_path):
   assert p.returncode == 0, p.stderr[-3000:]
   rows = json.loads(out.read_text())["rows"]
   assert [(r["impl"], r["s"]) for r in rows] == [(i, s) for s in (1, 4)
-                                                 for i in ("xla", "pallas", "bf16")]
+                                                 for i in ("xla", "pallas", "pallas_gemv", "bf16")]
   assert all("error" not in r and r["gbps"] > 0 for r in rows)
-  assert all(r["check"] < 1e-5 for r in rows if r["impl"] == "pallas")
+  assert all(r["check"] < 1e-5 for r in rows if r["impl"].startswith("pallas"))
 
 
 # ----------------------------------------------------------------------------- tiles, errors

@@ -63,11 +63,13 @@ def test_quantized_logits_equal_dequantized(tmp_path, fmt):
   assert np.array_equal(lq, lp) and np.array_equal(mq, mp)
 
 
-def test_pallas_quantized_logits_within_1e3_of_dequantized(tmp_path):
-  """The kernel that dequantizes as it reads (interpret mode here), Q4_K layers: logits
-  within 1e-3 of the largest (float32), the same top-1 on every row."""
+@pytest.mark.parametrize("impl", ["pallas", "pallas_gemv"])
+def test_pallas_quantized_logits_within_1e3_of_dequantized(tmp_path, impl):
+  """The kernels that dequantize as they read (interpret mode here; "pallas_gemv": the GEMV for
+  these 8-row forwards), Q4_K layers: logits within 1e-3 of the largest (float32), the same top-1
+  on every row."""
   cfg = config_lib.tiny(**WIDE)
-  _, quant, plain = _models(_write(tmp_path / "q4_k.gguf", cfg, "q4_k"), impl="pallas")
+  _, quant, plain = _models(_write(tmp_path / "q4_k.gguf", cfg, "q4_k"), impl=impl)
   (lq, _), (lp, _) = _logits(quant, n=8), _logits(plain, n=8)
   assert np.abs(lq - lp).max() <= 1e-3 * np.abs(lp).max()
   assert np.array_equal(lq.argmax(-1), lp.argmax(-1))

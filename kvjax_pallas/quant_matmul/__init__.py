@@ -3,9 +3,10 @@ as they are read.
 
 Modules: `api` (the entry point and the registry of implementations), `formats` (block sizes,
 row sizes, argument checks), `reference` (plain jnp: dequantize, dequantize-then-dot) and
-`kernel` (the Pallas kernel that decodes weight tiles in registers).
+`kernel` (the Pallas kernel that decodes weight tiles in registers) and `gemv` (its form for a few
+rows of x: no dot, split over K).
 """
 from kvjax_pallas.quant_matmul.api import (quant_matmul, dequantize, FORMATS, IMPLEMENTATIONS,
-                                           QuantMatmulConfig)
+                                           GemvConfig, QuantMatmulConfig)
 
-__all__ = ["quant_matmul", "dequantize", "FORMATS", "IMPLEMENTATIONS", "QuantMatmulConfig"]
+__all__ = ["quant_matmul", "dequantize", "FORMATS", "IMPLEMENTATIONS", "GemvConfig", "QuantMatmulConfig"]

@@ -6,10 +6,13 @@ The implementations are a registry (`IMPLEMENTATIONS`, in `_REGISTRY`), each a f
   "xla"     `reference.quant_matmul_reference`: dequantize the whole matrix in jnp, then one dot
             (XLA fuses what it can). The default, until the kernel is measured on a GPU.
   "pallas"  `kernel.quant_matmul_pallas`: the weight tiles decoded inside a Pallas kernel
-            (Triton lowering; not yet compiled on a GPU), or anywhere with `interpret=True`.
+            (Triton lowering), or anywhere with `interpret=True`.
+  "pallas_gemv"  for S <= 16 rows (decode, verify) `gemv.quant_gemv_pallas`: the planes meet x
+            without a dot, split over K; more rows go to the "pallas" kernel.
 
 Kernel-only keyword arguments (checked, then ignored by "xla"):
-  config     a `QuantMatmulConfig` (tile sizes); None: `kernel.default_config` of the call.
+  config     a `QuantMatmulConfig` (the matmul kernel's tiles) or, for "pallas_gemv" rows, a
+             `GemvConfig`; None: the defaults of the call.
   interpret  run the Pallas kernel in the interpreter (CPU).
 
 Shapes: x_sk [S, K] float32 or bfloat16 (they meet the weights in bfloat16 for bfloat16 x, else
@@ -26,12 +29,14 @@ from typing import Callable, Optional
 import jax
 
 from kvjax_pallas.quant_matmul import formats as _formats
+from kvjax_pallas.quant_matmul import gemv as _gemv
 from kvjax_pallas.quant_matmul import kernel as _kernel
 from kvjax_pallas.quant_matmul import reference as _ref
 
 FORMATS = _formats.FORMATS
 FORMAT_NAMES = _formats.FORMAT_NAMES
 QuantMatmulConfig = _kernel.QuantMatmulConfig
+GemvConfig = _gemv.GemvConfig
 dequantize = _ref.dequantize
 row_bytes = _formats.row_bytes
 
@@ -53,9 +58,17 @@ def _pallas(x_sk, w_nb, fmt, k, *, config, interpret):
   return _kernel.quant_matmul_pallas(x_sk, w_nb, fmt, k, config=config, interpret=interpret)
 
 
+def _pallas_gemv(x_sk, w_nb, fmt, k, *, config, interpret):
+  if x_sk.shape[0] <= _gemv.GEMV_MAX_ROWS and not isinstance(config, QuantMatmulConfig):
+    return _gemv.quant_gemv_pallas(x_sk, w_nb, fmt, k, config=config, interpret=interpret)
+  return _pallas(x_sk, w_nb, fmt, k, config=config if isinstance(config, QuantMatmulConfig) else None,
+                 interpret=interpret)
+
+
 _REGISTRY = {impl.name: impl for impl in (
     Implementation("xla", _xla, kernel=False),
     Implementation("pallas", _pallas, kernel=True),
+    Implementation("pallas_gemv", _pallas_gemv, kernel=True),
 )}
 IMPLEMENTATIONS = tuple(_REGISTRY)
 DEFAULT_IMPLEMENTATION = "xla"
@@ -76,6 +89,8 @@ def quant_matmul(x_sk, w_nb, fmt: str, k: int, *, implementation: str = DEFAULT_
   _formats.check_k(fmt, k)
   _formats.check_weight(w_nb, fmt, k)
   _formats.check_x(x_sk, k)
-  if config is not None:
+  if isinstance(config, GemvConfig):
+    _gemv.check_config(config)
+  elif config is not None:
     _kernel.check_config(config)
   return impl.matmul(x_sk, w_nb, fmt, k, config=config, interpret=interpret)

@@ -113,18 +113,24 @@ def _pow2_divisor(n: int, cap: int) -> int:
   return d
 
 
-def check_config(cfg: QuantMatmulConfig) -> QuantMatmulConfig:
-  if not isinstance(cfg, QuantMatmulConfig):
-    raise ValueError(f"config must be a QuantMatmulConfig, got {type(cfg).__name__}")
-  for name in ("block_s", "block_n"):
+def check_fields(cfg, kind, pow2_fields, positive_fields):
+  """`cfg` is a `kind` whose `pow2_fields` are powers of two and `positive_fields` ints >= 1, or a
+  ValueError naming the field."""
+  if not isinstance(cfg, kind):
+    raise ValueError(f"config must be a {kind.__name__}, got {type(cfg).__name__}")
+  for name in pow2_fields:
     v = getattr(cfg, name)
     if not isinstance(v, int) or not _is_pow2(v):
       raise ValueError(f"{name} must be a power of two >= 1, got {v!r}")
-  for name in ("block_k", "num_warps", "num_stages"):
+  for name in positive_fields:
     v = getattr(cfg, name)
     if not isinstance(v, int) or v < 1:
       raise ValueError(f"{name} must be an int >= 1, got {v!r}")
   return cfg
+
+
+def check_config(cfg: QuantMatmulConfig) -> QuantMatmulConfig:
+  return check_fields(cfg, QuantMatmulConfig, ("block_s", "block_n"), ("block_k", "num_warps", "num_stages"))
 
 
 def resolve_tiles(cfg: QuantMatmulConfig, fmt: str, s: int, n: int, k: int) -> Tiles:
