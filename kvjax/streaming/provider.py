@@ -88,9 +88,10 @@ LAYOUTS_KEPT = 4     # forward layouts kept by key (`begin_forward`)
 
 
 class StreamedKV:
-  """KV provider over host-authoritative histories, resident pages and one shared ring. Two parts
-  with their own interfaces: `stager` (`staging.Stager`: the uploads on their way to the device)
-  and `mtp_lease` (`lease.RingLease`: the MTP layer's ring lease; None without an MTP layer)."""
+  """KV provider over host-authoritative histories, resident pages and one shared ring, composed of
+  parts with their own interfaces: `histories` (`HostHistory` a logical cache), `device`
+  (`DevicePool`: the pool and its regions), `stager` (`staging.Stager`: the uploads on their way to
+  the device) and `mtp_lease` (`lease.RingLease`: the MTP layer's ring lease; None without one)."""
 
   def __init__(self, cfg: ModelConfig, layout: PageLayout, max_tokens: int, stream: StreamConfig,
                pinned: Optional[bool] = None, split_at_wrap: bool = False):
