@@ -11,8 +11,8 @@ What it does instead:
   position of the block's halfwords, [BN, kb, w] with one scale per block) meet x's columns of the
   same positions directly: x is laid out plane-major once per call (`plane_order`: within each
   ggml block, plane 0's positions, then plane 1's, ...), so a plane's x columns are one
-  power-of-two load [S, kb, w]; the product is a broadcast multiply and two sums (CUDA cores),
-  per row of x.
+  power-of-two load [kb, w] a row; the product is a multiply and two sums (CUDA cores), a row of x
+  at a time (3-D values only), the decoded plane shared by the rows.
 * **Split over K.** The grid is (N / BN column tiles, `split_k` K ranges); each program writes its
   partial sums [S, BN], and the `split_k` partials are added in a fixed order after the call, so
   a matrix of few columns still gives every SM work.
@@ -44,7 +44,7 @@ from kvjax_pallas.quant_matmul import kernel as _kernel
 from kvjax_pallas.quant_matmul import reference as _ref
 
 GEMV_MAX_ROWS = 16
-PRODUCT_FLOATS = 8192   # the most floats of one plane's product [S_pad, BN, kb, w] (registers)
+PRODUCT_FLOATS = 8192   # the most floats of one plane's products [S_pad x [BN, kb, w]] (registers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,18 +121,20 @@ def _gemv_kernel(x_ref, w_ref, o_ref, *, fmt: str, tiles: GemvTiles, dtype):
   bn = w_ref.shape[0]
   first = pl.program_id(1) * t.chunks
 
-  def body(i, acc):                                   # acc [S_pad, BN] float32
+  def body(i, acc):                                   # acc: S_pad sums [BN] float32, one a row
     b0 = (first + i) * t.kb
     planes = _kernel._PLANES[fmt](_kernel._RefLoader(w_ref, b0, t.kb))   # pylint: disable=protected-access
+    acc = list(acc)
     for (_, val), c0, w in zip(planes, starts, widths):
       val = val.astype(dtype).astype(jnp.float32)     # [BN, kb, w]: the weights as the dot meets them
-      x_p = x_ref[:, pl.ds(b0, t.kb), pl.ds(c0, w)].astype(jnp.float32)   # [S_pad, kb, w]
-      prod = val[None] * x_p[:, None]                 # [S_pad, BN, kb, w]
-      acc = acc + jnp.sum(jnp.sum(prod, axis=3), axis=2)
-    return acc
+      for r in range(t.s_pad):                        # a row of x at a time: [BN, kb, w] products
+        x_p = x_ref[r, pl.ds(b0, t.kb), pl.ds(c0, w)].astype(jnp.float32)   # [kb, w]
+        acc[r] = acc[r] + jnp.sum(jnp.sum(val * x_p[None], axis=2), axis=1)
+    return tuple(acc)
 
-  acc = jax.lax.fori_loop(0, t.chunks, body, jnp.zeros((t.s_pad, bn), jnp.float32))
-  o_ref[...] = acc[None]
+  acc = jax.lax.fori_loop(0, t.chunks, body, tuple(jnp.zeros((bn,), jnp.float32) for _ in range(t.s_pad)))
+  for r in range(t.s_pad):
+    o_ref[0, r, :] = acc[r]
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "cfg", "tiles", "interpret"))
