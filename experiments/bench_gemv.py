@@ -56,6 +56,9 @@ def define_flags():
   flags.DEFINE_list("tiles", [], "pallas tile configs to compare, each block_s:block_n:block_k:warps:stages "
                     "(e.g. 16:64:512:4:3); each a row of impl 'pallas' with its tiles (default: the "
                     "kernel's default_config)")
+  flags.DEFINE_list("gemv_tiles", [], "pallas_gemv tile configs to compare, each "
+                    "block_n:block_k:split_k:warps:stages (e.g. 32:512:8:4:3); each a row of impl "
+                    "'pallas_gemv' with its tiles (default: gemv.DEFAULT_CONFIG)")
   flags.DEFINE_float("max_seconds", 1200.0, "stop starting new cases after this")
   flags.DEFINE_string("out", "", "JSON file for the rows (empty: none)")
 
@@ -114,6 +117,23 @@ def parse_tiles(text: str):
   if len(parts) != 5 or not all(p.isdigit() for p in parts):
     raise app.UsageError(f"--tiles entry {text!r}: want block_s:block_n:block_k:warps:stages, 5 integers")
   return api.QuantMatmulConfig(*(int(p) for p in parts))
+
+
+def gemv_default():
+  from kvjax_pallas.quant_matmul import gemv
+  return gemv.DEFAULT_CONFIG
+
+
+def parse_gemv_tiles(text: str):
+  """'bn:bk:split:warps:stages' -> a GemvConfig."""
+  from kvjax_pallas.quant_matmul import gemv
+  parts = text.split(":")
+  if len(parts) != 5 or not all(p.isdigit() for p in parts):
+    raise app.UsageError(f"--gemv_tiles entry {text!r}: want block_n:block_k:split_k:warps:stages, 5 integers")
+  try:
+    return gemv.check_config(gemv.GemvConfig(*(int(p) for p in parts)))
+  except ValueError as e:
+    raise app.UsageError(f"--gemv_tiles entry {text!r}: {e}") from None
 
 
 def run_case(jax, jnp, np, api, name, n, k, fmt, s, impl, interpret, copies_for, w_u8, ref_out,
@@ -180,7 +200,9 @@ def main(argv):
   for impl in FLAGS.implementations:
     if impl != "bf16":
       api.get_implementation(impl)
-  tile_configs = [(t, parse_tiles(t)) for t in FLAGS.tiles] or [("", None)]
+  tile_configs = {"pallas": [(t, parse_tiles(t)) for t in FLAGS.tiles] or [("", None)],
+                  # the GEMV itself at every S <= 16 (without a GemvConfig "pallas_gemv" takes one row)
+                  "pallas_gemv": [(t, parse_gemv_tiles(t)) for t in FLAGS.gemv_tiles] or [("", gemv_default())]}
 
   def copies_for(nbytes: int) -> int:
     return max(1, min(64, math.ceil(FLAGS.rotate_mib * 2**20 / nbytes))) if FLAGS.rotate_mib else 1
@@ -203,7 +225,7 @@ def main(argv):
           if time.time() - t0 > FLAGS.max_seconds:
             stopped = True
             break
-          for tiles, config in (tile_configs if impl == "pallas" else [("", None)]):
+          for tiles, config in tile_configs.get(impl, [("", None)]):
             row = run_case(jax, jnp, np, api, name, n, k, fmt, s, impl, interpret, copies_for,
                            w_u8, ref_out, x, config, tiles)
             table.append(row)

@@ -10,12 +10,21 @@ Entries are keyed by JAX on the program, the jax / jaxlib versions, XLA flags an
 one directory serves every model and version. Every program is cached, however short its compile
 (`jax_persistent_cache_min_compile_time_secs` 0): a decode compiles many small ones. JAX is imported
 when a function is called (the command line's `memory` runs without it).
+
+`remembered` keeps small values measured from compiled programs (an arena's workspace bytes, from
+XLA's memory analysis) in a `measured/` folder beside the programs, so that a second process sizes a
+cache without compiling the step it measures. Their key names the jax / jaxlib versions, the
+device, a hash of kvjax's own source and the caller's description of the program.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
-from typing import Optional, Union
+import pathlib
+from typing import Any, Callable, Dict, Optional, Union
 
 ENV = "KVJAX_COMPILE_CACHE_DIR"
 OFF = ("off", "0", "false", "no", "none")
@@ -72,3 +81,60 @@ def _reset() -> None:
     compilation_cache.reset_cache()
   except (ImportError, AttributeError):   # pragma: no cover - a jax without it reads the config anew
     pass
+
+
+_MEMO: Dict[str, Any] = {}     # this process's remembered values, by key
+
+
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+  """A hash of kvjax's and kvjax_pallas's Python source: a remembered measurement is of this code."""
+  h = hashlib.sha256()
+  root = pathlib.Path(__file__).resolve().parent.parent
+  for pkg in ("kvjax", "kvjax_pallas"):
+    for f in sorted((root / pkg).rglob("*.py")):
+      h.update(str(f.relative_to(root)).encode())
+      h.update(f.read_bytes())
+  return h.hexdigest()[:20]
+
+
+def memo_key(kind: str, description: str) -> str:
+  """The key of a value `kind` measured of the program `description` names, on this jax and device."""
+  import jax
+  import jaxlib
+  dev = jax.devices()[0]
+  text = "\n".join((kind, jax.__version__, getattr(jaxlib, "__version__", "?"), dev.platform,
+                    str(getattr(dev, "device_kind", "")), source_hash(), description))
+  return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def remembered(kind: str, description: str, measure: Callable[[], Any]) -> Any:
+  """`measure()` (a JSON value), or what it gave before for the same `kind` and `description` on
+  this jax, device and source: in this process, else from the persistent cache's `measured/` folder
+  (when the cache is on). A new value is written there; an unreadable entry is measured again."""
+  key = memo_key(kind, description)
+  if key in _MEMO:
+    return _MEMO[key]
+  directory = active()
+  path = os.path.join(directory, "measured", f"{kind}-{key}.json") if directory else None
+  if path and os.path.exists(path):
+    try:
+      with open(path) as f:
+        entry = json.load(f)
+      if entry.get("key") == key:
+        _MEMO[key] = entry["value"]
+        return entry["value"]
+    except (OSError, ValueError, KeyError, AttributeError):
+      pass
+  value = measure()
+  _MEMO[key] = value
+  if path:
+    try:
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      tmp = f"{path}.{os.getpid()}.tmp"
+      with open(tmp, "w") as f:
+        json.dump({"key": key, "kind": kind, "value": value}, f)
+      os.replace(tmp, path)
+    except OSError:   # a read-only cache: the value is still this process's
+      pass
+  return value

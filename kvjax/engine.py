@@ -35,7 +35,6 @@ from kvjax.model import AttentionOptions, KVRows, Qwen38, attend_wave, empty_car
     param_path, place_pages, rms_norm, zero_recurrent_state
 from kvjax_pallas.span_attention import api as span_api
 from kvjax_pallas.page_layout import PageLayout
-from kvjax.streaming.arena import workspace_bytes_from_compiled   # imports no engine: no cycle
 
 
 # ---------------------------------------------------------------------------
@@ -669,28 +668,6 @@ def _partition_pages(opts: AttentionOptions, layout: PageLayout, num_q_heads: in
   impl = span_api.resolve_implementation(opts.implementation, layout=layout,
                                          q_shape=(rows, num_q_heads, layout.head_dim))
   return span_api.resolve_block_pages(opts.block_pages, table_pages, rows, num_q_heads, layout, None, impl)
-
-
-def group_step_workspace_bytes(runner: "Runner", rows: int, max_tokens: Optional[int] = None,
-                               verify=False) -> int:
-  """Device scratch of the compiled group step for `rows` query rows (XLA memory analysis).
-
-  The prefill phase runs `rows = ubatch` (chunked Gated DeltaNet), decode `rows = 1`, a
-  speculative verify (`verify`: its capture, True or "replay") `rows` in the scan form. The page
-  table is sized for `max_tokens`; the pool argument is donated (aliased to the output), so the
-  pool size does not enter.
-  """
-  cfg, layout = runner.cfg, runner.layout
-  k = next((i for i, a in enumerate(runner.attn_index) if a is not None), 0)
-  gd, gs = runner.groups[k]
-  st = runner.zero_states()[k]
-  pages = layout.pages_for(max_tokens) if max_tokens else 4
-  compiled = _group_step.lower(
-      gd, gs, jnp.zeros((rows, cfg.hidden_size), runner.token_embd.dtype), st,
-      jnp.zeros((min(pages, 4), layout.page_bytes), jnp.uint8), jnp.zeros((pages,), jnp.int32),
-      jnp.int32(0), jnp.int32(rows), layout=layout, opts=runner.opts,
-      chunked=rows > 1 and not verify, capture=verify).compile()
-  return workspace_bytes_from_compiled(compiled)
 
 
 def recurrent_state_bytes(runner: "Runner") -> Tuple[int, int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from kvjax import engine, parallel, speculative
+from kvjax import engine, parallel, speculative, workspace
 from kvjax.streaming import StreamedKV
 from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV
 from kvjax.streaming.plan import KVGeometry, KVPlan, Workspaces, plan_kv
@@ -37,7 +37,7 @@ def measure(runner: engine.Runner, max_tokens: int, ubatch: int, phased: bool,
   one prefill micro-batch's."""
   ws, states = speculative.decode_workspace_bytes(runner, max_tokens, draft)
   return Workspaces(decode_bytes=ws, verify_states_bytes=states, decode_rows=1 if draft is None else draft.verify_width,
-                    prefill_bytes=engine.group_step_workspace_bytes(runner, ubatch, max_tokens) if phased else None)
+                    prefill_bytes=workspace.group_step_workspace_bytes(runner, ubatch, max_tokens) if phased else None)
 
 
 def plan(runner: engine.Runner, max_tokens: int, arena_mib=None, pool_pages=None, copy_pages: int = 8,

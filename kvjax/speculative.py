@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.engine import KVProvider, Runner, group_step_workspace_bytes, recurrent_state_bytes, select_row
+from kvjax.engine import KVProvider, Runner, recurrent_state_bytes, select_row
+from kvjax.workspace import group_step_workspace_bytes
 from kvjax.model import replay_state
 from kvjax.generate import CompileClock, GenerationResult, SequenceState, generate, generation_metrics, \
     mtp_rows, pick_row, prefill

@@ -20,6 +20,10 @@ from kvjax_pallas.page_layout import PageLayout
 PAGE = 16
 ORACLE_TOL = 1e-4      # f32 compute vs the float64 oracle
 F32_ROUNDING = 2e-5    # two float32 evaluation orders of the same math (chunked vs scan, ...)
+# two programs of other row counts through the chunked prefill, compiled by XLA's CPU backend
+# without LLVM's optimisation (tests/conftest.py): their transcendental and reduction code differs
+# more (measured 5.9e-5, against < 2e-5 optimised); a padding row that leaked would be O(1)
+PROGRAMS_ROUNDING = 1e-4
 
 
 def rel(a, b):
@@ -293,9 +297,9 @@ def test_padded_call_equals_unpadded_call(cfg, runner_of):
   toks = tokens_for(cfg, n + 1, 0)
   a, kva = run(r, cfg, toks, n_valid=n, pad_to=128)
   b, kvb = run(r, cfg, toks, n_valid=n)
-  assert rel(a.logits_rv, b.logits_rv) < F32_ROUNDING
+  assert rel(a.logits_rv, b.logits_rv) < PROGRAMS_ROUNDING
   for x, y in zip(jax.tree_util.tree_leaves(a.rec_states), jax.tree_util.tree_leaves(b.rec_states)):
-    assert rel(x, y) < F32_ROUNDING
+    assert rel(x, y) < PROGRAMS_ROUNDING
   lay = r.layout
   for layer in range(cfg.num_attention_layers):
     pa = kva.layer_bytes(layer, 128).astype(np.uint8)
@@ -309,11 +313,11 @@ def test_padded_call_equals_unpadded_call(cfg, runner_of):
       assert not p[last, lay.v_offset + r0 * lay.v_row_bytes:].any()
     ka = pa[:, :lay.k_plane_bytes].view(np.float32)
     kb = pb[:, :lay.k_plane_bytes].view(np.float32)
-    assert rel(ka, kb) < F32_ROUNDING
+    assert rel(ka, kb) < PROGRAMS_ROUNDING
   # one more decode token on each gives the same logits
   oa = r.forward(toks[n:n + 1], n, 1, a.rec_states, kva)
   ob = r.forward(toks[n:n + 1], n, 1, b.rec_states, kvb)
-  assert rel(oa.logits_rv, ob.logits_rv) < F32_ROUNDING
+  assert rel(oa.logits_rv, ob.logits_rv) < PROGRAMS_ROUNDING
 
 
 # ---------------------------------------------------------------------------

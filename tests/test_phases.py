@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvjax.streaming import arena as arena_lib
-from kvjax import engine
+from kvjax import engine, workspace
 from kvjax.streaming import StreamedKV, adaptive_staging_reserve_pages, fixed_split, staging_reserve_pages
 from kvjax.streaming import policy as policy_lib
 from kvjax.streaming.phases import AdaptiveStreamedKV, PhasedKV
@@ -20,8 +20,8 @@ def setup():
 
 def test_prefill_decode_prefill_across_two_requests(setup):
   cfg, runner, layout = setup
-  ws_prefill = engine.group_step_workspace_bytes(runner, UBATCH)
-  ws_decode = engine.group_step_workspace_bytes(runner, 1)
+  ws_prefill = workspace.group_step_workspace_bytes(runner, UBATCH)
+  ws_decode = workspace.group_step_workspace_bytes(runner, 1)
   assert ws_prefill > ws_decode + 2 * layout.page_bytes  # the micro-batch step needs more scratch
   max_tokens = 256
   arena_bytes = ws_prefill + 64 * layout.page_bytes
@@ -163,8 +163,8 @@ def test_adaptive_policy_rebinds_on_arena_change(setup):
   workspace difference) rebinds the policy (`policy.rebind`: a fresh state on that pool, one step
   at the committed length) and places its capacities; tokens equal the plain cache's."""
   cfg, runner, layout = setup
-  ws_prefill = engine.group_step_workspace_bytes(runner, UBATCH)
-  ws_decode = engine.group_step_workspace_bytes(runner, 1)
+  ws_prefill = workspace.group_step_workspace_bytes(runner, UBATCH)
+  ws_decode = workspace.group_step_workspace_bytes(runner, 1)
   max_tokens = 256
   kv = AdaptiveStreamedKV(cfg, layout, max_tokens, pool_pages=20, copy_pages=2, pinned=False)
   phased = PhasedKV(kv, ws_prefill + 56 * layout.page_bytes, ws_prefill, ws_decode, max_tokens)

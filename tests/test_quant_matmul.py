@@ -207,25 +207,30 @@ class TestQuantMatmul:
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_gemv_matches_the_f64_oracle_and_reference(fmt):
-  """"pallas_gemv" (interpreted on CPU): f32 x of 1 and 5 rows (padded to 8), bf16 x of 2 rows,
-  within float32 summation rounding of the float64 product and of the jnp reference; a matrix of
-  48 columns (3 column tiles) and an odd block count (one block a chunk, no K split); more than 16
-  rows go to the matmul kernel."""
+  """The GEMV (interpreted on CPU): f32 x of 1 and 3 rows (padded to 4), bf16 x of 2 rows, within
+  float32 summation rounding of the float64 product and of the jnp reference; a matrix of 48
+  columns (3 column tiles) and an odd block count (one block a chunk, no K split). "pallas_gemv"
+  runs it for one row, or for up to 16 given a GemvConfig; other calls are the matmul kernel's."""
   from kvjax_pallas.quant_matmul import gemv
   n, k = SHAPE["n"], SHAPE["k"]
   w = random_weights(fmt, n, k, seed=40)
   w_nk = np.asarray(ref.dequantize_jit(jnp.asarray(w), fmt=fmt, k=k), np.float64)
   run = lambda x, w, k, **kw: np.asarray(api.quant_matmul(jnp.asarray(x), jnp.asarray(w), fmt, k,  # noqa: E731
                                                           implementation="pallas_gemv", interpret=INTERPRET, **kw))
-  for s in (1, 5):
+  for s in (1, 3):
     x = _x(s, k, seed=40 + s)
-    out = run(x, w, k)
+    out = run(x, w, k, config=gemv.DEFAULT_CONFIG)
     assert out.shape == (s, n)
+    if s == 1:     # one row: the GEMV without a config too
+      assert np.array_equal(out, run(x, w, k))
+    else:          # more rows without a GemvConfig: the matmul kernel's bits
+      assert np.array_equal(run(x, w, k), np.asarray(api.quant_matmul(
+          jnp.asarray(x), jnp.asarray(w), fmt, k, implementation="pallas", interpret=INTERPRET)))
     _check_close(out, x.astype(np.float64) @ w_nk.T, x, w_nk)
     _check_close(out, np.asarray(ref.quant_matmul_reference(jnp.asarray(x), jnp.asarray(w), fmt, k)), x, w_nk)
   xb = _x(2, k, seed=49).astype(jnp.bfloat16)
   wb = np.asarray(ref.dequantize_jit(jnp.asarray(w), fmt=fmt, k=k, dtype=jnp.bfloat16), np.float64)
-  _check_close(run(xb, w, k), xb.astype(np.float64) @ wb.T, xb.astype(np.float32), wb)
+  _check_close(run(xb, w, k, config=gemv.DEFAULT_CONFIG), xb.astype(np.float64) @ wb.T, xb.astype(np.float32), wb)
   f = formats.FORMATS[fmt]
   k3 = 3 * f.block_values
   w3 = random_weights(fmt, 48, k3, seed=41)

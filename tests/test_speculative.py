@@ -359,8 +359,15 @@ def test_rollback_state_is_the_captured_row(setup):
     ga = [np.asarray(x) for x in jax.tree.leaves(got)]
     ra = [np.asarray(x) for x in jax.tree.leaves(states)]
     assert len(ga) == len(ra) == 2 * sum(runner.n_recurrent)  # conv + delta state per GDN layer
-    for x, y in zip(ga, ra):     # one row a forward vs 4 in one: float rounding apart (~1e-6)
-      np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+    # one row a forward vs 4 in one: float rounding apart, within 1e-4 of the state's largest value
+    # (4e-6 / 4.4 with XLA's optimised CPU code, 2.8e-4 / 4.4 unoptimised as the suite compiles:
+    # tests/conftest.py); the neighbouring row's state is far outside that
+    scale = max(float(np.abs(y).max()) for y in ra)
+    for x, y in zip(ga, ra):
+      np.testing.assert_allclose(x, y, rtol=0, atol=1e-4 * scale)
+    if j:
+      other = [np.asarray(x) for x in jax.tree.leaves(engine.select_row(cap.rec_states, j - 1))]
+      assert max(float(np.abs(x - y).max()) for x, y in zip(other, ra)) > 1e-2 * scale
   first = jax.tree.leaves(engine.select_row(cap.rec_states, 0))
   last = jax.tree.leaves(engine.select_row(cap.rec_states, 3))
   assert any(not np.allclose(a, b) for a, b in zip(first, last))  # the rows really differ

@@ -103,13 +103,17 @@ def test_staged_arrays_come_in_the_shapes_the_cache_declares(model, monkeypatch)
 
 SECOND_PROCESS = """
 import json, sys, jax
-from kvjax import api
-hits = []
+from kvjax import api, workspace
+hits, measured = [], []
 jax.monitoring.register_event_listener(lambda e, **k: hits.append(e) if e.endswith("cache_hits") else None)
+analyse = workspace.workspace_bytes_from_compiled
+workspace.workspace_bytes_from_compiled = lambda c: measured.append(1) or analyse(c)
 model = api.load_model("tiny", page_tokens=16)
+arena = api.make_kv(model, 120, arena_mib=4, phased=True)
 kv = api.make_kv(model, 120, pool_pages=8)
 res = api.generate(model, kv, prompt_tokens=list(range(3, 83)), n_predict=8, ignore_eos=True)
-print(json.dumps({"hits": len(hits), "dir": res.metrics["compile_cache_dir"], "tokens": res.tokens}))
+print(json.dumps({"hits": len(hits), "dir": res.metrics["compile_cache_dir"], "tokens": res.tokens,
+                  "measured": len(measured), "workspaces": str(arena.plan.workspaces)}))
 """
 
 
@@ -127,6 +131,10 @@ def test_a_second_process_loads_the_programs_from_the_persistent_cache(tmp_path,
   assert runs[0]["dir"] == str(tmp_path / "jax") and any((tmp_path / "jax").iterdir())
   assert runs[0]["hits"] == 0 and runs[1]["hits"] > 10, runs     # the second process compiled from disk
   assert runs[0]["tokens"] == runs[1]["tokens"]
+  # the arena's workspaces (decode and prefill steps) measured by compiling once, then read back
+  assert runs[0]["measured"] == 2 and runs[1]["measured"] == 0, runs
+  assert runs[0]["workspaces"] == runs[1]["workspaces"]
+  assert len(list((tmp_path / "jax" / "measured").iterdir())) == 2
   before = compile_cache.active()
   compile_cache.enable(str(tmp_path / "on"))      # on, as in a process without the variable
   monkeypatch.setenv(compile_cache.ENV, "off")
@@ -136,4 +144,38 @@ def test_a_second_process_loads_the_programs_from_the_persistent_cache(tmp_path,
     res = api.generate(off, prompt_tokens=[3, 4, 5, 6], n_predict=1, ignore_eos=True)
     assert res.metrics["compile_cache_dir"] == "" and len(res.tokens) == 1
   finally:
+    compile_cache.enable(before or False)
+
+
+def test_remembered_measures_once_per_description_and_survives_a_bad_entry(tmp_path):
+  """compile_cache.remembered: a value measured once for a description, read back from the cache's
+  `measured/` folder by a process that has not seen it (the memo cleared), measured again for
+  another description or where the entry is unreadable; with the cache off nothing is written."""
+  before = compile_cache.active()
+  calls = []
+
+  def measure(v):
+    return lambda: calls.append(v) or v
+
+  compile_cache.enable(str(tmp_path / "c"))
+  try:
+    compile_cache._MEMO.clear()
+    assert compile_cache.remembered("probe", "program a", measure(11)) == 11
+    assert compile_cache.remembered("probe", "program a", measure(99)) == 11     # this process's
+    compile_cache._MEMO.clear()
+    assert compile_cache.remembered("probe", "program a", measure(99)) == 11     # from disk
+    assert compile_cache.remembered("probe", "program b", measure(22)) == 22
+    assert calls == [11, 22]
+    (entry,) = [f for f in (tmp_path / "c" / "measured").iterdir() if
+                json.loads(f.read_text())["value"] == 11]
+    entry.write_text("{not json")
+    compile_cache._MEMO.clear()
+    assert compile_cache.remembered("probe", "program a", measure(33)) == 33
+    assert json.loads(entry.read_text())["value"] == 33
+    compile_cache.disable()
+    compile_cache._MEMO.clear()
+    assert compile_cache.remembered("probe", "program c", measure(44)) == 44
+    assert sorted(f.name.split("-")[0] for f in (tmp_path / "c" / "measured").iterdir()) == ["probe"] * 2
+  finally:
+    compile_cache._MEMO.clear()
     compile_cache.enable(before or False)

@@ -7,12 +7,14 @@ The implementations are a registry (`IMPLEMENTATIONS`, in `_REGISTRY`), each a f
             (XLA fuses what it can). The default, until the kernel is measured on a GPU.
   "pallas"  `kernel.quant_matmul_pallas`: the weight tiles decoded inside a Pallas kernel
             (Triton lowering), or anywhere with `interpret=True`.
-  "pallas_gemv"  for S <= 16 rows (decode, verify) `gemv.quant_gemv_pallas`: the planes meet x
-            without a dot, split over K; more rows go to the "pallas" kernel.
+  "pallas_gemv"  for one row (decode) `gemv.quant_gemv_pallas`: the planes meet x without a
+            dot, split over K; more rows go to the "pallas" kernel, unless `config` is a
+            `GemvConfig` (then the GEMV takes up to 16 rows). On the H200 (2026-12-05) the GEMV
+            was the faster Q4_K product at one row and 1.3-5x slower than the kernel at four.
 
 Kernel-only keyword arguments (checked, then ignored by "xla"):
-  config     a `QuantMatmulConfig` (the matmul kernel's tiles) or, for "pallas_gemv" rows, a
-             `GemvConfig`; None: the defaults of the call.
+  config     a `QuantMatmulConfig` (the matmul kernel's tiles) or, for "pallas_gemv", a
+             `GemvConfig` (the GEMV's tiles, for up to 16 rows); None: the defaults of the call.
   interpret  run the Pallas kernel in the interpreter (CPU).
 
 Shapes: x_sk [S, K] float32 or bfloat16 (they meet the weights in bfloat16 for bfloat16 x, else
@@ -58,8 +60,13 @@ def _pallas(x_sk, w_nb, fmt, k, *, config, interpret):
   return _kernel.quant_matmul_pallas(x_sk, w_nb, fmt, k, config=config, interpret=interpret)
 
 
+GEMV_ROUTED_ROWS = 1   # "pallas_gemv" without a GemvConfig: the GEMV up to this many rows
+
+
 def _pallas_gemv(x_sk, w_nb, fmt, k, *, config, interpret):
-  if x_sk.shape[0] <= _gemv.GEMV_MAX_ROWS and not isinstance(config, QuantMatmulConfig):
+  rows = x_sk.shape[0]
+  if rows <= (_gemv.GEMV_MAX_ROWS if isinstance(config, GemvConfig) else
+              GEMV_ROUTED_ROWS if config is None else 0):
     return _gemv.quant_gemv_pallas(x_sk, w_nb, fmt, k, config=config, interpret=interpret)
   return _pallas(x_sk, w_nb, fmt, k, config=config if isinstance(config, QuantMatmulConfig) else None,
                  interpret=interpret)

@@ -29,6 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kvjax_pallas.page_layout import BLOCK_FORMATS, PageLayout
 from kvjax_pallas.span_attention import combine as _combine
 from kvjax_pallas.span_attention import magic_ptx
+from kvjax_pallas.span_attention import mosaic_names
 from kvjax_pallas.span_attention import reference as _ref
 
 SUPPORTED_PAIRS = (("q8_0", "q4_0"),)
@@ -44,6 +45,8 @@ COMBINE_ROWS = 8           # the combine's row block (the kernels' padded rows a
 COMBINE_COLS = 8           # the combine's column block: 2 elements a thread
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+
+mosaic_names.install()     # kernel modules named by content: one persistent-cache key a program
 
 
 def check_layout(layout: PageLayout, head_dim: int):
