@@ -229,5 +229,8 @@ def report(rows):
 
 
 if __name__ == "__main__":
+  # the 27B's 53 GiB of bf16 weights beside the arena and XLA's autotuning buffers: on an 80 GB card
+  # jax's default 75% of the device ran out at the first forward's output head (2026-12-05, H100)
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   define_flags()
   app.run(main)

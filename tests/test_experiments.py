@@ -755,3 +755,30 @@ def test_acceptance_both_drafter_is_ngram_and_mtp():
            **{f"acc_pos_{i}": 0.5 for i in range(1, 7)}, **{f"cond_pos_{i}": 0.5 for i in range(1, 7)}}]
   (s,) = acceptance.summarize(rows)
   assert s["acc_pos_6"] == 0.5 and s["ngram_share"] == 0.5 and "ngram" in acceptance.table([s])
+
+
+def test_compare_llama_cpp_prepares_its_files_and_scores_agreement(tmp_path):
+  """experiments.compare_llama_cpp without llama.cpp (it is not installed here): the files it hands
+  both sides (code-tiny re-quantized to Q4_0 with its tokenizer; random Q4_K matrices and the same
+  matrices dequantized to f32, in a geometry of 256-value rows) load in kvjax as they should, the
+  scores count agreement and near ties, and without a llama.cpp tree it refuses in one line."""
+  import numpy as np
+  from kvjax import api, gguf_io
+  import experiments.compare_llama_cpp as cmp
+  q4 = gguf_io.read_gguf(cmp.model_file("code-tiny:q4_0", str(tmp_path)))
+  assert q4.tensor_info("blk.0.ffn_up.weight").ggml_type.name == "Q4_0" and q4.tokenizer_spec
+  quant = api.load_model(cmp.model_file("wide:q4_k", str(tmp_path)), weights="quantized")
+  f32 = gguf_io.read_gguf(cmp.model_file("wide:q4_k:f32", str(tmp_path)))
+  assert quant.weights == "quantized" and f32.tensor_info("blk.0.ffn_up.weight").ggml_type.name == "F32"
+  plain = api.load_model(str(tmp_path / "wide-q4_k.gguf"), weights="dequantized")
+  toks = cmp.tokens_for(quant, 8) if quant.tokenizer is not None else list(range(3, 11))
+  assert np.array_equal(api.teacher_forced_logits(plain, toks),
+                        api.teacher_forced_logits(api.load_model(str(tmp_path / "wide-q4_k-f32.gguf")), toks))
+  theirs = np.array([[0.0, 1.0, 0.98], [2.0, 0.0, 1.0], [0.0, 0.0, 3.0]], np.float32)
+  ours = np.array([[0.0, 0.9, 1.0], [2.0, 0.0, 1.0], [3.5, 0.0, 3.0]], np.float32)
+  score = cmp.compare(ours, theirs, tie=0.05)
+  assert score["top1_agree"] == pytest.approx(1 / 3) and score["disagree"] == 2
+  assert score["disagree_near_ties"] == 1 and score["max_rel_diff"] == pytest.approx(3.5 / 3.0)
+  p = subprocess.run([sys.executable, "-m", "experiments.compare_llama_cpp", f"--out={tmp_path}"],
+                     capture_output=True, text=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=240)
+  assert p.returncode != 0 and "--llama_cpp and --llama_build are needed" in p.stderr
