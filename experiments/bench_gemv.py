@@ -26,6 +26,7 @@ program runs (CPU). Imports kvjax only for the geometry.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -110,30 +111,34 @@ def _time_calls(jax, fn, xs, ws, iters: int, rounds: int) -> float:
   return per[len(per) // 2]
 
 
+def _parse_config(text: str, flag: str, cls, check=None):
+  """'a:b:c:d:e' (the five int fields of `cls`, in order) -> a `cls`, checked by `check` if given."""
+  names = [f.name for f in dataclasses.fields(cls)]
+  parts = text.split(":")
+  if len(parts) != len(names) or not all(p.isdigit() for p in parts):
+    raise app.UsageError(f"--{flag} entry {text!r}: want {':'.join(names)}, {len(names)} integers")
+  try:
+    cfg = cls(*(int(p) for p in parts))
+    return check(cfg) if check else cfg
+  except ValueError as e:
+    raise app.UsageError(f"--{flag} entry {text!r}: {e}") from None
+
+
 def parse_tiles(text: str):
   """'bs:bn:bk:warps:stages' -> a QuantMatmulConfig."""
   from kvjax_pallas.quant_matmul import api
-  parts = text.split(":")
-  if len(parts) != 5 or not all(p.isdigit() for p in parts):
-    raise app.UsageError(f"--tiles entry {text!r}: want block_s:block_n:block_k:warps:stages, 5 integers")
-  return api.QuantMatmulConfig(*(int(p) for p in parts))
+  return _parse_config(text, "tiles", api.QuantMatmulConfig)
+
+
+def parse_gemv_tiles(text: str):
+  """'bn:bk:split:warps:stages' -> a GemvConfig (checked)."""
+  from kvjax_pallas.quant_matmul import gemv
+  return _parse_config(text, "gemv_tiles", gemv.GemvConfig, gemv.check_config)
 
 
 def gemv_default():
   from kvjax_pallas.quant_matmul import gemv
   return gemv.DEFAULT_CONFIG
-
-
-def parse_gemv_tiles(text: str):
-  """'bn:bk:split:warps:stages' -> a GemvConfig."""
-  from kvjax_pallas.quant_matmul import gemv
-  parts = text.split(":")
-  if len(parts) != 5 or not all(p.isdigit() for p in parts):
-    raise app.UsageError(f"--gemv_tiles entry {text!r}: want block_n:block_k:split_k:warps:stages, 5 integers")
-  try:
-    return gemv.check_config(gemv.GemvConfig(*(int(p) for p in parts)))
-  except ValueError as e:
-    raise app.UsageError(f"--gemv_tiles entry {text!r}: {e}") from None
 
 
 def run_case(jax, jnp, np, api, name, n, k, fmt, s, impl, interpret, copies_for, w_u8, ref_out,

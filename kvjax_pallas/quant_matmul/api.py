@@ -64,9 +64,8 @@ GEMV_ROUTED_ROWS = 1   # "pallas_gemv" without a GemvConfig: the GEMV up to this
 
 
 def _pallas_gemv(x_sk, w_nb, fmt, k, *, config, interpret):
-  rows = x_sk.shape[0]
-  if rows <= (_gemv.GEMV_MAX_ROWS if isinstance(config, GemvConfig) else
-              GEMV_ROUTED_ROWS if config is None else 0):
+  gemv_rows = {GemvConfig: _gemv.GEMV_MAX_ROWS, type(None): GEMV_ROUTED_ROWS}.get(type(config), 0)
+  if x_sk.shape[0] <= gemv_rows:
     return _gemv.quant_gemv_pallas(x_sk, w_nb, fmt, k, config=config, interpret=interpret)
   return _pallas(x_sk, w_nb, fmt, k, config=config if isinstance(config, QuantMatmulConfig) else None,
                  interpret=interpret)
