@@ -115,6 +115,7 @@ def run_case(api, model, ctx: int, kind: str):
              predicted_compiles=m["predicted_compiles"], compile_cache_dir=m.get("compile_cache_dir", ""),
              compile_trace_ms=m["compile_trace_ms"], compile_lower_ms=m["compile_lower_ms"],
              compile_backend_ms=m["compile_backend_ms"], compile_cache_hits=m["compile_cache_hits"],
+             executables_loaded=m.get("executables_loaded", 0),
              decode_tps=m["decode_tps"], h2d_prefill_bytes=h2d_at_first[0] if h2d_at_first else 0,
              h2d_decode_bytes=m.get("h2d_bytes", 0) - (h2d_at_first[0] if h2d_at_first else 0),
              waves=m.get("waves", 0), forwards=m.get("forwards", 0),

@@ -579,14 +579,18 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   runner = model.runner
   sampling = gen_lib.SamplingParams(temperature, top_k, seed, top_p)
 
+  capture = speculative.ROLLBACKS[spec.rollback].capture if spec else True
+
   def on_phase(phase):   # in each phase first the placements and copy waves later forwards may run
     phased = hasattr(kv.provider, "enter")   # a pool of its own a phase: that phase's forwards
     if phased:
       kv.provider.enter(phase)
+    if phase == "prefill":   # every phase's programs loaded or compiling side by side (`warmup.prepare`)
+      warm_lib.prepare(runner, kv.provider, ubatch, verify_rows(spec), capture, spec is not None and spec.uses_mtp)
     warm_lib.compile_cache(runner, kv.provider,
-                           warm_lib.forward_shapes(ubatch, verify_rows(spec), phase if phased else None,
-                                                   speculative.ROLLBACKS[spec.rollback].capture if spec else True),
-                           mtp_lease=spec is not None and spec.uses_mtp)
+                           warm_lib.forward_shapes(ubatch, verify_rows(spec), phase if phased else None, capture),
+                           mtp_lease=spec is not None and spec.uses_mtp,
+                           inert_rows=warm_lib.forward_shapes(ubatch, verify_rows(spec), phase, capture))
 
   def run_once(on_logits=None):
     if kv.used:
@@ -616,14 +620,16 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
 def warmup(model: LoadedModel, kv: KVCache, *, ubatch: int = 256,
            spec: Optional[SpecConfig] = None) -> Dict[str, float]:
   """Compile every program a generation on `kv` can run (`kvjax.warmup`: a short generation through
-  the cache, then what it did not reach). -> {"compiles": programs, "compile_ms", "s": seconds}."""
+  the cache, then what it did not reach). -> {"compiles": programs, "compile_ms", "executables_loaded"
+  (compiled steps read from the cache's folder instead: `kvjax.executables`), "s": seconds}."""
   check_generation(n_predict=2, ubatch=ubatch, spec=spec, phased=kv.info["kv"].endswith("+phased"))
   n_predict = 2 + (0 if spec is None else 2 * spec.n_max)
   ids = warm_lib.short_prompt(kv.max_tokens, ubatch, n_predict + verify_rows(spec))
   t0 = time.perf_counter()
   with gen_lib.CompileClock() as clock:
     generate(model, kv, prompt_tokens=ids, n_predict=n_predict, ignore_eos=True, spec=spec, ubatch=ubatch)
-  return {"compiles": clock.programs, "compile_ms": clock.seconds * 1e3, "s": time.perf_counter() - t0}
+  return {"compiles": clock.programs, "compile_ms": clock.seconds * 1e3, "executables_loaded": clock.loaded,
+          "s": time.perf_counter() - t0}
 
 
 _compile_ahead = warmup   # `generate`'s flag of the same name hides the function there

@@ -48,7 +48,9 @@ def enable(path: Union[str, bool, None] = None) -> Optional[str]:
   directory = default_dir() if path in (None, True) else os.path.expanduser(str(path))
   if directory is None:
     return disable()
+  global _CURRENT
   if active() == directory:
+    _CURRENT = directory
     return directory
   os.makedirs(directory, exist_ok=True)
   import jax
@@ -56,16 +58,28 @@ def enable(path: Union[str, bool, None] = None) -> Optional[str]:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   _reset()
+  _CURRENT = directory
   return directory
 
 
 def disable() -> None:
   """Turn the persistent cache off (programs compile in this process only)."""
+  global _CURRENT
+  _CURRENT = None
   if active() is not None:
     import jax
     jax.config.update("jax_compilation_cache_dir", None)
     _reset()
   return None
+
+
+_CURRENT: Optional[str] = None   # the directory `enable` set (read on every stored step's call)
+
+
+def current() -> Optional[str]:
+  """The directory kvjax turned the cache on at (`enable`), or None: what `kvjax.executables`
+  stores in, without asking jax's configuration (a call on the decode's hot path)."""
+  return _CURRENT
 
 
 def active() -> Optional[str]:

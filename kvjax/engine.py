@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax import executables
 from kvjax.config import MTP_OPTIONAL, ModelConfig, gguf_tensor_shapes
 from kvjax.qweights import QuantizedWeight, with_dtype
 from kvjax.model import AttentionOptions, KVRows, Qwen38, attend_wave, empty_carry, layer_groups, output_head, \
@@ -270,7 +271,7 @@ def merge_static(structure: StaticStructure, leaves):
   return nnx.merge(structure.graphdef, jax.tree_util.tree_unflatten(structure.treedef, list(leaves)))
 
 
-@functools.partial(jax.jit, donate_argnames=("pool_pn",))
+@executables.jit(donate_argnames=("pool_pn",))
 def place_staged(pool_pn, rows_rn, pieces_k3):
   """Staged pages into the pool before a layer's step: `rows_rn [c, page_bytes]` (one staged array),
   `pieces_k3[k] = (base, lo, hi)` its contiguous destination runs (`kvjax.model.place_rows`). Apart
@@ -279,8 +280,8 @@ def place_staged(pool_pn, rows_rn, pieces_k3):
   return place_pages(pool_pn, (rows_rn,), pieces_k3[None])
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "layout", "opts", "chunked", "capture"),
-                   donate_argnames=("pool_pn",))
+@executables.jit(static_argnames=("graphdef", "layout", "opts", "chunked", "capture"),
+                 donate_argnames=("pool_pn",), params="state")
 def _group_step(graphdef, state, x_se, rec_states, pool_pn, table_t, pos, n_valid, *,
                 layout, opts, chunked, capture=False):
   """One LayerGroup. `graphdef` is a `StaticStructure`, `state` its flat leaves."""
@@ -288,7 +289,7 @@ def _group_step(graphdef, state, x_se, rec_states, pool_pn, table_t, pos, n_vali
   return group(x_se, rec_states, pool_pn, table_t, pos, n_valid, layout, opts, chunked, capture)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "layout", "chunked", "capture"))
+@executables.jit(static_argnames=("graphdef", "layout", "chunked", "capture"), params="state")
 def _group_attn_begin(graphdef, state, x_se, rec_states, pos, n_valid, *, layout, chunked, capture=False):
   """A group whose attention runs in copy waves (`_wave_step`), up to span attention:
   -> (x_se after the recurrent blocks, states, q_shd, gate_se, rows, the empty carry the first wave
@@ -300,7 +301,7 @@ def _group_attn_begin(graphdef, state, x_se, rec_states, pos, n_valid, *, layout
 
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
+@executables.jit(static_argnames=("graphdef",), params="state")
 def _group_attn_end(graphdef, state, x_se, carry, gate_se):
   """The rest of the group after its last wave: the carry normalised, gate, output, FFN."""
   block = merge_static(graphdef, state).attention
@@ -308,30 +309,30 @@ def _group_attn_end(graphdef, state, x_se, carry, gate_se):
   return block.attend_end(x_se, o_shd, gate_se)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "opts"), donate_argnames=("pool_pn",))
+@executables.jit(static_argnames=("layout", "opts"), donate_argnames=("pool_pn",))
 def _wave_step(pool_pn, table_t, rows, q_shd, carry, pos, n_valid, tile_begin, tile_end, *, layout, opts):
   return attend_wave(pool_pn, table_t, rows, q_shd, carry, pos, n_valid, tile_begin, tile_end, layout, opts)
 
 
-@jax.jit
+@executables.jit
 def _embed_step(token_embd_ve, tokens_s):
   return token_embd_ve[tokens_s]
 
 
-@functools.partial(jax.jit, static_argnames=("eps",))
+@executables.jit(static_argnames=("eps",))
 def _head_step(output_norm_e, output_ve, x_se, rows_r, *, eps):
   """-> (logits of the selected rows [R, V] f32, post-norm hidden of every row [S, E])."""
   logits, _ = output_head(x_se[rows_r], output_norm_e, output_ve, eps)
   return logits, rms_norm(x_se, output_norm_e, eps)
 
 
-@functools.partial(jax.jit, static_argnames=("eps",))
+@executables.jit(static_argnames=("eps",))
 def _norm_step(output_norm_e, x_se, *, eps):
   """The post-norm hidden of every row [S, E] (`_head_step`'s, without logits)."""
   return rms_norm(x_se, output_norm_e, eps)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "layout", "opts"), donate_argnames=("pool_pn",))
+@executables.jit(static_argnames=("graphdef", "layout", "opts"), donate_argnames=("pool_pn",), params="state")
 def _mtp_step(graphdef, state, token_embd_ve, output_norm_e, output_ve, hn_se, next_tokens_s, pool_pn,
               table_t, pos, n_valid, *, layout, opts):
   mtp = merge_static(graphdef, state)
@@ -339,8 +340,8 @@ def _mtp_step(graphdef, state, token_embd_ve, output_norm_e, output_ve, hn_se, n
              layout, opts)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "layout", "opts", "steps"),
-                   donate_argnames=("pool_pn",))
+@executables.jit(static_argnames=("graphdef", "layout", "opts", "steps"),
+                 donate_argnames=("pool_pn",), params="state")
 def _mtp_draft_steps(graphdef, state, token_embd_ve, output_norm_e, output_ve, hm_1e, d, p, p_min, pool_pn,
                      table_t, pos, limit, *, layout, opts, steps):
   """MTP drafting as one program: from the candidate `d` (top-1 probability `p`) proposed by the
@@ -374,7 +375,7 @@ def _mtp_draft_steps(graphdef, state, token_embd_ve, output_norm_e, output_ve, h
   return c[5], c[6], c[4], c[7]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "layout"))
+@executables.jit(static_argnames=("graphdef", "layout"), params="state")
 def _mtp_attn_begin(graphdef, state, token_embd_ve, hn_se, next_tokens_s, pos, *, layout):
   """The MTP head up to span attention (copy waves): -> (u_se, q_shd, gate_se, rows, empty carry)."""
   mtp = merge_static(graphdef, state)
@@ -383,7 +384,7 @@ def _mtp_attn_begin(graphdef, state, token_embd_ve, hn_se, next_tokens_s, pos, *
   return u, q_shd, gate_se, rows, empty_carry(q_shd, layout)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
+@executables.jit(static_argnames=("graphdef",), params="state")
 def _mtp_attn_end(graphdef, state, output_norm_e, output_ve, u_se, carry, gate_se):
   mtp = merge_static(graphdef, state)
   o_shd = span_api.finalize(carry, mtp.block.mixer.cfg.num_attention_heads)
@@ -425,7 +426,7 @@ def select_row(captured_states, row: int):
   return _select_row(captured_states, jnp.int32(row))
 
 
-@jax.jit
+@executables.jit
 def _select_row(captured_states, row):
   return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, row, keepdims=False), captured_states)
 
@@ -574,21 +575,22 @@ class Runner:
                                              jnp.int32(lo), jnp.int32(hi), layout=self.layout, opts=opts)
     return pool_pn, carries
 
-  def compile_waves(self, pool_pn, table_t, rows: int, chunked: bool, capture: bool = False, kv=None):
-    """Compile the copy-wave programs of a forward of `rows` rows on `kv` (`_waves`: the group up to
-    its attention, a wave (one program for all: the first folds into the empty carry), the rest) with
-    inert arguments: no valid row, nothing written to the pool. -> the pool (donated through)."""
-    k = next((g for g, a in enumerate(self.attn_index) if a is not None), None)
-    if k is None:
-      return pool_pn
-    gdef, gstate = self.groups[k]
+  def run_inert(self, pool_pn, table_t, rows: int, chunked: bool, capture: bool = False, kv=None):
+    """A forward's programs of `rows` rows run once with inert arguments (no valid row: nothing
+    written or attended; their first run, loading or compiling, before the phase's) -> the pool."""
     x = on_device(jnp.zeros((rows, self.cfg.hidden_size), self.token_embd.dtype))
     zero = jnp.int32(0)
-    x_in, _, q, gate, kv_rows, carry = self.group_attn_begin(gdef, gstate, x, self.zero_states()[k], zero, zero,
-                                                             layout=self.layout, chunked=chunked, capture=capture)
-    pool_pn, carry = self.wave_step(pool_pn, table_t, kv_rows, q, carry, zero, zero, zero, zero,
-                                    layout=self.layout, opts=self.call_opts(rows, kv))
-    self.group_attn_end(gdef, gstate, x_in, carry, gate)
+    _embed_step(self.token_embd, jnp.zeros((rows,), jnp.int32))
+    states, seen = self.zero_states(), set()
+    for g, ((gdef, gstate), a) in enumerate(zip(self.groups, self.attn_index)):
+      if (gdef, a is None) in seen:
+        continue
+      seen.add((gdef, a is None))
+      out = self.group_step(gdef, gstate, x, states[g], pool_pn if a is not None else None,
+                            table_t if a is not None else None, zero, zero, layout=self.layout,
+                            opts=self.call_opts(rows, kv), chunked=chunked, capture=capture)
+      pool_pn = out[2] if a is not None else pool_pn
+    self.head(x, np.zeros((1,), np.int32))
     return pool_pn
 
   def place(self, lkv: LayerKV):
@@ -617,6 +619,13 @@ class Runner:
   def head(self, x_se, rows):
     return _head_step(self.output_norm, self.output, x_se, jnp.asarray(rows, jnp.int32),
                       eps=self.cfg.rms_eps)
+
+  def prepare_ends(self, tokens_s, x_se, rows_r) -> None:
+    """Prepare (`kvjax.warmup.prepare`, shapes) the embedding of `tokens_s`, the output head of
+    `x_se`'s `rows_r` rows (`head`) and its norm alone (`_heads`)."""
+    _embed_step.prepare(self.token_embd, tokens_s)
+    _head_step.prepare(self.output_norm, self.output, x_se, rows_r, eps=self.cfg.rms_eps)
+    _norm_step.prepare(self.output_norm, x_se, eps=self.cfg.rms_eps)
 
   def mtp_forward(self, hn_se, next_tokens_s, pos: int, n_valid: int, kv: KVProvider):
     """MTP rows at MTP-cache positions pos.. (RoPE position = cache position + 1)."""

@@ -52,7 +52,8 @@ def test_nothing_compiles_after_the_first_token_nor_for_a_longer_prompt(model, c
     assert res.metrics["forwards"] > 0
   # the doubled prompt crosses more page and copy-unit boundaries with the programs compiled already
   assert second.metrics["compiles"] == 0, second.metrics
-  assert first.metrics["prompt_compiles"] > 0
+  # the prefill compiled its programs (or loaded them whole, stored by an earlier test of the run)
+  assert first.metrics["prompt_compiles"] + first.metrics["executables_loaded"] > 0
   if case == "fixed":
     assert first.metrics["waves"] > 0 and second.metrics["waves"] > first.metrics["waves"]
   plain = api.generate(model, prompt_tokens=_prompt(model, 2 * N_PROMPT), n_predict=N_PREDICT, ignore_eos=True)
@@ -74,7 +75,7 @@ def test_warmup_leaves_nothing_to_compile(model):
   """After `api.warmup` a generation compiles nothing at all, with copy waves of every forward shape."""
   kv = api.make_kv(model, 2 * N_PROMPT + N_PREDICT + 8, pool_pages=20, policy="adaptive")
   w = api.warmup(model, kv)
-  assert w["compiles"] > 0 and w["compile_ms"] > 0
+  assert w["compiles"] + w["executables_loaded"] > 0
   res = api.generate(model, kv, prompt_tokens=_prompt(model, 2 * N_PROMPT, seed=3), n_predict=N_PREDICT,
                      ignore_eos=True)
   assert res.metrics["compiles"] == 0 and res.metrics["compile_ms"] == 0.0, res.metrics
@@ -104,8 +105,10 @@ def test_staged_arrays_come_in_the_shapes_the_cache_declares(model, monkeypatch)
 SECOND_PROCESS = """
 import json, sys, jax
 from kvjax import api, workspace
-hits, measured = [], []
+hits, measured, traced = [], [], []
 jax.monitoring.register_event_listener(lambda e, **k: hits.append(e) if e.endswith("cache_hits") else None)
+jax.monitoring.register_event_duration_secs_listener(
+    lambda e, d, fun_name="?", **k: traced.append(fun_name) if e.endswith("jaxpr_trace_duration") else None)
 analyse = workspace.workspace_bytes_from_compiled
 workspace.workspace_bytes_from_compiled = lambda c: measured.append(1) or analyse(c)
 model = api.load_model("tiny", page_tokens=16)
@@ -113,6 +116,7 @@ arena = api.make_kv(model, 120, arena_mib=4, phased=True)
 kv = api.make_kv(model, 120, pool_pages=8)
 res = api.generate(model, kv, prompt_tokens=list(range(3, 83)), n_predict=8, ignore_eos=True)
 print(json.dumps({"hits": len(hits), "dir": res.metrics["compile_cache_dir"], "tokens": res.tokens,
+                  "loaded": res.metrics["executables_loaded"], "traced": sorted(set(traced)),
                   "measured": len(measured), "workspaces": str(arena.plan.workspaces)}))
 """
 
@@ -129,7 +133,10 @@ def test_a_second_process_loads_the_programs_from_the_persistent_cache(tmp_path,
     assert p.returncode == 0, p.stderr[-2000:]
     runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
   assert runs[0]["dir"] == str(tmp_path / "jax") and any((tmp_path / "jax").iterdir())
-  assert runs[0]["hits"] == 0 and runs[1]["hits"] > 10, runs     # the second process compiled from disk
+  # the second process compiled from disk: the engine's steps loaded whole (kvjax.executables), not
+  # even traced, the other programs from jax's cache
+  assert runs[0]["hits"] == 0 and runs[0]["loaded"] == 0 and runs[1]["hits"] > 5 and runs[1]["loaded"] >= 8, runs
+  assert "_group_step" in runs[0]["traced"] and not {"_group_step", "_head_step", "place_staged"} & set(runs[1]["traced"])
   assert runs[0]["tokens"] == runs[1]["tokens"]
   # the arena's workspaces (decode and prefill steps) measured by compiling once, then read back
   assert runs[0]["measured"] == 2 and runs[1]["measured"] == 0, runs
@@ -179,3 +186,34 @@ def test_remembered_measures_once_per_description_and_survives_a_bad_entry(tmp_p
   finally:
     compile_cache._MEMO.clear()
     compile_cache.enable(before or False)
+
+
+def test_priming_a_new_phase_pool_refills_it_before_the_first_decode_and_changes_no_bit(model):
+  """`SequenceState.prime` (run by `generate` once the phase arena enters its decode layout): a
+  forward of no row uploads the new pool's resident pages, so that the first decode forward after
+  it uploads no more than the second; the logits of the decode are those of an unprimed one."""
+  from kvjax import generate as gen_lib
+  prompt = _prompt(model, 150, seed=7)
+  runs = []
+  for primed in (False, True):
+    kv = api.make_kv(model, 200, arena_mib=4, phased=True, policy="adaptive")
+    prov = kv.provider
+    seq = gen_lib.SequenceState(model.runner, prov)
+    prov.enter("prefill")
+    gen_lib.prefill(seq, prompt, 64)
+    prov.enter("decode")
+    h2d = [prov.metrics()["h2d_bytes"]]
+    if primed:
+      seq.prime()
+      h2d.append(prov.metrics()["h2d_bytes"])
+    logits = []
+    for tok in (5, 9, 11):
+      logits.append(np.asarray(seq.forward([tok])))
+      h2d.append(prov.metrics()["h2d_bytes"])
+    assert seq.pos == 153
+    runs.append((np.diff(h2d), logits))
+  (cold, plain_logits), (primed, primed_logits) = runs
+  assert primed[0] > 0 and primed[1] <= primed[2], primed      # the refill came with the primer
+  assert cold[0] > cold[1], cold                                   # unprimed: with the first decode
+  for a, b in zip(plain_logits, primed_logits):
+    np.testing.assert_array_equal(a, b)

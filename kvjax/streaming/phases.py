@@ -210,7 +210,8 @@ class AdaptiveStreamedKV(StreamedKV):
   def begin_forward(self, pos, n_tokens, cache_layers, wave_pages=1):
     feedback = self.window.roll() if self.window.elapsed_ms > 0 else None
     prefill = n_tokens > policy_lib.DECODE_QUERY_ROWS
-    obs = policy_lib.Observation(active_tokens=pos + n_tokens, query_tokens=n_tokens, feedback=feedback,
+    rows = max(1, n_tokens)   # a forward of no row (`SequenceState.prime`) is laid out as the next decode's
+    obs = policy_lib.Observation(active_tokens=pos + rows, query_tokens=rows, feedback=feedback,
                                  uniform_prefill=prefill)
     decision = policy_lib.step(self.policy_config, self.policy_state, obs)
     state, admitted = decision.next, False

@@ -513,7 +513,7 @@ class StreamedKV:
     kv_len = self._pos + self._n
     spans, kinds = spans_from_pages(self.layout, "pool", runs, kv_len)
     plan = make_plan(self.layout, {"pool": self.stream.pool_pages * self.layout.page_bytes}, spans,
-                     kv_len, self._n, kinds)
+                     kv_len, max(1, self._n), kinds)   # a forward of no row (`prime`): as one row's
     return plan, page_table(plan, self.layout, self.max_pages, buffer="pool")
 
   def _stage_layout(self, a: int, live: int, phys: np.ndarray, held_from: int = -1,
