@@ -31,7 +31,7 @@ import gc  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kvjax import compile_cache  # noqa: E402
+from kvjax import compile_cache, executables  # noqa: E402
 
 compile_cache.enable()   # KVJAX_COMPILE_CACHE_DIR: the run's folder, or off
 
@@ -44,6 +44,7 @@ def _release_compiled_programs():
   2026-12-01). Later modules compile their own anyway."""
   yield
   jax.clear_caches()
+  executables.clear_loaded()    # the stored steps this worker loaded or compiled, likewise
   gc.collect()
   compile_cache.enable()   # a module that turned the cache off (load_model(compile_cache=False)) is over
 
