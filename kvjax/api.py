@@ -619,15 +619,15 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
 
 def warmup(model: LoadedModel, kv: KVCache, *, ubatch: int = 256,
            spec: Optional[SpecConfig] = None) -> Dict[str, float]:
-  """Compile every program a generation on `kv` can run (`kvjax.warmup`: a short generation through
-  the cache, then what it did not reach). -> {"compiles": programs, "compile_ms", "executables_loaded"
+  """Compile every program a generation on `kv` can run (`kvjax.warmup`: short generations through
+  the cache, a prefill of one micro-batch and one of two, then what they did not reach). -> {"compiles": programs, "compile_ms", "executables_loaded"
   (compiled steps read from the cache's folder instead: `kvjax.executables`), "s": seconds}."""
   check_generation(n_predict=2, ubatch=ubatch, spec=spec, phased=kv.info["kv"].endswith("+phased"))
   n_predict = 2 + (0 if spec is None else 2 * spec.n_max)
-  ids = warm_lib.short_prompt(kv.max_tokens, ubatch, n_predict + verify_rows(spec))
   t0 = time.perf_counter()
   with gen_lib.CompileClock() as clock:
-    generate(model, kv, prompt_tokens=ids, n_predict=n_predict, ignore_eos=True, spec=spec, ubatch=ubatch)
+    for ids in warm_lib.short_prompts(kv.max_tokens, ubatch, n_predict + verify_rows(spec)):
+      generate(model, kv, prompt_tokens=ids, n_predict=n_predict, ignore_eos=True, spec=spec, ubatch=ubatch)
   return {"compiles": clock.programs, "compile_ms": clock.seconds * 1e3, "executables_loaded": clock.loaded,
           "s": time.perf_counter() - t0}
 

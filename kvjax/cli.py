@@ -41,13 +41,14 @@ from kvjax import compile_cache as compile_cache_lib, spec_config
 from kvjax.text import one_line
 
 PROG = "kvjax"
-SUBCOMMANDS = ("generate", "logits", "memory")
+SUBCOMMANDS = ("generate", "warmup", "logits", "memory")
 
 USAGE = f"""\
 usage: {PROG} <subcommand> [flags]   ({PROG} --version: the package version)
 
 subcommands:
   generate  prefill a prompt and decode tokens (plain or streamed KV cache)
+  warmup    compile (or load) every program a generation with the same flags runs, ahead of it
   logits    write teacher-forced float32 logits of a token sequence to a .npy file
   memory    byte accounting of the streamed KV cache for a model (ml_collections config)
 
@@ -161,7 +162,8 @@ def _memory_flags(fv: flags.FlagValues, args: Sequence[str] = ()) -> None:
   flags.DEFINE_bool("json", False, "print the report as one JSON line", flag_values=fv)
 
 
-_FLAG_SETS = {"generate": _generate_flags, "logits": _logits_flags, "memory": _memory_flags}
+_FLAG_SETS = {"generate": _generate_flags, "warmup": _generate_flags, "logits": _logits_flags,
+              "memory": _memory_flags}
 
 
 # ---------------------------------------------------------------------------
@@ -330,20 +332,15 @@ def _prompt_text(fv: flags.FlagValues) -> Optional[str]:
   return text[:-1] if text.endswith("\n") else text   # as llama.cpp's -f
 
 
-def cmd_generate(fv: flags.FlagValues, out=None, err=None) -> int:
-  """`kvjax generate`: echoes the prompt and streams the generated text (unprintable characters
-  escaped; a prefill progress bar, timings and notes on stderr), or prints one JSON line
-  {tokens, text, metrics} with `--json`."""
-  out, err = out or sys.stdout, err or sys.stderr
+def _kv_flags(fv: flags.FlagValues, spec, sampling=None):
+  """The cache's flags, checked with the generation's before the (possibly long) model load ->
+  (make_kv's budget arguments, prefill block)."""
   from kvjax import api  # pylint: disable=import-outside-toplevel
-  spec = _spec(fv)
   budget = dict(arena_mib=fv["kv-stream-arena-mib"].value, pool_pages=fv["kv-stream-pool-pages"].value,
                 copy_pages=fv["kv-stream-copy-pages"].value, policy=fv["kv-stream-policy"].value,
                 phased=fv["kv-stream-phased"].value)
-  sampling = dict(temperature=fv["temperature"].value, top_k=fv["top-k"].value, top_p=fv["top-p"].value)
-  ubatch, n_predict = fv["ubatch-size"].value, fv["n-predict"].value
-  # checked before the (possibly long) model load
-  api.check_generation(n_predict=n_predict, ubatch=ubatch, spec=spec, phased=budget["phased"], **sampling)
+  api.check_generation(n_predict=fv["n-predict"].value, ubatch=fv["ubatch-size"].value, spec=spec,
+                       phased=budget["phased"], **(sampling or {}))
   api.check_kv_budget(**budget)
   block = fv["kv-stream-prefill-block"].value
   if block != "auto":
@@ -351,6 +348,19 @@ def cmd_generate(fv: flags.FlagValues, out=None, err=None) -> int:
       raise api.ParameterError(f"--kv-stream-prefill-block must be auto or a token count >= 0, got {block!r}",
                                "prefill_block")
     block = int(block)
+  return budget, block
+
+
+def cmd_generate(fv: flags.FlagValues, out=None, err=None) -> int:
+  """`kvjax generate`: echoes the prompt and streams the generated text (unprintable characters
+  escaped; a prefill progress bar, timings and notes on stderr), or prints one JSON line
+  {tokens, text, metrics} with `--json`."""
+  out, err = out or sys.stdout, err or sys.stderr
+  from kvjax import api  # pylint: disable=import-outside-toplevel
+  spec = _spec(fv)
+  sampling = dict(temperature=fv["temperature"].value, top_k=fv["top-k"].value, top_p=fv["top-p"].value)
+  ubatch, n_predict = fv["ubatch-size"].value, fv["n-predict"].value
+  budget, block = _kv_flags(fv, spec, sampling)
   text = _prompt_text(fv)
   ids = fv["prompt-tokens"].value
   ids = None if ids is None else parse_token_list(ids, "--prompt-tokens")
@@ -378,6 +388,36 @@ def cmd_generate(fv: flags.FlagValues, out=None, err=None) -> int:
     show.finish(res.text)
     for line in _summary(res.metrics):
       print(f"{PROG}: {line}", file=err, flush=True)
+  return 0
+
+
+def cmd_warmup(fv: flags.FlagValues, out=None) -> int:
+  """`kvjax warmup`: the flags of a `kvjax generate` (its prompt optional, `--ctx-size` then
+  required): every program that generation can run compiled, or loaded from the compilation cache,
+  so that it compiles nothing; a line of what it cost (`--json`: the numbers)."""
+  out = out or sys.stdout
+  from kvjax import api  # pylint: disable=import-outside-toplevel
+  spec = _spec(fv)
+  ubatch, n_predict, ctx = fv["ubatch-size"].value, fv["n-predict"].value, fv["ctx-size"].value
+  budget, block = _kv_flags(fv, spec)
+  text, ids = _prompt_text(fv), fv["prompt-tokens"].value
+  if text is None and ids is None and ctx <= 0:
+    raise UsageError("--ctx-size is required without a prompt: the KV capacity of the generation to warm "
+                     "(as `kvjax generate` sizes it: --ctx-size, else prompt + n-predict)")
+  model = _load(fv)
+  if text is not None or ids is not None:
+    prompt = api.prompt_ids(model, text, None if ids is None else parse_token_list(ids, "--prompt-tokens"))
+    ctx = api.context_tokens(len(prompt), n_predict, spec, ctx)
+  kv = api.make_kv(model, ctx, ubatch=ubatch, exceed_context_length=fv["exceed-context-length"].value,
+                   spec=spec, prefill_block=block, **budget)
+  warm = api.warmup(model, kv, ubatch=ubatch, spec=spec)
+  report = dict(warm, ctx_size=ctx, kv=kv.info.get("kv", ""), compile_cache_dir=compile_cache_lib.active() or "")
+  if fv["json"].value:
+    print(json.dumps(report, default=_json_default), file=out, flush=True)
+  else:
+    print(f"{PROG}: warm for {ctx} tokens ({report['kv']}): {warm['compiles']} programs compiled "
+          f"({warm['compile_ms'] / 1e3:.1f} s of compiling), {warm['executables_loaded']} stored steps loaded, "
+          f"in {warm['s']:.1f} s; compilation cache: {report['compile_cache_dir'] or 'off'}", file=out, flush=True)
   return 0
 
 
@@ -423,7 +463,7 @@ def cmd_memory(fv: flags.FlagValues, out=None) -> int:
   return 0
 
 
-_COMMANDS = {"generate": cmd_generate, "logits": cmd_logits, "memory": cmd_memory}
+_COMMANDS = {"generate": cmd_generate, "warmup": cmd_warmup, "logits": cmd_logits, "memory": cmd_memory}
 
 
 def _json_default(x):

@@ -9,7 +9,7 @@ run nothing compiles while a generation runs (counted: `kvjax.generate.CompileCl
 `compiles` metrics).
 
 `kvjax.api.generate` runs `compile_cache` as it enters the prefill and the decode (inside the
-prefill's timing: it is part of the time to the first token); `kvjax.api.warmup` runs a short generation through the cache (prefill
+prefill's timing: it is part of the time to the first token); `kvjax.api.warmup` runs short generations through the cache (prefill
 chunk, decode and, with speculation, verify and MTP forwards), so that a timed generation after it
 compiles nothing.
 """
@@ -125,10 +125,12 @@ def forward_shapes(ubatch: int, verify_rows: int = 1, phase: Optional[str] = Non
   return tuple(dict.fromkeys(out))
 
 
-def short_prompt(max_tokens: int, ubatch: int, n_predict: int) -> list:
-  """A prompt that fills one prefill chunk and leaves room for `n_predict` tokens."""
-  n = max(1, min(ubatch + 1, max_tokens - n_predict - 1))
-  return [int(t) for t in np.arange(n) % 7 + 1]
+def short_prompts(max_tokens: int, ubatch: int, n_predict: int) -> list:
+  """Prompts whose prefill runs each form a generation's can: one of `ubatch` tokens (a forward of
+  one micro-batch, whose rows leave packed: `staging.pack_rows`) and one of `ubatch` + 1 (a block
+  of two, group-major), each leaving room for `n_predict` tokens (fewer where the cache is short)."""
+  room = max(1, max_tokens - n_predict - 1)
+  return [[int(t) for t in np.arange(n) % 7 + 1] for n in dict.fromkeys((min(ubatch, room), min(ubatch + 1, room)))]
 
 
 def _spec(shape, dtype):

@@ -143,6 +143,25 @@ def test_cold_run_says_how_much_was_compilation(capsys):
   assert rc == 0 and "cold run" not in err and "kvjax: prefill 5 tokens" in err
 
 
+def test_warmup_leaves_a_generation_with_its_flags_nothing_to_compile(capsys):
+  """`kvjax warmup` with a generation's flags (a layout no other test uses: 24-token pages, a
+  phased arena): the generation after it compiles nothing; without a prompt --ctx-size is needed."""
+  kv = ["--kv-page-tokens=24", "--ctx-size=160", "--kv-stream-arena-mib=4", "--kv-stream-phased",
+        "--kv-stream-policy=adaptive", "--ubatch-size=16", "--n-predict=6"]
+  rc, out, err = run_main(capsys, "warmup", *kv, "--json")
+  assert rc == 0, err
+  w = json_line(out)
+  assert w["compiles"] + w["executables_loaded"] > 0 and w["ctx_size"] == 160 and "phased" in w["kv"], w
+  rc, out, err = run_main(capsys, "generate", "--prompt=Hello there", "--ignore-eos", *kv, "--json")
+  assert rc == 0, err
+  m = json_line(out)["metrics"]
+  assert m["compiles"] == 0 and m["compile_ms"] == 0.0, m["compile_by_program"]
+  rc, out, err = run_main(capsys, "warmup", "--kv-page-tokens=24")
+  assert rc == 2 and "--ctx-size is required" in err and len(err.strip().splitlines()) == 1, err
+  rc, out, err = run_main(capsys, "warmup", *kv)
+  assert rc == 0 and out.startswith("kvjax: warm for 160 tokens") and "compilation cache" in out, out
+
+
 def test_llama_cpp_short_flags(capsys):
   rc, out, err = run_main(capsys, "generate", "-m", "tiny", "-p", "Hello", "-n", "3", "-c", "96", "-s", "4",
                           "-ub", "16", "-ctk", "f16", "-ctv", "q8_0", "--temp", "0.5", "--json")
