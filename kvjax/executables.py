@@ -174,8 +174,12 @@ class StoredStep:
                                   info)
 
   def _key(self, args, kwargs, dyn) -> Tuple:
+    """This process's key of a call: its static arguments, the default device (a tensor-parallel
+    cache drives one provider per device under `jax.default_device`; kvjax commits arrays there,
+    `engine.on_device`) and the dynamic arguments' signature (the last element: `_is_traced`)."""
     statics = tuple(a for i, a in enumerate(args) if i in self._static_pos)
-    return (len(args), statics, tuple(sorted(kwargs.items())), self._signature(dyn))
+    return (len(args), statics, tuple(sorted(kwargs.items())), jax.config.jax_default_device,
+            self._signature(dyn))
 
   @staticmethod
   def _is_traced(key) -> bool:

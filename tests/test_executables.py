@@ -161,3 +161,18 @@ def test_a_later_stage_compiles_after_the_earlier_one(store, monkeypatch):
   by_rows = {r: (t0, t1) for t0, t1, r in spans}
   assert sorted(by_rows) == [7, 8, 9]
   assert by_rows[9][0] >= max(by_rows[7][1], by_rows[8][1])
+
+
+def test_the_default_device_keys_its_own_executable(store):
+  """Under `jax.default_device(d)` (a tensor-parallel cache's providers, one a device) a step runs
+  an executable of device d: on the CPU's 2+ host devices when there are, else the key alone."""
+  weights, acc, x = _args(4)
+  devices = jax.devices()
+  key0 = _step._key((weights, acc, x), {"power": 2}, [weights, acc, x])
+  with jax.default_device(devices[-1]):
+    key1 = _step._key((weights, acc, x), {"power": 2}, [weights, acc, x])
+    if len(devices) > 1:
+      w, a, v = jax.device_put((weights, jnp.zeros((4, 5)), x), devices[-1])
+      out, _ = _step(w, a, v, power=2)
+      assert out.devices() == {devices[-1]}
+  assert key0 != key1
