@@ -38,6 +38,7 @@ import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import jax
+import numpy as np
 
 from kvjax import compile_cache
 
@@ -48,7 +49,8 @@ _STEPS: "weakref.WeakSet[StoredStep]" = weakref.WeakSet()
 LOADED_EVENT = "/kvjax/executables/loaded"   # recorded (jax.monitoring) per executable loaded
 WAIT_EVENT = "/kvjax/executables/wait_duration"   # seconds a call waited for a prepared step
 # loaded / compiled / written / unstorable executables; unprepared: calls of a signature nothing prepared
-STATS = {"loaded": 0, "compiled": 0, "written": 0, "unstorable": 0, "unprepared": 0, "from_jax_cache": 0}
+STATS = {"loaded": 0, "compiled": 0, "written": 0, "unstorable": 0, "unprepared": 0, "from_jax_cache": 0,
+         "mismatched": 0}
 
 
 def directory() -> Optional[str]:
@@ -158,7 +160,7 @@ class StoredStep:
     have = self._loaded.get(key)
     if have is None:
       path, disk_key = self._path(args, kwargs, dyn)
-      have = _load(path, disk_key)
+      have = _load(path, disk_key, dyn)
       if have is not None:
         _count_loaded()
       else:
@@ -224,7 +226,7 @@ class StoredStep:
 
   def _load_or_compile(self, args, kwargs, dyn):
     path, key = self._path(args, kwargs, dyn)
-    compiled = _load(path, key)
+    compiled = _load(path, key, dyn)
     if compiled is not None:
       _count_loaded()
       return compiled
@@ -336,8 +338,18 @@ def _runtime_ready() -> None:
       pass
 
 
-def _load(path: str, key: str):
-  """The executable stored at `path` under `key`, or None (absent, unreadable or of another key)."""
+def _takes(compiled, dyn) -> bool:
+  """Whether `compiled` takes arguments of `dyn`'s shapes and dtypes (a Python scalar: its shape)."""
+  want = jax.tree_util.tree_leaves(dyn)
+  have = jax.tree_util.tree_leaves(compiled.args_info)
+  return len(want) == len(have) and all(
+      tuple(np.shape(a)) == tuple(i.shape) and (not hasattr(a, "dtype") or str(a.dtype) == str(i.dtype))
+      for a, i in zip(want, have))
+
+
+def _load(path: str, key: str, dyn=None):
+  """The executable stored at `path` under `key`, or None (absent, unreadable, of another key, or
+  taking other shapes than the arguments `dyn`: a key that collided is compiled again)."""
   if not os.path.exists(path):
     return None
   _runtime_ready()
@@ -347,7 +359,11 @@ def _load(path: str, key: str):
       entry = pickle.load(f)
     if entry.get("key") != key:
       return None
-    return serialize_executable.deserialize_and_load(entry["payload"], entry["in_tree"], entry["out_tree"])
+    compiled = serialize_executable.deserialize_and_load(entry["payload"], entry["in_tree"], entry["out_tree"])
+    if dyn is not None and not _takes(compiled, dyn):
+      STATS["mismatched"] += 1
+      return None
+    return compiled
   except Exception:   # noqa: BLE001 - a damaged or foreign entry: compiled again (and rewritten)
     return None
 

@@ -1,6 +1,7 @@
 """kvjax.executables: compiled steps stored beside the persistent cache, loaded untraced, and
 prepared ahead of their calls on worker threads (kvjax.warmup.prepare)."""
 
+import pickle
 import time
 
 import jax
@@ -176,3 +177,23 @@ def test_the_default_device_keys_its_own_executable(store):
       out, _ = _step(w, a, v, power=2)
       assert out.devices() == {devices[-1]}
   assert key0 != key1
+
+
+def test_an_entry_taking_other_shapes_is_compiled_again(store):
+  """A stored executable whose arguments are not the call's (a key that collided, a file copied by
+  hand) is not run: the step compiles its own."""
+  weights, acc, x = _args(3)
+  _step(weights, acc, x, power=2)
+  (three,) = list(store.iterdir())
+  w2, acc2, x2 = _args(2)
+  _step(w2, acc2, x2, power=2)
+  (two,) = [f for f in store.iterdir() if f != three]
+  entry = pickle.loads(two.read_bytes())
+  entry["key"] = pickle.loads(three.read_bytes())["key"]     # the 2-row program under the 3-row key
+  three.write_bytes(pickle.dumps(entry))
+  executables.clear_loaded()
+  before = dict(executables.STATS)
+  out, _ = _step(weights, jnp.zeros((3, 5)), x, power=2)
+  assert executables.STATS["mismatched"] == before["mismatched"] + 1
+  assert executables.STATS["compiled"] == before["compiled"] + 1
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(_step.jitted(weights, jnp.zeros((3, 5)), x, power=2)[0]))
