@@ -7,6 +7,8 @@ tokens (a decode that crosses page and copy-unit boundaries), every token timest
 * prefill tok/s with and without the compiling inside it, compile ms and programs by phase
   (prefill, up to the first decoded token, after it), the persistent compilation cache in use;
 * ms per decoded token: median, p90, p99, max, and the index of every token above 3x the median;
+  Python's full garbage collections during the decode (`gc_full_in_decode`: the token each one
+  delayed and its ms; a collection walks every tracked object in one pause);
 * uploads by phase (prefill, decode) and the decode's MiB a token;
 * with `--compare`, in the same process, bench_decode's page-aligned decode forward at the same
   context (a fixed split of the same budget over a synthetic history: `experiments.bench_decode`)
@@ -25,6 +27,8 @@ one); `--warmup` compiles ahead (`api.warmup`) and reports it apart.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import os
@@ -81,6 +85,26 @@ def token_stats(times_s, first_index: int = 1):
           "max_ms": float(ms.max()), "over_3x_median": slow, "ms": [float(x) for x in ms]}
 
 
+@contextlib.contextmanager
+def full_collections():
+  """The (end time, ms) of each full (generation-2) garbage collection of Python while entered: a
+  collection walks every tracked object in one pause (a suspect of single slow decode tokens)."""
+  out, start = [], []
+
+  def callback(phase, info):
+    if info.get("generation") == 2:
+      if phase == "start":
+        start[:] = [time.perf_counter()]
+      elif start:
+        out.append((time.perf_counter(), (time.perf_counter() - start[0]) * 1e3))
+
+  gc.callbacks.append(callback)
+  try:
+    yield out
+  finally:
+    gc.callbacks.remove(callback)
+
+
 def run_case(api, model, ctx: int, kind: str):
   """One generation of a ctx-token prompt on a `kind` cache -> the row."""
   import numpy as np
@@ -103,9 +127,13 @@ def run_case(api, model, ctx: int, kind: str):
       h2d_at_first.append(kv.metrics().get("h2d_bytes", 0))
 
   t0 = time.perf_counter()
-  res = api.generate(model, kv, prompt_tokens=prompt, n_predict=n_predict, ignore_eos=True,
-                     ubatch=FLAGS.ubatch, on_token=on_token)
+  with full_collections() as collections:
+    res = api.generate(model, kv, prompt_tokens=prompt, n_predict=n_predict, ignore_eos=True,
+                       ubatch=FLAGS.ubatch, on_token=on_token)
   row["wall_s"] = time.perf_counter() - t0
+  # Python's full garbage collections after the first token: (token decoded next, ms) each
+  row["gc_full_in_decode"] = [(sum(1 for x in stamps if x < at), round(ms, 1)) for at, ms in collections
+                              if stamps and at > stamps[0]]
   m = res.metrics
   prefill_s = m["prompt_ms"] / 1e3
   row.update(prefill_s=prefill_s, prefill_tps=ctx / prefill_s,
