@@ -581,11 +581,8 @@ class Runner:
     x = on_device(jnp.zeros((rows, self.cfg.hidden_size), self.token_embd.dtype))
     zero = jnp.int32(0)
     _embed_step(self.token_embd, jnp.zeros((rows,), jnp.int32))
-    states, seen = self.zero_states(), set()
-    for g, ((gdef, gstate), a) in enumerate(zip(self.groups, self.attn_index)):
-      if (gdef, a is None) in seen:
-        continue
-      seen.add((gdef, a is None))
+    states = self.zero_states()
+    for g, gdef, gstate, a in self.distinct_groups():
       out = self.group_step(gdef, gstate, x, states[g], pool_pn if a is not None else None,
                             table_t if a is not None else None, zero, zero, layout=self.layout,
                             opts=self.call_opts(rows, kv), chunked=chunked, capture=capture)
@@ -619,6 +616,13 @@ class Runner:
   def head(self, x_se, rows):
     return _head_step(self.output_norm, self.output, x_se, jnp.asarray(rows, jnp.int32),
                       eps=self.cfg.rms_eps)
+
+  def distinct_groups(self):
+    """[(group index, structure, leaves, cache layer or None)], one group a compiled program."""
+    out = {}
+    for g, ((gdef, gstate), a) in enumerate(zip(self.groups, self.attn_index)):
+      out.setdefault((gdef, a is None), (g, gdef, gstate, a))
+    return list(out.values())
 
   def prepare_ends(self, tokens_s, x_se, rows_r) -> None:
     """Prepare (`kvjax.warmup.prepare`, shapes) the embedding of `tokens_s`, the output head of

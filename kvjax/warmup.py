@@ -165,9 +165,7 @@ def prepare(runner: Runner, provider, ubatch: int, verify_rows: int = 1, verify_
   kv = _streamed(provider)
   waves = kv is not None and kv.may_wave(mtp_lease)
   staged = list(kv.staged_shapes()) if kv is not None and kv.may_stream() else []
-  groups = {}
-  for g, ((structure, leaves), a) in enumerate(zip(runner.groups, runner.attn_index)):
-    groups.setdefault((structure, a is None), (g, structure, leaves, a))
+  groups = runner.distinct_groups()
   n, first = 0, None
   for phase, pool_shape, table_pages in _pools(provider):   # in the order the generation calls them
     pool, table = _spec(pool_shape, jnp.uint8), _spec((table_pages,), jnp.int32)
@@ -190,7 +188,7 @@ def _prepare_forward(runner, provider, groups, states, pool, table, s, chunked, 
   scalar = _spec((), jnp.int32)
   opts = runner.call_opts(s, provider)
   x = _spec((s, cfg.hidden_size), runner.token_embd.dtype)
-  for g, structure, leaves, a in groups.values():
+  for g, structure, leaves, a in groups:
     if waves and a is not None:
       x_in, _, q, gate, kv_rows, carry = runner.group_attn_begin.prepare(
           structure, leaves, x, states[g], scalar, scalar, layout=runner.layout, chunked=chunked, capture=capture)
@@ -198,7 +196,7 @@ def _prepare_forward(runner, provider, groups, states, pool, table, s, chunked, 
                                layout=runner.layout, opts=opts)
       runner.group_attn_end.prepare(structure, leaves, x_in, carry, gate)
       n += 3
-  for g, structure, leaves, a in groups.values():
+  for g, structure, leaves, a in groups:
     runner.group_step.prepare(structure, leaves, x, states[g], pool if a is not None else None,
                               table if a is not None else None, scalar, scalar, layout=runner.layout,
                               opts=opts, chunked=chunked, capture=capture)
