@@ -42,7 +42,7 @@ import numpy as np
 from kvjax.engine import KVProvider, Runner, recurrent_state_bytes, select_row
 from kvjax.workspace import group_step_workspace_bytes
 from kvjax.model import replay_state
-from kvjax.generate import CompileClock, GenerationResult, SequenceState, generate, generation_metrics, \
+from kvjax.generate import CompileClock, GenerationResult, SequenceState, generate, generation_metrics, heap_frozen, \
     mtp_rows, pick_row, prefill
 from kvjax.spec_config import SpecConfig, config_key
 
@@ -342,7 +342,7 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
         if spec.uses_mtp and drafter is None else None
     t1 = time.perf_counter()
   first_round = []
-  with CompileClock() as decode_clock:
+  with CompileClock() as decode_clock, heap_frozen():
     out_tokens, stats = speculate(seq, b, n_predict, spec, prompt, ubatch, eos_id, drafter, oracle_tokens,
                                   mtp_next, on_round, lambda: first_round.append(decode_clock.programs))
     t2 = time.perf_counter()

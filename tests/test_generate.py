@@ -199,6 +199,25 @@ def test_eos_stops_and_on_token_streams(cfg, runner, greedy):
   assert one.tokens == greedy[:1]
 
 
+def test_decode_runs_with_the_heap_frozen_and_gives_it_back(cfg, runner, greedy):
+  """A full collection in the decode walks only the decode's objects: the heap alive as the decode
+  starts is frozen while it runs, unfrozen after; a caller's own freeze is left as it was."""
+  import gc
+  assert gc.get_freeze_count() == 0
+  frozen = []
+  res = gen(cfg, runner, on_token=lambda t: frozen.append(gc.get_freeze_count()))
+  assert res.tokens == greedy
+  assert len(frozen) == len(greedy) and min(frozen) > 0
+  assert gc.get_freeze_count() == 0
+  gc.freeze()
+  try:
+    mine = gc.get_freeze_count()
+    gen(cfg, runner, n_predict=2)
+    assert gc.get_freeze_count() > mine // 2   # not unfrozen (frozen objects may still die)
+  finally:
+    gc.unfreeze()
+
+
 def test_empty_prompt_refused(cfg, runner):
   with pytest.raises(ValueError, match="empty prompt"):
     gen(cfg, runner, prompt=[])
