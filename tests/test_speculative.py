@@ -1,12 +1,16 @@
 """Speculative decoding: drafts verified by the target, recurrent-state rollback (replay, device and host),
 KV truncation of the target's and the MTP's histories, the oracle drafter, ngram + MTP."""
 
+from unittest import mock
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from kvjax import engine, generate, speculative
 from kvjax.streaming import StreamConfig, StreamedKV, fixed_split
+from kvjax.model import RecurrentState
 from kvjax.streaming.host_history import HostHistory
 from tiny_setup import build_tiny_runner
 
@@ -394,6 +398,13 @@ def test_replayed_rows_give_the_captured_states_bit_for_bit(setup):
       want = jax.tree.leaves(engine.select_row(cap.rec_states, j))
       got = jax.tree.leaves(roll.states_after(rep.rec_states, j, 4, states))
       assert len(want) == len(got) and all(np.array_equal(a, b) for a, b in zip(want, got)), (start, j)
+      # the layers stepped one by one, and two at a time (`REPLAY_CHUNK_BYTES`): the same bits
+      one_state = sum(x.nbytes for x in jax.tree.leaves(jax.tree.leaves(
+          states, is_leaf=lambda x: isinstance(x, RecurrentState))[0]))
+      for chunk in (1, 2 * one_state):
+        with mock.patch.object(speculative, "REPLAY_CHUNK_BYTES", chunk):
+          got = jax.tree.leaves(speculative._replay.__wrapped__(states, rep.rec_states, jnp.int32(j)))
+        assert all(np.array_equal(a, b) for a, b in zip(want, got)), (start, j, chunk)
 
 
 def test_host_rollback_restores_the_captured_rows_bit_for_bit(setup):
