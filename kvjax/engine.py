@@ -260,6 +260,13 @@ def on_device(tree):
   return jax.device_put(tree, default_device())
 
 
+def zeros_on_device(shape, dtype):
+  """Zeros committed to the device, put there from the host: each new shape of `jnp.zeros` compiles
+  a broadcast program (120-180 ms each on a GPU, 7-10 shapes in a streamed cold start's inert runs).
+  For the small and mid-sized arguments of inert runs; a pool stays `jnp.zeros`."""
+  return on_device(np.zeros(shape, dtype))
+
+
 def default_device():
   """The device new arrays go to: `jax.default_device`'s when one is set (a tensor-parallel cache
   builds and drives one provider per device under it: `kvjax.parallel`), else the first device."""
@@ -578,9 +585,9 @@ class Runner:
   def run_inert(self, pool_pn, table_t, rows: int, chunked: bool, capture: bool = False, kv=None):
     """A forward's programs of `rows` rows run once with inert arguments (no valid row: nothing
     written or attended; their first run, loading or compiling, before the phase's) -> the pool."""
-    x = on_device(jnp.zeros((rows, self.cfg.hidden_size), self.token_embd.dtype))
+    x = zeros_on_device((rows, self.cfg.hidden_size), self.token_embd.dtype)
     zero = jnp.int32(0)
-    _embed_step(self.token_embd, jnp.zeros((rows,), jnp.int32))
+    _embed_step(self.token_embd, np.zeros((rows,), np.int32))   # as a forward passes its ids
     states = self.zero_states()
     for g, gdef, gstate, a in self.distinct_groups():
       out = self.group_step(gdef, gstate, x, states[g], pool_pn if a is not None else None,

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from kvjax.engine import Runner, default_device, on_device
+from kvjax.engine import Runner, default_device, zeros_on_device
 from kvjax.streaming import relocate
 
 
@@ -63,15 +63,15 @@ def compile_cache(runner: Runner, provider, rows: Iterable[Tuple[int, bool, bool
   pb = kv.layout.page_bytes
   if kv.may_resplit():   # a new split of the same pool moves the resident pages (`relocate`)
     window = relocate.window_pages(kv.layout.page_bytes, int(pool.shape[0]))
-    inert = on_device(jnp.zeros((relocate.max_windows(int(pool.shape[0]), kv.n_layers, window), 5), jnp.int32))
+    inert = zeros_on_device((relocate.max_windows(int(pool.shape[0]), kv.n_layers, window), 5), np.int32)
     pool = relocate.move_runs(pool, inert, window)
     calls += 1
   for pages, k in kv.staged_shapes():
-    pool = runner.place_step(pool, on_device(jnp.zeros((pages, pb), jnp.uint8)),
-                             on_device(jnp.zeros((k, 3), jnp.int32)))   # lo == hi: nothing placed
+    pool = runner.place_step(pool, zeros_on_device((pages, pb), np.uint8),
+                             zeros_on_device((k, 3), np.int32))   # lo == hi: nothing placed
     calls += 1
   if kv.may_wave(mtp_lease):
-    table = on_device(jnp.zeros((kv.max_pages,), jnp.int32))
+    table = zeros_on_device((kv.max_pages,), np.int32)
     for s, chunked, capture in rows:
       pool = _compile_waves(runner, pool, table, s, chunked, capture, kv=provider)
       calls += 1
@@ -88,7 +88,7 @@ def _compile_waves(runner: Runner, pool_pn, table_t, rows: int, chunked: bool, c
   if k is None:
     return pool_pn
   gdef, gstate = runner.groups[k]
-  x = on_device(jnp.zeros((rows, runner.cfg.hidden_size), runner.token_embd.dtype))
+  x = zeros_on_device((rows, runner.cfg.hidden_size), runner.token_embd.dtype)
   zero = jnp.int32(0)
   x_in, _, q, gate, kv_rows, carry = runner.group_attn_begin(gdef, gstate, x, runner.zero_states()[k], zero, zero,
                                                              layout=runner.layout, chunked=chunked, capture=capture)
@@ -102,7 +102,7 @@ def _run_forwards(runner: Runner, provider, kv, rows) -> int:
   """The forwards `rows` once each with inert arguments (`Runner.run_inert`: their programs
   compiled or loaded, and their kernels on the device, before the phase's first forward) -> calls."""
   if kv is not None:
-    table = on_device(jnp.zeros((kv.max_pages,), jnp.int32))
+    table = zeros_on_device((kv.max_pages,), np.int32)
     for s, chunked, capture in rows:
       kv.pool_pn = runner.run_inert(kv.pool_pn, table, s, chunked, capture, kv=provider)
   elif hasattr(provider, "tables_lt"):     # the plain cache
