@@ -259,13 +259,19 @@ def _profile(run, ctx):
   events, trace_dir = timeline.profile(run)
   summ = timeline.summarize(events)
   calls = timeline.host_calls(trace_dir)
+  from kvjax.speculative import PhaseClock
+  phases = timeline.phase_device(events, timeline.phase_windows(trace_dir, PhaseClock.PREFIX))
   with open(os.path.join(FLAGS.out, f"profile_{ctx}.txt"), "w") as f:
     f.write(text.getvalue() + "\n" + json.dumps(summ, indent=1) + "\n")
+    f.write("round phases (host wall, device kernels / copies in it): " + json.dumps(phases, indent=1) + "\n")
     for name, (n, ms) in sorted(calls.items(), key=lambda kv: -kv[1][1]):
       f.write(f"host {ms:9.3f} ms {n:5d} calls  {name}\n")
     f.write(timeline.format_segments(timeline.segments(events), limit=100000) + "\n")
   print("\n".join(text.getvalue().splitlines()[:30]), flush=True)
   print(f"timeline {ctx}: " + json.dumps(summ), flush=True)
+  for name, d in phases.items():
+    print(f"phase {ctx} {name:>13}: {d['n']:4d} x, wall {d['wall_ms'] / d['n']:7.2f} ms, kernels {d['kernel_ms'] / d['n']:7.2f}, "
+          f"copies in {d['h2d_ms'] / d['n']:7.2f}, device idle {d['kernel_idle_ms'] / d['n']:7.2f} ms a round", flush=True)
 
 
 def _verify_rows(runner, make_plain, make_kv, restart, log):

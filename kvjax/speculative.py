@@ -383,6 +383,34 @@ def generate_speculative(runner: Runner, kv: KVProvider, prompt: Sequence[int], 
   return GenerationResult(out_tokens, metrics)
 
 
+class PhaseClock:
+  """Host wall time of a round's phases, summed by name (`ms`). `start(name)` ends the phase
+  running (-> its ms) and begins `name`; `stop()` ends it. Each phase is also a profiler trace
+  annotation `spec:<name>` (`jax.profiler.TraceAnnotation`, ~1 us when no trace runs), so a device
+  timeline can tell what the device did during it (`experiments/lib/timeline.py`, `phase_windows`)."""
+  PREFIX = "spec:"
+
+  def __init__(self):
+    self.ms: Dict[str, float] = collections.defaultdict(float)
+    self._name, self._t0, self._note = None, 0.0, None
+
+  def start(self, name: str) -> float:
+    ms = self.stop()
+    self._note = jax.profiler.TraceAnnotation(self.PREFIX + name)
+    self._note.__enter__()
+    self._name, self._t0 = name, time.perf_counter()
+    return ms
+
+  def stop(self) -> float:
+    if self._name is None:
+      return 0.0
+    ms = (time.perf_counter() - self._t0) * 1e3
+    self._note.__exit__(None, None, None)
+    self.ms[self._name] += ms
+    self._name = self._note = None
+    return ms
+
+
 def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prompt: Sequence[int],
               ubatch: int = 256, eos_id: Optional[int] = None,
               drafter: Optional[Callable[[Sequence[int], int], List[int]]] = None,
@@ -415,7 +443,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prom
   out_tokens: List[int] = []
   drafted = accepted = rounds = ngram_rounds = mtp_h2d = lease_bytes = leases = 0
   round_lengths: List[List[int]] = []   # [drafts, accepted] of every verify round
-  phase_ms: Dict[str, float] = collections.defaultdict(float)   # host wall time of each round's phases
+  clock = PhaseClock()   # host wall time of each round's phases, each a profiler trace annotation
   # the committed tokens (prompt + output), grown in place; ngram drafting indexes them as they come
   index = NgramIndex(spec.ngram_n, prompt) if spec.uses_ngram and drafter is None else None
   history = index.tokens if index is not None else list(prompt)
@@ -433,7 +461,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prom
       break
     c = seq.pos                      # committed target tokens; b sits at position c
     room = n_predict - len(out_tokens)
-    t_phase = time.perf_counter()
+    clock.start("draft")
     # 1. draft
     drafts, draft_p, source = [], [], spec_type
     if drafter is not None:
@@ -456,16 +484,13 @@ def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prom
     # lease ends first: the target gets the whole ring
     kv.release_lease()
     rows = [b] + drafts
-    t_v = time.perf_counter()
-    phase_ms["draft"] += (t_v - t_phase) * 1e3
+    clock.start("verify")
     before = seq.rec_states
     vout = runner.forward(_padded(rows, width), c, len(rows), before, kv,
                           logits_rows=np.arange(width), chunked=False, capture_states=rollback.capture,
                           on_group_states=rollback.sink())
     target = [int(t) for t in np.asarray(jnp.argmax(vout.logits_rv, axis=-1))[:len(rows)]]
-    t_phase = time.perf_counter()
-    verify_ms[len(rows)].append((t_phase - t_v) * 1e3)
-    phase_ms["verify"] += (t_phase - t_v) * 1e3
+    verify_ms[len(rows)].append(clock.start("rollback"))   # the accepting counts as rollback
     # 3. accept
     j = 0
     while j < len(drafts) and drafts[j] == target[j]:
@@ -478,21 +503,21 @@ def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prom
     commit(drafts[:j])
     if eos_id is not None and eos_id in drafts[:j]:
       out_tokens = out_tokens[:out_tokens.index(eos_id, len(out_tokens) - j) + 1]
+      clock.stop()
       break
     # 4. rollback: the states after row j; the rejected rows leave the KV histories
     seq.rec_states = rollback.states_after(vout.rec_states, j, width, before)
     seq.pos = c + j + 1
-    t_trunc = time.perf_counter()
-    phase_ms["rollback"] += (t_trunc - t_phase) * 1e3
+    clock.start("truncate")
     kv.truncate("target", seq.pos)
     b = target[j]
     round_lease = 0
-    phase_ms["truncate"] += (time.perf_counter() - t_trunc) * 1e3
-    t_phase = time.perf_counter()
+    clock.stop()
     if use_mtp:
       # 5. MTP catch-up on the accepted rows; its last row proposes the next d_1. Draft rows from
       # MTP position c on are rebuilt on the target's hidden states. The catch-up and the next
       # round's drafting run under one ring lease: the MTP's streamed suffix is loaded once.
+      clock.start("mtp_catch_up")
       h2d0 = _h2d(kv)
       kv.truncate("mtp", c)
       if len(out_tokens) + 1 < n_predict:      # another round drafts
@@ -501,7 +526,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prom
         leases += 1
         mtp_next = mtp_catch_up(runner, kv, vout.hn_se, drafts[:j] + [b], c, ubatch, pad_to=width)
       mtp_h2d += _h2d(kv) - h2d0
-      phase_ms["mtp_catch_up"] += (time.perf_counter() - t_phase) * 1e3
+      clock.stop()
     if on_round is not None:
       on_round(dict(pos=c, drafts=drafts, target=target, accepted=j, logits=vout.logits_rv,
                     draft_p=draft_p, drafter=source, lease_bytes=round_lease))
@@ -523,7 +548,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prom
       "ngram_rounds": ngram_rounds, "draft_rounds": round_lengths,
       "rollback_d2h_bytes": rollback.d2h_bytes, "rollback_h2d_bytes": rollback.h2d_bytes,
       "round_ms_mean": (time.perf_counter() - t_loop) * 1e3 / rounds if rounds else 0.0,
-      "phase_ms_per_round": {k: v / rounds for k, v in phase_ms.items()} if rounds else {},
+      "phase_ms_per_round": {k: v / rounds for k, v in clock.ms.items()} if rounds else {},
   }
   if use_mtp:
     stats["mtp_h2d_bytes_per_round"] = mtp_h2d / rounds if rounds else 0.0

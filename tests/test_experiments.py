@@ -683,6 +683,42 @@ def test_timeline_overlap_arithmetic():
   assert timeline.classify("MemcpyDtoH") == "d2h" and timeline.classify("Memcpy HtoD") == "h2d"
 
 
+def test_timeline_phase_device_arithmetic():
+  """What the device did inside each named host phase, on hand-made windows and events."""
+  from experiments.lib import timeline
+  ev = [timeline.Event("Stream #9", "kernel", "fusion", 1e6, 2e6),        # 1-3 ms
+        timeline.Event("Stream #2", "h2d", "MemcpyH2D", 2e6, 4e6),        # 2-6 ms
+        timeline.Event("Stream #9", "kernel", "fusion", 9e6, 1e6)]        # 9-10 ms
+  d = timeline.phase_device(ev, [("verify", 0.0, 4e6), ("draft", 4e6, 8e6), ("verify", 8e6, 10e6)])
+  assert d["verify"]["n"] == 2 and d["verify"]["wall_ms"] == pytest.approx(6.0)
+  assert d["verify"]["kernel_ms"] == pytest.approx(3.0) and d["verify"]["h2d_ms"] == pytest.approx(2.0)
+  assert d["draft"]["kernel_idle_ms"] == pytest.approx(4.0) and d["draft"]["h2d_ms"] == pytest.approx(2.0)
+
+
+def test_speculative_round_phases_are_trace_annotations():
+  """A speculative generation under the profiler leaves each round's phases as host annotations
+  (`PhaseClock`: spec:draft, spec:verify, ...), one window a round each, in the round's order."""
+  import jax
+  from experiments.lib import timeline
+  from kvjax import engine, speculative
+  from tiny_setup import build_tiny_runner
+  cfg, runner, layout = build_tiny_runner(0, 16)
+  prompt = [int(t) for t in range(5, 25)]
+  spec = speculative.SpecConfig("ngram", n_max=3, ngram_n=1)
+  run = lambda: speculative.generate_speculative(runner, engine.PlainKV(cfg, layout, 64), prompt, 10, spec,
+                                                 ubatch=16)
+  run()      # compiled outside the trace
+  out = []
+  _, trace = timeline.profile(lambda: out.append(jax.block_until_ready(run().tokens)))
+  windows = timeline.phase_windows(trace, speculative.PhaseClock.PREFIX)
+  rounds = speculative.generate_speculative(runner, engine.PlainKV(cfg, layout, 64), prompt, 10, spec,
+                                            ubatch=16).metrics["verify_forwards"]
+  names = [w[0] for w in windows]
+  assert names.count("verify") == names.count("draft") == rounds > 0
+  assert names[:4] == ["draft", "verify", "rollback", "truncate"]
+  assert all(s <= e for _, s, e in windows) and all(a[2] <= b[1] for a, b in zip(windows, windows[1:]))
+
+
 def test_hlo_schedule_reads_async_copies():
   from experiments.kernel_lab import hlo_schedule
   text = """HloModule m

@@ -154,6 +154,39 @@ def summarize(events: List[Event]) -> Dict[str, float]:
   return out
 
 
+def phase_windows(log_dir: str, prefix: str) -> List[Tuple[str, float, float]]:
+  """The host trace annotations of the newest trace under `log_dir` whose name starts with `prefix`
+  (`kvjax.speculative.PhaseClock`'s "spec:" for a speculative round's phases), in time order:
+  (name without the prefix, start ns, end ns)."""
+  out = []
+  for plane in _profile_data(log_dir).planes:
+    if not plane.name.startswith("/host"):
+      continue
+    for line in plane.lines:
+      for e in line.events:
+        if e.name.startswith(prefix):
+          out.append((e.name[len(prefix):], float(e.start_ns), float(e.start_ns) + float(e.duration_ns)))
+  return sorted(out, key=lambda w: w[1])
+
+
+def phase_device(events: List[Event], windows: List[Tuple[str, float, float]]) -> Dict[str, Dict[str, float]]:
+  """What the device did during each named host phase, summed over its windows: `n`, `wall_ms`
+  (host), `kernel_ms` and `h2d_ms` (time with a kernel / a host-to-device copy running), and
+  `kernel_idle_ms` (wall - kernel: where the device waited for the host or for copies)."""
+  ker = _union([(e.start_ns, e.end_ns) for e in events if e.kind == "kernel"])
+  h2d = _union([(e.start_ns, e.end_ns) for e in events if e.kind == "h2d"])
+  out: Dict[str, Dict[str, float]] = {}
+  for name, s, e in windows:
+    d = out.setdefault(name, {"n": 0, "wall_ms": 0.0, "kernel_ms": 0.0, "h2d_ms": 0.0})
+    d["n"] += 1
+    d["wall_ms"] += (e - s) / 1e6
+    d["kernel_ms"] += _intersection(ker, [(s, e)]) / 1e6
+    d["h2d_ms"] += _intersection(h2d, [(s, e)]) / 1e6
+  for d in out.values():
+    d["kernel_idle_ms"] = d["wall_ms"] - d["kernel_ms"]
+  return out
+
+
 def segments(events: List[Event], gap_ns: float = 20e3) -> List[Dict[str, object]]:
   """Consecutive events of one kind on one stream, closer than `gap_ns`, as one segment."""
   if not events:
