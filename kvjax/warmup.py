@@ -105,6 +105,8 @@ def _run_forwards(runner: Runner, provider, kv, rows) -> int:
     table = zeros_on_device((kv.max_pages,), np.int32)
     for s, chunked, capture in rows:
       kv.pool_pn = runner.run_inert(kv.pool_pn, table, s, chunked, capture, kv=provider)
+      if not chunked:      # a decode or verify forward's rows leave packed
+        kv.pack_inert(s)
   elif hasattr(provider, "tables_lt"):     # the plain cache
     for s, chunked, capture in rows:
       provider.pool_pn = runner.run_inert(provider.pool_pn, provider.tables_lt[0], s, chunked, capture, kv=provider)
