@@ -191,8 +191,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
   if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
     raise ParameterError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}", "tensor_parallel")
   if preset is None and not _is_builtin(source) and not os.path.exists(source):
-    raise ModelNotFoundError(f"source {source!r}: no such file (expected a .gguf path, 'tiny' or 'code-tiny')",
-                             "source")
+    raise ModelNotFoundError(tiny.not_found(source), "source")
   cache_lib.enable(compile_cache)
   backend = jax.default_backend()
   if attn_impl != "auto" or backend != "gpu":
@@ -301,6 +300,20 @@ def check_context_length(model: LoadedModel, max_tokens: int, exceed_context_len
     raise ParameterError(f"{param} {max_tokens} is beyond the model's context length of {limit} positions "
                          f"({max_tokens - limit} more; exceed_context_length allows it)", param,
                          "exceed_context_length")
+
+
+def generation_tokens(model: LoadedModel, n_prompt: int, n_predict: int, spec: Optional[SpecConfig] = None,
+                      exceed_context_length: bool = False) -> int:
+  """The KV capacity a generation sizes for itself (`context_tokens`), refused past the model's
+  context length in the terms the caller chose: the prompt's length and n_predict."""
+  need = context_tokens(n_prompt, n_predict, spec)
+  limit = model.cfg.context_length
+  if need > limit and not exceed_context_length:
+    verify = f" + {need - n_prompt - n_predict} verify rows (spec)" if need > n_prompt + n_predict else ""
+    raise ParameterError(f"a prompt of {n_prompt} tokens + n_predict {n_predict}{verify} needs {need} positions, "
+                         f"beyond the model's context length of {limit} ({need - limit} more; a shorter prompt, "
+                         f"a smaller n_predict, or exceed_context_length)", "n_predict", "exceed_context_length")
+  return need
 
 
 def kv_bytes(model: LoadedModel, max_tokens: int) -> int:
@@ -558,6 +571,7 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   ids = prompt_ids(model, prompt, prompt_tokens)
   need = context_tokens(len(ids), n_predict, spec)
   if kv is None:
+    need = generation_tokens(model, len(ids), n_predict, spec, exceed_context_length)
     kv = make_kv(model, need, ubatch=ubatch, exceed_context_length=exceed_context_length, spec=spec)
   elif kv.max_tokens < need:
     raise ParameterError(f"kv holds {kv.max_tokens} tokens: prompt {len(ids)} + n_predict {n_predict}"

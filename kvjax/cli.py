@@ -189,13 +189,13 @@ FLAG_OF = {
 
 def parse_token_list(text: str, what: str = "--tokens") -> List[int]:
   """'1,2,3' -> [1, 2, 3] (the API checks them against the vocabulary)."""
-  try:
-    ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-  except ValueError:
-    raise UsageError(f"{what} {text!r}: expected comma-separated integer token ids") from None
-  if not ids:
+  entries = text.replace(" ", "").split(",")
+  if entries == [""]:
     raise UsageError(f"{what}: at least one token id is needed")
-  return ids
+  bad = [i for i, t in enumerate(entries, 1) if not (t[1:] if t[:1] == "-" else t).isdigit()]
+  if bad:
+    raise UsageError(f"{what} {text!r}: expected comma-separated integer token ids (entry {bad[0]} is not)")
+  return [int(t) for t in entries]
 
 
 def parse_block_pages(value):
@@ -240,7 +240,7 @@ def _summary(m: Dict[str, Any]) -> List[str]:
   n_dec = max(m["decode_tokens"] - 1, 0)   # the first token comes from the prefill's last row
   lines = [f"prefill {m['prompt_tokens']} tokens in {pre_ms:.1f} ms ({m['prompt_tokens'] / pre_ms * 1e3:.1f} tok/s), "
            f"decode {m['decode_tokens']} tokens in {dec_ms:.1f} ms ({n_dec / dec_ms * 1e3:.1f} tok/s)"]
-  if not m["warmup"] and m["compile_ms"] > 0:
+  if not m["warmup"] and m["compile_ms"] >= 50:   # a warm run loads its programs: nothing to report
     lines.append(f"cold run: {m['compile_ms'] / 1e3:.1f} s of jax tracing and compiling (prefill "
                  f"{m['prompt_compile_ms'] / 1e3:.1f} s, decode {m['predicted_compile_ms'] / 1e3:.1f} s), not "
                  f"counted above; --warmup compiles first and times a warm run")
@@ -363,10 +363,13 @@ def cmd_generate(fv: flags.FlagValues, out=None, err=None) -> int:
   budget, block = _kv_flags(fv, spec, sampling)
   text = _prompt_text(fv)
   ids = fv["prompt-tokens"].value
+  if text is None and ids is None:
+    raise UsageError("give one of --prompt, --file and --prompt-tokens")
   ids = None if ids is None else parse_token_list(ids, "--prompt-tokens")
   model = _load(fv)
   prompt = api.prompt_ids(model, text, ids)
-  ctx = api.context_tokens(len(prompt), n_predict, spec, fv["ctx-size"].value)
+  ctx = api.context_tokens(len(prompt), n_predict, spec, fv["ctx-size"].value) if fv["ctx-size"].value else \
+      api.generation_tokens(model, len(prompt), n_predict, spec, fv["exceed-context-length"].value)
   kv = api.make_kv(model, ctx, ubatch=ubatch, exceed_context_length=fv["exceed-context-length"].value,
                    spec=spec, prefill_block=block, **budget)
   as_json, tok = fv["json"].value, model.tokenizer
@@ -541,15 +544,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       return 1 if isinstance(e, api.ModelNotFoundError) else 2
     _error(e)
     return 1
+  except BrokenPipeError:    # the reader left (`| head`): stop quietly, as a pipe's writer does
+    _quiet_stdout()
+    return 141
   except (OSError, flags.Error) as e:
     # FileNotFoundError's str() already names the path
     _error(e)
     return 1
 
 
+def _quiet_stdout() -> None:
+  """stdout to the null device: the interpreter's last flush then has no closed pipe to fail on."""
+  os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def run() -> None:
   """Console-script entry point (`kvjax = "kvjax.cli:run"`)."""
-  sys.exit(main())
+  code = main()
+  try:
+    sys.stdout.flush()
+  except BrokenPipeError:
+    _quiet_stdout()
+    code = code or 141
+  sys.exit(code)
 
 
 if __name__ == "__main__":

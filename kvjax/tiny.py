@@ -44,6 +44,18 @@ def is_builtin(spec: str) -> bool:
   return spec == "tiny" or spec.startswith("tiny:") or spec in BUILTIN_GGUF
 
 
+def not_found(spec: str) -> str:
+  """The message for a model source that is neither a file nor a built-in model, with the closest
+  built-in name or preset when one is near (a preset is random weights at a real geometry)."""
+  import difflib  # pylint: disable=import-outside-toplevel
+  names = ["tiny", "tiny:SEED", *sorted(BUILTIN_GGUF)]
+  presets = sorted(p for p in config_lib.PRESETS if p not in names)
+  close = difflib.get_close_matches(spec.lower(), names + presets, n=1, cutoff=0.6)
+  hint = "" if not close else f"; did you mean {'the preset ' if close[0] in presets else ''}{close[0]!r}?"
+  return f"source {spec!r}: no such file (expected a .gguf path, {', '.join(map(repr, names))} or a preset: " \
+         f"{', '.join(presets)}){hint}"
+
+
 def load_model_source(spec: str, seed: int = 0, dtype=np.float32, weights: str = "dequantized",
                       weights_impl: str = "xla"
                       ) -> Tuple[ModelConfig, Iterator[Tuple[str, np.ndarray]], Optional[tok_lib.Tokenizer]]:
@@ -68,7 +80,7 @@ def load_model_source(spec: str, seed: int = 0, dtype=np.float32, weights: str =
     it = weights_lib.iter_random_tensors(cfg, seed, dtype=dtype)
     return cfg, it, tok_lib.tiny_tokenizer()
   if not os.path.exists(spec):
-    raise FileNotFoundError(f"source {spec!r}: no such file (expected a .gguf path, 'tiny' or 'code-tiny')")
+    raise FileNotFoundError(not_found(spec))
   model = gguf_io.read_gguf(spec)
   if weights == "quantized":
     from kvjax import qweights

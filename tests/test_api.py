@@ -247,7 +247,9 @@ def test_errors_are_value_errors_naming_the_parameter(model, call, params, needl
 def test_missing_model_file_is_its_own_error(model):
   e = _error(api.load_model, "missing.gguf")
   assert isinstance(e, api.ModelNotFoundError)
-  assert e.renamed({"source": "--model"}) == "--model 'missing.gguf': no such file (expected a .gguf path, 'tiny' or 'code-tiny')"
+  assert e.renamed({"source": "--model"}) == ("--model 'missing.gguf': no such file (expected a .gguf path, "
+                                              "'tiny', 'tiny:SEED', 'code-tiny' or a preset: qwen38_27b)")
+  assert "did you mean the preset 'qwen38_27b'?" in str(_error(api.load_model, "qwen38_27B"))
 
 
 def test_budget_too_small_says_how_many_pages_are_missing(model):

@@ -388,10 +388,32 @@ def test_error_pool_too_small(capsys):
     (["logits", "--tokens=1,2,3"], "--out"),
     (["memory"], "--config"),
     (["memory", "--config=configs/does_not_exist.py"], "does_not_exist.py"),
+    (["generate", "--prompt-tokens=1,,2"], "--prompt-tokens '1,,2': expected comma-separated integer token ids (entry 2"),
+    (["generate", "-n", "4"], "give one of --prompt, --file and --prompt-tokens"),
+    (["generate", "--prompt-tokens=" + ",".join(["5"] * 8190), "-n", "4"],
+     "a prompt of 8190 tokens + --n-predict 4 needs 8194 positions, beyond the model's context length of 8192"),
 ])
 def test_error_bad_flags(capsys, argv, needle):
   rc, _, err = run_main(capsys, *argv)
   assert_one_line_error(rc, err, 2, needle)
+
+
+def test_model_name_near_a_builtin_or_preset_is_suggested(capsys):
+  for name, hint in (("qwen38_27B", "did you mean the preset 'qwen38_27b'?"), ("code_tiny", "did you mean 'code-tiny'?")):
+    rc, _, err = run_main(capsys, "generate", f"--model={name}", "-p", "hi")
+    assert_one_line_error(rc, err, 1, f"--model {name!r}: no such file", hint)
+
+
+def test_stdout_closed_by_its_reader_ends_quietly(tmp_path):
+  """`kvjax generate ... | head -c 1`: the generation stops at its next write, exit 141, no error."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", KVJAX_COMPILE_CACHE_DIR="off")
+  p = subprocess.Popen([sys.executable, "-m", "kvjax.cli", "generate", "--model=tiny", "-p", "hello there",
+                        "-n", "64", "--ignore-eos", "--kv-page-tokens=64"], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, cwd=str(tmp_path), env=env)
+  assert p.stdout.read(1)
+  p.stdout.close()
+  _, err = p.communicate(timeout=300)
+  assert p.returncode == 141 and b"error" not in err and b"Traceback" not in err, err[-2000:]
 
 
 def test_block_pages_flag_values():
@@ -450,7 +472,8 @@ def test_subprocess_gguf_equals_builtin_tiny(tmp_path, plain_run):
   p = subprocess.run([sys.executable, "-m", "kvjax.cli", "generate", "--model=missing.gguf", "--prompt=hi"],
                      capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
   assert p.returncode == 1
-  assert p.stderr.strip() == "kvjax: error: --model 'missing.gguf': no such file (expected a .gguf path, 'tiny' or 'code-tiny')"
+  assert p.stderr.strip() == ("kvjax: error: --model 'missing.gguf': no such file (expected a .gguf path, 'tiny', "
+                              "'tiny:SEED', 'code-tiny' or a preset: qwen38_27b)")
   p = subprocess.run([sys.executable, "-m", "kvjax.cli", "generate", "-p", "hi", "--kv-stream-copy-pages=3"],
                      capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
   assert p.returncode == 2
