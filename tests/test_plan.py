@@ -20,7 +20,7 @@ def smallest_arena(**kw):
   with pytest.raises(budget.StreamBudgetError) as e:
     plan_kv(GEOMETRY, MAX_TOKENS, arena_bytes=1, workspaces=WS, pinned=False, **kw)
   msg = str(e.value)
-  assert msg.startswith("too small: at least ") and "more pages" in msg, msg
+  assert msg.startswith("too small: at least ") and msg.endswith(" MiB more"), msg
   lo, hi = 1, 1 << 30
   while lo < hi:      # the boundary, found without trusting the message
     mid = (lo + hi) // 2

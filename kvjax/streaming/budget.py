@@ -371,11 +371,10 @@ class ArenaNeed:
     """`bytes` in MiB rounded up to 0.001 (an arena of that many MiB holds the cache)."""
     return f"{-(-(self.bytes + 1) * 1000 // 2**20) / 1000:.3f} MiB"
 
-  def refusal(self, arena_bytes: int, page_bytes: int) -> str:
-    """The refusal of an arena of `arena_bytes`: the least needed, what decides it, the pages missing."""
-    missing = -(-(self.bytes - arena_bytes) // page_bytes)
-    return (f"too small: at least {self.mib()} needed ({self.reason}): {missing} more pages "
-            f"({mib(self.bytes - arena_bytes)})")
+  def refusal(self, arena_bytes: int) -> str:
+    """The refusal of an arena of `arena_bytes`: the least needed, what decides it, the MiB missing
+    (in bytes, not pages: the workspace beside the pages is part of it)."""
+    return f"too small: at least {self.mib()} needed ({self.reason}); {mib(self.bytes - arena_bytes)} more"
 
 
 def minimum_arena(n_layers: int, max_tokens: int, layout: PageLayout, decode_workspace_bytes: int,

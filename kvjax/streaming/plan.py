@@ -287,7 +287,7 @@ def _plan(geometry: KVGeometry, max_tokens: int, *, arena_bytes: Optional[int] =
     need = minimum_arena(n, max_tokens, lay, ws, copy_pages, adaptive, geometry.wave_pages, ws_prefill,
                          prefill_rows=rows, pinned=pinned)
     if int(arena_bytes) < need.bytes:
-      raise StreamBudgetError(need.refusal(int(arena_bytes), pb))
+      raise StreamBudgetError(need.refusal(int(arena_bytes)))
     available = (int(arena_bytes) - ws) // pb
     split = region_split(geometry, available, max_tokens, copy_pages, adaptive, pinned=pinned)
   else:   # refused with the least pool that streams (copy waves hold whole partitions; the policy's)
