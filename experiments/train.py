@@ -8,7 +8,10 @@
 (from the repository root; any config field can be overridden, e.g. `--config.steps=200`). Writes
 under --out: log.jsonl, checkpoint.npz, best.npz (the lowest held-out loss's parameters, exported
 when config.export_best), tokenizer.json, files.json, <name>.gguf, loss.png,
-summary.json (`kvjax.train.run`), and prints a short table last.
+summary.json (`kvjax.train.run`), and prints a short table last. A bad config field (`kvjax.train.check_config`),
+an unknown one (with the closest field) or a missing config file is refused before the corpus is read
+or --out is touched, in one line `train: error: ...` naming the field (exit status 2; 1 for a bad file,
+e.g. a damaged checkpoint).
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
+DEFAULT_CONFIG = "configs/train_code_tiny.py"
+
 
 def define_flags():
   """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
-  config_flags.DEFINE_config_file("config", "configs/train_code_tiny.py", "training config")
+  config_flags.DEFINE_config_file("config", None, f"training config (default {DEFAULT_CONFIG})")
   flags.DEFINE_string("out", None, "output folder", required=True)
   flags.DEFINE_bool("resume", False, "continue from <out>/checkpoint.npz")
   flags.DEFINE_bool("progress", True, "tqdm progress bar")
@@ -47,14 +52,36 @@ def table(s: dict) -> str:
   return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
+def acceptance_contexts(values) -> list:
+  """--acceptance_contexts as positive ints, checked before training (else `checks.fail`)."""
+  from kvjax import checks
+  try:
+    contexts = [int(c) for c in values]
+  except ValueError:
+    contexts = []
+  if len(contexts) != len(values) or any(c < 1 for c in contexts):
+    checks.fail("train", f"--acceptance_contexts {','.join(values)}: expected positive ints, e.g. 256,1024")
+  if contexts and FLAGS.acceptance_prompts < 1:
+    checks.fail("train", f"--acceptance_prompts {FLAGS.acceptance_prompts}: must be at least 1")
+  return contexts
+
+
 def main(argv):
-  del argv
+  from kvjax import checks
+  if len(argv) > 1:
+    checks.fail("train", f"unexpected arguments: {argv[1:]} (flags take the form --config.FIELD=value)")
+  if FLAGS.config is None:
+    checks.fail("train", f"--config is required, e.g. --config={DEFAULT_CONFIG}")
+  contexts = acceptance_contexts(FLAGS.acceptance_contexts)
   from kvjax import api
-  summary = api.train(FLAGS.config, FLAGS.out, resume=FLAGS.resume, progress=FLAGS.progress)
+  try:
+    summary = api.train(FLAGS.config, FLAGS.out, resume=FLAGS.resume, progress=FLAGS.progress)
+  except (api.ParameterError, ValueError) as e:   # bad config fields, a corpus without files, a bad checkpoint
+    msg = e.renamed({"out": "--out"}) if isinstance(e, api.ParameterError) else str(e)
+    checks.fail("train", msg, 2 if isinstance(e, api.ParameterError) else 1)
   acc = None
-  if FLAGS.acceptance_contexts:
-    acc = run_acceptance(summary["gguf"], [int(c) for c in FLAGS.acceptance_contexts], FLAGS.acceptance_prompts,
-                         os.path.join(FLAGS.out, "acceptance"))
+  if contexts:
+    acc = run_acceptance(summary["gguf"], contexts, FLAGS.acceptance_prompts, os.path.join(FLAGS.out, "acceptance"))
   print(table(summary))
   if acc:
     print(acc)
@@ -74,6 +101,16 @@ def run_acceptance(gguf: str, contexts, prompts: int, out: str) -> str:
   return acceptance.table(summary)
 
 
+def flags_parser(argv):
+  """`checks.flags_parser("train", "config")`, with --config (when not given) `DEFAULT_CONFIG`, so an
+  unknown `--config.FIELD` is checked against it too (the flag has no default: ml_collections would
+  apply the overrides to a default as the flag is defined, and fail with a traceback)."""
+  from kvjax import checks
+  if not any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
+    argv = argv[:1] + [f"--config={DEFAULT_CONFIG}"] + argv[1:]
+  return checks.flags_parser("train", "config", DEFAULT_CONFIG)(argv)
+
+
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=flags_parser)

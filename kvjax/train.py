@@ -90,6 +90,92 @@ def compute_dtype(c):
 
 
 # ---------------------------------------------------------------------------
+# config checks (before anything is read, allocated or written)
+# ---------------------------------------------------------------------------
+
+# the least value of each count and size (0: "not set" / "all" where base_config says so)
+AT_LEAST = {"steps": 1, "seq_len": 2, "batch_size": 1, "eval_every": 1, "eval_windows": 1, "ckpt_every": 1,
+            "warmup_steps": 0, "stop_step": 0, "max_train_bytes": 0, "max_heldout_bytes": 0, "bpe_bytes": 0,
+            "vocab_size": 256 + len(corpus.SPECIALS)}
+AT_LEAST_REAL = {"min_lr_ratio": 0.0, "weight_decay": 0.0, "mtp_weight": 0.0, "time_limit_s": 0.0}
+ABOVE_REAL = {"lr": 0.0, "clip_norm": 0.0}
+WHY = {"seq_len": " (the MTP head's target is 2 tokens ahead)",
+       "vocab_size": f" (256 byte tokens + {len(corpus.SPECIALS)} special)"}
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _param_error(message: str, *params: str):
+  from kvjax.api import ParameterError  # pylint: disable=import-outside-toplevel  (api imports this module)
+  return ParameterError(message, *params)
+
+
+def check_config(c, out: Optional[str] = None, resume: bool = False) -> None:
+  """The checks of `run` that need no corpus, before anything is read, allocated or written: each
+  count and size at least its least value (`AT_LEAST`; rates `AT_LEAST_REAL` / `ABOVE_REAL`),
+  `heldout_percent` in (0, 100), the model geometry, `compute_dtype`, `export_weight_type` (a
+  block type's rows whole blocks), `corpus_root` a folder, and with `resume` a checkpoint in `out`
+  before `steps`. A bad field is a `kvjax.api.ParameterError`: one line naming `config.FIELD`, its
+  value and what is needed (an unreadable checkpoint: a ValueError)."""
+  from kvjax import checks  # pylint: disable=import-outside-toplevel
+  checks.check_types(**{f"config.{k}": (c[k], "int") for k in AT_LEAST},
+                     **{f"config.{k}": (c[k], "real") for k in (*AT_LEAST_REAL, *ABOVE_REAL, "heldout_percent")},
+                     **{f"config.{k}": (c[k], "str") for k in ("name", "corpus_root", "compute_dtype",
+                                                               "export_weight_type")})
+  for k, least in AT_LEAST.items():
+    if c[k] < least:
+      raise _param_error(f"config.{k} {c[k]}: must be at least {least}{WHY.get(k, '')}", f"config.{k}")
+  for k, least in AT_LEAST_REAL.items():
+    if not least <= c[k] < math.inf:
+      raise _param_error(f"config.{k} {c[k]:g}: must be at least {least:g} and finite", f"config.{k}")
+  for k, bound in ABOVE_REAL.items():
+    if not bound < c[k] < math.inf:
+      raise _param_error(f"config.{k} {c[k]:g}: must be above {bound:g} and finite", f"config.{k}")
+  if not 0 < c.heldout_percent < 100:
+    raise _param_error(f"config.heldout_percent {c.heldout_percent:g}: must be above 0 and below 100",
+                       "config.heldout_percent")
+  if not c.name or os.sep in c.name or c.name in (".", ".."):
+    raise _param_error(f"config.name {c.name!r}: must name a file ({c.name or 'NAME'}.gguf), not a path",
+                       "config.name")
+  if c.corpus_root and not os.path.isdir(c.corpus_root):
+    raise _param_error(f"config.corpus_root {c.corpus_root!r}: no such folder ('' = this Python's stdlib)",
+                       "config.corpus_root")
+  if c.compute_dtype not in COMPUTE_DTYPES:
+    raise _param_error(f"config.compute_dtype {c.compute_dtype!r}: expected one of {', '.join(COMPUTE_DTYPES)}",
+                       "config.compute_dtype")
+  try:
+    mcfg = model_config(c)
+  except (TypeError, ValueError) as e:
+    raise _param_error(f"config.model: {e}", "config.model") from None
+  _check_export_type(c.export_weight_type, mcfg)
+  if out and os.path.exists(out) and not os.path.isdir(out):
+    raise _param_error(f"out {out!r}: not a folder", "out")
+  ckpt = os.path.join(out, CKPT_NAME) if out else ""
+  if resume and os.path.isfile(ckpt):
+    try:
+      with np.load(ckpt) as z:
+        done = int(z["step"])
+    except Exception as e:  # pylint: disable=broad-except  (a damaged file: any error is reported in one line)
+      raise ValueError(f"{ckpt}: cannot read its step: {type(e).__name__}: {e}") from None
+    if done >= c.steps:
+      raise _param_error(f"config.steps {c.steps}: {ckpt} is at step {done}; at least {done + 1} needed to "
+                         f"resume (the schedule spans config.steps)", "config.steps")
+
+
+def _check_export_type(weight_type: str, mcfg: config_lib.ModelConfig) -> None:
+  """`weight_type` a `gguf_io.WEIGHT_TYPES` name whose blocks divide the rows of every matrix it stores."""
+  import gguf  # pylint: disable=import-outside-toplevel
+  if weight_type not in gguf_io.WEIGHT_TYPES:
+    raise _param_error(f"config.export_weight_type {weight_type!r}: expected one of "
+                       f"{', '.join(sorted(gguf_io.WEIGHT_TYPES))}", "config.export_weight_type")
+  block = gguf.GGML_QUANT_SIZES[gguf_io.WEIGHT_TYPES[weight_type]][0]
+  for name, shape in config_lib.gguf_tensor_shapes(mcfg, include_optional=False).items():
+    if len(shape) >= 2 and not name.endswith("ssm_conv1d.weight") and shape[-1] % block:
+      raise _param_error(f"config.export_weight_type {weight_type!r}: tensor {name}'s rows of {shape[-1]} "
+                         f"values are not whole blocks of {block}; use f32, f16 or bf16, or model sizes "
+                         f"that are multiples of {block}", "config.export_weight_type")
+
+
+# ---------------------------------------------------------------------------
 # model, loss, optimiser
 # ---------------------------------------------------------------------------
 
@@ -207,12 +293,13 @@ def prepare_data(c, log: Callable[[str], None] = print) -> Data:
   root = c.corpus_root or corpus.stdlib_root()
   split = corpus.split_files(corpus.stdlib_files(root), c.heldout_percent)
   # a max_train_bytes subset spans the whole library: files in the order of their path's md5
-  train_texts = corpus.read_texts(root, sorted(split.train, key=corpus.path_hash), c.max_train_bytes)
+  train_files = sorted(split.train, key=corpus.path_hash)
+  train_texts = corpus.read_texts(root, train_files, c.max_train_bytes)
   held_texts = corpus.read_texts(root, split.heldout, c.max_heldout_bytes)
-  if not train_texts or not held_texts:
-    raise ValueError(f"corpus {root!r}: {len(train_texts)} training and {len(held_texts)} held-out files "
-                     f"within max_train_bytes {c.max_train_bytes} / max_heldout_bytes {c.max_heldout_bytes} "
-                     f"(the first files of each list that fit; 0 = all); at least 1 of each is needed")
+  for texts, files, key in ((train_texts, train_files, "max_train_bytes"), (held_texts, split.heldout,
+                                                                            "max_heldout_bytes")):
+    if not texts:
+      raise _no_files_error(c, root, files, key)
   t0 = time.perf_counter()
   spec = corpus.learn_tokenizer(list(train_texts.values()), c.vocab_size, c.bpe_bytes)
   tok = tok_lib.from_spec(spec)
@@ -222,9 +309,30 @@ def prepare_data(c, log: Callable[[str], None] = print) -> Data:
       f"{len(train):,} tokens), {len(held_texts)} held-out ({len(held):,} tokens); BPE + tokenize "
       f"{time.perf_counter() - t0:.1f} s")
   if len(train) <= c.seq_len + 1 or len(held) <= c.seq_len + 1:
-    raise ValueError(f"seq_len {c.seq_len}: the corpus has {len(train)} training / {len(held)} held-out "
-                     f"tokens, at least seq_len + 2 = {c.seq_len + 2} of each are needed")
+    raise _param_error(f"config.seq_len {c.seq_len}: the corpus has {len(train)} training / {len(held)} "
+                       f"held-out tokens, at least seq_len + 2 = {c.seq_len + 2} of each are needed; at most "
+                       f"{min(len(train), len(held)) - 2} fits", "config.seq_len")
   return Data(spec, train, held, list(train_texts), list(held_texts), held_texts)
+
+
+def _no_files_error(c, root: str, files, key: str):
+  """The error of a split with no file within `config.<key>` (`corpus.read_texts` stops at the first
+  file that would pass it): the size of its first UTF-8 file is the least value that reads one."""
+  kind = "training" if key == "max_train_bytes" else "held-out"
+  for f in files:
+    with open(os.path.join(root, f), "rb") as fh:
+      raw = fh.read()
+    try:
+      raw.decode("utf-8")
+    except UnicodeDecodeError:
+      continue
+    return _param_error(f"config.{key} {c[key]}: no {kind} file of corpus {root!r} fits; at least {len(raw)} "
+                        f"needed (the first, {f}, has {len(raw)} bytes; 0 = all)", f"config.{key}")
+  if key == "max_heldout_bytes" and any(corpus.stdlib_files(root)):
+    return _param_error(f"config.heldout_percent {c.heldout_percent:g}: corpus {root!r} has no held-out UTF-8 "
+                        f".py file; a larger percent is needed", "config.heldout_percent")
+  return _param_error(f"config.corpus_root {root!r}: no {kind} UTF-8 .py file (at least 2 files are needed: "
+                      f"one to train on, one held out)", "config.corpus_root")
 
 
 def heldout_baselines(data: Data, c) -> Dict[str, float]:
@@ -299,16 +407,12 @@ def run(c, out: str, *, resume: bool = False, progress: bool = True,
   `eval_every`), `checkpoint.npz` (resumed from with `resume`), `best.npz` (the parameters with
   the lowest held-out loss, exported when `export_best`), `tokenizer.json`, `files.json`
   (the training / held-out file lists), `<name>.gguf` (export_weight_type), `loss.png`,
-  `summary.json`. -> the summary."""
+  `summary.json`. -> the summary. A bad config field (`check_config`; a corpus without a file
+  within the byte limits, `prepare_data`) is refused before `out` is created or touched."""
   from tqdm import tqdm
-  os.makedirs(out, exist_ok=True)
+  check_config(c, out, resume)       # and nothing is written under `out` until a resumed checkpoint loads
   t_start = time.perf_counter()
   data = prepare_data(c, log)
-  with open(os.path.join(out, TOKENIZER_NAME), "w") as f:
-    json.dump(data.tokenizer_spec, f)
-  with open(os.path.join(out, "files.json"), "w") as f:
-    json.dump({"corpus_root": c.corpus_root or corpus.stdlib_root(), "train": data.train_files,
-               "heldout": data.heldout_files}, f, indent=0)
   model = init_model(model_config(c), c.seed)
   graphdef, params = nnx.split(model)
   dtype = compute_dtype(c)
@@ -328,6 +432,12 @@ def run(c, out: str, *, resume: bool = False, progress: bool = True,
     for p in (log_path, best_path):
       if os.path.exists(p):
         os.remove(p)
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, TOKENIZER_NAME), "w") as f:
+    json.dump(data.tokenizer_spec, f)
+  with open(os.path.join(out, "files.json"), "w") as f:
+    json.dump({"corpus_root": c.corpus_root or corpus.stdlib_root(), "train": data.train_files,
+               "heldout": data.heldout_files}, f, indent=0)
   baselines = heldout_baselines(data, c)
   n_params = count_params(params)
   log(f"{n_params:,} parameters; compute {jnp.dtype(dtype).name}; baselines unigram "

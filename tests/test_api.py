@@ -275,3 +275,4 @@ def test_readme_api_example_runs_and_streams():
   m = ns["m"]
   assert m["streamed_pages"] > 0 and m["waves"] > 0 and m["h2d_bytes"] > 0
   assert ns["fast"].tokens and ns["logits"].shape[0] == len(ns["ids"]) > len(ns["res"].tokens)   # prompt + generated
+  assert ns["same"].tokens == ns["res"].tokens and ns["same"].metrics["streamed_pages"] > 0   # speculative, streamed

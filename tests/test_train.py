@@ -1,9 +1,12 @@
 """kvjax.train: the training form equals the inference path, gradients reach every parameter, runs
-are deterministic and resume exactly, checkpoints refuse a wrong structure; and the shipped
-`code-tiny` model: its export round trip, its tokenizer on held-out files, its held-out loss."""
+are deterministic and resume exactly, checkpoints refuse a wrong structure, bad config fields are
+refused in one line before anything is read or written; and the shipped `code-tiny` model: its
+export round trip, its tokenizer on held-out files, its held-out loss."""
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,8 @@ import pytest
 from flax import nnx
 
 from kvjax import api, corpus, engine, gguf_io, tiny, train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +144,81 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
   g3, p3 = nnx.split(train.init_model(train.model_config(c), 0))
   with pytest.raises(ValueError, match=r"ck\.npz: array \d+ has shape"):
     train.load_checkpoint(path, p3, opt.init(p3))
+
+
+# ---- bad config fields: one line, before anything is read or written ---------------------------
+
+@pytest.mark.parametrize("field, value, message", [
+    ("steps", 0, "config.steps 0: must be at least 1"),
+    ("steps", -3, "config.steps -3: must be at least 1"),
+    ("batch_size", -1, "config.batch_size -1: must be at least 1"),
+    ("eval_every", 0, "config.eval_every 0: must be at least 1"),
+    ("warmup_steps", -1, "config.warmup_steps -1: must be at least 0"),
+    ("lr", 0.0, "config.lr 0: must be above 0"),
+    ("export_weight_type", "q5", "config.export_weight_type 'q5': expected one of"),
+])
+def test_bad_config_field_is_refused_before_out_is_touched(tmp_path, field, value, message):
+  """A bad count, rate or type: `kvjax.api.ParameterError`, one line naming `config.FIELD`, its value
+  and the least needed; the out folder is not created, and a resumed run's files stay as they were."""
+  c = toy_config()
+  c[field] = value
+  out = tmp_path / "out"
+  with pytest.raises(api.ParameterError) as e:
+    train.run(c, str(out), progress=False, log=lambda s: None)
+  assert str(e.value).startswith(message) and "\n" not in str(e.value) and e.value.params == (f"config.{field}",)
+  assert not out.exists()
+  out.mkdir()
+  (out / train.LOG_NAME).write_text("{}\n")
+  with pytest.raises(api.ParameterError, match=f"^config.{field} "):
+    train.run(c, str(out), resume=True, progress=False, log=lambda s: None)
+  assert sorted(os.listdir(out)) == [train.LOG_NAME] and (out / train.LOG_NAME).read_text() == "{}\n"
+
+
+def test_resume_at_or_past_steps_is_refused(tmp_path):
+  """A checkpoint already at config.steps: refused (naming the least steps that trains on) before
+  the corpus is read; the run's files are untouched."""
+  c = toy_config()
+  ckpt = tmp_path / train.CKPT_NAME
+  train.save_checkpoint(str(ckpt), {}, (), c.steps)
+  before = ckpt.read_bytes()
+  with pytest.raises(api.ParameterError, match=rf"^config.steps {c.steps}: .* is at step {c.steps}; at least "
+                     rf"{c.steps + 1} needed to resume"):
+    train.run(c, str(tmp_path), resume=True, progress=False, log=lambda s: None)
+  assert os.listdir(tmp_path) == [train.CKPT_NAME] and ckpt.read_bytes() == before
+
+
+def test_no_heldout_file_within_max_heldout_bytes_names_the_bytes_needed(tmp_path, toy_corpus):
+  """max_heldout_bytes below the first held-out file: the error says how many bytes read one, and
+  that many do."""
+  c = toy_config(toy_corpus)
+  c.max_heldout_bytes = 1
+  first = corpus.split_files(corpus.stdlib_files(toy_corpus), c.heldout_percent).heldout[0]
+  need = os.path.getsize(os.path.join(toy_corpus, first))
+  with pytest.raises(api.ParameterError, match=rf"^config.max_heldout_bytes 1: no held-out file .* fits; at least "
+                     rf"{need} needed \(the first, {first}, has {need} bytes; 0 = all\)$"):
+    train.run(c, str(tmp_path / "out"), progress=False, log=lambda s: None)
+  assert not (tmp_path / "out").exists()
+  split = corpus.split_files(corpus.stdlib_files(toy_corpus), c.heldout_percent)
+  assert list(corpus.read_texts(toy_corpus, split.heldout, need)) == [first]
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--config=configs/train_code_tiny.py", "--config.step=5"], ["did you mean", "steps"]),
+    (["--config.step=5"], ["did you mean", "steps"]),
+    (["--config.steps=0"], ["train: error: config.steps 0: must be at least 1"]),
+])
+def test_training_script_errors_are_one_line(tmp_path, args, needles):
+  """`python -m experiments.train`: an unknown --config.FIELD (with the closest field; with or
+  without --config) or a bad value is one line on stderr, exit status 2, no traceback, no --out."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = tmp_path / "out"
+  p = subprocess.run([sys.executable, "-m", "experiments.train"] + args + [f"--out={out}"], capture_output=True,
+                     text=True, cwd=REPO, env=env, timeout=120)
+  assert p.returncode == 2 and len(p.stderr.splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
+  assert p.stderr.startswith("train: error: ")
+  for n in needles:
+    assert n.lower() in p.stderr.lower(), p.stderr
+  assert not out.exists()
 
 
 # ---- the shipped code-tiny model ------------------------------------------------------------------
