@@ -52,6 +52,7 @@ import itertools
 import json
 import logging
 import os
+import sys
 import time
 
 from absl import app, flags
@@ -332,7 +333,8 @@ def main(argv):
   rows = []
   truths = {}
   with open(os.path.join(FLAGS.out, "results.jsonl"), "w") as jf:
-    for ctx, budget, length in tqdm(list(itertools.product(contexts, budgets, lengths)), desc="sweep", unit="run"):
+    for ctx, budget, length in tqdm(list(itertools.product(contexts, budgets, lengths)), desc="sweep", unit="run",
+                                     disable=not sys.stderr.isatty()):
       key = (ctx, json.dumps(budget))
       row, toks = sweep_row(model, ctx, budget, length, truths.get(key), plains.get(ctx))
       if length == 0:

@@ -17,6 +17,7 @@ e.g. a damaged checkpoint).
 from __future__ import annotations
 
 import os
+import sys
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -29,7 +30,7 @@ def define_flags():
   config_flags.DEFINE_config_file("config", None, f"training config (default {DEFAULT_CONFIG})")
   flags.DEFINE_string("out", None, "output folder", required=True)
   flags.DEFINE_bool("resume", False, "continue from <out>/checkpoint.npz")
-  flags.DEFINE_bool("progress", True, "tqdm progress bar")
+  flags.DEFINE_bool("progress", True, "tqdm progress bar (on a terminal only)")
   flags.DEFINE_list("acceptance_contexts", [], "after training, run the acceptance study (experiments.acceptance) "
                     "on the exported GGUF at these contexts; results under <out>/acceptance")
   flags.DEFINE_integer("acceptance_prompts", 4, "held-out prompts per context for the acceptance study")
@@ -75,7 +76,7 @@ def main(argv):
   contexts = acceptance_contexts(FLAGS.acceptance_contexts)
   from kvjax import api
   try:
-    summary = api.train(FLAGS.config, FLAGS.out, resume=FLAGS.resume, progress=FLAGS.progress)
+    summary = api.train(FLAGS.config, FLAGS.out, resume=FLAGS.resume, progress=FLAGS.progress and sys.stderr.isatty())
   except (api.ParameterError, ValueError) as e:   # bad config fields, a corpus without files, a bad checkpoint
     msg = e.renamed({"out": "--out"}) if isinstance(e, api.ParameterError) else str(e)
     checks.fail("train", msg, 2 if isinstance(e, api.ParameterError) else 1)

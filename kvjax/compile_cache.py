@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import pathlib
 from typing import Any, Callable, Dict, Optional, Union
@@ -92,9 +93,17 @@ def _reset() -> None:
   """Make JAX take the new directory (the cache object is made once, at the first compile)."""
   try:
     from jax._src import compilation_cache
+  except ImportError:   # pragma: no cover - a jax without it reads the config anew
+    return
+  logger = logging.getLogger(compilation_cache.__name__)
+  level = logger.level
+  logger.setLevel(max(level, logging.WARNING))   # its "Resetting cache at ..." line, at every start
+  try:
     compilation_cache.reset_cache()
-  except (ImportError, AttributeError):   # pragma: no cover - a jax without it reads the config anew
+  except AttributeError:   # pragma: no cover
     pass
+  finally:
+    logger.setLevel(level)
 
 
 _MEMO: Dict[str, Any] = {}     # this process's remembered values, by key
