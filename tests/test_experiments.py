@@ -101,7 +101,7 @@ def test_sweep_fixed_span(tmp_path):
   out = str(tmp_path / "sweep")
   p = _run(["-m", "experiments.sweep_fixed_span", "--contexts=128,256", "--arena_mib=0.5", "--pool_pages=1,6",
             "--decode_tokens=4", "--page_tokens=64", "--ubatch=64", "--nowarmup", f"--out={out}"], cwd=REPO)
-  assert "sweep: 100%" in p.stderr and "6/6" in p.stderr   # tqdm progress on stderr
+  assert "sweep:" not in p.stderr   # tqdm progress only on a terminal (stderr is a pipe here)
   with open(os.path.join(out, "results.csv"), newline="") as f:
     rows = list(csv.DictReader(f))
   jsonl = [json.loads(l) for l in open(os.path.join(out, "results.jsonl"))]
