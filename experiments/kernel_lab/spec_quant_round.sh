@@ -6,6 +6,8 @@
 #   3. bench_spec --oracle_mtp at 128K, n_max 3: replay, host and device rollback (MTP drafting as one
 #      program, layouts kept by key, pinned-host snapshots)
 #   4. bench_decode --weight_type=q4_k at 32K (weights kept quantized, "xla" product)
+#   5. bench_spec --profile at 128K, n_max 3, replay: each round phase's wall time beside the kernels
+#      and copies inside it (`speculative.PhaseClock` annotations, `timeline.phase_device`)
 # Args: the steps to run (default: 1 2 3 4).  bash experiments/kernel_lab/spec_quant_round.sh 2 3
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -32,6 +34,10 @@ for s in $steps; do
            --contexts=131072 --decode_tokens=48 --n_max=3 --acceptance=0.75 --allow_divergence --oracle_mtp \
            --width_context=0 --rollback=$rb --out="$OUT/spec_$rb"
        done ;;
+    5) step spec_profile python3 -m experiments.bench_spec --model=qwen38_27b --arena_mib=2240 --attn_impl=auto \
+         --contexts=131072 --decode_tokens=24 --n_max=3 --acceptance=0.75 --allow_divergence --oracle_mtp \
+         --width_context=0 --rollback=replay --profile --out="$OUT/spec_profile"
+       grep "^phase " "$OUT/spec_profile.log" ;;
     4) step decode_q4k python3 -m experiments.bench_decode --contexts=32768 --arena_mib=2240 --attn_impl=auto \
          --weight_type=q4_k --decode_steps=16 --out="$OUT/decode_q4k" ;;
   esac
