@@ -53,7 +53,7 @@ def define_flags():
   flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
   flags.DEFINE_string("weight_type", "", "matrices as random blocks of this format, kept quantized (q8_0, q4_0, "
                       "q4_k, q5_k, q6_k; '': dequantized in --dtype)")
-  flags.DEFINE_string("weights_impl", "xla", "the quantized product with --weight_type: xla, pallas or pallas_gemv")
+  flags.DEFINE_string("weights_impl", "xla", "the quantized product with --weight_type: xla, fused, pallas or pallas_gemv")
   flags.DEFINE_list("contexts", ["32768", "131072"], "history lengths (tokens)")
   flags.DEFINE_float("arena_mib", 2240.0, "device KV budget for the streamed run (MiB)")
   flags.DEFINE_list("pool_pages", [], "more streamed runs with these KV pools (pages; the smallest that "
@@ -70,6 +70,7 @@ def define_flags():
   flags.DEFINE_string("k_type", "q8_0", "K cache type")
   flags.DEFINE_string("v_type", "q4_0", "V cache type")
   flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_decode"), "output folder")
+  flags.DEFINE_bool("fuse", True, "join each block's same-input matrices into one product (api.load_model(fuse=))")
   flags.DEFINE_float("hbm_gbs", 4800.0, "HBM bandwidth for the floor (GB/s)")
   flags.DEFINE_float("h2d_gbs", 52.6, "host-to-device bandwidth for the floor (GB/s)")
   flags.DEFINE_integer("check_steps", 64, "decode steps compared bit for bit, streamed against resident (0: none)")
@@ -101,7 +102,7 @@ def main(argv):
 
   os.makedirs(FLAGS.out, exist_ok=True)
   log = {"flags": {k: FLAGS[k].value for k in FLAGS if k in (
-      "model", "dtype", "contexts", "arena_mib", "decode_steps", "page_tokens", "copy_pages", "attn_impl",
+      "model", "dtype", "contexts", "arena_mib", "decode_steps", "page_tokens", "copy_pages", "attn_impl", "fuse",
       "block_pages", "k_type", "v_type", "tensor_parallel", "weight_type", "weights_impl")}, "device": str(jax.devices()[0]),
       "jax": jax.__version__}
   tp = FLAGS.tensor_parallel
@@ -111,7 +112,7 @@ def main(argv):
                             k_type=FLAGS.k_type, v_type=FLAGS.v_type, attn_impl=FLAGS.attn_impl,
                             block_pages=FLAGS.block_pages, tensor_parallel=tp,
                             weight_type=FLAGS.weight_type or None, weights_impl=FLAGS.weights_impl,
-                            compile_cache=False)
+                            compile_cache=False, fuse=FLAGS.fuse)
   except api.ParameterError as e:
     raise app.UsageError(str(e)) from None
   runner, cfg = loaded.runner, loaded.cfg

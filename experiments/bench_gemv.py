@@ -45,8 +45,8 @@ def define_flags():
   flags.DEFINE_bool("small", False, "CPU smoke test: small shapes, S 1 and 4, one round")
   flags.DEFINE_list("formats", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"], "weight formats")
   flags.DEFINE_list("rows", ["1", "4", "256"], "rows S of x")
-  flags.DEFINE_list("implementations", ["xla", "pallas", "pallas_gemv", "bf16"],
-                    "xla, pallas, pallas_gemv, bf16 (baseline)")
+  flags.DEFINE_list("implementations", ["xla", "fused", "pallas", "pallas_gemv", "bf16"],
+                    "xla, fused, pallas, pallas_gemv, bf16 (baseline)")
   flags.DEFINE_list("shapes", [], "tensor names to keep (default: all), e.g. ffn_up.weight")
   flags.DEFINE_integer("iters", 20, "calls a round")
   flags.DEFINE_integer("rounds", 5, "timed rounds (median)")

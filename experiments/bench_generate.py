@@ -12,7 +12,9 @@ tokens (a decode that crosses page and copy-unit boundaries), every token timest
 * uploads by phase (prefill, decode) and the decode's MiB a token;
 * with `--compare`, in the same process, bench_decode's page-aligned decode forward at the same
   context (a fixed split of the same budget over a synthetic history: `experiments.bench_decode`)
-  and the ratio of the generation's median to it.
+  and the ratio of the generation's median to it;
+* with `--profile_tokens=N`, the device timeline of a second, warmed N-token prefill: kernel time
+  by family (GEMMs, attention, fusions, ...) and the top kernels (`experiments.lib.timeline`).
 
 Cache kinds (`--kinds`): `fixed` (the fixed split), `adaptive` (the adaptive policy),
 `phased` (adaptive + the phase arena). Compilation: `--compile_cache_dir` (default: a fresh
@@ -46,7 +48,7 @@ def define_flags():
   flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
   flags.DEFINE_string("weight_type", "", "a preset's matrices as random blocks of this format, kept quantized "
                       "(q8_0, q4_0, q4_k, q5_k, q6_k; '': dequantized in --dtype)")
-  flags.DEFINE_string("weights_impl", "xla", "the quantized product: xla, pallas or pallas_gemv")
+  flags.DEFINE_string("weights_impl", "xla", "the quantized product: xla, fused, pallas or pallas_gemv")
   flags.DEFINE_list("contexts", ["32768", "131072"], "prompt lengths (tokens)")
   flags.DEFINE_list("kinds", ["fixed"], "cache kinds: fixed, adaptive, phased")
   flags.DEFINE_integer("n_predict", 1024, "decoded tokens a generation")
@@ -56,6 +58,9 @@ def define_flags():
   flags.DEFINE_integer("ubatch", 256, "prefill micro-batch (rows)")
   flags.DEFINE_string("prefill_block", "auto", "prefill block (tokens a forward runs group-major) or auto")
   flags.DEFINE_bool("prefill_only", False, "time the prefill alone (one token decoded, no comparison forward)")
+  flags.DEFINE_integer("profile_tokens", 0, "after the cases, a device timeline of a warmed prefill of this many "
+                       "tokens on the first kind's cache: kernel time by family and the top kernels (0: none)")
+  flags.DEFINE_bool("fuse", True, "join each block's same-input matrices into one product (api.load_model(fuse=))")
   flags.DEFINE_float("peak_tflops", 989.0, "the device's dense bf16 peak (TFLOP/s) for the prefill's MFU")
   flags.DEFINE_string("attn_impl", "auto", "span attention implementation")
   flags.DEFINE_string("block_pages", "auto", "pages per logical partition (an int) or auto")
@@ -167,6 +172,32 @@ def prefill_flops(model, n: int) -> float:
   return 2.0 * params * n + attn
 
 
+def profile_prefill(api, model, n: int, kind: str):
+  """The device timeline of a warmed n-token prefill (one generation compiles, the next is traced)
+  -> the row: window and kernel ms, the window's MFU, kernel time by family and the top kernels."""
+  import numpy as np
+  from experiments.lib import timeline
+  block = FLAGS.prefill_block if FLAGS.prefill_block == "auto" else int(FLAGS.prefill_block)
+  kv = api.make_kv(model, n + 8, arena_mib=FLAGS.arena_mib, copy_pages=FLAGS.copy_pages,
+                   ubatch=FLAGS.ubatch, prefill_block=block, **KINDS[kind])
+  prompt = [int(t) for t in np.random.default_rng(n).integers(0, model.cfg.vocab_size, n)]
+
+  def run():
+    return api.generate(model, kv, prompt_tokens=prompt, n_predict=1, ignore_eos=True, ubatch=FLAGS.ubatch)
+
+  run()
+  events, trace_dir = timeline.profile(run, os.path.join(FLAGS.out, f"trace_prefill_{n}"))
+  summary, table = timeline.summarize(events), timeline.kernel_table(events)
+  window_s = summary.get("window_ms", 0.0) / 1e3
+  row = {"profile_tokens": n, "kind": kind, "trace_dir": trace_dir, **summary, "kernels": table,
+         "window_mfu": prefill_flops(model, n) / max(window_s, 1e-9) / (FLAGS.peak_tflops * 1e12)}
+  print(f"prefill of {n} tokens ({kind}): window {summary.get('window_ms', 0):.1f} ms, kernels "
+        f"{summary.get('kernel_ms', 0):.1f} ms busy, MFU over the window {row['window_mfu']:.2f}")
+  if table["families"]:
+    print(timeline.format_kernel_table(table))
+  return row
+
+
 def compare_forward(api, model, ctx: int):
   """bench_decode's warmed, page-aligned streamed forward at `ctx` (a fixed split of the same arena)."""
   from experiments import bench_decode
@@ -198,11 +229,11 @@ def main(argv):
   model = api.load_model(FLAGS.model if preset is None else "tiny", preset=preset, dtype=FLAGS.dtype,
                          page_tokens=FLAGS.page_tokens, attn_impl=FLAGS.attn_impl, block_pages=FLAGS.block_pages,
                          compile_cache=cache, weight_type=(FLAGS.weight_type or None) if preset else None,
-                         weights_impl=FLAGS.weights_impl)
+                         weights_impl=FLAGS.weights_impl, fuse=FLAGS.fuse)
   log = {"device": str(jax.devices()[0]), "jax": jax.__version__, "load_s": time.perf_counter() - t0,
          "weights": model.weights, "weight_bytes": api.weight_bytes(model),
          "flags": {k: FLAGS[k].value for k in ("model", "dtype", "weight_type", "weights_impl", "contexts", "kinds", "n_predict", "arena_mib",
-                                                "page_tokens", "copy_pages", "ubatch", "attn_impl", "warmup",
+                                                "page_tokens", "copy_pages", "ubatch", "attn_impl", "warmup", "fuse",
                                                 "prefill_block", "prefill_only")},
          "compile_cache_dir": cache_dir if cache else ""}
   print(json.dumps(log), flush=True)
@@ -217,6 +248,8 @@ def main(argv):
       rows.append(row)
       print(json.dumps({k: v for k, v in row.items() if k != "ms"}, default=float), flush=True)
   log["rows"] = rows
+  if FLAGS.profile_tokens:
+    log["prefill_profile"] = profile_prefill(api, model, FLAGS.profile_tokens, FLAGS.kinds[0])
   with open(os.path.join(FLAGS.out, "bench_generate.json"), "w") as f:
     json.dump(log, f, indent=1, default=float)
   plot(rows)

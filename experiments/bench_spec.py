@@ -269,6 +269,12 @@ def _profile(run, ctx):
     f.write(timeline.format_segments(timeline.segments(events), limit=100000) + "\n")
   print("\n".join(text.getvalue().splitlines()[:30]), flush=True)
   print(f"timeline {ctx}: " + json.dumps(summ), flush=True)
+  from experiments.lib import dispatches
+  with dispatches.by_phase() as counts:
+    rounds = max(1, run()[2]["verify_forwards"])
+  for name, c in counts.items():
+    print(f"dispatches {ctx} {name:>13}: " + ", ".join(f"{k} {v / rounds:.1f}" for k, v in c.most_common()) +
+          " a round", flush=True)
   for name, d in phases.items():
     print(f"phase {ctx} {name:>13}: {d['n']:4d} x, wall {d['wall_ms'] / d['n']:7.2f} ms, kernels {d['kernel_ms'] / d['n']:7.2f}, "
           f"copies in {d['h2d_ms'] / d['n']:7.2f}, device idle {d['kernel_idle_ms'] / d['n']:7.2f} ms a round", flush=True)

@@ -39,7 +39,7 @@ def define_flags():
                     "model files: code-tiny (its Q8_0 file), code-tiny:q4_0 (re-quantized), wide:FMT "
                     "(random weights, matrices in FMT), wide:FMT:f32 (the same matrices dequantized)")
   flags.DEFINE_integer("n_tokens", 512, "tokens a case")
-  flags.DEFINE_string("weights_impl", "xla", "kvjax's quantized product: xla, pallas, pallas_gemv")
+  flags.DEFINE_string("weights_impl", "xla", "kvjax's quantized product: xla, fused, pallas, pallas_gemv")
   flags.DEFINE_float("tie", 0.05, "a top-2 gap below this (logits) is a near tie")
   flags.DEFINE_integer("threads", 2, "llama.cpp threads")
   flags.DEFINE_enum("kv", "q8_0/q4_0", ["q8_0/q4_0", "f16"], "the KV cache of both sides: kvjax's default "

@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax import checks, compile_cache as cache_lib, config as config_lib
-from kvjax import engine, generate as gen_lib, kv_build, parallel, spec_config, speculative, text as text_lib, tiny, \
+from kvjax import engine, fused, generate as gen_lib, kv_build, parallel, spec_config, speculative, text as text_lib, tiny, \
     warmup as warm_lib, qweights, weights as weights_lib
 from kvjax.generate import GenerationResult
 from kvjax.memory_report import available_memory
@@ -134,7 +134,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
                block_pages: Union[int, str] = "auto", weight_seed: int = 0,
                tensor_parallel: int = 1, compile_cache: Union[bool, str, None] = None,
                weights: Optional[str] = None, weights_impl: str = "xla",
-               weight_type: Optional[str] = None) -> LoadedModel:
+               weight_type: Optional[str] = None, fuse: bool = True) -> LoadedModel:
   """Build a model and its runner.
 
   Args:
@@ -160,10 +160,15 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       dequantized at load, with a notice), "dequantized" (every weight in `dtype`), or None: quantized
       for a GGUF file on one device, else dequantized.
     weights_impl: the quantized product: "xla" (dequantize in the step, then the dequantized weight's
-      product: the same logits) or "pallas" (`kvjax_pallas.quant_matmul`: dequantized in registers).
+      product: the same logits), "fused" (for decode and verify rows the decode fused into one
+      multiply-and-sum: the stored bytes read once; prefill rows as "xla") or "pallas" / "pallas_gemv"
+      (`kvjax_pallas.quant_matmul`: dequantized in registers).
     weight_type: with `preset`, draw the matrices that may stay quantized as random blocks of this
       format (q8_0, q4_0, q4_k, q5_k, q6_k), kept quantized: the preset benchmarks as a quantized
       file of its geometry runs.
+    fuse: join the matrices a block multiplies by the same input (FFN gate / up, attention q / k / v,
+      Gated DeltaNet qkv / z / beta / alpha) into one product each (`kvjax.fused`; one device only):
+      fewer, larger weight reads a decoded token.
   """
   checks.check_types(preset=(preset, "str?"), page_tokens=(page_tokens, "int"), weight_seed=(weight_seed, "int"))
   if dtype not in DTYPES:
@@ -246,6 +251,8 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
     runner = parallel.ShardedRunner(model, layout, opts, tensor_parallel)
     del model   # the shards hold what each device needs
   else:
+    if fuse:
+      fused.fuse_projections(model)   # in place: each group's parts go as its joined matrix comes
     runner = engine.Runner(model, layout, opts)
   jax.block_until_ready(runner.token_embd)
   return LoadedModel(runner, tok, cfg, time.perf_counter() - t0, preset or source, weights or "dequantized")

@@ -240,7 +240,16 @@ def tiny(**overrides) -> ModelConfig:
   return ModelConfig(**kw)
 
 
-PRESETS = {"tiny": tiny, "qwen38_27b": qwen38_27b}
+def tiny_deep(**overrides) -> ModelConfig:
+  """The tiny model's widths at the 27B's depth (48 Gated DeltaNet + 16 attention layers + MTP): a
+  forward dispatches as many steps and plans as many layers as the 27B's, so the host's share of a
+  decode or a speculative round (Python, dispatch, page planning) can be studied on a CPU. With
+  16-token pages, an 8,192-token history has the page and copy-unit counts of a 131,072-token one
+  in 256-token pages."""
+  return tiny(**{"num_layers": 64, "context_length": 65536, **overrides})
+
+
+PRESETS = {"tiny": tiny, "tiny_deep": tiny_deep, "qwen38_27b": qwen38_27b}
 
 
 def preset(name: str, **overrides) -> ModelConfig:

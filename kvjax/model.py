@@ -31,6 +31,7 @@ from jax import lax
 
 from kvjax.config import ModelConfig, attention_block_shapes, common_block_shapes, mtp_extra_shapes, \
     recurrent_block_shapes
+from kvjax.fused import products
 from kvjax.qweights import QuantizedWeight
 from kvjax_pallas import ggml_codec
 from kvjax_pallas.page_layout import PageLayout
@@ -177,8 +178,7 @@ class SwiGLU(nnx.Module):
     self.ffn_down = _param((E, F), dtype)
 
   def __call__(self, h_se):
-    g = linear(h_se, self.ffn_gate[...])
-    u = linear(h_se, self.ffn_up[...])
+    g, u = products(self, h_se, ("ffn_gate", "ffn_up"))
     a = (jax.nn.silu(g) * u).astype(self.ffn_down[...].dtype)
     return block_sum(linear(a, self.ffn_down[...]))
 
@@ -196,10 +196,10 @@ class GatedAttention(nnx.Module):
     cfg = self.cfg
     s = h_se.shape[0]
     H, G, D = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
-    qg = linear(h_se, self.attn_q[...]).reshape(s, H, 2 * D)
+    qg, k_sg, v_sg = products(self, h_se, ("attn_q", "attn_k", "attn_v"))
+    qg = qg.reshape(s, H, 2 * D)
     q_shd, gate_shd = qg[..., :D], qg[..., D:]
-    k_sgd = linear(h_se, self.attn_k[...]).reshape(s, G, D)
-    v_sgd = linear(h_se, self.attn_v[...]).reshape(s, G, D)
+    k_sgd, v_sgd = k_sg.reshape(s, G, D), v_sg.reshape(s, G, D)
     q_shd = rope_neox(rms_norm(q_shd, self.attn_q_norm[...], cfg.rms_eps), pos_s, cfg.rope_dim, cfg.rope_theta)
     k_sgd = rope_neox(rms_norm(k_sgd, self.attn_k_norm[...], cfg.rms_eps), pos_s, cfg.rope_dim, cfg.rope_theta)
     return q_shd, k_sgd, v_sgd, gate_shd.reshape(s, H * D)
@@ -396,10 +396,10 @@ class GatedDeltaNet(nnx.Module):
     Hk, Hv, dk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_head_dim
     K = cfg.conv_kernel
     valid_s = jnp.arange(s) < n_valid
-    qkv_sc = linear(h_se, self.attn_qkv[...])                       # f32 [S, C]
-    z_shv = linear(h_se, self.attn_gate[...]).reshape(s, Hv, dk)
-    beta_sh = jax.nn.sigmoid(linear(h_se, self.ssm_beta[...]))
-    g_sh = jax.nn.softplus(linear(h_se, self.ssm_alpha[...]) + self.ssm_dt_bias[...]) * self.ssm_a[...]
+    qkv_sc, z_sv, b_sh, a_sh = products(self, h_se, ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"))
+    z_shv = z_sv.reshape(s, Hv, dk)                                  # qkv_sc: f32 [S, C]
+    beta_sh = jax.nn.sigmoid(b_sh)
+    g_sh = jax.nn.softplus(a_sh + self.ssm_dt_bias[...]) * self.ssm_a[...]
     # causal depthwise conv over [previous K-1 inputs; x]
     xpad = jnp.concatenate([state.conv_kc, qkv_sc], axis=0)          # [K-1+S, C]
     w = self.ssm_conv1d[...]                                         # [C, K]

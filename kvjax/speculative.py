@@ -490,7 +490,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prom
                           logits_rows=np.arange(width), chunked=False, capture_states=rollback.capture,
                           on_group_states=rollback.sink())
     target = [int(t) for t in np.asarray(jnp.argmax(vout.logits_rv, axis=-1))[:len(rows)]]
-    verify_ms[len(rows)].append(clock.start("rollback"))   # the accepting counts as rollback
+    verify_ms[len(rows)].append(clock.start("truncate"))   # accepting counts as truncating
     # 3. accept
     j = 0
     while j < len(drafts) and drafts[j] == target[j]:
@@ -505,28 +505,32 @@ def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prom
       out_tokens = out_tokens[:out_tokens.index(eos_id, len(out_tokens) - j) + 1]
       clock.stop()
       break
-    # 4. rollback: the states after row j; the rejected rows leave the KV histories
-    seq.rec_states = rollback.states_after(vout.rec_states, j, width, before)
+    # 4. the rejected rows leave the KV histories
     seq.pos = c + j + 1
-    clock.start("truncate")
     kv.truncate("target", seq.pos)
     b = target[j]
     round_lease = 0
-    clock.stop()
+    catch_up = use_mtp and len(out_tokens) + 1 < n_predict     # another round drafts with the MTP
+    h2d0 = _h2d(kv)
     if use_mtp:
-      # 5. MTP catch-up on the accepted rows; its last row proposes the next d_1. Draft rows from
-      # MTP position c on are rebuilt on the target's hidden states. The catch-up and the next
-      # round's drafting run under one ring lease: the MTP's streamed suffix is loaded once.
-      clock.start("mtp_catch_up")
-      h2d0 = _h2d(kv)
-      kv.truncate("mtp", c)
-      if len(out_tokens) + 1 < n_predict:      # another round drafts
+      # 5. the MTP's ring lease for its catch-up and the next round's drafting (its streamed suffix
+      # loaded once), taken before the rollback so that its uploads run while the host dispatches it
+      clock.start("lease")
+      kv.truncate("mtp", c)        # draft rows from MTP position c on are rebuilt by the catch-up
+      if catch_up:
         round_lease = kv.lease_mtp(seq.pos + spec.n_max - 1)
         lease_bytes += round_lease
         leases += 1
-        mtp_next = mtp_catch_up(runner, kv, vout.hn_se, drafts[:j] + [b], c, ubatch, pad_to=width)
-      mtp_h2d += _h2d(kv) - h2d0
-      clock.stop()
+    # 6. rollback: the recurrent states after row j
+    clock.start("rollback")
+    seq.rec_states = rollback.states_after(vout.rec_states, j, width, before)
+    if catch_up:
+      # 7. MTP catch-up on the accepted rows, on the target's hidden states; its last row proposes
+      # the next d_1
+      clock.start("mtp_catch_up")
+      mtp_next = mtp_catch_up(runner, kv, vout.hn_se, drafts[:j] + [b], c, ubatch, pad_to=width)
+    mtp_h2d += _h2d(kv) - h2d0 if use_mtp else 0
+    clock.stop()
     if on_round is not None:
       on_round(dict(pos=c, drafts=drafts, target=target, accepted=j, logits=vout.logits_rv,
                     draft_p=draft_p, drafter=source, lease_bytes=round_lease))

@@ -248,7 +248,7 @@ def test_missing_model_file_is_its_own_error(model):
   e = _error(api.load_model, "missing.gguf")
   assert isinstance(e, api.ModelNotFoundError)
   assert e.renamed({"source": "--model"}) == ("--model 'missing.gguf': no such file (expected a .gguf path, "
-                                              "'tiny', 'tiny:SEED', 'code-tiny' or a preset: qwen38_27b)")
+                                              "'tiny', 'tiny:SEED', 'code-tiny' or a preset: qwen38_27b, tiny_deep)")
   assert "did you mean the preset 'qwen38_27b'?" in str(_error(api.load_model, "qwen38_27B"))
 
 

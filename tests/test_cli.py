@@ -473,7 +473,7 @@ def test_subprocess_gguf_equals_builtin_tiny(tmp_path, plain_run):
                      capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
   assert p.returncode == 1
   assert p.stderr.strip() == ("kvjax: error: --model 'missing.gguf': no such file (expected a .gguf path, 'tiny', "
-                              "'tiny:SEED', 'code-tiny' or a preset: qwen38_27b)")
+                              "'tiny:SEED', 'code-tiny' or a preset: qwen38_27b, tiny_deep)")
   p = subprocess.run([sys.executable, "-m", "kvjax.cli", "generate", "-p", "hi", "--kv-stream-copy-pages=3"],
                      capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
   assert p.returncode == 2

@@ -88,6 +88,21 @@ def test_bench_spec_verify_rows_cpu(tmp_path):
     assert r["one_row_same_bits_as_plain"] and r["verify_same_bits_as_plain"]
 
 
+def test_bench_spec_profile_counts_dispatches_by_phase(tmp_path):
+  """bench_spec --profile on the CPU (tiny model, a 1,024-token history in a 2 MiB arena, oracle +
+  MTP): the dispatches of each round phase, a round: the verify's group steps (2 groups), the
+  drafting's one program and one read, the rollback's one replay, the catch-up's MTP step (every
+  round but the last)."""
+  p = _run(["-m", "experiments.bench_spec", "--model=tiny", "--dtype=float32", "--contexts=1024",
+            "--arena_mib=2", "--page_tokens=16", "--decode_tokens=10", "--n_max=3", "--oracle_mtp",
+            "--allow_divergence", "--width_context=0", "--profile", f"--out={tmp_path}"], cwd=REPO, timeout=600)
+  lines = {l.split()[2].rstrip(":"): l for l in p.stdout.splitlines() if l.startswith("dispatches 1024 ")}
+  assert {"draft", "verify", "rollback", "mtp_catch_up"} <= set(lines), p.stdout[-2000:]
+  assert "group_step 2.0" in lines["verify"] and "head_step 1.0" in lines["verify"]
+  assert "mtp_draft_steps 1.0" in lines["draft"] and "device_get 1.0" in lines["draft"]
+  assert "replay 1.0" in lines["rollback"] and "mtp_step 0." in lines["mtp_catch_up"]
+
+
 def test_run_config_errors_name_the_config_field(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   p = subprocess.run([sys.executable, "-m", "experiments.run", "--config=configs/tiny_stream.py",
@@ -307,6 +322,18 @@ def test_probe_page_reads_smoke(tmp_path):
   assert "check context=192: sums equal numpy's" in p.stdout
   probes = [l for l in p.stdout.splitlines() if l.startswith("probe ")]
   assert [l.split()[2] for l in probes] == ["mode=load", "mode=decode"], probes
+
+
+def test_probe_planar_gemv_smoke(tmp_path):
+  """The quantized-GEMV-as-XLA-fusion probe runs every variant on small shapes (CPU) and each
+  variant's product is the dense product of the weights it packs (bf16 variants: bf16 rounding)."""
+  out = str(tmp_path / "ppg")
+  _run(["-m", "experiments.kernel_lab.probe_planar_gemv", "--small", f"--out={out}"], cwd=REPO, timeout=300)
+  rows = json.load(open(os.path.join(out, "probe_planar_gemv.json")))["rows"]
+  assert {r["variant"] for r in rows} == {"bf16", "q4k_u8", "q4k_u32", "q4k_row", "q4k_ggml", "q4k_dot", "q8_ggml",
+                                          "q8_u8", "q8_dot"}
+  for r in rows:   # f32 planes: float32 rounding; the dot variants round the weights to bf16
+    assert r["rel_err"] < (1e-2 if r["variant"] in ("bf16", "q4k_dot", "q8_dot") else 1e-5), r
 
 
 def test_probe_tma_reads_smoke(tmp_path):
@@ -683,6 +710,22 @@ def test_timeline_overlap_arithmetic():
   assert timeline.classify("MemcpyDtoH") == "d2h" and timeline.classify("Memcpy HtoD") == "h2d"
 
 
+def test_timeline_kernel_table_families():
+  """Kernel time by family and the top kernels, on hand-made events (copies are not kernels)."""
+  from experiments.lib import timeline
+  ev = [timeline.Event("Stream #9", "kernel", "sm90_xmma_gemm_bf16bf16_bf16f32", 0.0, 6e6),
+        timeline.Event("Stream #9", "kernel", "nvjet_hsh_128x256", 6e6, 2e6),
+        timeline.Event("Stream #9", "kernel", "mosaic_gpu_span_kernel", 8e6, 1e6),
+        timeline.Event("Stream #9", "kernel", "loop_multiply_fusion", 9e6, 1e6),
+        timeline.Event("Stream #2", "h2d", "MemcpyH2D", 0.0, 5e6)]
+  t = timeline.kernel_table(ev, top=2)
+  assert t["total_ms"] == pytest.approx(10.0)
+  assert list(t["families"]) == ["gemm", "attention", "fusion"]
+  assert t["families"]["gemm"]["n"] == 2 and t["families"]["gemm"]["share"] == pytest.approx(0.8)
+  assert [k["name"] for k in t["top"]] == ["sm90_xmma_gemm_bf16bf16_bf16f32", "nvjet_hsh_128x256"]
+  assert "gemm" in timeline.format_kernel_table(t)
+
+
 def test_timeline_phase_device_arithmetic():
   """What the device did inside each named host phase, on hand-made windows and events."""
   from experiments.lib import timeline
@@ -715,7 +758,7 @@ def test_speculative_round_phases_are_trace_annotations():
                                             ubatch=16).metrics["verify_forwards"]
   names = [w[0] for w in windows]
   assert names.count("verify") == names.count("draft") == rounds > 0
-  assert names[:4] == ["draft", "verify", "rollback", "truncate"]
+  assert names[:4] == ["draft", "verify", "truncate", "rollback"]
   assert all(s <= e for _, s, e in windows) and all(a[2] <= b[1] for a, b in zip(windows, windows[1:]))
 
 
@@ -818,3 +861,17 @@ def test_compare_llama_cpp_prepares_its_files_and_scores_agreement(tmp_path):
   p = subprocess.run([sys.executable, "-m", "experiments.compare_llama_cpp", f"--out={tmp_path}"],
                      capture_output=True, text=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=240)
   assert p.returncode != 0 and "--llama_cpp and --llama_build are needed" in p.stderr
+
+
+def test_bench_generate_prefill_only_profile(tmp_path):
+  """bench_generate --prefill_only with a traced, warmed prefill (tiny model, CPU): the row's
+  prefill numbers and the profile's row are written; a CPU has no device lines to classify."""
+  out = str(tmp_path / "bg")
+  p = _run(["-m", "experiments.bench_generate", "--model=tiny", "--contexts=96", "--arena_mib=2",
+            "--page_tokens=16", "--prefill_only", "--ubatch=32", "--profile_tokens=64", "--compile_cache_dir=off",
+            f"--out={out}"], cwd=REPO)
+  log = json.load(open(os.path.join(out, "bench_generate.json")))
+  row, prof = log["rows"][0], log["prefill_profile"]
+  assert row["context"] == 96 and row["prefill_tps_without_compile"] > 0 and row["prefill_mfu"] > 0
+  assert prof["profile_tokens"] == 64 and prof["kind"] == "fixed" and prof["device_events"] == 0
+  assert os.path.isdir(prof["trace_dir"]) and "prefill of 64 tokens" in p.stdout

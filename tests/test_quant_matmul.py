@@ -313,7 +313,7 @@ def test_bench_small_runs(tmp_path):
   assert p.returncode == 0, p.stderr[-3000:]
   rows = json.loads(out.read_text())["rows"]
   assert [(r["impl"], r["s"]) for r in rows] == [(i, s) for s in (1, 4)
-                                                 for i in ("xla", "pallas", "pallas_gemv", "bf16")]
+                                                 for i in ("xla", "fused", "pallas", "pallas_gemv", "bf16")]
   assert all("error" not in r and r["gbps"] > 0 for r in rows)
   assert all(r["check"] < 1e-5 for r in rows if r["impl"].startswith("pallas"))
 

@@ -294,9 +294,9 @@ def test_greedy_output_equals_plain_for_every_drafter_cache_and_rollback(setup, 
     assert m["rollback_d2h_bytes"] > 0
   phases = m["phase_ms_per_round"]      # the round's host wall time, phase by phase
   assert {"draft", "verify", "rollback", "truncate"} <= set(phases) <= {"draft", "verify", "rollback", "truncate",
-                                                                      "mtp_catch_up"}
+                                                                      "lease", "mtp_catch_up"}
   assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= m["round_ms_mean"] * 1.001
-  assert ("mtp_catch_up" in phases) == draft.uses_mtp
+  assert ("mtp_catch_up" in phases) == ("lease" in phases) == draft.uses_mtp
 
 
 def test_oracle_with_mtp_cost_drafts_the_oracle_and_leases_every_round(setup):

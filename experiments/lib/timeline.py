@@ -187,6 +187,53 @@ def phase_device(events: List[Event], windows: List[Tuple[str, float, float]]) -
   return out
 
 
+KERNEL_FAMILIES = (   # (family, substrings of a lower-cased kernel name), first match wins
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "wgmma")),
+    ("attention", ("mosaic", "span_attention", "attention")),
+    ("triton", ("triton",)),
+    ("reduce", ("reduce", "scan", "sort")),
+    ("fusion", ("fusion", "loop_", "input_", "wrapped_", "concatenate", "slice", "transpose", "copy")),
+)
+
+
+def kernel_family(name: str) -> str:
+  n = name.lower()
+  for fam, keys in KERNEL_FAMILIES:
+    if any(k in n for k in keys):
+      return fam
+  return "other"
+
+
+def kernel_table(events: List[Event], top: int = 15) -> Dict[str, object]:
+  """Kernel time by family (`KERNEL_FAMILIES`) and the `top` kernels by total time: where a compute-
+  bound call spends its device time. Sums of kernel durations (overlapping kernels count twice)."""
+  fam: Dict[str, List[float]] = {}
+  by_name: Dict[str, List[float]] = {}
+  for e in events:
+    if e.kind != "kernel":
+      continue
+    for d, key in ((fam, kernel_family(e.name)), (by_name, e.name)):
+      acc = d.setdefault(key, [0, 0.0])
+      acc[0] += 1
+      acc[1] += e.dur_ns / 1e6
+  total = sum(v[1] for v in fam.values()) or 1.0
+  return {"total_ms": total,
+          "families": {k: {"n": v[0], "ms": v[1], "share": v[1] / total}
+                       for k, v in sorted(fam.items(), key=lambda kv: -kv[1][1])},
+          "top": [{"name": k[:90], "n": v[0], "ms": v[1], "share": v[1] / total}
+                  for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]]}
+
+
+def format_kernel_table(table: Dict[str, object]) -> str:
+  lines = [f"{'family':<10} {'kernels':>8} {'ms':>9} {'share':>6}"]
+  for k, v in table["families"].items():
+    lines.append(f"{k:<10} {v['n']:>8} {v['ms']:>9.2f} {v['share']:>6.1%}")
+  lines.append(f"{'kernel':<90} {'n':>6} {'ms':>9} {'share':>6}")
+  for v in table["top"]:
+    lines.append(f"{v['name']:<90} {v['n']:>6} {v['ms']:>9.2f} {v['share']:>6.1%}")
+  return "\n".join(lines)
+
+
 def segments(events: List[Event], gap_ns: float = 20e3) -> List[Dict[str, object]]:
   """Consecutive events of one kind on one stream, closer than `gap_ns`, as one segment."""
   if not events:

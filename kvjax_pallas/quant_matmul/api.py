@@ -5,6 +5,8 @@ The implementations are a registry (`IMPLEMENTATIONS`, in `_REGISTRY`), each a f
 
   "xla"     `reference.quant_matmul_reference`: dequantize the whole matrix in jnp, then one dot
             (XLA fuses what it can). The default, until the kernel is measured on a GPU.
+  "fused"   `reference.quant_matvec_fused`: for up to 16 rows the decode fused into one
+            multiply-and-sum (XLA reads the stored bytes once); more rows as "xla".
   "pallas"  `kernel.quant_matmul_pallas`: the weight tiles decoded inside a Pallas kernel
             (Triton lowering), or anywhere with `interpret=True`.
   "pallas_gemv"  for one row (decode) `gemv.quant_gemv_pallas`: the planes meet x without a
@@ -56,6 +58,11 @@ def _xla(x_sk, w_nb, fmt, k, *, config, interpret):
   return _ref.quant_matmul_reference(x_sk, w_nb, fmt, k)
 
 
+def _fused(x_sk, w_nb, fmt, k, *, config, interpret):
+  del config, interpret
+  return _ref.quant_matvec_fused(x_sk, w_nb, fmt, k)
+
+
 def _pallas(x_sk, w_nb, fmt, k, *, config, interpret):
   return _kernel.quant_matmul_pallas(x_sk, w_nb, fmt, k, config=config, interpret=interpret)
 
@@ -73,6 +80,7 @@ def _pallas_gemv(x_sk, w_nb, fmt, k, *, config, interpret):
 
 _REGISTRY = {impl.name: impl for impl in (
     Implementation("xla", _xla, kernel=False),
+    Implementation("fused", _fused, kernel=False),
     Implementation("pallas", _pallas, kernel=True),
     Implementation("pallas_gemv", _pallas_gemv, kernel=True),
 )}

@@ -131,3 +131,23 @@ def quant_matmul_reference(x_sk, w_nb, fmt: str, k: int):
   w_nk = dequantize(w_nb, fmt, k, dtype)
   return lax.dot_general(x_sk.astype(dtype), w_nk, (((1,), (1,)), ((), ())),
                          precision=dot_precision(dtype), preferred_element_type=jnp.float32)
+
+
+FUSED_MAX_ROWS = 16   # quant_matvec_fused: up to this many rows of x; more go to the dot
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "k"))
+def quant_matvec_fused(x_sk, w_nb, fmt: str, k: int):
+  """The reference's product for few rows (decode, verify) as one multiply-and-sum instead of a
+  dequantize-then-dot: the decode of the blocks is an elementwise producer of the reduction, so
+  XLA can fuse it into the one pass that reads the stored bytes (a dot's operand it would write
+  out dequantized first). The weights are rounded to `compute_dtype(x.dtype)` as the reference's
+  (the same products), the sums float32 in XLA's reduction order. More than `FUSED_MAX_ROWS`
+  rows: the reference."""
+  _formats.check_x(x_sk, k)
+  if x_sk.shape[0] > FUSED_MAX_ROWS:
+    return quant_matmul_reference(x_sk, w_nb, fmt, k)
+  w_nk, x = dequantize(w_nb, fmt, k), x_sk.astype(jnp.float32)
+  if compute_dtype(x_sk.dtype) == jnp.bfloat16:   # explicit: XLA may drop a f32 -> bf16 -> f32 pair
+    w_nk = lax.reduce_precision(w_nk, exponent_bits=8, mantissa_bits=7)
+  return jnp.sum(w_nk[None, :, :] * x[:, None, :], axis=-1)
