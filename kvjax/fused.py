@@ -5,8 +5,8 @@ small ones (the Gated DeltaNet's beta / alpha rows, an attention layer's K and V
 the memory's bandwidth, each a kernel launch. `fuse_projections(model)` stacks the rows of the
 matrices a module multiplies by the same input (`FUSED_PRODUCTS`: FFN gate / up; attention q
 (+ gate) / k / v; Gated DeltaNet qkv / z / beta / alpha) into one parameter `fused_<first name>`
-with its row counts `fused_rows_<first name>`, and the modules' `products(module, x, names)` run
-one product over it and split the result. The model is changed in place (the parts are dropped
+with its row counts `fused_rows_<first name>`, and the modules' `kvjax.model.products(module, x,
+names)` runs one product over it and splits the result. The model is changed in place (the parts are dropped
 as each group is joined, so the device never holds both).
 
 Matrices join only when they can be one matrix: the same dtype, or the same block format, row
@@ -21,9 +21,8 @@ matrix by heads).
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Tuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -38,25 +37,6 @@ FUSED_PRODUCTS: Dict[str, Tuple[Tuple[str, ...], ...]] = {
                       ("ssm_beta", "ssm_alpha")),
 }
 PREFIX, ROWS = "fused_", "fused_rows_"
-
-
-def products(module, x, names: Sequence[str]) -> List[jax.Array]:
-  """[linear(x, module.<name>) for name in names] (`kvjax.model.linear`), with the names that
-  `fuse_projections` joined computed as one product over their joined matrix, then split."""
-  from kvjax.model import linear   # pylint: disable=import-outside-toplevel
-  groups = getattr(module, "fused_groups", ())
-  out: Dict[str, jax.Array] = {}
-  for name in names:
-    if name in out:
-      continue
-    group = next((g for g in groups if name in g), None)
-    if group is None:
-      out[name] = linear(x, getattr(module, name)[...])
-      continue
-    y = linear(x, getattr(module, PREFIX + group[0])[...])
-    cuts = np.cumsum(getattr(module, ROWS + group[0]))[:-1].tolist()
-    out.update(zip(group, jnp.split(y, cuts, axis=-1)))
-  return [out[n] for n in names]
 
 
 def _joined(ws):

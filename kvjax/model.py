@@ -22,16 +22,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
 from kvjax.config import ModelConfig, attention_block_shapes, common_block_shapes, mtp_extra_shapes, \
     recurrent_block_shapes
-from kvjax.fused import products
+from kvjax.fused import PREFIX as _FUSED, ROWS as _FUSED_ROWS
 from kvjax.qweights import QuantizedWeight
 from kvjax_pallas import ggml_codec
 from kvjax_pallas.page_layout import PageLayout
@@ -98,6 +99,24 @@ def linear(x, w):
   y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32,
                  precision=_HI if w.dtype == jnp.float32 else None)
   return y
+
+
+def products(module, x, names: Sequence[str]) -> List[jax.Array]:
+  """[linear(x, module.<name>) for name in names], with the names that `kvjax.fused.fuse_projections`
+  joined computed as one product over their joined matrix, then split."""
+  groups = getattr(module, "fused_groups", ())
+  out: Dict[str, jax.Array] = {}
+  for name in names:
+    if name in out:
+      continue
+    group = next((g for g in groups if name in g), None)
+    if group is None:
+      out[name] = linear(x, getattr(module, name)[...])
+      continue
+    y = linear(x, getattr(module, _FUSED + group[0])[...])
+    cuts = np.cumsum(getattr(module, _FUSED_ROWS + group[0]))[:-1].tolist()
+    out.update(zip(group, jnp.split(y, cuts, axis=-1)))
+  return [out[n] for n in names]
 
 
 def rope_neox(x_shd, pos_s, rope_dim: int, theta: float):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax import api, config as config_lib, engine, fused, qweights, tiny
+from kvjax import api, config as config_lib, engine, fused, model as model_lib, qweights, tiny
 from kvjax import weights as weights_lib
 
 
@@ -89,12 +89,12 @@ def test_joined_quantized_products_equal_the_parts(impl):
 
   x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 64)), jnp.float32)
   m = M()
-  want = fused.products(m, x, ("p", "q"))
+  want = model_lib.products(m, x, ("p", "q"))
   fused.FUSED_PRODUCTS["M"] = (("p", "q"),)
   try:
     assert fused.fuse_projections(m) == 1
   finally:
     del fused.FUSED_PRODUCTS["M"]
-  got = fused.products(m, x, ("p", "q"))
+  got = model_lib.products(m, x, ("p", "q"))
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)

@@ -31,7 +31,6 @@ worth >= --rotate_mib, `--iters` calls a round, the median of `--rounds`.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
@@ -85,7 +84,6 @@ def _k_scales_np(sb):
 
 def make_variant(name, rng, n, k):
   """-> (args a copy, fn(x, *args) -> [S, N] f32, stored bytes, ggml bytes, dense f32 W)."""
-  import jax
   import jax.numpy as jnp
   f32 = jnp.float32
   if name.startswith("q4k") or name == "bf16":
