@@ -717,11 +717,13 @@ def test_timeline_kernel_table_families():
         timeline.Event("Stream #9", "kernel", "nvjet_hsh_128x256", 6e6, 2e6),
         timeline.Event("Stream #9", "kernel", "mosaic_gpu_span_kernel", 8e6, 1e6),
         timeline.Event("Stream #9", "kernel", "loop_multiply_fusion", 9e6, 1e6),
+        timeline.Event("Stream #9", "kernel", "sm90_xmma_gemm_f32f32_f32f32_f32_tn", 10e6, 0.5e6),
+        timeline.Event("Stream #9", "kernel", "trsm_left_lower_kernel", 10.5e6, 0.25e6),
         timeline.Event("Stream #2", "h2d", "MemcpyH2D", 0.0, 5e6)]
   t = timeline.kernel_table(ev, top=2)
-  assert t["total_ms"] == pytest.approx(10.0)
-  assert list(t["families"]) == ["gemm", "attention", "fusion"]
-  assert t["families"]["gemm"]["n"] == 2 and t["families"]["gemm"]["share"] == pytest.approx(0.8)
+  assert t["total_ms"] == pytest.approx(10.75)
+  assert list(t["families"]) == ["gemm", "attention", "fusion", "gemm_f32", "solve"]
+  assert t["families"]["gemm"]["n"] == 2 and t["families"]["gemm"]["share"] == pytest.approx(8 / 10.75)
   assert [k["name"] for k in t["top"]] == ["sm90_xmma_gemm_bf16bf16_bf16f32", "nvjet_hsh_128x256"]
   assert "gemm" in timeline.format_kernel_table(t)
 

@@ -188,6 +188,8 @@ def phase_device(events: List[Event], windows: List[Tuple[str, float, float]]) -
 
 
 KERNEL_FAMILIES = (   # (family, substrings of a lower-cased kernel name), first match wins
+    ("solve", ("trsm", "triangular")),             # the Gated DeltaNet chunks' triangular solves
+    ("gemm_f32", ("sgemm", "f32f32_f32", "gemm_f32")),   # float32 GEMMs (HIGHEST precision: no tensor cores)
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "wgmma")),
     ("attention", ("mosaic", "span_attention", "attention")),
     ("triton", ("triton",)),
