@@ -73,6 +73,11 @@ def _model_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_enum("weights", "auto", ["auto", "quantized", "dequantized"], "quantized: a GGUF's Q8_0 / Q4_0 / "
                     "Q4_K / Q5_K / Q6_K matrices stay in their blocks on the device, dequantized as read (auto: "
                     "quantized for a GGUF on one device); dequantized: every weight in --dtype", flag_values=fv)
+  flags.DEFINE_enum("weights-impl", "xla", ["xla", "fused", "pallas", "pallas_gemv"], "the quantized "
+                    "product: xla (dequantize, then the dense product: the dequantized model's logits), fused "
+                    "(decode rows as one multiply-and-sum), pallas / pallas_gemv (kernels)", flag_values=fv)
+  flags.DEFINE_bool("fuse", True, "join each block's same-input matrices into one product (--nofuse: apart)",
+                    flag_values=fv)
   flags.DEFINE_string("weight-type", "", "with a preset (--model qwen38_27b): its matrices as random blocks of "
                       "this format, kept quantized (q8_0, q4_0, q4_k, q5_k, q6_k)", flag_values=fv)
   flags.DEFINE_string("cache-type-k", "q8_0", "K cache type: q8_0, q4_0, f16, bf16, f32", flag_values=fv,
@@ -183,7 +188,7 @@ FLAG_OF = {
     "prefill_block": "--kv-stream-prefill-block",
     **spec_config.names("--", spec_config.flag_name),     # "spec.n_max": "--spec-draft-n-max", ...
     "exceed_context_length": "--exceed-context-length", "tensor_parallel": "--tensor-parallel",
-    "weights": "--weights", "weight_type": "--weight-type",
+    "weights": "--weights", "weight_type": "--weight-type", "weights_impl": "--weights-impl", "fuse": "--fuse",
 }
 
 
@@ -218,7 +223,8 @@ def _load(fv: flags.FlagValues):
                         tensor_parallel=fv["tensor-parallel"].value,
                         compile_cache=_compile_cache(fv["compile-cache-dir"].value),
                         weights=None if fv["weights"].value == "auto" else fv["weights"].value,
-                        weight_type=fv["weight-type"].value or None)
+                        weight_type=fv["weight-type"].value or None, weights_impl=fv["weights-impl"].value,
+                        fuse=fv["fuse"].value)
 
 
 def _compile_cache(value: str):

@@ -850,3 +850,17 @@ def test_summary_excludes_compilation():
                              "not counted above") and "--warmup" in lines[1]
   assert len(cli._summary(dict(m, warmup=True, compile_ms=0.0, prompt_compile_ms=0.0,  # pylint: disable=protected-access
                                predicted_compile_ms=0.0))) == 1
+
+
+def test_weights_impl_and_fuse_flags_keep_the_tokens(capsys):
+  """--weights-impl fused --nofuse (the Q8_0 code-tiny's products as one multiply-and-sum, the
+  block's matrices apart) gives the default run's tokens; a bad implementation is a usage error."""
+  argv = ["generate", "--model=code-tiny", "--prompt=def main(", "--n-predict=16", "--kv-page-tokens=64", "--json"]
+  rc, out, err = run_main(capsys, *argv)
+  assert rc == 0, err
+  want = json_line(out)["tokens"]
+  rc, out, err = run_main(capsys, *argv, "--weights-impl=fused", "--nofuse")
+  assert rc == 0, err
+  assert json_line(out)["tokens"] == want
+  rc, out, err = run_main(capsys, *argv, "--weights-impl=cuda")
+  assert_one_line_error(rc, err, 2, "--weights-impl", "fused")
