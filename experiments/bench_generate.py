@@ -191,8 +191,12 @@ def profile_prefill(api, model, n: int, kind: str):
   window_s = summary.get("window_ms", 0.0) / 1e3
   row = {"profile_tokens": n, "kind": kind, "trace_dir": trace_dir, **summary, "kernels": table,
          "window_mfu": prefill_flops(model, n) / max(window_s, 1e-9) / (FLAGS.peak_tflops * 1e12)}
-  print(f"prefill of {n} tokens ({kind}): window {summary.get('window_ms', 0):.1f} ms, kernels "
-        f"{summary.get('kernel_ms', 0):.1f} ms busy, MFU over the window {row['window_mfu']:.2f}")
+  if not summary.get("device_events"):
+    row["window_mfu"] = None
+    print(f"prefill of {n} tokens ({kind}): no device events (a CPU backend): no kernel table")
+    return row
+  print(f"prefill of {n} tokens ({kind}): window {summary['window_ms']:.1f} ms, kernels "
+        f"{summary['kernel_ms']:.1f} ms busy, MFU over the window {row['window_mfu']:.2f}")
   if table["families"]:
     print(timeline.format_kernel_table(table))
   return row

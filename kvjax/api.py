@@ -100,6 +100,8 @@ class LoadedModel:
   load_s: float
   source: str
   weights: str = "dequantized"      # "quantized": matrices kept in their GGUF block format
+  weights_impl: str = "xla"         # the quantized matrices' product (`kvjax_pallas.quant_matmul`)
+  joined_products: int = 0          # matrices joined from a block's same-input parts (`kvjax.fused`)
 
   @property
   def layout(self) -> PageLayout:
@@ -170,7 +172,8 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       Gated DeltaNet qkv / z / beta / alpha) into one product each (`kvjax.fused`; one device only):
       fewer, larger weight reads a decoded token.
   """
-  checks.check_types(preset=(preset, "str?"), page_tokens=(page_tokens, "int"), weight_seed=(weight_seed, "int"))
+  checks.check_types(preset=(preset, "str?"), page_tokens=(page_tokens, "int"), weight_seed=(weight_seed, "int"),
+                     fuse=(fuse, "bool"))
   if dtype not in DTYPES:
     raise ParameterError(f"dtype {dtype!r}: expected float32 or bfloat16", "dtype")
   if attn_impl not in IMPLEMENTATIONS + ("auto",):
@@ -196,7 +199,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
   if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
     raise ParameterError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}", "tensor_parallel")
   if preset is None and not _is_builtin(source) and not os.path.exists(source):
-    raise ModelNotFoundError(tiny.not_found(source), "source")
+    raise ModelNotFoundError(tiny.not_found(source, preset_arg=True), "source")
   cache_lib.enable(compile_cache)
   backend = jax.default_backend()
   if attn_impl != "auto" or backend != "gpu":
@@ -247,15 +250,16 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       weights = "dequantized"     # nothing was stored in a kept block format
   layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, k_type, v_type, page_tokens)
   opts = AttentionOptions(attn_impl, block_pages, interpret)
+  joined = 0
   if tensor_parallel > 1:
     runner = parallel.ShardedRunner(model, layout, opts, tensor_parallel)
     del model   # the shards hold what each device needs
   else:
-    if fuse:
-      fused.fuse_projections(model)   # in place: each group's parts go as its joined matrix comes
+    joined = fused.fuse_projections(model) if fuse else 0   # in place: the parts go as the joins come
     runner = engine.Runner(model, layout, opts)
   jax.block_until_ready(runner.token_embd)
-  return LoadedModel(runner, tok, cfg, time.perf_counter() - t0, preset or source, weights or "dequantized")
+  return LoadedModel(runner, tok, cfg, time.perf_counter() - t0, preset or source, weights or "dequantized",
+                     weights_impl, joined)
 
 
 def _check_tensor_parallel(cfg: config_lib.ModelConfig, n: int) -> None:
@@ -633,7 +637,7 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   metrics["compile_cache_dir"] = cache_lib.active() or ""
   metrics.update(kv.info)
   metrics.update(load_s=model.load_s, attn_impl=runner.opts.implementation, attn_interpret=runner.opts.interpret,
-                 weights=model.weights)
+                 weights=model.weights, weights_impl=model.weights_impl, joined_products=model.joined_products)
   text = model.tokenizer.decode(res.tokens) if model.tokenizer is not None else ""
   return GenerationResult([int(t) for t in res.tokens], metrics, text)
 

@@ -393,8 +393,8 @@ def cmd_generate(fv: flags.FlagValues, out=None, err=None) -> int:
   if as_json:
     print(json.dumps({"tokens": res.tokens, "text": res.text, "metrics": res.metrics}, default=_json_default),
           file=out, flush=True)
-  else:
-    show.finish(res.text)
+  else:    # a model without a tokenizer (a preset): the generated ids, as --prompt-tokens takes them
+    show.finish(res.text if tok is not None else ",".join(map(str, res.tokens)))
     for line in _summary(res.metrics):
       print(f"{PROG}: {line}", file=err, flush=True)
   return 0

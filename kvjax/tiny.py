@@ -44,12 +44,15 @@ def is_builtin(spec: str) -> bool:
   return spec == "tiny" or spec.startswith("tiny:") or spec in BUILTIN_GGUF
 
 
-def not_found(spec: str) -> str:
+def not_found(spec: str, preset_arg: bool = False) -> str:
   """The message for a model source that is neither a file nor a built-in model, with the closest
-  built-in name or preset when one is near (a preset is random weights at a real geometry)."""
+  built-in name or preset when one is near (a preset is random weights at a real geometry).
+  `preset_arg`: the caller takes presets as its own argument (`api.load_model(preset=)`)."""
   import difflib  # pylint: disable=import-outside-toplevel
   names = ["tiny", "tiny:SEED", *sorted(BUILTIN_GGUF)]
   presets = sorted(p for p in config_lib.PRESETS if p not in names)
+  if preset_arg and spec in presets:
+    return f"source {spec!r} is a preset, not a file: load_model(preset={spec!r})"
   close = difflib.get_close_matches(spec.lower(), names + presets, n=1, cutoff=0.6)
   hint = "" if not close else f"; did you mean {'the preset ' if close[0] in presets else ''}{close[0]!r}?"
   return f"source {spec!r}: no such file (expected a .gguf path, {', '.join(map(repr, names))} or a preset: " \

@@ -250,6 +250,10 @@ def test_missing_model_file_is_its_own_error(model):
   assert e.renamed({"source": "--model"}) == ("--model 'missing.gguf': no such file (expected a .gguf path, "
                                               "'tiny', 'tiny:SEED', 'code-tiny' or a preset: qwen38_27b, tiny_deep)")
   assert "did you mean the preset 'qwen38_27b'?" in str(_error(api.load_model, "qwen38_27B"))
+  # a preset's exact name as the source: the API takes presets as their own argument
+  assert str(_error(api.load_model, "tiny_deep")).endswith("is a preset, not a file: load_model(preset='tiny_deep')")
+  e = _error(api.load_model, "tiny", fuse="no")
+  assert isinstance(e, api.ParameterError) and "fuse must be" in str(e)
 
 
 def test_budget_too_small_says_how_many_pages_are_missing(model):

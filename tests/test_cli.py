@@ -864,3 +864,17 @@ def test_weights_impl_and_fuse_flags_keep_the_tokens(capsys):
   assert json_line(out)["tokens"] == want
   rc, out, err = run_main(capsys, *argv, "--weights-impl=cuda")
   assert_one_line_error(rc, err, 2, "--weights-impl", "fused")
+
+
+def test_a_preset_without_tokenizer_prints_the_generated_ids(capsys):
+  """A preset has no tokenizer: the text output is the generated ids, comma-separated as
+  --prompt-tokens takes them, equal to the JSON's tokens."""
+  argv = ["generate", "--model=tiny_deep", "--prompt-tokens=1,2,3", "--n-predict=6", "--kv-page-tokens=16"]
+  rc, out, err = run_main(capsys, *argv, "--json")
+  assert rc == 0, err
+  want = json_line(out)["tokens"]
+  m = json_line(out)["metrics"]
+  assert m["joined_products"] > 0 and m["weights_impl"] == "xla"
+  rc, out, err = run_main(capsys, *argv)
+  assert rc == 0, err
+  assert out.strip() == ",".join(map(str, want))

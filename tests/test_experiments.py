@@ -876,4 +876,5 @@ def test_bench_generate_prefill_only_profile(tmp_path):
   row, prof = log["rows"][0], log["prefill_profile"]
   assert row["context"] == 96 and row["prefill_tps_without_compile"] > 0 and row["prefill_mfu"] > 0
   assert prof["profile_tokens"] == 64 and prof["kind"] == "fixed" and prof["device_events"] == 0
+  assert prof["window_mfu"] is None and "no device events" in p.stdout
   assert os.path.isdir(prof["trace_dir"]) and "prefill of 64 tokens" in p.stdout

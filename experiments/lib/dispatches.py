@@ -17,11 +17,11 @@ from typing import Dict, Iterator
 
 @contextlib.contextmanager
 def by_phase() -> Iterator[Dict[str, collections.Counter]]:
-  """Count while entered: phase name ("none" between phases) -> Counter of call names."""
+  """Count while entered: phase name ("between" outside the round's phases) -> Counter of call names."""
   import jax  # pylint: disable=import-outside-toplevel
   from kvjax import executables, speculative  # pylint: disable=import-outside-toplevel
   counts: Dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-  phase = ["none"]
+  phase = ["between"]
   clock, step = speculative.PhaseClock, executables.StoredStep
   saved = (clock.start, clock.stop, step.__call__, jax.device_put, jax.device_get, speculative._replay)   # pylint: disable=protected-access
   start, stop, call, put, get, replay = saved
@@ -32,7 +32,7 @@ def by_phase() -> Iterator[Dict[str, collections.Counter]]:
     return ms
 
   def c_stop(self):
-    phase[0] = "none"
+    phase[0] = "between"
     return stop(self)
 
   def c_call(self, *a, **k):
