@@ -114,7 +114,8 @@ def main(argv):
                             weight_type=FLAGS.weight_type or None, weights_impl=FLAGS.weights_impl,
                             compile_cache=False, fuse=FLAGS.fuse)
   except api.ParameterError as e:
-    raise app.UsageError(str(e)) from None
+    from kvjax import checks
+    checks.fail("bench_decode", str(e))
   runner, cfg = loaded.runner, loaded.cfg
   device_runner = runner.device_runners[0] if tp > 1 else runner
   jax.block_until_ready([leaves for _, leaves in device_runner.groups])
@@ -242,8 +243,10 @@ def _report(log, rows):
         f"{'MiB/fwd':>8} {'host ms':>7} {'misses':>6} {'exact':>5} {'r/layer':>7} {'ring':>5} {'pool':>5} "
         f"{'waves':>6} {'plan':>6}")
   for r in rows:
+    streams = r["streamed_mib_per_forward"] > 0      # nothing streamed: no copy to hide ("-")
+    hidden, overlap = (f"{r['hidden_share']:.2f}", f"{r['overlap_share']:.2f}") if streams else ("-", "-")
     print(f"{r['tensor_parallel']:>2} {r['context']:>8} {r['resident_ms']:>9.2f} {r['streamed_ms']:>9.2f} {r['copy_ms']:>7.2f} "
-          f"{r['slowdown']:>6.3f} {r['hidden_share']:>6.2f} {r['overlap_share']:>7.2f} {r['upload_gbs']:>6.1f} {r['streamed_mib_per_forward']:>8.1f} "
+          f"{r['slowdown']:>6.3f} {hidden:>6} {overlap:>7} {r['upload_gbs']:>6.1f} {r['streamed_mib_per_forward']:>8.1f} "
           f"{r['host_ms_per_forward']:>7.2f} {r['readiness_miss_share']:>6.2f} "
           f"{r.get('bit_exact_steps', 0):>5} {r['resident_pages_per_layer']:>7} {r['ring_slots']:>5} "
           f"{r['pool_pages']:>5} {r['waves_per_forward']:>6.1f} {r.get('plan_ring_fills_per_forward', 0):>6}")
@@ -379,4 +382,5 @@ if __name__ == "__main__":
   # the 27B at 128K needs more than jax's default 75% of the device (2026-12-05, H100)
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   define_flags()
-  app.run(main)
+  from kvjax import checks
+  app.run(main, flags_parser=checks.flags_parser("bench_decode"))

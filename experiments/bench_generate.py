@@ -230,10 +230,14 @@ def main(argv):
   cache = False if cache_dir.lower() == "off" else cache_dir
   t0 = time.perf_counter()
   preset = FLAGS.model if FLAGS.model not in ("tiny", "code-tiny") and not os.path.exists(FLAGS.model) else None
-  model = api.load_model(FLAGS.model if preset is None else "tiny", preset=preset, dtype=FLAGS.dtype,
-                         page_tokens=FLAGS.page_tokens, attn_impl=FLAGS.attn_impl, block_pages=FLAGS.block_pages,
-                         compile_cache=cache, weight_type=(FLAGS.weight_type or None) if preset else None,
-                         weights_impl=FLAGS.weights_impl, fuse=FLAGS.fuse)
+  try:
+    model = api.load_model(FLAGS.model if preset is None else "tiny", preset=preset, dtype=FLAGS.dtype,
+                           page_tokens=FLAGS.page_tokens, attn_impl=FLAGS.attn_impl, block_pages=FLAGS.block_pages,
+                           compile_cache=cache, weight_type=(FLAGS.weight_type or None) if preset else None,
+                           weights_impl=FLAGS.weights_impl, fuse=FLAGS.fuse)
+  except api.ParameterError as e:
+    from kvjax import checks
+    checks.fail("bench_generate", str(e))
   log = {"device": str(jax.devices()[0]), "jax": jax.__version__, "load_s": time.perf_counter() - t0,
          "weights": model.weights, "weight_bytes": api.weight_bytes(model),
          "flags": {k: FLAGS[k].value for k in ("model", "dtype", "weight_type", "weights_impl", "contexts", "kinds", "n_predict", "arena_mib",
@@ -299,4 +303,5 @@ if __name__ == "__main__":
   # jax's default 75% of the device ran out at the first forward's output head (2026-12-05, H100)
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   define_flags()
-  app.run(main)
+  from kvjax import checks
+  app.run(main, flags_parser=checks.flags_parser("bench_generate"))

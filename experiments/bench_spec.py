@@ -110,7 +110,8 @@ def main(argv):
                             attn_impl=FLAGS.attn_impl, block_pages=FLAGS.block_pages, compile_cache=True,
                             fuse=FLAGS.fuse)
   except api.ParameterError as e:
-    raise app.UsageError(str(e)) from None
+    from kvjax import checks
+    checks.fail("bench_spec", str(e))
   runner, cfg = loaded.runner, loaded.cfg
   jax.block_until_ready([leaves for _, leaves in runner.groups])
   widest = 1 + max(int(n) for n in FLAGS.n_max)
@@ -363,4 +364,5 @@ def _equal_prefix(a, b) -> int:
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  from kvjax import checks
+  app.run(main, flags_parser=checks.flags_parser("bench_spec"))

@@ -878,3 +878,15 @@ def test_bench_generate_prefill_only_profile(tmp_path):
   assert prof["profile_tokens"] == 64 and prof["kind"] == "fixed" and prof["device_events"] == 0
   assert prof["window_mfu"] is None and "no device events" in p.stdout
   assert os.path.isdir(prof["trace_dir"]) and "prefill of 64 tokens" in p.stdout
+
+
+@pytest.mark.parametrize("bench", ["bench_decode", "bench_spec", "bench_generate"])
+def test_bench_bad_flags_are_one_line(bench):
+  """A bench given a bad flag, or a bad value its model load refuses, prints one line `NAME: error:`
+  naming it (exit status 2), not absl's usage text."""
+  for flag, needle in (("--nosuchflag", "nosuchflag"), ("--dtype=float8", "dtype")):
+    p = subprocess.run([sys.executable, "-m", f"experiments.{bench}", "--model=tiny_deep", flag, "--out=/tmp/unused"],
+                       capture_output=True, text=True, cwd=REPO, timeout=240, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    lines = [l for l in p.stderr.splitlines() if l.strip() and not l.startswith(("I1", "W1"))]
+    assert p.returncode == 2 and lines[-1].startswith(f"{bench}: error: ") and needle in lines[-1], p.stderr[-1500:]
+    assert "USAGE" not in p.stderr and "flags:" not in p.stdout + p.stderr
