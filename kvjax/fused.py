@@ -6,8 +6,8 @@ the memory's bandwidth, each a kernel launch. `fuse_projections(model)` stacks t
 matrices a module multiplies by the same input (`FUSED_PRODUCTS`: FFN gate / up; attention q
 (+ gate) / k / v; Gated DeltaNet qkv / z / beta / alpha) into one parameter `fused_<first name>`
 with its row counts `fused_rows_<first name>`, and the modules' `kvjax.model.products(module, x,
-names)` runs one product over it and splits the result. The model is changed in place (the parts are dropped
-as each group is joined, so the device never holds both).
+names)` runs one product over it and splits the result. The model is changed in place (the parts
+are dropped as each group is joined, so the device never holds both).
 
 Matrices join only when they can be one matrix: the same dtype, or the same block format, row
 length, compute dtype and implementation for `QuantizedWeight`s (a Q4_K_M file keeps beta / alpha
