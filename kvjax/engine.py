@@ -118,9 +118,8 @@ def model_tensors(model: Qwen38) -> Dict[str, np.ndarray]:
 # ---------------------------------------------------------------------------
 
 class LayerKV(NamedTuple):
-  """What one attention layer's compiled step takes from a KV provider: the pool and the layer's
-  page table, and optionally staged pages that the runner places into the pool before the step
-  (`Runner.place`; a provider that streams nothing leaves them empty)."""
+  """What one attention layer's compiled step takes from a KV provider: the pool, the layer's page
+  table, and staged pages the runner places into the pool before the step (`Runner.place`)."""
   pool_pn: jax.Array                    # [P, page_bytes] uint8 (donated to the step)
   table_t: jax.Array                    # [table pages] int32: logical page -> pool page
   stage: Tuple[jax.Array, ...] = ()     # [n_i, page_bytes] uint8 device arrays
@@ -134,7 +133,8 @@ class KVProvider(Protocol):
   that streams a layer in copy waves puts every wave boundary on a multiple of it (then waves give
   the bits of one call). `wave_kv(a, w)` (only when `layer_kv(a).waves > 1`) gives wave w >= 1.
   `lease_mtp(end_tokens)` holds device pages for the MTP layer's history up to `end_tokens` until
-  `release_lease()` (-> bytes loaded; a speculative round leases for catch-up and drafting)."""
+  `release_lease()` (-> bytes loaded). `defer_rows(on)`: rows published at `truncate`, not at the
+  forward's end; `end_layer(rows=None)`: rows not to publish."""
   def begin_forward(self, pos: int, n_tokens: int, cache_layers: Tuple[int, ...],
                     wave_pages: int = 1) -> None: ...
   def layer_kv(self, cache_layer: int) -> LayerKV: ...
@@ -144,6 +144,7 @@ class KVProvider(Protocol):
   def truncate(self, cache: str, tokens: int) -> None: ...
   def lease_mtp(self, end_tokens: int) -> int: ...
   def release_lease(self) -> None: ...
+  def defer_rows(self, on: bool) -> None: ...
 
 
 def cache_layers_of(cfg: ModelConfig) -> Tuple[int, ...]:
@@ -186,8 +187,7 @@ class PlainKV:
     pass
 
   def truncate(self, cache: str, tokens: int) -> None:
-    """Forget rows >= tokens of logical cache "target" or "mtp". Rows past a forward's kv_len are
-    never read and get overwritten, so the device pool needs no change."""
+    """Forget rows >= tokens of "target" or "mtp": rows past a forward's kv_len are never read."""
     if cache not in ("target", "mtp"):
       raise ValueError(f"unknown logical cache {cache!r}; caches: target, mtp")
 
@@ -197,6 +197,9 @@ class PlainKV:
     return 0
 
   def release_lease(self) -> None:
+    pass
+
+  def defer_rows(self, on: bool) -> None:   # the pool is the cache: no rows to publish
     pass
 
   def layer_bytes(self, cache_layer: int, n_tokens: int) -> np.ndarray:
@@ -461,9 +464,7 @@ class Runner:
   mtp_draft_steps = staticmethod(_mtp_draft_steps)    # None: a runner drafts step by step
 
   def __init__(self, model: Qwen38, layout: PageLayout, opts: AttentionOptions = AttentionOptions()):
-    self.cfg = model.cfg
-    self.layout = layout
-    self.opts = opts
+    self.cfg, self.layout, self.opts = model.cfg, layout, opts
     self.groups = [(structure, on_device(leaves))
                    for structure, leaves in intern_structures([split_static(g) for g in model.groups])]
     self.n_recurrent = [len(g.recurrent) for g in model.groups]
@@ -662,22 +663,23 @@ class Runner:
     return logits, hm
 
 
-  def mtp_draft(self, hm_1e, d, p, pos: int, steps: int, limit: int, p_min: float, kv: KVProvider):
+  def mtp_draft(self, hm_1e, d, p, pos, steps: int, limit, p_min: float, kv: KVProvider, span=None):
     """Up to `limit` <= `steps` MTP draft steps as one forward of the MTP layer (`_mtp_draft_steps`:
     `steps` fixes the program, `limit` and `p_min` mask it) at MTP positions pos.. -> (candidates,
-    probabilities) as device arrays [steps + 1]. The layer must attend in one call (no copy waves:
-    the plain cache, or a streamed one's MTP ring lease)."""
-    n = max(1, min(steps, limit))
-    kv.begin_forward(pos, n, (self.mtp_layer,), wave_pages=self.partition_pages(1, kv.max_tokens, kv))
+    probabilities) as device arrays [steps + 1]. `pos` and `limit` may be device scalars, `span` =
+    (first position, rows) laid out to hold every position the steps take. The layer attends in one
+    call (plain cache, or MTP ring lease); its rows are not published (catch-ups write them again)."""
+    first, n = (pos, max(1, min(steps, limit))) if span is None else span
+    kv.begin_forward(first, n, (self.mtp_layer,), wave_pages=self.partition_pages(1, kv.max_tokens, kv))
     lkv = kv.layer_kv(self.mtp_layer)
     if lkv.waves > 1:
       raise RuntimeError("mtp_draft: the MTP layer streams in copy waves (draft step by step)")
     gdef, gstate = self.mtp
-    cand_d, cand_p, pool_pn, rows = self.mtp_draft_steps(
+    cand_d, cand_p, pool_pn, _ = self.mtp_draft_steps(
         gdef, gstate, self.token_embd, self.output_norm, self.output, hm_1e, d, p, jnp.float32(p_min),
-        self.place(lkv), lkv.table_t, jnp.int32(pos), jnp.int32(limit), layout=self.layout,
-        opts=self.call_opts(1, kv), steps=steps)
-    kv.end_layer(self.mtp_layer, pool_pn, rows)
+        self.place(lkv), lkv.table_t, jnp.asarray(pos, jnp.int32), jnp.asarray(limit, jnp.int32),
+        layout=self.layout, opts=self.call_opts(1, kv), steps=steps)
+    kv.end_layer(self.mtp_layer, pool_pn, None)
     kv.end_forward()
     return cand_d, cand_p
 

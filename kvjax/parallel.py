@@ -339,6 +339,9 @@ class ShardedKV:
   def truncate(self, cache: str, tokens: int) -> None:
     self._each("truncate", cache, tokens)
 
+  def defer_rows(self, on: bool) -> None:
+    self._each("defer_rows", on)
+
   @property
   def counters(self) -> Dict[str, float]:
     """The providers' counters summed over the devices (streamed providers only)."""

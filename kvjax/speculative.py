@@ -3,26 +3,32 @@
 One round, read top to bottom (C = committed tokens, b = the next token, already chosen):
 
 1. **draft**: the configured drafter proposes d_1..d_k (k <= its widest draft):
-   * MTP: d_1 comes from the catch-up rows (step 5 of the previous round, or the prompt);
+   * MTP: d_1 comes from the catch-up rows (step 4 of the previous round, or the prompt);
      each further draft feeds the MTP's own hidden state and last draft back in; drafting
-     stops early when the draft's top-1 probability falls below `p_min`;
+     stops early when the draft's top-1 probability falls below `p_min`. The previous round
+     drafted them on the device already (step 5); the first round drafts here;
    * ngram-simple: the tokens that followed the latest earlier occurrence of the last
      `ngram_n` tokens; with ngram + MTP, ngram proposes the wide round when it finds a match
      and MTP the narrow one otherwise;
    * oracle (cost studies): the target's own greedy continuation with planted rejections.
 2. **verify**: the target runs the rows [b, d_1..d_k] at positions C..C+k in the scan form
-   with per-row recurrent states captured.
-3. **accept**: j = the number of leading drafts equal to the target's argmax; the tokens
-   b, d_1..d_j are committed and b' = argmax of row j is next.
-4. **rollback**: the recurrent states become the ones captured after row j (`DeviceRollback`:
-   every row's states stay on the device; `HostRollback`: they pass through a two-group device
-   stage into host snapshots and only a rejection copies one back); the rejected KV rows are
-   truncated from the target's history (and the MTP's draft rows from the MTP's).
-5. **catch-up**: the MTP head runs rows (target hidden of verify row i, token i+1) for
-   i = 0..j, replacing its draft rows with ones built on the target's real hidden states; its
-   last row proposes the next round's d_1. The catch-up and the next round's drafting run under
-   one MTP ring lease (`StreamedKV.lease_mtp`): the MTP layer's streamed suffix is loaded once
-   and held; the lease ends before the verify forward, which gets the whole ring.
+   with per-row recurrent states captured; the rows' argmaxes and j (the number of leading drafts
+   equal to the argmax of the row before them) are computed on the device and stay there.
+3. **lease**: the MTP ring lease (`StreamedKV.lease_mtp`) for the catch-up and the next round's
+   drafting, to the furthest row they may write: the MTP layer's streamed suffix is loaded once
+   and held; the lease ends before the next verify forward, which gets the whole ring.
+4. **catch-up**: the MTP head runs rows (target hidden of verify row i, argmax of row i) for
+   every verify row (for i <= j: the accepted drafts, then the next token b'), replacing its draft
+   rows with ones built on the target's real hidden states; row j proposes the next round's d_1.
+5. **next drafts** from row j at MTP position C + j + 1, a traced position (MTP only).
+6. **rollback**: the recurrent states become the ones after row j (`ReplayRollback` rebuilds them
+   from the verify's inputs, `DeviceRollback` keeps every row's on the device: both with j
+   traced, before the read; `HostRollback` passes them through a two-group device stage into
+   host snapshots, and only a rejection copies one back, after the read).
+7. **read**: the host's one wait of the round: the argmaxes, then the next round's candidates.
+8. **accept and truncate**: b, d_1..d_j are committed and b' = argmax of row j is next; the
+   forwards' KV rows were kept back on the device (`defer_rows`) and are published now, up to row
+   j only (the rejected rows never reach the host histories).
 
 With greedy verification the output equals plain greedy decoding whenever the verify rows
 compute the same argmax as one-row decode steps (tested on CPU). The round reads its configuration
@@ -155,6 +161,7 @@ class DeviceRollback:
   """Every verify row's recurrent states stay on the device; rollback selects row j."""
   name = "device"
   capture = True     # the verify forward's `capture_states`
+  traced = True      # `states_after` takes j as a device scalar (before the round's read)
 
   def __init__(self):
     self.d2h_bytes = self.h2d_bytes = 0
@@ -174,6 +181,7 @@ class ReplayRollback:
   compiled call for every group, j traced): no state copies in the arena, none across the link."""
   name = "replay"
   capture = "replay"
+  traced = True
 
   def __init__(self):
     self.d2h_bytes = self.h2d_bytes = 0
@@ -183,7 +191,7 @@ class ReplayRollback:
 
   def states_after(self, captured, j: int, n_rows: int, before=None):
     del n_rows
-    return _replay(before, captured, jnp.int32(j))
+    return _replay(before, captured, jnp.asarray(j, jnp.int32))
 
 
 REPLAY_CHUNK_BYTES = 32 << 20   # states stepped together by one `_replay` kernel, at most
@@ -231,6 +239,7 @@ class HostRollback:
   name = "host"
   SLOTS = 2
   capture = True
+  traced = False     # which snapshot comes back is the host's choice: after the round's read
 
   def __init__(self):
     self.d2h_bytes = self.h2d_bytes = 0
@@ -421,7 +430,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prom
   (with MTP drafting) `mtp_next` = `mtp_catch_up`'s result over them. -> (tokens, stats).
 
   `on_round(info)` after every round: `pos` (C), `drafts`, `target` (argmax of every verify row),
-  `accepted` (j), `logits` (the verify forward's [W, V], a device array: rows 1 + k on are padding), `draft_p` (MTP top-1 probabilities, `mtp_draft`),
+  `accepted` (j), `logits` (the verify forward's [W, V], a device array: rows 1 + k on are padding), `draft_p` (MTP top-1 probabilities, `stop_drafts`),
   `drafter` ("mtp", "ngram", "oracle", "custom"), `lease_bytes` (loaded by the MTP ring lease taken
   for this round's catch-up and the next round's drafting; 0 without one).
   """
@@ -448,94 +457,122 @@ def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prom
   index = NgramIndex(spec.ngram_n, prompt) if spec.uses_ngram and drafter is None else None
   history = index.tokens if index is not None else list(prompt)
   commit = index.extend if index is not None else history.extend
+  # the MTP's candidates for the round at hand, drafted on the device at the end of the previous
+  # round from its row j (one program; not with ngram + MTP, whose MTP drafts only where ngram finds
+  # nothing, nor where drafting goes step by step): None makes the round draft them itself
+  device_drafting = use_mtp and not spec.uses_ngram and runner.mtp_draft_steps is not None
+  cands = None
   t_loop = time.perf_counter()
   if use_mtp:     # the first round's drafting runs under a ring lease taken after the prompt's catch-up
     h2d0 = _h2d(kv)
     lease_bytes += kv.lease_mtp(seq.pos + spec.n_max - 1)
     leases += 1
     mtp_h2d += _h2d(kv) - h2d0
-  while len(out_tokens) < n_predict:
-    out_tokens.append(b)
-    commit((b,))
-    if (eos_id is not None and b == eos_id) or len(out_tokens) >= n_predict:
-      break
-    c = seq.pos                      # committed target tokens; b sits at position c
-    room = n_predict - len(out_tokens)
-    clock.start("draft")
-    # 1. draft
-    drafts, draft_p, source = [], [], spec_type
-    if drafter is not None:
-      drafts = [int(t) for t in drafter(history, min(spec.n_max, room))][:room]
-    elif spec.uses_ngram:
-      drafts = index.draft(min(spec.ngram_width, room))
-      source = "ngram"
-      ngram_rounds += bool(drafts)
-    if use_mtp and (not drafts or spec.oracle_mtp):
+  kv.defer_rows(True)      # each forward's rows are published once the round knows how many it keeps
+  try:
+    while len(out_tokens) < n_predict:
+      out_tokens.append(b)
+      commit((b,))
+      if (eos_id is not None and b == eos_id) or len(out_tokens) >= n_predict:
+        break
+      c = seq.pos                      # committed target tokens; b sits at position c
+      room = n_predict - len(out_tokens)
+      clock.start("draft")
+      # 1. draft
+      drafts, draft_p, source = [], [], spec_type
+      if drafter is not None:
+        drafts = [int(t) for t in drafter(history, min(spec.n_max, room))][:room]
+      elif spec.uses_ngram:
+        drafts = index.draft(min(spec.ngram_width, room))
+        source = "ngram"
+        ngram_rounds += bool(drafts)
+      if use_mtp and (not drafts or spec.oracle_mtp):
+        if cands is None:
+          h2d0 = _h2d(kv)
+          cands = mtp_candidates(runner, kv, mtp_next, c, min(spec.n_max, room), spec.p_min,
+                                 steps=spec.n_max - 1)
+          mtp_h2d += _h2d(kv) - h2d0
+        mtp_drafts, draft_p = stop_drafts(cands, min(spec.n_max, room), spec.p_min)
+        if not drafts:
+          drafts, source = mtp_drafts, "mtp"
+      cands = None
+      drafted += len(drafts)
+      drafted_at[:len(drafts)] += 1
+      # 2. verify: rows [b, d_1..d_k], scan form, per-row states captured (padded to the verify
+      # width: one compiled shape; padding rows are inert); the MTP's ring lease ends first: the
+      # target gets the whole ring. Its argmaxes and the accepted count j stay on the device.
+      kv.release_lease()
+      rows = [b] + drafts
+      clock.start("verify")
+      t_verify = time.perf_counter()
+      before = seq.rec_states
+      vout = runner.forward(_padded(rows, width), c, len(rows), before, kv,
+                            logits_rows=np.arange(width), chunked=False, capture_states=rollback.capture,
+                            on_group_states=rollback.sink())
+      target_r, j_r = _accept(vout.logits_rv, _padded(drafts, width - 1, -1))
+      round_lease, next_cands = 0, None
+      catch_up = use_mtp and len(out_tokens) + 1 < n_predict     # another round may draft with the MTP
       h2d0 = _h2d(kv)
-      mtp_drafts, draft_p = mtp_draft(runner, kv, mtp_next, c, min(spec.n_max, room), spec.p_min,
-                                      steps=spec.n_max - 1)
-      mtp_h2d += _h2d(kv) - h2d0
-      if not drafts:
-        drafts, source = mtp_drafts, "mtp"
-    drafted += len(drafts)
-    drafted_at[:len(drafts)] += 1
-    # 2. verify: rows [b, d_1..d_k], scan form, per-row states captured
-    # (padded to the verify width: one compiled shape; padding rows are inert); the MTP's ring
-    # lease ends first: the target gets the whole ring
-    kv.release_lease()
-    rows = [b] + drafts
-    clock.start("verify")
-    before = seq.rec_states
-    vout = runner.forward(_padded(rows, width), c, len(rows), before, kv,
-                          logits_rows=np.arange(width), chunked=False, capture_states=rollback.capture,
-                          on_group_states=rollback.sink())
-    target = [int(t) for t in np.asarray(jnp.argmax(vout.logits_rv, axis=-1))[:len(rows)]]
-    verify_ms[len(rows)].append(clock.start("truncate"))   # accepting counts as truncating
-    # 3. accept
-    j = 0
-    while j < len(drafts) and drafts[j] == target[j]:
-      j += 1
-    accepted += j
-    accepted_at[:j] += 1
-    rounds += 1
-    round_lengths.append([len(drafts), j])
-    out_tokens.extend(drafts[:j])
-    commit(drafts[:j])
-    if eos_id is not None and eos_id in drafts[:j]:
-      out_tokens = out_tokens[:out_tokens.index(eos_id, len(out_tokens) - j) + 1]
-      clock.stop()
-      break
-    # 4. the rejected rows leave the KV histories
-    seq.pos = c + j + 1
-    kv.truncate("target", seq.pos)
-    b = target[j]
-    round_lease = 0
-    catch_up = use_mtp and len(out_tokens) + 1 < n_predict     # another round drafts with the MTP
-    h2d0 = _h2d(kv)
-    if use_mtp:
-      # 5. the MTP's ring lease for its catch-up and the next round's drafting (its streamed suffix
-      # loaded once), taken before the rollback so that its uploads run while the host dispatches it
-      clock.start("lease")
-      kv.truncate("mtp", c)        # draft rows from MTP position c on are rebuilt by the catch-up
       if catch_up:
-        round_lease = kv.lease_mtp(seq.pos + spec.n_max - 1)
+        # 3. the MTP's ring lease for its catch-up and the next round's drafting, to the furthest
+        # row they may write (the verify's rows, then n_max - 1 draft steps); its uploads queue
+        # behind the verify's
+        clock.start("lease")
+        end = min(c + width + spec.n_max - 1, kv.max_tokens)
+        round_lease = kv.lease_mtp(end)
         lease_bytes += round_lease
         leases += 1
-    # 6. rollback: the recurrent states after row j
-    clock.start("rollback")
-    seq.rec_states = rollback.states_after(vout.rec_states, j, width, before)
-    if catch_up:
-      # 7. MTP catch-up on the accepted rows, on the target's hidden states; its last row proposes
-      # the next d_1
-      clock.start("mtp_catch_up")
-      mtp_next = mtp_catch_up(runner, kv, vout.hn_se, drafts[:j] + [b], c, ubatch, pad_to=width)
-    mtp_h2d += _h2d(kv) - h2d0 if use_mtp else 0
-    clock.stop()
-    if on_round is not None:
-      on_round(dict(pos=c, drafts=drafts, target=target, accepted=j, logits=vout.logits_rv,
-                    draft_p=draft_p, drafter=source, lease_bytes=round_lease))
-    if rounds == 1 and on_first_round is not None:
-      on_first_round()
+        # 4. MTP catch-up over every verify row, on the target's hidden states, each row fed its
+        # argmax (up to row j: the accepted drafts, then the next b); row j proposes the next d_1
+        clock.start("mtp_catch_up")
+        mtp_next = mtp_catch_up(runner, kv, vout.hn_se, target_r, c, ubatch, pad_to=width, row=j_r)
+        if device_drafting:    # 5. the next round's drafts from row j, at MTP positions c + j + 1..
+          next_cands = draft_on_device(runner, kv, mtp_next, c + 1 + j_r, room - 1 - j_r, spec,
+                                       span=(c, end - c))
+      # 6. rollback: the recurrent states after row j (j traced; the host's way waits for the read)
+      clock.start("rollback")
+      if rollback.traced:
+        seq.rec_states = rollback.states_after(vout.rec_states, j_r, width, before)
+      mtp_h2d += _h2d(kv) - h2d0 if use_mtp else 0
+      # 7. the round's one read: the verify's argmaxes (the verify's time: its dispatch to them),
+      # then the next round's MTP candidates
+      clock.start("read")
+      target = [int(t) for t in np.asarray(target_r)[:len(rows)]]
+      verify_ms[len(rows)].append((time.perf_counter() - t_verify) * 1e3)
+      if next_cands is not None:
+        cands = list(zip(*jax.device_get(next_cands)))
+      # 8. accept (j as the device found it: the drafts agreeing with the argmaxes)
+      clock.start("truncate")     # accepting counts as truncating
+      j = 0
+      while j < len(drafts) and drafts[j] == target[j]:
+        j += 1
+      accepted += j
+      accepted_at[:j] += 1
+      rounds += 1
+      round_lengths.append([len(drafts), j])
+      out_tokens.extend(drafts[:j])
+      commit(drafts[:j])
+      if eos_id is not None and eos_id in drafts[:j]:
+        out_tokens = out_tokens[:out_tokens.index(eos_id, len(out_tokens) - j) + 1]
+        clock.stop()
+        break
+      # 9. the rows past j leave the KV histories: the kept-back rows are published up to row j
+      seq.pos = c + j + 1
+      kv.truncate("target", seq.pos)
+      if use_mtp:
+        kv.truncate("mtp", seq.pos)
+      b = target[j]
+      if not rollback.traced:
+        clock.start("rollback")
+        seq.rec_states = rollback.states_after(vout.rec_states, j, width, before)
+      clock.stop()
+      if on_round is not None:
+        on_round(dict(pos=c, drafts=drafts, target=target, accepted=j, logits=vout.logits_rv,
+                      draft_p=draft_p, drafter=source, lease_bytes=round_lease))
+      if rounds == 1 and on_first_round is not None:
+        on_first_round()
+  finally:
+    kv.defer_rows(False)
   kv.release_lease()
   out_tokens = out_tokens[:n_predict]
   stats = {   # the drafter and the rollback under their config keys: spec_type, spec_rollback
@@ -561,28 +598,47 @@ def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prom
   return out_tokens, stats
 
 
-def mtp_draft(runner: Runner, kv: KVProvider, mtp_next, c: int, limit: int, p_min: float,
-              steps: Optional[int] = None):
-  """Up to `limit` MTP drafts for the round at position c, stopping below top-1 probability
-  `p_min`. `mtp_next` = (d_1, its probability, the MTP hidden that proposed it), device values.
-  -> (drafts, the top-1 probability of every candidate looked at: the drafts', then the one that
-  stopped drafting below `p_min`, if any).
+def mtp_candidates(runner: Runner, kv: KVProvider, mtp_next, c: int, limit: int, p_min: float,
+                   steps: Optional[int] = None) -> List[tuple]:
+  """The MTP's draft candidates for the round at position c: [(token, top-1 probability)], `mtp_next`
+  = (d_1, its probability, the MTP hidden that proposed it) first, then up to `limit` - 1 draft
+  steps while the candidates reach `p_min` (`stop_drafts` makes them drafts).
 
-  The draft steps run as one device program (`Runner.mtp_draft`, `steps` = the widest round's
-  steps, n_max - 1, so every round runs the same program) and the host reads the candidates once;
-  step by step (a forward and a read a step) where the MTP layer streams in copy waves (a streamed
-  cache without its ring lease) or the runner has no such program (`ShardedRunner`)."""
+  The steps run as one device program (`Runner.mtp_draft`, `steps` = the widest round's steps,
+  n_max - 1, so every round runs the same program) and the host reads the candidates once; step by
+  step (a forward and a read a step) where the MTP layer streams in copy waves (a streamed cache
+  without its ring lease) or the runner has no such program (`ShardedRunner`)."""
   d, p, h = mtp_next
   steps = limit - 1 if steps is None else steps
   if limit <= 1 or steps < 1:
-    cands = [jax.device_get((d, p))]
-  elif runner.mtp_draft_steps is not None and getattr(kv, "lease", True) is not None:
-    cand_d, cand_p = jax.device_get(runner.mtp_draft(h, d, p, c, steps, limit - 1, p_min, kv))
-    cands = list(zip(cand_d, cand_p))
-  else:
-    cands = _mtp_draft_stepwise(runner, kv, mtp_next, c, limit, p_min)
+    return [jax.device_get((d, p))]
+  if _drafts_in_one_program(runner, kv):
+    return list(zip(*jax.device_get(runner.mtp_draft(h, d, p, c, steps, limit - 1, p_min, kv))))
+  return _mtp_draft_stepwise(runner, kv, mtp_next, c, limit, p_min)
+
+
+def _drafts_in_one_program(runner: Runner, kv: KVProvider) -> bool:
+  return runner.mtp_draft_steps is not None and getattr(kv, "lease", True) is not None
+
+
+def draft_on_device(runner: Runner, kv: KVProvider, mtp_next, pos, room, spec: SpecConfig, span):
+  """`mtp_candidates` left on the device, for a round whose position `pos` and room (tokens it may
+  still make) are device scalars: (tokens, probabilities) [steps + 1], -1 past the last candidate,
+  where the MTP layer drafts in one program (`span`: the positions laid out for it), else d_1 alone."""
+  d, p, h = mtp_next
+  if spec.n_max <= 1 or not _drafts_in_one_program(runner, kv):
+    return d[None], p[None]
+  limit = jnp.minimum(spec.n_max, room) - 1
+  return runner.mtp_draft(h, d, p, pos, spec.n_max - 1, limit, spec.p_min, kv, span=span)
+
+
+def stop_drafts(cands: Sequence[tuple], limit: int, p_min: float):
+  """Candidates -> (drafts: up to `limit`, stopping at the first below top-1 probability `p_min`;
+  the probability of every candidate looked at: the drafts', then the one that stopped them)."""
   drafts, probs = [], []
   for d, p in cands:
+    if p < 0:        # not reached (`_mtp_draft_steps` stopped before it)
+      break
     probs.append(float(p))
     if p < p_min:
       break
@@ -593,7 +649,7 @@ def mtp_draft(runner: Runner, kv: KVProvider, mtp_next, c: int, limit: int, p_mi
 
 
 def _mtp_draft_stepwise(runner: Runner, kv: KVProvider, mtp_next, c: int, limit: int, p_min: float):
-  """The candidates of `mtp_draft`, one MTP forward and one host read a step."""
+  """The candidates of `mtp_candidates`, one MTP forward and one host read a step."""
   d, p, h = mtp_next
   d, p = jax.device_get((d, p))
   cands = [(d, p)]
@@ -605,22 +661,36 @@ def _mtp_draft_stepwise(runner: Runner, kv: KVProvider, mtp_next, c: int, limit:
   return cands
 
 
-def mtp_catch_up(runner: Runner, kv: KVProvider, hn_se, next_tokens: Sequence[int], mtp_pos: int,
-                 ubatch: int, pad_to: Optional[int] = None):
-  """MTP rows (hn_se[i], next_tokens[i]) at MTP cache positions mtp_pos + i (with `pad_to`, one
-  forward of that many rows, the rest padding: hn_se has them). -> (draft, p, hm_last), device
-  values (the round's drafting reads them with its own candidates)."""
-  n = len(next_tokens)
+def mtp_catch_up(runner: Runner, kv: KVProvider, hn_se, next_tokens, mtp_pos: int,
+                 ubatch: int, pad_to: Optional[int] = None, row=None):
+  """MTP rows (hn_se[i], next_tokens[i]) at MTP cache positions mtp_pos + i. With `pad_to`, one
+  forward of that many rows: `next_tokens` a list (the rest padding) or a device array of them all
+  (every row the cache holds is written; the rows kept are the caller's `truncate`). -> (draft, p,
+  hm) of row `row` (default: the last token's; a device scalar too), device values (the round's
+  drafting reads them with its own candidates)."""
   if pad_to is None:
     logits_v, hm = mtp_rows(runner, kv, hn_se, next_tokens, mtp_pos, ubatch)
   else:
-    logits_rv, hm = runner.mtp_forward(hn_se[:pad_to], _padded(next_tokens, pad_to), mtp_pos, n, kv)
-    logits_v, hm = pick_row(logits_rv, n - 1), pick_row(hm, n - 1, keepdims=True)
+    on_device_ = isinstance(next_tokens, jax.Array)
+    n = min(pad_to, kv.max_tokens - mtp_pos) if on_device_ else len(next_tokens)
+    tokens = next_tokens if on_device_ else _padded(next_tokens, pad_to)
+    logits_rv, hm = runner.mtp_forward(hn_se[:pad_to], tokens, mtp_pos, n, kv)
+    r = n - 1 if row is None else row
+    logits_v, hm = pick_row(logits_rv, r), pick_row(hm, r, keepdims=True)
   d, p = _top1(logits_v)
   return d, p, hm
 
 
-def _padded(tokens: Sequence[int], width: int) -> np.ndarray:
-  out = np.zeros((width,), np.int32)
+@jax.jit
+def _accept(logits_rv, drafts_k):
+  """-> (the argmax of every verify row [W] int32, j: how many leading drafts equal the argmax of
+  the row before them, a device scalar). `drafts_k` [W - 1]: the drafts, -1 past them."""
+  target = jnp.argmax(logits_rv, axis=-1).astype(jnp.int32)
+  agree = (drafts_k == target[:drafts_k.shape[0]]).astype(jnp.int32)
+  return target, jnp.sum(jnp.cumprod(agree))
+
+
+def _padded(tokens: Sequence[int], width: int, fill: int = 0) -> np.ndarray:
+  out = np.full((width,), fill, np.int32)
   out[:len(tokens)] = tokens
   return out

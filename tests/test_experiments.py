@@ -91,16 +91,17 @@ def test_bench_spec_verify_rows_cpu(tmp_path):
 def test_bench_spec_profile_counts_dispatches_by_phase(tmp_path):
   """bench_spec --profile on the CPU (tiny model, a 1,024-token history in a 2 MiB arena, oracle +
   MTP): the dispatches of each round phase, a round: the verify's group steps (2 groups), the
-  drafting's one program and one read, the rollback's one replay, the catch-up's MTP step (every
-  round but the last)."""
+  catch-up's MTP step and the next round's drafting program behind it (the first round drafts in
+  its draft phase), the rollback's one replay, the round's one read."""
   p = _run(["-m", "experiments.bench_spec", "--model=tiny", "--dtype=float32", "--contexts=1024",
             "--arena_mib=2", "--page_tokens=16", "--decode_tokens=10", "--n_max=3", "--oracle_mtp",
             "--allow_divergence", "--width_context=0", "--profile", f"--out={tmp_path}"], cwd=REPO, timeout=600)
   lines = {l.split()[2].rstrip(":"): l for l in p.stdout.splitlines() if l.startswith("dispatches 1024 ")}
-  assert {"draft", "verify", "rollback", "mtp_catch_up"} <= set(lines), p.stdout[-2000:]
+  assert {"draft", "verify", "rollback", "mtp_catch_up", "read"} <= set(lines), p.stdout[-2000:]
   assert "group_step 2.0" in lines["verify"] and "head_step 1.0" in lines["verify"]
-  assert "mtp_draft_steps 1.0" in lines["draft"] and "device_get 1.0" in lines["draft"]
-  assert "replay 1.0" in lines["rollback"] and "mtp_step 0." in lines["mtp_catch_up"]
+  assert "mtp_draft_steps 0." in lines["draft"] and "device_get 0." in lines["draft"]   # the first round's
+  assert "mtp_step " in lines["mtp_catch_up"] and "mtp_draft_steps " in lines["mtp_catch_up"]
+  assert "replay 1.0" in lines["rollback"] and "device_get 1.0" in lines["read"]
 
 
 def test_run_config_errors_name_the_config_field(tmp_path):
@@ -760,7 +761,7 @@ def test_speculative_round_phases_are_trace_annotations():
                                             ubatch=16).metrics["verify_forwards"]
   names = [w[0] for w in windows]
   assert names.count("verify") == names.count("draft") == rounds > 0
-  assert names[:4] == ["draft", "verify", "truncate", "rollback"]
+  assert names[:5] == ["draft", "verify", "rollback", "read", "truncate"]
   assert all(s <= e for _, s, e in windows) and all(a[2] <= b[1] for a, b in zip(windows, windows[1:]))
 
 

@@ -147,6 +147,9 @@ class PhasedKV:
   def release_lease(self):
     self.kv.release_lease()
 
+  def defer_rows(self, on):
+    self.kv.defer_rows(on)
+
   def metrics(self):
     m = self.kv.metrics()
     m.update(prefill_pool_pages=self.pool_pages["prefill"], decode_pool_pages=self.pool_pages["decode"],

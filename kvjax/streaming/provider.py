@@ -40,16 +40,15 @@ hide behind (docs/PERFORMANCE.md, "Host-to-device copies").
   rows rewritten below its end).
 * `end_layer` keeps the updated pool and the rows written.
 * `end_forward` publishes the new rows to the host histories (device -> host:
-  only the changed tail).
+  only the changed tail), or with `defer_rows` keeps them back (`kept_rows`).
 
 Parts, each with its own interface and tests: `device` (`device_pool.DevicePool`:
-the pool buffer, its regions, valid resident prefixes and open regions), `stager`
-(`staging.Stager`: every upload, the stages in flight, the prefetched block,
-resident refills and their staging bytes), `mtp_lease` (`lease.RingLease`, for
-speculative decoding: slots at the end of the ring hold the MTP layer's streamed
-suffix, loaded once; the other layers use only the slots before it) and the host
-histories (`host_history.HostHistory`). What stays here: the forward's layout and
-the `KVProvider` protocol that drives the parts.
+the pool, its regions, valid resident prefixes and open regions), `stager`
+(`staging.Stager`: every upload, stages in flight, the prefetched block, resident
+refills), `mtp_lease` (`lease.RingLease`: slots at the end of the ring hold the
+MTP layer's streamed suffix for speculative decoding), the host histories
+(`host_history.HostHistory`) and `kept` (`kept_rows.KeptRows`). What stays here:
+the forward's layout and the `KVProvider` protocol that drives the parts.
 
 Counters: h2d bytes and copies, d2h bytes, ring wraps, streamed pages, MTP
 leases (taken, bytes loaded, reloads after a rebind, refused: not in the ring), host
@@ -76,6 +75,7 @@ from kvjax.streaming.budget import (StreamBudgetError, StreamConfig, copy_unit_p
                                     wave_bounds)
 from kvjax.streaming import staging
 from kvjax.streaming.host_history import HostHistory
+from kvjax.streaming.kept_rows import Kept, KeptRows
 from kvjax.streaming.device_pool import DevicePool
 from kvjax.streaming.lease import MTPLease, RingLease
 from kvjax.streaming.span_plan import SpanPlan, make_plan, page_table, spans_from_pages
@@ -130,6 +130,7 @@ class StreamedKV:
     self._pending: Dict[int, Any] = {}           # rows of ended layers not yet published to the host
     self._ended = []                              # the layers of this forward that ended
     self._packed: Optional[jax.Array] = None     # the forward's rows on their way to the host
+    self.kept = KeptRows()         # with `defer_rows(True)`: ended forwards not yet published
     self._wave_pages = 1
     self._order: Tuple[int, ...] = ()
     self._layer_plans: Dict[int, staging.LayerPlan] = {}
@@ -145,6 +146,7 @@ class StreamedKV:
     self._check_stream(stream)
     if stream.copy_pages != self.stream.copy_pages:
       raise ValueError("copy_pages is fixed for the lifetime of the host histories")
+    self._publish_deferred()       # the mirror is rebuilt from the host: it must hold every row
     self._bind(stream)
     self.counters["rebinds"] = self.counters.get("rebinds", 0) + 1
 
@@ -197,6 +199,7 @@ class StreamedKV:
     history is authoritative, so that is where they go; device copies past kv_len are never read."""
     if cache not in self.histories:
       raise ValueError(f"unknown logical cache {cache!r}; caches: {sorted(self.histories)}")
+    self._publish_deferred(cache, tokens)      # rows kept back are published up to `tokens` only
     self.histories[cache].truncate(tokens)
     self._drop_prefetch(tokens, self.histories[cache])
     # the layout stays: its key (committed pages, content pages, open-slot state) changes with
@@ -204,6 +207,7 @@ class StreamedKV:
 
   def reset(self) -> None:
     """Start a new request: forget every token (host and device), and every counter."""
+    self.kept.items.clear()
     for h in self.histories.values():
       h.truncate(0)
       h.d2h_bytes = 0
@@ -248,9 +252,8 @@ class StreamedKV:
     return self.device.open_split(a, self._active, self._full, self._target_ring())
 
   def _fill_resident(self, a: int, pool):
-    """Upload resident pages holding committed tokens that the device does not hold yet (first
-    forwards, and after a rebind: the resident mirror is rebuilt from the host), in unit-aligned
-    pieces whose staging fits one staging unit (`staging_unit_pages`)."""
+    """Upload committed resident pages the device does not hold (first forwards, after a rebind),
+    in unit-aligned pieces whose staging fits one staging unit (`staging_unit_pages`)."""
     hist, l = self.history_of(a)
     need = min(self._open_split(a)[0], self._content)
     first, base, c = int(self.resident_valid[a]), int(self.resident_base[a]), self.copy_unit
@@ -274,6 +277,7 @@ class StreamedKV:
     (counter `mtp_lease_refused`): the MTP layer then streams per forward as any layer."""
     if self.mtp_lease is None:
       raise ValueError("lease_mtp: this model has no MTP layer")
+    self._publish_deferred("mtp")        # the lease loads the committed suffix from the host
     self.mtp_lease.hold(end_tokens, self.max_tokens)
     nbytes = self._load_lease()
     self.counters["mtp_leases"] += self.lease is not None
@@ -339,6 +343,8 @@ class StreamedKV:
     ring = self._target_ring()
     for a in cache_layers:
       hist, l = self.history_of(a)
+      if self.kept.items and (pos > hist.tokens[l] or not self._leased(a)):   # it may read kept rows
+        self._publish_deferred(hist.name)
       if pos > hist.tokens[l]:
         raise ValueError(f"cache layer {a}: forward at position {pos} but only {hist.tokens[l]} tokens "
                          f"are committed")
@@ -585,6 +591,8 @@ class StreamedKV:
     published when the next layer's are, so the device holds at most two layers' rows of a block."""
     self.pool_pn = pool_pn
     self._ended.append(cache_layer)
+    if rows is None:         # a forward whose rows are not kept (MTP drafting: rebuilt by its catch-up)
+      return
     if not isinstance(rows, KVRows):
       for r in rows:
         r.k_sn.copy_to_host_async()
@@ -599,9 +607,8 @@ class StreamedKV:
       self._packed.copy_to_host_async()
 
   def pack_inert(self, rows: int) -> None:
-    """The packing of a target forward's `rows` new rows (`staging.pack_rows`, one device-to-host
-    copy a forward) run once on zeros, so that a phase's first forward does not compile it (the
-    fixed split's first decoded token did: 137 ms of its 244 at 128K on an H100, 2026-12-05)."""
+    """`staging.pack_rows` of a target forward's `rows` new rows run once on zeros, so that a phase's
+    first forward does not compile it (137 ms of the first token's 244 at 128K, H100, 2026-12-05)."""
     lay = self.layout
     z = KVRows(zeros_on_device((rows, lay.k_row_bytes), np.uint8), zeros_on_device((rows, lay.v_row_bytes), np.uint8))
     staging.pack_rows((z,) * (self.n_layers - (self.mtp_lease is not None)))
@@ -618,9 +625,37 @@ class StreamedKV:
       hist.write_rows(l, at, k_sn[:n], v_sn[:n])
       at += n
 
+  def defer_rows(self, on: bool) -> None:
+    """`on`: forwards end without publishing their rows (a wait for the forward); they are kept back
+    until `truncate` of their cache (published up to its count), a forward that may read that
+    history, `lease_mtp`, a rebind, or `defer_rows(False)`. A speculative round reads once."""
+    self.kept.on = bool(on)
+    if not on:
+      self._publish_deferred()
+
+  def _publish_deferred(self, cache: Optional[str] = None, below: Optional[int] = None) -> None:
+    """Publish the kept-back rows of `cache` (None: every cache), those below token `below` only."""
+    for k in self.kept.take(lambda a: self.history_of(a)[0].name, cache):
+      self._write_rows(self._read_rows(k.packed_lsr, k.layers), k.pos, k.rows_below(below))
+      self._drop_prefetch(k.pos, self.history_of(k.layers[0])[0])   # blocks prefetched before this
+      self.counters["elapsed_ms"] += self.kept.elapsed_ms(k.t_begin)
+
+  def _read_rows(self, packed_lsr, layers) -> Dict[int, np.ndarray]:
+    t0 = time.perf_counter()
+    rows = dict(zip(layers, np.asarray(packed_lsr)))     # one D2H of every row
+    self.counters["rows_wait_ms"] += (time.perf_counter() - t0) * 1e3
+    return rows
+
+  def _write_rows(self, rows: Dict[int, np.ndarray], pos: int, n: int) -> None:
+    """Layers' packed rows [S, K + V bytes] into their host histories, rows pos..pos + n - 1."""
+    kb = self.layout.k_row_bytes
+    for a, rows_sr in rows.items() if n else ():
+      hist, l = self.history_of(a)
+      hist.write_rows(l, pos, rows_sr[:n, :kb], rows_sr[:n, kb:])
+
   def end_forward(self) -> None:
     layers = tuple(self._ended)
-    rows = {}
+    rows, kept = {}, False
     if self._pending and not isinstance(next(iter(self._pending.values())), KVRows):
       for a in list(self._pending):          # a chunked forward: the rows not yet published
         self._publish(a, self._pending.pop(a))
@@ -628,17 +663,15 @@ class StreamedKV:
       pending = tuple(self._pending)
       if self._packed is None or pending != self._order:
         self._packed = staging.pack_rows(tuple(self._pending[a] for a in pending))
-      t0 = time.perf_counter()
-      rows = dict(zip(pending, np.asarray(self._packed)))     # one D2H of every row
+      if self.kept.on:
+        kept = self.kept.keep(Kept(self._packed, pending, self._pos, self._n, self._t_begin))
+      else:
+        rows = self._read_rows(self._packed, pending)
       self._packed = None
-      self.counters["rows_wait_ms"] += (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
     for hist in {id(self.history_of(a)[0]): self.history_of(a)[0] for a in layers}.values():
       self._drop_prefetch(self._pos, hist)   # rows rewritten inside a prefetched block (rare)
-    kb = self.layout.k_row_bytes
-    for a, rows_sr in rows.items():
-      hist, l = self.history_of(a)
-      hist.write_rows(l, self._pos, rows_sr[:self._n, :kb], rows_sr[:self._n, kb:])
+    self._write_rows(rows, self._pos, self._n)
     for a in layers:     # the rows written stay in the open region (not in copy waves)
       live, _, open_page = self._open_split(a)
       self.device.commit(a, live, -1 if self._layer_plans[a].waves else open_page, self._pos + self._n)
@@ -648,7 +681,8 @@ class StreamedKV:
     c["forwards"] += 1
     c["host_ms"] += (time.perf_counter() - t0) * 1e3
     c["host_end_ms"] += (time.perf_counter() - t0) * 1e3
-    c["elapsed_ms"] += (time.perf_counter() - self._t_begin) * 1e3
+    if not kept:
+      c["elapsed_ms"] += self.kept.elapsed_ms(self._t_begin)
 
   # -- reporting -------------------------------------------------------------------
   @property
