@@ -454,7 +454,8 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
 # generation
 # ---------------------------------------------------------------------------
 
-MAX_ROWS = MAX_QUERY_ROWS   # query rows of one forward (prefill chunk, verify)
+MAX_ROWS = MAX_QUERY_ROWS   # query rows of a verify forward (one span-attention call)
+MAX_UBATCH = 2048           # rows of a prefill micro-batch (its attention runs in calls of MAX_ROWS rows)
 
 
 def verify_rows(spec: Optional[SpecConfig]) -> int:
@@ -469,7 +470,7 @@ def check_generation(*, n_predict: int = 32, temperature: float = 0.0, top_k: in
                      top_p=(top_p, "real"), ubatch=(ubatch, "int"))
   for ok, name, need in ((n_predict >= 1, "n_predict", ">= 1"), (ubatch >= 1, "ubatch", ">= 1"),
                          (0.0 < top_p <= 1.0, "top_p", "in (0, 1] (1: off)"),
-                         (ubatch <= MAX_ROWS, "ubatch", f"<= {MAX_ROWS} (the span kernels' rows a call)"),
+                         (ubatch <= MAX_UBATCH, "ubatch", f"<= {MAX_UBATCH}"),
                          (temperature >= 0.0, "temperature", ">= 0"), (top_k >= 0, "top_k", ">= 0")):
     if not ok:
       raise ParameterError(f"{name} must be {need}, got {locals()[name]}", name)

@@ -73,13 +73,13 @@ def _forward(model, layout, opts, kv, states, tokens, pos: int, rows: int):
 def test_auto_picks_mosaic_where_it_takes_the_call():
   """"auto" on a GPU: "mosaic" for decode / verify (<= 40 folded rows: the decode kernel) and
   prefill chunks of up to 256 tokens (the prefill kernel, `AUTO_MOSAIC_PREFILL`) of the 27B
-  geometry (Q8_0 / Q4_0, D=256, "f16", no forced path), "triton" for longer chunks, other pairs,
+  geometry (Q8_0 / Q4_0, D=256, "f16", no forced path; longer chunks run as calls of 256 rows),
+  "triton" for other pairs,
   precisions or paths; "reference" without a GPU."""
   lay = PageLayout(4, 256, "q8_0", "q4_0", 256)
   pick = lambda shape, layout=lay, **kw: api.resolve_implementation(
       "auto", layout=layout, q_shape=shape, backend="gpu", **kw)
-  assert [pick((s, 24, 256)) for s in (1, 4, 6, 7, 256, 257)] == [
-      "mosaic", "mosaic", "mosaic", "mosaic", "mosaic", "triton"]
+  assert [pick((s, 24, 256)) for s in (1, 4, 6, 7, 256, 257, 1024)] == ["mosaic"] * 7   # > 256: calls of 256
   assert pick((1, 24, 256), PageLayout(4, 256, "q8_0", "q8_0", 256)) == "triton"
   assert pick((1, 24, 256), precision="f16x3") == "triton"
   assert pick((1, 24, 256), path="vector") == "triton"

@@ -68,6 +68,22 @@ def test_block_prefill_has_the_bits_of_one_forward_a_micro_batch(tiny16, micro_b
     assert k_host.shape[0] == 703 and np.any(k_host[690:700])
 
 
+
+def test_micro_batch_past_one_attention_call(tiny16, micro_batch_reference):
+  """A 512-row micro-batch (its projections one GEMM of 512 rows, its attention calls of 256 rows:
+  `span_attention.api.ROWS_PER_CALL`): streamed through copy waves with the bits of the plain cache
+  under the same micro-batch, and the outputs of 32-row micro-batches up to rounding."""
+  cfg, runner, layout = tiny16
+  prompt, (want, _) = micro_batch_reference
+  plain, _ = _prefill_then_decode(runner, engine.PlainKV(cfg, layout, BLOCK_MAX_TOKENS), prompt, None, ubatch=512)
+  kv = StreamedKV(cfg, layout, BLOCK_MAX_TOKENS, fixed_split(20, 3, BLOCK_MAX_TOKENS, layout, copy_pages=2))
+  streamed, _ = _prefill_then_decode(runner, kv, prompt, None, ubatch=512)
+  assert kv.counters["waved_layers"] > 0
+  for i, (a, b, c) in enumerate(zip(want, plain, streamed)):
+    np.testing.assert_array_equal(c, b, err_msg=f"output {i}")
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * float(np.abs(a).max()), err_msg=f"output {i}")
+  assert [int(np.argmax(x)) for x in plain[1:]] == [int(np.argmax(x)) for x in want[1:]]
+
 @pytest.mark.parametrize("n", [2000, 4000])
 def test_streamed_prefill_uploads_grow_linearly(n):
   """A 200-page pool of 16-token pages: the prefill (the cache's own block) uploads at most twice

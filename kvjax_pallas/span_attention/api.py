@@ -39,10 +39,12 @@ table entry that will be read names a page of the pool.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional, Union
 
 import numpy as np
 import jax
+import jax.numpy as jnp
 
 from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import common as _common
@@ -245,7 +247,7 @@ def resolve_implementation(implementation: str, *, layout: Optional[PageLayout] 
   if layout is None or q_shape is None:
     return "triton"
   s, h, d = q_shape
-  call = SpanCall(layout, s, h, d, precision, path)
+  call = SpanCall(layout, min(s, ROWS_PER_CALL), h, d, precision, path)   # more rows: calls of that many
   return next(name for name in AUTO_ORDER if _REGISTRY[name].supports(call))
 
 
@@ -257,7 +259,7 @@ def resolve_block_pages(block_pages: Union[int, str], num_table_pages: int, num_
   if isinstance(block_pages, str):
     if block_pages != "auto":
       raise ValueError(f"block_pages must be an int >= 1 or 'auto', got {block_pages!r}")
-    call = SpanCall(layout, num_tokens, num_q_heads, layout.head_dim, path=path)
+    call = SpanCall(layout, min(num_tokens, ROWS_PER_CALL), num_q_heads, layout.head_dim, path=path)
     return get_implementation(implementation).auto_block_pages(call, num_table_pages, num_sms())
   if int(block_pages) != block_pages or block_pages < 1:
     raise ValueError(f"block_pages must be an int >= 1 or 'auto', got {block_pages!r}")
@@ -314,7 +316,8 @@ def span_attention(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: Pag
   block_pages = resolve_block_pages(block_pages, page_table_t.shape[0], q_shd.shape[0],
                                     q_shd.shape[1], layout, path, name)
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len)
-  return _common.whole_span(_REGISTRY[name].partial, q_shd, pool_pn, page_table_t, kv_len,
+  partial = functools.partial(_in_row_pieces, _REGISTRY[name].partial)
+  return _common.whole_span(partial, q_shd, pool_pn, page_table_t, kv_len,
                             q_pos_s, layout=layout, block_pages=block_pages, sm_scale=sm_scale,
                             interpret=interpret, precision=precision, path=path)
 
@@ -336,10 +339,34 @@ def span_attention_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry,
   block_pages = resolve_block_pages(block_pages, page_table_t.shape[0], q_shd.shape[0],
                                     num_q_heads, layout, path, name)
   check_page_table(page_table_t, pool_pn.shape[0], layout, kv_len, tile_begin, tile_end)
-  return _REGISTRY[name].partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry,
-                                 tile_begin, tile_end, layout=layout, num_q_heads=num_q_heads,
-                                 block_pages=block_pages, sm_scale=sm_scale, interpret=interpret,
-                                 precision=precision, path=path)
+  return _in_row_pieces(_REGISTRY[name].partial, q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry,
+                        tile_begin, tile_end, layout=layout, num_q_heads=num_q_heads,
+                        block_pages=block_pages, sm_scale=sm_scale, interpret=interpret,
+                        precision=precision, path=path)
+
+
+# query rows a kernel call takes at most (the prefill path's tile); calls over more rows (a
+# prefill micro-batch of 512 or 1024 rows, whose projections run as one GEMM) are split into pieces
+ROWS_PER_CALL = _triton.MAX_QUERY_ROWS
+
+
+def _in_row_pieces(partial, q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end, *,
+                   layout: PageLayout, num_q_heads: int, **kw):
+  """`partial` over the query rows in pieces of at most `ROWS_PER_CALL`, one call a piece, the
+  pieces' carries joined. Each row's result depends on its own query and position only (up to
+  the rounding of products over another row count)."""
+  s = q_shd.shape[0]
+  if s <= ROWS_PER_CALL:
+    return partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry, tile_begin, tile_end,
+                   layout=layout, num_q_heads=num_q_heads, **kw)
+  r = num_q_heads // layout.num_kv_heads      # carries fold a KV head's query heads into S x r rows
+  parts = []
+  for i in range(0, s, ROWS_PER_CALL):
+    j = min(s, i + ROWS_PER_CALL)
+    piece = None if carry is None else _ref.Carry(*(x[:, i * r:j * r] for x in carry))
+    parts.append(partial(q_shd[i:j], pool_pn, page_table_t, kv_len, q_pos_s[i:j], piece, tile_begin,
+                         tile_end, layout=layout, num_q_heads=num_q_heads, **kw))
+  return _ref.Carry(*(jnp.concatenate(xs, axis=1) for xs in zip(*parts)))
 
 
 init_carry = _ref.init_carry
