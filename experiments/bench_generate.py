@@ -110,20 +110,25 @@ def full_collections():
     gc.callbacks.remove(callback)
 
 
-def run_case(api, model, ctx: int, kind: str):
-  """One generation of a ctx-token prompt on a `kind` cache -> the row."""
+def _cache_and_prompt(api, model, ctx: int, n_predict: int, kind: str):
+  """A `kind` cache for a ctx-token prompt and n_predict tokens, and the prompt (seeded by ctx)."""
   import numpy as np
-  n_predict = 1 if FLAGS.prefill_only else FLAGS.n_predict
   block = FLAGS.prefill_block if FLAGS.prefill_block == "auto" else int(FLAGS.prefill_block)
-  t_kv = time.perf_counter()   # the plan's workspaces are measured by compiling the layer step
   kv = api.make_kv(model, ctx + n_predict + 8, arena_mib=FLAGS.arena_mib, copy_pages=FLAGS.copy_pages,
                    ubatch=FLAGS.ubatch, prefill_block=block, **KINDS[kind])
+  return kv, [int(t) for t in np.random.default_rng(ctx).integers(0, model.cfg.vocab_size, ctx)]
+
+
+def run_case(api, model, ctx: int, kind: str):
+  """One generation of a ctx-token prompt on a `kind` cache -> the row."""
+  n_predict = 1 if FLAGS.prefill_only else FLAGS.n_predict
+  t_kv = time.perf_counter()   # the plan's workspaces are measured by compiling the layer step
+  kv, prompt = _cache_and_prompt(api, model, ctx, n_predict, kind)
   row = {"context": ctx, "kind": kind, "make_kv_s": time.perf_counter() - t_kv, "pool_pages": kv.info.get("pool_pages"),
          "prefill_block": kv.info.get("prefill_block"),
          "ring_slots": kv.info.get("ring_slots"), "copy_unit_pages": kv.info.get("copy_unit_pages")}
   if FLAGS.warmup:
     row.update({f"warmup_{k}": v for k, v in api.warmup(model, kv, ubatch=FLAGS.ubatch).items()})
-  prompt = [int(t) for t in np.random.default_rng(ctx).integers(0, model.cfg.vocab_size, ctx)]
   stamps, h2d_at_first = [], []
 
   def on_token(_tok):
@@ -175,12 +180,8 @@ def prefill_flops(model, n: int) -> float:
 def profile_prefill(api, model, n: int, kind: str):
   """The device timeline of a warmed n-token prefill (one generation compiles, the next is traced)
   -> the row: window and kernel ms, the window's MFU, kernel time by family and the top kernels."""
-  import numpy as np
   from experiments.lib import timeline
-  block = FLAGS.prefill_block if FLAGS.prefill_block == "auto" else int(FLAGS.prefill_block)
-  kv = api.make_kv(model, n + 8, arena_mib=FLAGS.arena_mib, copy_pages=FLAGS.copy_pages,
-                   ubatch=FLAGS.ubatch, prefill_block=block, **KINDS[kind])
-  prompt = [int(t) for t in np.random.default_rng(n).integers(0, model.cfg.vocab_size, n)]
+  kv, prompt = _cache_and_prompt(api, model, n, 1, kind)
 
   def run():
     return api.generate(model, kv, prompt_tokens=prompt, n_predict=1, ignore_eos=True, ubatch=FLAGS.ubatch)
