@@ -2,6 +2,7 @@
 
 import functools
 import re
+import time
 
 import numpy as np
 import pytest
@@ -638,3 +639,35 @@ def test_copy_unit_is_capped_at_the_ring(tiny_runner):
   kv.rebind(StreamConfig(6, (1, 1, 1), 32))        # the nominal unit is what a rebind compares
   with pytest.raises(ValueError, match="copy_pages is fixed"):
     kv.rebind(StreamConfig(6, (1, 1, 1), 2))
+
+
+def test_kept_rows_reach_the_host_up_to_the_truncate_and_before_a_read():
+  """`defer_rows(True)` (a speculative round's forwards): a forward's rows stay on the device until
+  `truncate` publishes those below its count (the rest never reach the host), a forward that reads
+  the history publishes them first, and `defer_rows(False)` publishes all; the histories and the
+  logits are those of the same forwards published at each end, and the policy's elapsed time is
+  counted once for forwards that overlap."""
+  cfg, runner, layout = build_tiny_runner(4, page_tokens=16)
+  rng = np.random.default_rng(5)
+  prompt, rows = rng.integers(0, cfg.vocab_size, 40).astype(np.int32), rng.integers(0, cfg.vocab_size, 9)
+  out = {}
+  for defer in (False, True):
+    kv = StreamedKV(cfg, layout, CAPACITY, fixed_split(12, 3, CAPACITY, layout, copy_pages=2))
+    t0 = time.perf_counter()
+    runner.forward(prompt, 0, 40, runner.zero_states(), kv)
+    kv.defer_rows(defer)
+    target = kv.histories["target"]
+    a = runner.forward(rows[:4], 40, 4, runner.zero_states(), kv)     # rows 40..43, two of them kept
+    assert target.tokens[0] == (40 if defer else 44)
+    kv.truncate("target", 42)
+    assert target.tokens[0] == 42 and len(kv.kept.items) == 0
+    b = runner.forward(rows[4:7], 42, 3, runner.zero_states(), kv)    # rows 42..44
+    c = runner.forward(rows[7:9], 45, 2, runner.zero_states(), kv)    # its begin publishes 42..44 first
+    assert len(kv.kept.items) == (1 if defer else 0) and target.tokens[0] == (45 if defer else 47)
+    kv.defer_rows(False)
+    assert target.tokens[0] == 47 and not kv.kept.items
+    assert 0 < kv.counters["elapsed_ms"] <= (time.perf_counter() - t0) * 1e3    # wall time, once
+    out[defer] = ([np.asarray(x.logits_rv) for x in (a, b, c)],
+                  [np.concatenate(target.rows(l, 47), axis=1) for l in range(cfg.num_attention_layers)])
+  for want, got in zip(out[False][0] + out[False][1], out[True][0] + out[True][1]):
+    np.testing.assert_array_equal(got, want)
