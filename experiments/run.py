@@ -166,7 +166,13 @@ def main(argv):
   print(f"run: wrote {base}.jsonl and {base}.csv", file=sys.stderr, flush=True)
 
 
+# the fields a run reads (configs/tiny_stream.py has them; a config without them is another command's)
+CONFIG_FIELDS = ("model", "kv", "prompt", "prompt_tokens", "ctx_size", "n_predict", "ubatch", "arena_mib",
+                 "pool_pages", "copy_pages", "page_tokens", "k_type", "v_type", "dtype", "preset", "attn_impl",
+                 "block_pages", "temperature", "top_k", "seed", "out_dir", "name")
+
+
 if __name__ == "__main__":
   define_flags()
   from kvjax import checks
-  app.run(main, flags_parser=checks.flags_parser("run", "config"))
+  app.run(main, flags_parser=checks.flags_parser("run", "config", required=CONFIG_FIELDS))

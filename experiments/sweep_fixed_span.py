@@ -67,7 +67,7 @@ def define_flags():
   flags.DEFINE_string("preset", None, "kvjax.config preset with random device weights (overrides --model)")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight/activation dtype")
   flags.DEFINE_list("contexts", ["256", "512"], "context capacities (tokens): prompt + decode")
-  flags.DEFINE_list("arena_mib", ["0.25"], "device arena budgets (MiB); empty for none")
+  flags.DEFINE_list("arena_mib", [], f"device arena budgets (MiB); {DEFAULT_ARENA_MIB} when no --pool_pages is given")
   flags.DEFINE_list("pool_pages", [], "KV pool budgets in pages (instead of / besides --arena_mib)")
   flags.DEFINE_integer("decode_tokens", 16, "tokens decoded per run")
   flags.DEFINE_integer("page_tokens", 64, "tokens per KV page")
@@ -90,6 +90,7 @@ def define_flags():
 
 FLAGS = flags.FLAGS
 
+DEFAULT_ARENA_MIB = "0.25"   # the budget of a sweep given none (the tiny model's 256-1,024-token contexts)
 COLUMNS = ["context_capacity", "prompt_tokens", "decode_tokens", "arena_mib", "pool_pages", "prefill_tps",
            "decode_tps", "prompt_ms", "predicted_ms", "wall_seconds", "decode_kv_pool_mib",
            "decode_workspace_mib", "resident_pages", "ring_slots", "active_pages", "all_pages_resident",
@@ -311,7 +312,8 @@ def main(argv):
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)   # its backend probe: "Unable to initialize backend 'tpu'"
   from kvjax import api
   contexts = counts("contexts", FLAGS.contexts)
-  budgets = [{"arena_mib": a} for a in counts("arena_mib", FLAGS.arena_mib, float, 1e-300)] + \
+  arenas = FLAGS.arena_mib or ([] if FLAGS.pool_pages else [DEFAULT_ARENA_MIB])
+  budgets = [{"arena_mib": a} for a in counts("arena_mib", arenas, float, 1e-300)] + \
             [{"pool_pages": p} for p in counts("pool_pages", FLAGS.pool_pages)]
   lengths = sorted(set(counts("mtp_lengths", FLAGS.mtp_lengths, least=0))) if FLAGS.spec_type != "none" else [0]
   counts("decode_tokens", [FLAGS.decode_tokens])

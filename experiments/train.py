@@ -109,7 +109,8 @@ def flags_parser(argv):
   from kvjax import checks
   if not any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
     argv = argv[:1] + [f"--config={DEFAULT_CONFIG}"] + argv[1:]
-  return checks.flags_parser("train", "config", DEFAULT_CONFIG)(argv)
+  return checks.flags_parser("train", "config", DEFAULT_CONFIG,
+                             ("model", "steps", "batch_size", "seq_len", "lr", "corpus_root"))(argv)
 
 
 if __name__ == "__main__":

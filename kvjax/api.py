@@ -296,7 +296,7 @@ def check_kv_budget(*, arena_mib: Optional[float] = None, pool_pages: Optional[i
   checks.check_arena_memory(arena_mib)   # before a model is loaded (make_kv checks a sharded model's arenas)
 
 
-MAX_POSITIONS = 2**31 - 1   # token positions are int32 in the compiled steps
+MAX_POSITIONS = checks.MAX_POSITIONS   # token positions are int32 in the compiled steps
 
 
 def check_context_length(model: LoadedModel, max_tokens: int, exceed_context_length: bool = False,
@@ -491,10 +491,10 @@ def check_generation(*, n_predict: int = 32, temperature: float = 0.0, top_k: in
 
 def encode(model: LoadedModel, text: str, param: str = "prompt") -> List[int]:
   """`text` in the model's tokenizer (at least one token)."""
+  checks.check_types(**{param: (text, "str")})
   if model.tokenizer is None:
     raise ParameterError(f"{param}: {model.source!r} has no tokenizer (random preset weights, or a GGUF without "
-                         f"tokenizer.ggml.tokens); give token ids",
-                         param)
+                         f"tokenizer.ggml.tokens); give token ids", param)
   ids = model.tokenizer.encode(text)
   if not ids:
     raise ParameterError(f"{param} is empty: at least one token is needed", param)

@@ -10,6 +10,7 @@ can use the config checks and still answer at once.
 from __future__ import annotations
 
 import difflib
+import importlib.machinery
 import importlib.util
 import math
 import numbers
@@ -91,7 +92,7 @@ def check_memory(param: str, value: Any, need: int, what: str, available: Dict[s
   where = where or where_memory(available)
   have = available.get(where)
   if have is not None and need > have:
-    shown = f"{value:g}" if isinstance(value, float) else f"{value}"
+    shown = f"{value:.12g}" if isinstance(value, float) else f"{value}"
     raise _error(f"{param} {shown}: {what}: {need / MIB:,.1f} MiB of {where} memory needed, "
                  f"{have / MIB:,.1f} MiB available", param)
 
@@ -142,8 +143,8 @@ def budget_error(name: str, value: float, error: Exception) -> str:
   its layouts (`kvjax.streaming.arena.CapacityError`, with its `needed` bytes) says the least it needs."""
   needed = getattr(error, "needed", None)
   if needed is None:
-    return f"{name} {value:g}: {error}"
-  return f"{name} {value:g}: too small: at least {needed / MIB:.3f} MiB needed ({error})"
+    return f"{name} {value:.12g}: {error}"
+  return f"{name} {value:.12g}: too small: at least {needed / MIB:.3f} MiB needed ({error})"
 
 
 def weight_bytes(shapes: Iterable[Sequence[int]], itemsize: int) -> int:
@@ -173,6 +174,9 @@ def check_model_fits(cfg, page_tokens: int, param: str, value: Any, shapes: Dict
   check_weights_memory(param, value, shapes.values(), dtype.name, dtype.itemsize, devices)
 
 
+MAX_POSITIONS = 2**31 - 1   # token positions are int32 in the compiled steps
+
+
 def check_page_tokens(page_tokens: int, context_length: int) -> None:
   """A KV page holds at most the model's context length of tokens (a larger page is never filled)."""
   if page_tokens > context_length:
@@ -196,7 +200,8 @@ def _config_path(args: Sequence[str], flag: str) -> Optional[str]:
 def _load_config(path: str):
   """`get_config()` of a config file (`file.py:arg` passes arg), as ml_collections' config_flags does."""
   path, _, arg = path.partition(":")
-  spec = importlib.util.spec_from_file_location("_kvjax_config_check", path)
+  loader = importlib.machinery.SourceFileLoader("_kvjax_config_check", path)   # any file name, as config_flags
+  spec = importlib.util.spec_from_loader(loader.name, loader)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config(arg) if arg else module.get_config()
@@ -207,10 +212,16 @@ def _fields(node) -> Optional[list]:
   return list(keys()) if callable(keys) else None
 
 
-def config_error(args: Sequence[str], flag: str = "config", example: str = "configs/tiny_stream.py") -> Optional[str]:
+def config_error(args: Sequence[str], flag: str = "config", example: str = "configs/tiny_stream.py",
+                 required: Sequence[str] = ()) -> Optional[str]:
   """The one-line error of a command line's `--config FILE` and `--config.FIELD=value` overrides, or
-  None: a config file that does not exist or cannot be loaded, or an override naming no field of
-  it (with the closest fields, `difflib.get_close_matches`)."""
+  None: the flag given twice, a config file that does not exist or cannot be loaded (its
+  `get_config()` is run), one without the `required` fields of the command's configs (another
+  command's config), or an override naming no field of it (with the closest fields,
+  `difflib.get_close_matches`)."""
+  given = [a for a in args if a == f"--{flag}" or a.startswith(f"--{flag}=")]
+  if len(given) > 1:
+    return f"--{flag} given {len(given)} times: give one config file (and --{flag}.FIELD=value overrides)"
   path = _config_path(args, flag)
   if path is None:
     return None
@@ -222,12 +233,17 @@ def config_error(args: Sequence[str], flag: str = "config", example: str = "conf
     for prefix in (f"--{flag}.", f"--no{flag}."):
       if name.startswith(prefix) and len(name) > len(prefix):
         overrides.append(name[len(prefix):])
-  if not overrides:
-    return None
   try:
     cfg = _load_config(path)
   except Exception as e:  # pylint: disable=broad-except  (a user's file: any error is reported in one line)
     return f"--{flag} {path!r}: cannot load it: {type(e).__name__}: {e}"
+  keys = _fields(cfg)
+  if keys is None:
+    return f"--{flag} {path!r}: get_config() returned a {type(cfg).__name__}, not a config (expected e.g. {example})"
+  missing = [r for r in required if r not in keys]
+  if missing:
+    return (f"--{flag} {path!r} has no field {', '.join(map(repr, missing[:6]))}{', ...' if len(missing) > 6 else ''}: "
+            f"not a config of this command (expected e.g. {example})")
   for dotted in overrides:
     node, seen = cfg, []
     for part in dotted.split("."):
@@ -257,13 +273,15 @@ def fail(prog: str, message: Any, status: int = 2):
   sys.exit(status)
 
 
-def flags_parser(prog: str, config_flag: Optional[str] = None, example: str = "configs/tiny_stream.py"):
+def flags_parser(prog: str, config_flag: Optional[str] = None, example: str = "configs/tiny_stream.py",
+                 required: Sequence[str] = ()):
   """A `flags_parser` for `absl.app.run(main, flags_parser=...)`: a bad flag value, an unknown flag, a
-  missing config file or an unknown `--config.FIELD` is one line `PROG: error: ...` and exit status 2
-  (absl would print its usage text, or a traceback for a config override)."""
+  missing or unloadable config file, another command's config (without the `required` fields) or
+  an unknown `--config.FIELD` is one line `PROG: error: ...` and exit status 2 (absl would print
+  its usage text, or a traceback)."""
   def parse(argv):
     from absl import flags  # pylint: disable=import-outside-toplevel
-    bad = config_error(argv[1:], config_flag, example) if config_flag else None
+    bad = config_error(argv[1:], config_flag, example, required) if config_flag else None
     if bad is None:
       try:
         return flags.FLAGS(argv)

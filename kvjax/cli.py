@@ -246,7 +246,8 @@ def _summary(m: Dict[str, Any]) -> List[str]:
   n_dec = max(m["decode_tokens"] - 1, 0)   # the first token comes from the prefill's last row
   lines = [f"prefill {m['prompt_tokens']} tokens in {pre_ms:.1f} ms ({m['prompt_tokens'] / pre_ms * 1e3:.1f} tok/s), "
            f"decode {m['decode_tokens']} tokens in {dec_ms:.1f} ms ({n_dec / dec_ms * 1e3:.1f} tok/s)"]
-  if not m["warmup"] and m["compile_ms"] >= 50:   # a warm run loads its programs: nothing to report
+  fresh = m.get("compiles", 0) - m.get("compile_cache_hits", 0)   # programs compiled, not loaded
+  if not m["warmup"] and m["compile_ms"] >= 50 and fresh > 0:   # a warm run loads its programs: nothing to report
     lines.append(f"cold run: {m['compile_ms'] / 1e3:.1f} s of jax tracing and compiling (prefill "
                  f"{m['prompt_compile_ms'] / 1e3:.1f} s, decode {m['predicted_compile_ms'] / 1e3:.1f} s), not "
                  f"counted above; --warmup compiles first and times a warm run")
@@ -438,6 +439,8 @@ def cmd_logits(fv: flags.FlagValues, out=None) -> int:
   path = fv["out"].value
   if not path:
     raise UsageError("--out FILE.npy is required")
+  if not path.endswith(".npy"):
+    raise UsageError(f"--out {path!r}: the file name must end in .npy (numpy.save would add it)")
   parent = os.path.dirname(os.path.abspath(path))
   if not os.path.isdir(parent):
     raise FileNotFoundError(f"--out {path!r}: directory {parent!r} does not exist")
@@ -464,7 +467,10 @@ def cmd_memory(fv: flags.FlagValues, out=None) -> int:
   cfg = fv["config"].value
   if cfg is None:
     raise UsageError("--config is required, e.g. --config=configs/memory_27b.py")
-  report = memory_report.report_from_config(cfg)
+  try:
+    report = memory_report.report_from_config(cfg)
+  except ValueError as e:   # a config value out of range: a usage error, as the other subcommands' sizes
+    raise UsageError(f"--config: {e}") from None
   if fv["json"].value:
     print(json.dumps(report, default=_json_default), file=out, flush=True)
   else:
@@ -514,8 +520,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2
   fv = flags.FlagValues()
   if sub == "memory":
-    from kvjax import checks  # pylint: disable=import-outside-toplevel
-    bad = checks.config_error(rest, example="configs/memory_27b.py")   # a missing file, an unknown field
+    from kvjax import checks, memory_report  # pylint: disable=import-outside-toplevel
+    bad = checks.config_error(rest, example="configs/memory_27b.py",   # a missing file, another command's
+                              required=memory_report.CONFIG_FIELDS)    # config, an unknown field
     if bad:
       _error(bad)
       return 2

@@ -53,7 +53,14 @@ def enable(path: Union[str, bool, None] = None) -> Optional[str]:
   if active() == directory:
     _CURRENT = directory
     return directory
-  os.makedirs(directory, exist_ok=True)
+  try:
+    os.makedirs(directory, exist_ok=True)
+    if not os.access(directory, os.W_OK | os.X_OK):
+      raise PermissionError(13, "not writable")
+  except OSError as e:
+    source = f" (${ENV})" if path in (None, True) else ""
+    raise ValueError(f"compile cache folder {directory!r}{source}: not a writable folder ({e.strerror or e}); "
+                     f"give a writable folder, or 'off' for no persistent cache") from None
   import jax
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

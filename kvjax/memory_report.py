@@ -38,6 +38,7 @@ import math
 import os
 from typing import Dict, List, Optional, Tuple
 
+from kvjax import checks
 from kvjax import config as config_lib
 from kvjax.streaming.budget import StreamBudgetError
 from kvjax.streaming.plan import KVGeometry, Workspaces, plan_kv
@@ -78,8 +79,9 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
       block format (q8_0, q4_0, q4_k, q5_k, q6_k) for the matrices that stay quantized
       (`kvjax.qweights`), the rest in bf16.
   """
-  if context_tokens < 1:
-    raise ValueError(f"context_tokens must be >= 1, got {context_tokens}")
+  if not 1 <= context_tokens <= checks.MAX_POSITIONS:
+    raise ValueError(f"context_tokens must be in 1..{checks.MAX_POSITIONS} (int32 token positions), "
+                     f"got {context_tokens}")
   if mtp_depth < 0:
     raise ValueError(f"mtp_depth must be >= 0, got {mtp_depth}")
   if mtp_depth > 0 and not model_cfg.has_mtp:
@@ -218,6 +220,11 @@ def format_table(report: Dict[str, float]) -> str:
     lines.append(f"  {'decode forward at ctx':<{w}}  {report['decode_ring_fills']:>16,}    ring fills (copy waves), "
                  f"{_fmt_bytes(report['decode_stream_bytes'])} streamed")
   return "\n".join(lines)
+
+
+# the fields `report_from_config` reads (a config without them is another command's)
+CONFIG_FIELDS = ("model", "context_tokens", "k_type", "v_type", "arena_mib", "mtp_depth", "page_tokens",
+                 "decode_workspace_mib", "stage_in_arena")
 
 
 def report_from_config(cfg) -> Dict[str, float]:

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvjax import api, cli, engine, memory_report, tiny
+from kvjax import api, cli, compile_cache, engine, memory_report, tiny
 from kvjax.streaming import fit_adaptive_pool, fit_split
 from kvjax.tokenizer import tiny_tokenizer
 from kvjax_pallas.page_layout import PageLayout
@@ -294,6 +294,24 @@ def test_logits_file_matches_runner(capsys, tmp_path, direct, mtp):
   assert rel(got, want) < 1e-4  # float32 rounding of chunked vs one-shot Gated DeltaNet
   assert np.mean(np.argmax(got, -1) == np.argmax(want, -1)) == 1.0
   assert str(list(got.shape)) in out
+
+
+def test_logits_out_must_name_an_npy_file(capsys, tmp_path):
+  """numpy.save adds ".npy" to any other name, so the file written would not be the one named."""
+  rc, _, err = run_main(capsys, "logits", "--tokens=1,2,3", f"--out={tmp_path}/l.txt")
+  one_error_line(rc, err, 2, f"--out '{tmp_path}/l.txt': the file name must end in .npy")
+  assert os.listdir(tmp_path) == []
+
+
+def test_unwritable_compile_cache_is_one_line(capsys, tmp_path, monkeypatch):
+  """A compile cache folder that is a file, or one that cannot be made: one line naming the folder
+  (and the variable, where it came from $KVJAX_COMPILE_CACHE_DIR), exit 1."""
+  (tmp_path / "f").write_text("x")
+  rc, _, err = run_main(capsys, "generate", "-p", "hi", "-n", "2", f"--compile-cache-dir={tmp_path}/f")
+  one_error_line(rc, err, 1, f"compile cache folder '{tmp_path}/f': not a writable folder", "'off'")
+  monkeypatch.setenv("KVJAX_COMPILE_CACHE_DIR", f"{tmp_path}/f/sub")
+  with pytest.raises(ValueError, match=r"\(\$KVJAX_COMPILE_CACHE_DIR\): not a writable folder"):
+    compile_cache.enable()
 
 
 def test_logits_cache_type_changes_logits(capsys, tmp_path, direct):
@@ -692,16 +710,29 @@ def _experiment(args, timeout=240):
 
 def test_unknown_config_field_or_file_is_one_line(capsys):
   """`kvjax memory` and `python -m experiments.run`: an unknown --config.FIELD names the closest
-  field; a missing config file names the path; one line, exit 2, no traceback."""
+  field; a missing config file names the path; a file that is not Python, another command's
+  config, the flag given twice or a size out of range: one line, exit 2, no traceback."""
   cfg = os.path.join(REPO, "configs", "memory_27b.py")
   rc, _, err = run_main(capsys, "memory", f"--config={cfg}", "--config.mtp_dept=1")
   one_error_line(rc, err, 2, "--config.mtp_dept:", "no field 'mtp_dept'", "did you mean --config.mtp_depth?")
   rc, _, err = run_main(capsys, "memory", "--config", "configs/nope.py")
   one_error_line(rc, err, 2, "--config 'configs/nope.py': no such file")
+  readme, stream = os.path.join(REPO, "README.md"), os.path.join(REPO, "configs", "tiny_stream.py")
+  rc, _, err = run_main(capsys, "memory", f"--config={readme}")
+  one_error_line(rc, err, 2, f"--config {readme!r}: cannot load it: SyntaxError")
+  rc, _, err = run_main(capsys, "memory", f"--config={stream}")
+  one_error_line(rc, err, 2, "has no field 'context_tokens'", "not a config of this command")
+  rc, _, err = run_main(capsys, "memory", f"--config={cfg}", f"--config={stream}")
+  one_error_line(rc, err, 2, "--config given 2 times")
+  for override, needle in (("--config.context_tokens=999999999999", "context_tokens must be in 1..2147483647"),
+                           ("--config.mtp_depth=-1", "mtp_depth must be >= 0, got -1")):
+    rc, _, err = run_main(capsys, "memory", f"--config={cfg}", override)   # refused before any plan is built
+    one_error_line(rc, err, 2, needle)
   for args, needles in (
       (["--config=configs/tiny_stream.py", "--config.n_predcit=8"],
        ["run: error: --config.n_predcit:", "did you mean --config.n_predict?"]),
       (["--config=configs/nope.py"], ["run: error: --config 'configs/nope.py': no such file"]),
+      (["--config=configs/train_code_tiny.py"], ["run: error: ", "has no field 'kv'", "configs/tiny_stream.py"]),
       (["--config=configs/tiny_stream.py", "--config.n_predict=abc"], ["run: error: ", "--config.n_predict=abc"])):
     p = _experiment(["experiments.run"] + args)
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
@@ -729,6 +760,8 @@ def test_api_budget_and_type_errors_name_the_parameter(capsys, tiny64):
     assert str(e.value).startswith(msg) and "\n" not in str(e.value), str(e.value)
   with pytest.raises(api.ParameterError, match=r"max_tokens must be an int, got 160.0 \(float\)"):
     api.make_kv(tiny64, 160.0)
+  with pytest.raises(api.ParameterError, match=r"^prompt must be a str, got 123 \(int\)"):
+    api.encode(tiny64, 123)
 
 
 def test_sweep_refuses_bad_contexts_and_reports_tokens_match(tmp_path):
@@ -738,7 +771,7 @@ def test_sweep_refuses_bad_contexts_and_reports_tokens_match(tmp_path):
   p = _experiment(["experiments.sweep_fixed_span", "--contexts=-128", f"--out={tmp_path}"])
   assert p.returncode == 2 and p.stderr.splitlines() == ["sweep_fixed_span: error: --contexts -128: must be a "
                                                          "positive count"], p.stderr
-  common = ["experiments.sweep_fixed_span", "--arena_mib=", "--pool_pages=6", "--decode_tokens=4",
+  common = ["experiments.sweep_fixed_span", "--pool_pages=6", "--decode_tokens=4",   # no arena row with a pool
             "--page_tokens=64", "--ubatch=64", "--nowarmup"]
   p = _experiment(common + ["--contexts=128", "--compare_plain", f"--out={tmp_path}/a"])
   assert p.returncode == 0, p.stderr[-2000:]
@@ -843,13 +876,15 @@ def test_summary_excludes_compilation():
   """tok/s without the compile time inside the timings; a cold run adds one line of its compile time."""
   m = {"prompt_tokens": 100, "prompt_ms": 1000.0, "prompt_compile_ms": 900.0, "decode_tokens": 11,
        "predicted_ms": 600.0, "predicted_compile_ms": 500.0, "compile_ms": 1400.0, "warmup": False,
-       "spec_type": "none"}
+       "spec_type": "none", "compiles": 9, "compile_cache_hits": 2}
   lines = cli._summary(m)  # pylint: disable=protected-access
   assert lines[0] == "prefill 100 tokens in 100.0 ms (1000.0 tok/s), decode 11 tokens in 100.0 ms (100.0 tok/s)"
   assert lines[1].startswith("cold run: 1.4 s of jax tracing and compiling (prefill 0.9 s, decode 0.5 s), "
                              "not counted above") and "--warmup" in lines[1]
   assert len(cli._summary(dict(m, warmup=True, compile_ms=0.0, prompt_compile_ms=0.0,  # pylint: disable=protected-access
                                predicted_compile_ms=0.0))) == 1
+  # a warm process: every program loaded from the persistent cache (its tracing still takes time)
+  assert len(cli._summary(dict(m, compile_cache_hits=9))) == 1  # pylint: disable=protected-access
 
 
 def test_weights_impl_and_fuse_flags_keep_the_tokens(capsys):
