@@ -337,6 +337,17 @@ def test_probe_planar_gemv_smoke(tmp_path):
     assert r["rel_err"] < (1e-2 if r["variant"] in ("bf16", "q4k_dot", "q8_dot") else 1e-5), r
 
 
+def test_probe_gdn_chunked_smoke(tmp_path):
+  """The chunked-GDN probe runs each form and chunk size on small heads (CPU); the hoisted form and
+  the scan give the model's chunked result within float32 rounding."""
+  out = str(tmp_path / "pgc")
+  _run(["-m", "experiments.kernel_lab.probe_gdn_chunked", "--small", f"--out={out}"], cwd=REPO, timeout=300)
+  rows = json.load(open(os.path.join(out, "gdn_chunked.json")))
+  assert {(r["form"], r["chunk"]) for r in rows} == {("model", 16), ("model", 64), ("hoisted", 16), ("hoisted", 64),
+                                                     ("scan", 1)}
+  assert all(0 <= r["rel_diff"] < 1e-5 and r["ms"] > 0 for r in rows), rows
+
+
 def test_probe_tma_reads_smoke(tmp_path):
   """The TMA read-ceiling probe (Mosaic GPU) runs in the Mosaic GPU interpreter: every CTA's last
   tile lands in SMEM from the right page and offset (its first bytes, copied back, equal the page
