@@ -233,4 +233,7 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  from kvjax import checks
+  app.run(checks.one_line_errors("acceptance", main), flags_parser=checks.flags_parser(
+      "acceptance", values={"contexts": (int, 1), "n_max": (int, 1), "drafters": (("mtp", "ngram", "both"),),
+                            "prompts": (int, 1), "n_predict": (int, 1)}))

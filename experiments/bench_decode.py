@@ -33,7 +33,7 @@ device holds its own KV heads (resident), or streams them through its own
 devices' uploads, issued together, and `MiB/fwd` the sum over the devices.
 
   python -m experiments.bench_decode --model=qwen38_27b --contexts=32768,131072 --arena_mib=2240
-  python -m experiments.bench_decode --model=tiny --contexts=2048 --arena_mib=1 --page_tokens=64   # CPU smoke
+  python -m experiments.bench_decode --model=tiny --contexts=2048 --arena_mib=2 --page_tokens=64   # CPU smoke
   python -m experiments.bench_decode --model=qwen38_27b --contexts=131072,262144 --arena_mib=2240 \
       --attn_impl=auto --tensor_parallel=2 --out=runs/bench_decode_tp2      # arena per device
 """
@@ -383,4 +383,6 @@ if __name__ == "__main__":
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   define_flags()
   from kvjax import checks
-  app.run(main, flags_parser=checks.flags_parser("bench_decode"))
+  app.run(checks.one_line_errors("bench_decode", main), flags_parser=checks.flags_parser(
+      "bench_decode", values={"contexts": (int, 1), "pool_pages": (int, 1), "arena_mib": (float, 0),
+                              "decode_steps": (int, 1)}))

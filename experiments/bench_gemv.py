@@ -250,4 +250,9 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  from kvjax import checks
+  from kvjax_pallas import quant_matmul
+  app.run(checks.one_line_errors("bench_gemv", main), flags_parser=checks.flags_parser(
+      "bench_gemv", values={"formats": (tuple(quant_matmul.FORMATS),),
+                            "implementations": (tuple(quant_matmul.IMPLEMENTATIONS) + ("bf16",),),
+                            "rows": (int, 1)}))

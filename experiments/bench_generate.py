@@ -23,8 +23,8 @@ one); `--warmup` compiles ahead (`api.warmup`) and reports it apart.
 
   python -m experiments.bench_generate --model=qwen38_27b --contexts=32768,131072 --arena_mib=2240 \\
       --attn_impl=auto --n_predict=1024
-  python -m experiments.bench_generate --model=tiny --contexts=512 --arena_mib=0.5 --page_tokens=16 \\
-      --n_predict=64 --kinds=fixed,phased       # CPU smoke
+  python -m experiments.bench_generate --model=tiny --dtype=float32 --contexts=512 --arena_mib=4 \\
+      --page_tokens=16 --n_predict=64 --kinds=fixed,phased       # CPU smoke
 """
 
 from __future__ import annotations
@@ -246,23 +246,34 @@ def main(argv):
                                                 "prefill_block", "prefill_only")},
          "compile_cache_dir": cache_dir if cache else ""}
   print(json.dumps(log), flush=True)
-  rows = []
+  rows, refused = log["rows"], log["refused"] = [], []
   for ctx in [int(c) for c in FLAGS.contexts]:
     ref = compare_forward(api, model, ctx) if FLAGS.compare and not FLAGS.prefill_only else None
     for kind in FLAGS.kinds:
-      row = run_case(api, model, ctx, kind)
+      try:
+        row = run_case(api, model, ctx, kind)
+      except api.KVBudgetError as e:   # a budget make_kv refuses: a line of its own, the other cases run
+        refused.append({"context": ctx, "kind": kind, "refused": str(e)})
+        print(json.dumps(refused[-1]), flush=True)
+        continue
       if ref is not None:
         row["bench_forward_ms"] = ref
         row["median_over_bench"] = row.get("median_ms", 0.0) / ref
       rows.append(row)
       print(json.dumps({k: v for k, v in row.items() if k != "ms"}, default=float), flush=True)
-  log["rows"] = rows
+      save(log)   # every finished case on disk, whatever comes after it
   if FLAGS.profile_tokens:
     log["prefill_profile"] = profile_prefill(api, model, FLAGS.profile_tokens, FLAGS.kinds[0])
-  with open(os.path.join(FLAGS.out, "bench_generate.json"), "w") as f:
-    json.dump(log, f, indent=1, default=float)
+  save(log)
   plot(rows)
   report(rows)
+  for r in refused:
+    print(f"{r['context']:>8} {r['kind']:>8} refused: {r['refused']}")
+
+
+def save(log):
+  with open(os.path.join(FLAGS.out, "bench_generate.json"), "w") as f:
+    json.dump(log, f, indent=1, default=float)
 
 
 def plot(rows):
@@ -305,4 +316,6 @@ if __name__ == "__main__":
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   define_flags()
   from kvjax import checks
-  app.run(main, flags_parser=checks.flags_parser("bench_generate"))
+  app.run(checks.one_line_errors("bench_generate", main), flags_parser=checks.flags_parser(
+      "bench_generate", values={"contexts": (int, 1), "kinds": (tuple(KINDS),), "n_predict": (int, 1),
+                                "ubatch": (int, 1), "arena_mib": (float, 0)}))

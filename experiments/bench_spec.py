@@ -365,4 +365,6 @@ def _equal_prefix(a, b) -> int:
 if __name__ == "__main__":
   define_flags()
   from kvjax import checks
-  app.run(main, flags_parser=checks.flags_parser("bench_spec"))
+  app.run(checks.one_line_errors("bench_spec", main), flags_parser=checks.flags_parser(
+      "bench_spec", values={"contexts": (int, 1), "n_max": (int, 1), "acceptance": (float, 0, 1),
+                            "width_context": (int, 0), "decode_tokens": (int, 1), "arena_mib": (float, 0)}))

@@ -292,17 +292,7 @@ PROG = "sweep_fixed_span"
 def counts(flag: str, values, kind=int, least=1):
   """The values of a list flag as `kind`, each >= `least` (else one line and exit status 2)."""
   from kvjax import checks
-  out = []
-  for v in values:
-    try:
-      x = kind(v)
-    except ValueError:
-      checks.fail(PROG, f"--{flag} {v!r}: expected {'an integer' if kind is int else 'a number'}")
-    if not x >= least or x != x or x == float("inf"):
-      checks.fail(PROG, f"--{flag} {v}: must be {'a positive' if least > 0 else 'a'} "
-                        f"{'count' if kind is int else 'finite number'}{' >= 0' if least == 0 else ''}")
-    out.append(x)
-  return out
+  return checks.list_values(PROG, flag, values, kind, least)
 
 
 def main(argv):

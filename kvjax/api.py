@@ -111,6 +111,8 @@ class LoadedModel:
 def weight_bytes(model: LoadedModel) -> int:
   """Device bytes of the model's weights (quantized matrices at their stored size; a tied output
   projection counted once)."""
+  if not isinstance(model, LoadedModel):
+    raise ParameterError(f"model must be a LoadedModel (api.load_model's), got {type(model).__name__}", "model")
   return qweights.runner_bytes(model.runner)
 
 
@@ -395,8 +397,7 @@ class KVCache:
 def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] = None,
             pool_pages: Optional[int] = None, copy_pages: int = 8, policy: str = "fixed",
             phased: bool = False, ubatch: int = 256, prefill_block: Union[int, str] = "auto",
-            exceed_context_length: bool = False,
-            spec: Optional[SpecConfig] = None) -> KVCache:
+            exceed_context_length: bool = False, spec: Optional[SpecConfig] = None) -> KVCache:
   """A KV cache of `max_tokens` token positions for `model` (its page layout).
 
   Plain (every page on the device) unless a budget is given; streamed (the history on the host,
@@ -427,8 +428,7 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
   a budget that cannot hold the cache (`KVBudgetError`, also a `StreamBudgetError`).
   """
   checks.check_types(max_tokens=(max_tokens, "int"), ubatch=(ubatch, "int"))
-  check_kv_budget(arena_mib=arena_mib, pool_pages=pool_pages, copy_pages=copy_pages, policy=policy,
-                  phased=phased)
+  check_kv_budget(arena_mib=arena_mib, pool_pages=pool_pages, copy_pages=copy_pages, policy=policy, phased=phased)
   if max_tokens < 1:
     raise ParameterError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
   if ubatch < 1:
@@ -502,6 +502,7 @@ def encode(model: LoadedModel, text: str, param: str = "prompt") -> List[int]:
 
 
 def _token_ids(model: LoadedModel, ids: Sequence[int], param: str) -> List[int]:
+  checks.check_token_ids(param, ids)
   ids = [int(t) for t in ids]
   if not ids:
     raise ParameterError(f"{param}: at least one token id is needed", param)
@@ -522,8 +523,7 @@ def prompt_ids(model: LoadedModel, prompt: Optional[str] = None,
   return encode(model, prompt, "prompt")
 
 
-def context_tokens(n_prompt: int, n_predict: int, spec: Optional[SpecConfig] = None,
-                   max_tokens: int = 0) -> int:
+def context_tokens(n_prompt: int, n_predict: int, spec: Optional[SpecConfig] = None, max_tokens: int = 0) -> int:
   """KV capacity for a generation: `max_tokens` (0: prompt + n_predict), refused when smaller than
   prompt + n_predict; with `spec`, at least n_max more (verify rows may run past the last token)."""
   need = n_prompt + n_predict

@@ -15,7 +15,7 @@ import importlib.util
 import math
 import numbers
 import os
-from typing import Any, Dict, Iterable, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
 MIB = 2**20
 
@@ -273,19 +273,67 @@ def fail(prog: str, message: Any, status: int = 2):
   sys.exit(status)
 
 
+def list_values_error(flag: str, values: Sequence[str], kind: Any = int, least: float = 1,
+                      most: Optional[float] = None) -> Optional[str]:
+  """The one-line error of a list flag's values, or None: each an integer (`kind` int) or a finite
+  number (float) in least..most, or (`kind` a collection of names) one of those names."""
+  for v in values:
+    if not isinstance(kind, type):
+      if v not in kind:
+        return f"--{flag} {v!r}: expected one of {', '.join(map(str, kind))}"
+      continue
+    try:
+      x = kind(v)
+    except ValueError:
+      return f"--{flag} {v!r}: expected {'an integer' if kind is int else 'a number'}"
+    if not (x >= least and (most is None or x <= most)) or x != x or x == float("inf"):
+      what = "count" if kind is int and least == 1 and most is None else ("integer" if kind is int else "number")
+      bounds = f">= {least:g}" if most is None else f"in {least:g}..{most:g}"
+      return f"--{flag} {v}: must be {'a positive ' + what if what == 'count' else f'a {what} {bounds}'}"
+  return None
+
+
+def list_values(prog: str, flag: str, values: Sequence[str], kind: Any = int, least: float = 1,
+                most: Optional[float] = None) -> list:
+  """A list flag's values as `kind` (`list_values_error`'s rules), else one line and exit status 2."""
+  bad = list_values_error(flag, values, kind, least, most)
+  if bad:
+    fail(prog, bad)
+  return list(values) if not isinstance(kind, type) else [kind(v) for v in values]
+
+
 def flags_parser(prog: str, config_flag: Optional[str] = None, example: str = "configs/tiny_stream.py",
-                 required: Sequence[str] = ()):
+                 required: Sequence[str] = (), values: Optional[Dict[str, tuple]] = None):
   """A `flags_parser` for `absl.app.run(main, flags_parser=...)`: a bad flag value, an unknown flag, a
-  missing or unloadable config file, another command's config (without the `required` fields) or
-  an unknown `--config.FIELD` is one line `PROG: error: ...` and exit status 2 (absl would print
-  its usage text, or a traceback)."""
+  missing or unloadable config file, another command's config (without the `required` fields), an
+  unknown `--config.FIELD`, or a value outside `values` ({flag: (kind, least[, most])}: list and
+  number flags, `list_values_error`) is one line `PROG: error: ...` and exit status 2 (absl would
+  print its usage text, or a traceback)."""
   def parse(argv):
     from absl import flags  # pylint: disable=import-outside-toplevel
     bad = config_error(argv[1:], config_flag, example, required) if config_flag else None
     if bad is None:
       try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS(argv)
       except flags.Error as e:
         bad = e
+      else:
+        for name, rule in (values or {}).items():
+          given = flags.FLAGS[name].value
+          given = [str(v) for v in (given if isinstance(given, (list, tuple)) else [given])]
+          bad = bad or list_values_error(name, given, *rule)
+        if bad is None:
+          return rest
     fail(prog, bad)
   return parse
+
+
+def one_line_errors(prog: str, main: Callable):
+  """`main` for `absl.app.run`: a ValueError it raises (the API's ParameterError, a budget the plan
+  refuses, a value out of range) is one line `PROG: error: ...` and exit status 2, no traceback."""
+  def run(argv):
+    try:
+      return main(argv)
+    except ValueError as e:
+      fail(prog, e)
+  return run

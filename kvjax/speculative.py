@@ -624,9 +624,12 @@ def _drafts_in_one_program(runner: Runner, kv: KVProvider) -> bool:
 def draft_on_device(runner: Runner, kv: KVProvider, mtp_next, pos, room, spec: SpecConfig, span):
   """`mtp_candidates` left on the device, for a round whose position `pos` and room (tokens it may
   still make) are device scalars: (tokens, probabilities) [steps + 1], -1 past the last candidate,
-  where the MTP layer drafts in one program (`span`: the positions laid out for it), else d_1 alone."""
+  where the MTP layer drafts in one program (`span`: the positions laid out for it); None where it
+  cannot (the round's lease refused: the next round drafts at its start, `mtp_candidates`)."""
   d, p, h = mtp_next
-  if spec.n_max <= 1 or not _drafts_in_one_program(runner, kv):
+  if not _drafts_in_one_program(runner, kv):
+    return None
+  if spec.n_max <= 1:
     return d[None], p[None]
   limit = jnp.minimum(spec.n_max, room) - 1
   return runner.mtp_draft(h, d, p, pos, spec.n_max - 1, limit, spec.p_min, kv, span=span)

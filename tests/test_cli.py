@@ -762,6 +762,10 @@ def test_api_budget_and_type_errors_name_the_parameter(capsys, tiny64):
     api.make_kv(tiny64, 160.0)
   with pytest.raises(api.ParameterError, match=r"^prompt must be a str, got 123 \(int\)"):
     api.encode(tiny64, 123)
+  with pytest.raises(api.ParameterError, match=r"^tokens must be a sequence of int token ids, got 'hi' \(str\)"):
+    api.teacher_forced_logits(tiny64, "hi")
+  with pytest.raises(api.ParameterError, match=r"^model must be a LoadedModel .*, got str"):
+    api.weight_bytes("tiny")
 
 
 def test_sweep_refuses_bad_contexts_and_reports_tokens_match(tmp_path):

@@ -305,6 +305,23 @@ class TestSpanAttention:
     with pytest.raises(ValueError, match="query head_dim 128 != layout head_dim"):
       triton.check_layout(PageLayout(2, 64, "q8_0", "q4_0", 16), 128)
 
+  def test_operand_checks(self, impl):
+    """Operands no implementation takes are one ValueError naming them, the reference's too."""
+    layout = _layout()
+    hist = _history(layout, seed=1)
+    pool, table = hist.contiguous()
+    q, q_pos = _query(1, 2, hist.tokens)
+    for args, msg in (
+        ((q[..., :32], pool, table, q_pos), f"query head_dim 32 != layout head_dim {SHAPE['head_dim']}"),
+        ((q[:, :SHAPE["kv_heads"] + 1], pool, table, q_pos), "query heads are not a multiple of"),
+        ((q[0], pool, table, q_pos), r"q must be \[rows, heads, head_dim\]"),
+        ((q, pool.astype(jnp.float32), table, q_pos), "pool must be uint8"),
+        ((q, pool[:, :-2], table, q_pos), "pool must be uint8"),
+        ((q, pool, table.astype(jnp.float32), q_pos), "page table must be integer"),
+        ((q, pool, table, q_pos[:1]), r"q_pos must be \[2\]")):
+      with pytest.raises(ValueError, match=msg):
+        self._run(impl, args[0], args[1], args[2], hist.tokens, args[3], layout)
+
   @pytest.mark.parametrize("kernel", [i for i in api.FULL_IMPLEMENTATIONS if i != "reference"])
   def test_kernel_refusals(self, kernel):
     impl = kernel
@@ -320,6 +337,32 @@ class TestSpanAttention:
     q5, p5 = _query(2, 5, hist.tokens)
     with pytest.raises(ValueError, match="too many query rows for the vector path: 5 tokens > 2"):
       self._run(impl, q5, pool, table, hist.tokens, p5, _layout(), path="vector")
+
+
+def test_pages_from_kv_is_a_pool_the_attention_reads():
+  """`pages_from_kv`: a history's K / V rows encoded into pages (the last one partly filled); the
+  reference's attention over them equals softmax(q k^T / sqrt(d)) v over the decoded rows."""
+  from kvjax_pallas import ggml_codec
+  from kvjax_pallas.span_attention import pages_from_kv
+  layout = _layout()
+  g, d, t = SHAPE["kv_heads"], SHAPE["head_dim"], 3 * SHAPE["page_tokens"] - 5
+  rng = np.random.default_rng(3)
+  k, v = (rng.standard_normal((t, g, d)).astype(np.float32) for _ in range(2))
+  pool = pages_from_kv(k, v, layout)
+  assert pool.shape == (3, layout.page_bytes) and pool.dtype == jnp.uint8
+  q, q_pos = _query(4, 3, t)
+  out = np.asarray(api.span_attention(q, pool, jnp.arange(3, dtype=jnp.int32), t, q_pos, layout=layout))
+  kd = np.asarray(ggml_codec.decode(ggml_codec.encode(jnp.asarray(k), layout.k_type), layout.k_type))
+  vd = np.asarray(ggml_codec.decode(ggml_codec.encode(jnp.asarray(v), layout.v_type), layout.v_type))
+  h = q.shape[1]
+  qg = np.asarray(q, np.float64).reshape(len(q_pos), g, h // g, d)
+  for i, pos in enumerate(np.asarray(q_pos)):
+    sc = np.einsum("grd,tgd->grt", qg[i], kd[:pos + 1]) / np.sqrt(d)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    want = np.einsum("grt,tgd->grd", p / p.sum(-1, keepdims=True), vd[:pos + 1]).reshape(h, d)
+    np.testing.assert_allclose(out[i], want, rtol=0, atol=1e-5)
+  with pytest.raises(ValueError, match=r"k and v must both be \[tokens"):
+    pages_from_kv(k[..., :32], v[..., :32], layout)
 
 
 def test_unknown_implementation():

@@ -173,6 +173,23 @@ def test_mtp_lease_holds_the_end_of_the_ring(mtp_runs):
   assert small.lease_mtp(65) == 0 and small.lease is None and small.counters["mtp_lease_refused"] == 1
 
 
+def test_a_refused_lease_drafts_as_the_plain_cache(setup, mtp_runs):
+  """A ring too small for the MTP's lease (3 slots): every round's lease is refused, the MTP layer
+  streams per forward and the next round drafts at its start (one forward a step), with the plain
+  cache's drafts round by round (the one-program drafting after the catch-up needs the lease)."""
+  cfg, layout, runner, prompt, truth = setup
+  kv = StreamedKV(cfg, layout, 70 + N + 8, StreamConfig(6, (1, 1, 1), 2))
+  rounds = []
+  res = speculative.generate_speculative(
+      runner, kv, prompt, N_MTP, speculative.SpecConfig("mtp", n_max=3, p_min=P_MIN, rollback="device"),
+      ubatch=32, on_round=rounds.append)
+  plain, p_rounds, _ = mtp_runs["plain"]
+  assert kv.counters["mtp_lease_refused"] >= len(rounds) - 1 > 0
+  assert res.tokens == plain.tokens == truth[:N_MTP]
+  assert [r["drafts"] for r in rounds] == [r["drafts"] for r in p_rounds]
+  assert max(len(r["drafts"]) for r in rounds) > 1
+
+
 def test_verify_logits_are_the_same_bits_on_every_cache_and_rollback(setup, mtp_runs):
   _, _, _, _, truth = setup
   (plain, p_rounds, _), (streamed, s_rounds, _) = mtp_runs["plain"], mtp_runs["streamed"]

@@ -9,5 +9,6 @@ kernels), and their shared pieces: `combine` (the in-order fold of a kernel's pa
 """
 from kvjax_pallas.span_attention.api import (span_attention, span_attention_partial, init_carry,
                                              finalize, IMPLEMENTATIONS)
+from kvjax_pallas.span_attention.common import pages_from_kv
 
-__all__ = ["span_attention", "span_attention_partial", "init_carry", "finalize", "IMPLEMENTATIONS"]
+__all__ = ["span_attention", "span_attention_partial", "init_carry", "finalize", "IMPLEMENTATIONS", "pages_from_kv"]

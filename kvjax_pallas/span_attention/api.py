@@ -311,6 +311,7 @@ def span_attention(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, *, layout: Pag
                    implementation: str = "reference", interpret: bool = False,
                    precision: str = _triton.DEFAULT_PRECISION, path: Optional[str] = None):
   """o_shd [S, H, D] float32: attention of query rows over the active logical pages."""
+  _common.check_operands(q_shd, pool_pn, layout, None, page_table_t, q_pos_s)
   name = resolve_implementation(implementation, layout=layout, q_shape=q_shd.shape,
                                 precision=precision, path=path)
   block_pages = resolve_block_pages(block_pages, page_table_t.shape[0], q_shd.shape[0],
@@ -334,6 +335,7 @@ def span_attention_partial(q_shd, pool_pn, page_table_t, kv_len, q_pos_s, carry,
   `block_pages` pages give the same bits as one call ("auto" resolves from the table's length,
   so waves over one table share the size).
   """
+  _common.check_operands(q_shd, pool_pn, layout, num_q_heads, page_table_t, q_pos_s)
   name = resolve_implementation(implementation, layout=layout, q_shape=q_shd.shape,
                                 precision=precision, path=path)
   block_pages = resolve_block_pages(block_pages, page_table_t.shape[0], q_shd.shape[0],

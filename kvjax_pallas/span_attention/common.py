@@ -7,7 +7,7 @@ halfword view), page_table_t [T] int32.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import jax.numpy as jnp
 from jax import lax
@@ -23,19 +23,25 @@ from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import reference as _ref
 
 
-def check_call(q_shd, pool_pn, layout: PageLayout, num_q_heads: int, block_pages: int,
-               layout_check: Callable[[PageLayout, int], None]):
-  """Raise ValueError for arguments no kernel takes; `layout_check(layout, head_dim)` is the
-  kernel's own check of the page layout (K/V pair, head_dim, page geometry)."""
-  _, h, d = q_shd.shape
+def check_operands(q_shd, pool_pn, layout: PageLayout, num_q_heads: Optional[int] = None,
+                   page_table_t=None, q_pos_s=None):
+  """Raise ValueError for operands no implementation takes (the reference's too): q [S, H, D]
+  with D the layout's head_dim and H a multiple of its KV heads, the pool's bytes, an integer 1-D
+  page table, one position a query row."""
+  if len(q_shd.shape) != 3:
+    raise ValueError(f"q must be [rows, heads, head_dim], got shape {tuple(q_shd.shape)}")
+  s, h, d = q_shd.shape
   g = layout.num_kv_heads
-  layout_check(layout, d)
+  if d != layout.head_dim:
+    raise ValueError(f"query head_dim {d} != layout head_dim {layout.head_dim}")
   if h % g:
     raise ValueError(f"{h} query heads are not a multiple of {g} KV heads")
-  if h != num_q_heads:
+  if num_q_heads is not None and h != num_q_heads:
     raise ValueError(f"q has {h} heads but num_q_heads={num_q_heads}")
-  if block_pages < 1:
-    raise ValueError(f"block_pages must be >= 1, got {block_pages}")
+  if page_table_t is not None and (len(page_table_t.shape) != 1 or not jnp.issubdtype(page_table_t.dtype, jnp.integer)):
+    raise ValueError(f"page table must be integer [logical pages], got {page_table_t.dtype} {tuple(page_table_t.shape)}")
+  if q_pos_s is not None and tuple(q_pos_s.shape) != (s,):
+    raise ValueError(f"q_pos must be [{s}] (one position a query row), got shape {tuple(q_pos_s.shape)}")
   if pool_pn.dtype == jnp.uint16:  # a halfword view of the pool (no bitcast in the call)
     if pool_pn.ndim != 2 or pool_pn.shape[1] * 2 != layout.page_bytes:
       raise ValueError(f"uint16 pool must be [pages, {layout.page_bytes // 2}], got "
@@ -43,6 +49,37 @@ def check_call(q_shd, pool_pn, layout: PageLayout, num_q_heads: int, block_pages
   elif pool_pn.dtype != jnp.uint8 or pool_pn.ndim != 2 or pool_pn.shape[1] != layout.page_bytes:
     raise ValueError(f"pool must be uint8 [pages, {layout.page_bytes}] (or its uint16 view), "
                      f"got {pool_pn.dtype} {pool_pn.shape}")
+
+
+def check_call(q_shd, pool_pn, layout: PageLayout, num_q_heads: int, block_pages: int,
+               layout_check: Callable[[PageLayout, int], None]):
+  """Raise ValueError for arguments no kernel takes; `layout_check(layout, head_dim)` is the
+  kernel's own check of the page layout (K/V pair, head_dim, page geometry)."""
+  layout_check(layout, q_shd.shape[-1])
+  check_operands(q_shd, pool_pn, layout, num_q_heads)
+  if block_pages < 1:
+    raise ValueError(f"block_pages must be >= 1, got {block_pages}")
+
+
+def pages_from_kv(k_tgd, v_tgd, layout: PageLayout):
+  """K and V of a history, float [T, KV heads, head_dim] each -> uint8 [pages, page_bytes]: the
+  rows encoded as the layout's K / V types (`ggml_codec`), page i holding tokens i*page_tokens..
+  (a last page past T zero-filled): a pool for `span_attention` with the page table
+  arange(pages)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from kvjax_pallas import ggml_codec  # pylint: disable=import-outside-toplevel
+  t, g, d = k_tgd.shape
+  if tuple(v_tgd.shape) != (t, g, d) or (g, d) != (layout.num_kv_heads, layout.head_dim):
+    raise ValueError(f"k and v must both be [tokens, {layout.num_kv_heads}, {layout.head_dim}], got "
+                     f"{tuple(k_tgd.shape)} and {tuple(v_tgd.shape)}")
+  n, pt = layout.pages_for(t), layout.page_tokens
+  pad = [(0, n * pt - t), (0, 0), (0, 0)]
+  k_rows = np.asarray(ggml_codec.encode_rows(jnp.pad(jnp.asarray(k_tgd, jnp.float32), pad), layout.k_type))
+  v_rows = np.asarray(ggml_codec.encode_rows(jnp.pad(jnp.asarray(v_tgd, jnp.float32), pad), layout.v_type))
+  pages = np.zeros((n, layout.page_bytes), np.uint8)
+  pages[:, :layout.k_plane_bytes] = k_rows.reshape(n, -1)
+  pages[:, layout.v_offset:layout.v_offset + layout.v_plane_bytes] = v_rows.reshape(n, -1)
+  return jnp.asarray(pages)
 
 
 def halfword_view(pool_pn):
