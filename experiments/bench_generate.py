@@ -60,6 +60,7 @@ def define_flags():
   flags.DEFINE_bool("prefill_only", False, "time the prefill alone (one token decoded, no comparison forward)")
   flags.DEFINE_integer("profile_tokens", 0, "after the cases, a device timeline of a warmed prefill of this many "
                        "tokens on the first kind's cache: kernel time by family and the top kernels (0: none)")
+  flags.DEFINE_enum("gdn_impl", "xla", ["xla", "triton"], "the Gated DeltaNet's prefill form (api.load_model(gdn_impl=))")
   flags.DEFINE_bool("fuse", True, "join each block's same-input matrices into one product (api.load_model(fuse=))")
   flags.DEFINE_float("peak_tflops", 989.0, "the device's dense bf16 peak (TFLOP/s) for the prefill's MFU")
   flags.DEFINE_string("attn_impl", "auto", "span attention implementation")
@@ -235,14 +236,15 @@ def main(argv):
     model = api.load_model(FLAGS.model if preset is None else "tiny", preset=preset, dtype=FLAGS.dtype,
                            page_tokens=FLAGS.page_tokens, attn_impl=FLAGS.attn_impl, block_pages=FLAGS.block_pages,
                            compile_cache=cache, weight_type=(FLAGS.weight_type or None) if preset else None,
-                           weights_impl=FLAGS.weights_impl, fuse=FLAGS.fuse)
+                           weights_impl=FLAGS.weights_impl, fuse=FLAGS.fuse,
+                           gdn_impl=FLAGS.gdn_impl)
   except api.ParameterError as e:
     from kvjax import checks
     checks.fail("bench_generate", str(e))
   log = {"device": str(jax.devices()[0]), "jax": jax.__version__, "load_s": time.perf_counter() - t0,
          "weights": model.weights, "weight_bytes": api.weight_bytes(model),
          "flags": {k: FLAGS[k].value for k in ("model", "dtype", "weight_type", "weights_impl", "contexts", "kinds", "n_predict", "arena_mib",
-                                                "page_tokens", "copy_pages", "ubatch", "attn_impl", "warmup", "fuse",
+                                                "page_tokens", "copy_pages", "ubatch", "attn_impl", "warmup", "fuse", "gdn_impl",
                                                 "prefill_block", "prefill_only")},
          "compile_cache_dir": cache_dir if cache else ""}
   print(json.dumps(log), flush=True)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax import checks, compile_cache as cache_lib, config as config_lib
+from kvjax import checks, compile_cache as cache_lib, config as config_lib, model as model_lib
 from kvjax import engine, fused, generate as gen_lib, kv_build, parallel, spec_config, speculative, text as text_lib, tiny, \
     warmup as warm_lib, qweights, weights as weights_lib
 from kvjax.generate import GenerationResult
@@ -102,6 +102,7 @@ class LoadedModel:
   weights: str = "dequantized"      # "quantized": matrices kept in their GGUF block format
   weights_impl: str = "xla"         # the quantized matrices' product (`kvjax_pallas.quant_matmul`)
   joined_products: int = 0          # matrices joined from a block's same-input parts (`kvjax.fused`)
+  gdn_impl: str = "xla"             # the Gated DeltaNet's prefill form (`kvjax.model.CHUNK_FORMS`)
 
   @property
   def layout(self) -> PageLayout:
@@ -129,16 +130,12 @@ def parse_block_pages(value) -> Union[int, str]:
   return n
 
 
-def _is_builtin(source: str) -> bool:
-  return tiny.is_builtin(source)
-
-
 def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str = "float32",
                page_tokens: int = 256, k_type: str = "q8_0", v_type: str = "q4_0", attn_impl: str = "auto",
                block_pages: Union[int, str] = "auto", weight_seed: int = 0,
                tensor_parallel: int = 1, compile_cache: Union[bool, str, None] = None,
                weights: Optional[str] = None, weights_impl: str = "xla",
-               weight_type: Optional[str] = None, fuse: bool = True) -> LoadedModel:
+               weight_type: Optional[str] = None, fuse: bool = True, gdn_impl: str = "xla") -> LoadedModel:
   """Build a model and its runner.
 
   Args:
@@ -173,14 +170,17 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
     fuse: join the matrices a block multiplies by the same input (FFN gate / up, attention q / k / v,
       Gated DeltaNet qkv / z / beta / alpha) into one product each (`kvjax.fused`; one device only):
       fewer, larger weight reads a decoded token.
+    gdn_impl: the Gated DeltaNet's prefill (chunked) form: "xla" (`kvjax.model.delta_rule_chunked`) or
+      "triton" (`kvjax_pallas.delta_rule`, two Pallas calls a layer; interpret mode without a GPU).
   """
   checks.check_types(preset=(preset, "str?"), page_tokens=(page_tokens, "int"), weight_seed=(weight_seed, "int"),
                      fuse=(fuse, "bool"))
   if dtype not in DTYPES:
     raise ParameterError(f"dtype {dtype!r}: expected float32 or bfloat16", "dtype")
   if attn_impl not in IMPLEMENTATIONS + ("auto",):
-    raise ParameterError(f"attn_impl {attn_impl!r}: expected auto or one of {', '.join(IMPLEMENTATIONS)}",
-                         "attn_impl")
+    raise ParameterError(f"attn_impl {attn_impl!r}: expected auto or one of {', '.join(IMPLEMENTATIONS)}", "attn_impl")
+  if gdn_impl not in model_lib.CHUNK_FORMS:
+    raise ParameterError(f"gdn_impl {gdn_impl!r}: expected {' or '.join(model_lib.CHUNK_FORMS)}", "gdn_impl")
   if page_tokens < 1:
     raise ParameterError(f"page_tokens must be >= 1, got {page_tokens}", "page_tokens")
   for name, kind in (("k_type", k_type), ("v_type", v_type)):
@@ -200,7 +200,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
                          f"{tensor_parallel}", "weights")
   if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
     raise ParameterError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}", "tensor_parallel")
-  if preset is None and not _is_builtin(source) and not os.path.exists(source):
+  if preset is None and not tiny.is_builtin(source) and not os.path.exists(source):
     raise ModelNotFoundError(tiny.not_found(source, preset_arg=True), "source")
   cache_lib.enable(compile_cache)
   backend = jax.default_backend()
@@ -238,7 +238,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
     except FileNotFoundError as e:
       raise ModelNotFoundError(str(e), "source") from None
     except ValueError as e:
-      if _is_builtin(source):
+      if tiny.is_builtin(source):
         raise ParameterError(str(e), "source") from None
       raise
     _check_tensor_parallel(cfg, tensor_parallel)
@@ -252,6 +252,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       weights = "dequantized"     # nothing was stored in a kept block format
   layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, k_type, v_type, page_tokens)
   opts = AttentionOptions(attn_impl, block_pages, interpret)
+  model_lib.set_chunk_form(model, gdn_impl, interpret=backend != "gpu")
   joined = 0
   if tensor_parallel > 1:
     runner = parallel.ShardedRunner(model, layout, opts, tensor_parallel)
@@ -261,7 +262,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
     runner = engine.Runner(model, layout, opts)
   jax.block_until_ready(runner.token_embd)
   return LoadedModel(runner, tok, cfg, time.perf_counter() - t0, preset or source, weights or "dequantized",
-                     weights_impl, joined)
+                     weights_impl, joined, gdn_impl)
 
 
 def _check_tensor_parallel(cfg: config_lib.ModelConfig, n: int) -> None:
@@ -272,8 +273,7 @@ def _check_tensor_parallel(cfg: config_lib.ModelConfig, n: int) -> None:
 
 
 def tensor_parallel(model: LoadedModel) -> int:
-  """The devices `model` is sharded over (1: not sharded)."""
-  return getattr(model.runner, "tensor_parallel", 1)
+  return getattr(model.runner, "tensor_parallel", 1)   # the devices `model` is sharded over (1: not sharded)
 
 # ---------------------------------------------------------------------------
 # KV cache
@@ -429,10 +429,9 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
   """
   checks.check_types(max_tokens=(max_tokens, "int"), ubatch=(ubatch, "int"))
   check_kv_budget(arena_mib=arena_mib, pool_pages=pool_pages, copy_pages=copy_pages, policy=policy, phased=phased)
-  if max_tokens < 1:
-    raise ParameterError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-  if ubatch < 1:
-    raise ParameterError(f"ubatch must be >= 1, got {ubatch}", "ubatch")
+  for name, value in (("max_tokens", max_tokens), ("ubatch", ubatch)):
+    if value < 1:
+      raise ParameterError(f"{name} must be >= 1, got {value}", name)
   if prefill_block != "auto" and not (isinstance(prefill_block, int) and prefill_block >= 0):
     raise ParameterError(f"prefill_block must be 'auto' or tokens >= 0, got {prefill_block!r}", "prefill_block")
   check_context_length(model, max_tokens, exceed_context_length)
@@ -638,7 +637,8 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   metrics["compile_cache_dir"] = cache_lib.active() or ""
   metrics.update(kv.info)
   metrics.update(load_s=model.load_s, attn_impl=runner.opts.implementation, attn_interpret=runner.opts.interpret,
-                 weights=model.weights, weights_impl=model.weights_impl, joined_products=model.joined_products)
+                 weights=model.weights, weights_impl=model.weights_impl, joined_products=model.joined_products,
+                 gdn_impl=model.gdn_impl)
   text = model.tokenizer.decode(res.tokens) if model.tokenizer is not None else ""
   return GenerationResult([int(t) for t in res.tokens], metrics, text)
 

@@ -91,6 +91,8 @@ def _model_flags(fv: flags.FlagValues) -> None:
                       "mosaic for each call it takes: decode, verify, prefill chunks; triton for the rest; "
                       "reference elsewhere) | reference | triton | mosaic; without a GPU a kernel runs in "
                       "Pallas interpret mode (slow)", flag_values=fv)
+  flags.DEFINE_string("gdn-impl", "xla", "the Gated DeltaNet's prefill form: xla | triton (Pallas kernels; "
+                      "interpret mode without a GPU)", flag_values=fv)
   flags.DEFINE_string("attn-block-pages", "auto", "pages per logical partition of the attention "
                       "core (an int >= 1), or auto (sized to the table and the GPU)", flag_values=fv)
   flags.DEFINE_string("compile-cache-dir", "", "JAX's persistent compilation cache: a folder ('' = "
@@ -178,7 +180,7 @@ _FLAG_SETS = {"generate": _generate_flags, "warmup": _generate_flags, "logits": 
 # the API parameter each flag sets: errors of `kvjax.api` name parameters, the command line names flags
 FLAG_OF = {
     "source": "--model", "dtype": "--dtype", "page_tokens": "--kv-page-tokens", "k_type": "--cache-type-k",
-    "v_type": "--cache-type-v", "attn_impl": "--attn-impl", "block_pages": "--attn-block-pages",
+    "v_type": "--cache-type-v", "attn_impl": "--attn-impl", "block_pages": "--attn-block-pages", "gdn_impl": "--gdn-impl",
     "prompt": "--prompt", "prompt_tokens": "--prompt-tokens", "tokens": "--tokens", "mtp": "--mtp",
     "n_predict": "--n-predict", "temperature": "--temperature", "top_k": "--top-k", "seed": "--seed",
     "top_p": "--top-p", "preset": "--model",
@@ -224,7 +226,7 @@ def _load(fv: flags.FlagValues):
                         compile_cache=_compile_cache(fv["compile-cache-dir"].value),
                         weights=None if fv["weights"].value == "auto" else fv["weights"].value,
                         weight_type=fv["weight-type"].value or None, weights_impl=fv["weights-impl"].value,
-                        fuse=fv["fuse"].value)
+                        fuse=fv["fuse"].value, gdn_impl=fv["gdn-impl"].value)
 
 
 def _compile_cache(value: str):

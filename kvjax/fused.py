@@ -14,15 +14,22 @@ length, compute dtype and implementation for `QuantizedWeight`s (a Q4_K_M file k
 in F32 beside Q4_K qkv / z: those join in the next grouping that fits, `FUSED_PRODUCTS`' later
 entries). The products are the same sums of the same products, one row of the joined matrix each;
 XLA may order a row's sum differently for a matrix of another height, so a joined model's logits
-equal an unjoined one's within float rounding, not bit for bit. `load_model` joins them on one
+equal an unjoined one's within float rounding, not bit for bit. A join is made on the device where
+the device has a free block for it; where it has not (a model that nearly fills the device, its
+free memory in holes the size of the parts), the parts go to the host, are freed on the device,
+and the joined matrix is placed into the room they leave; where even that finds no block (the
+free memory in holes smaller than the join), the parts go back and the joins stop there, with a
+warning: the model runs, its remaining matrices apart. `load_model` joins them on one
 device (`fuse=` to turn it off); a tensor-parallel model keeps them apart (its shards split each
 matrix by heads).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+import warnings
+from typing import Dict, List, Optional, Tuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -37,22 +44,55 @@ FUSED_PRODUCTS: Dict[str, Tuple[Tuple[str, ...], ...]] = {
                       ("ssm_beta", "ssm_alpha")),
 }
 PREFIX, ROWS = "fused_", "fused_rows_"
+SLACK_BYTES = 256 << 20   # free beyond a join on the device: the allocator's rounding, a program's scratch
+
+
+def _data(w):
+  return w.data if isinstance(w, QuantizedWeight) else w
+
+
+def device_room(arrays) -> Optional[int]:
+  """The largest block the device holding `arrays` can allocate now: its allocator's largest free
+  block, or what its pool may still grow by. None: no device arrays, or the device does not say
+  (then joins are made on the device)."""
+  held = [a for a in arrays if isinstance(a, jax.Array)]
+  if not held:
+    return None
+  stats = next(iter(held[0].devices())).memory_stats() or {}
+  if "largest_free_block_bytes" not in stats:
+    return None
+  grow = stats["bytes_limit"] - stats["pool_bytes"] if {"bytes_limit", "pool_bytes"} <= set(stats) else 0
+  return max(int(stats["largest_free_block_bytes"]), int(grow))
+
+
+def _through_host(ws) -> Tuple[list, object]:
+  """The parts' copies on the host (numpy), the parts freed on the device -> (copies, device)."""
+  device = next(iter(_data(ws[0]).devices()))
+  host = jax.device_get(ws)
+  for w in ws:
+    _data(w).delete()
+  return host, device
+
+
+def _joinable(ws) -> bool:
+  """Whether the matrices `ws` can be one: the same dtype, or the same block format, row length,
+  compute dtype and implementation for `QuantizedWeight`s."""
+  if all(isinstance(w, QuantizedWeight) for w in ws):
+    return len({(w.fmt, w.k, w.dtype_name, w.impl) for w in ws}) == 1
+  if any(isinstance(w, QuantizedWeight) for w in ws):
+    return False
+  return len({(jnp.dtype(w.dtype), w.ndim, w.shape[1:]) for w in ws}) == 1 and ws[0].ndim == 2
 
 
 def _joined(ws):
   """The matrices `ws` as one (rows stacked), or None where they cannot be one."""
-  if all(isinstance(w, QuantizedWeight) for w in ws):
-    keys = {(w.fmt, w.k, w.dtype_name, w.impl) for w in ws}
-    if len(keys) != 1:
-      return None
-    cat = np.concatenate if all(isinstance(w.data, np.ndarray) for w in ws) else jnp.concatenate
-    return QuantizedWeight(cat([w.data for w in ws]), ws[0].fmt, ws[0].k, ws[0].dtype_name, ws[0].impl)
-  if any(isinstance(w, QuantizedWeight) for w in ws):
+  if not _joinable(ws):
     return None
-  if len({(jnp.dtype(w.dtype), w.ndim, w.shape[1:]) for w in ws}) != 1 or ws[0].ndim != 2:
-    return None
-  cat = np.concatenate if all(isinstance(w, np.ndarray) for w in ws) else jnp.concatenate
-  return cat(list(ws))
+  data = [_data(w) for w in ws]
+  cat = np.concatenate if all(isinstance(d, np.ndarray) for d in data) else jnp.concatenate
+  if isinstance(ws[0], QuantizedWeight):
+    return QuantizedWeight(cat(data), ws[0].fmt, ws[0].k, ws[0].dtype_name, ws[0].impl)
+  return cat(data)
 
 
 def fuse_projections(model) -> int:
@@ -67,10 +107,29 @@ def fuse_projections(model) -> int:
     for group in groupings:
       if any(n in g for g in done for n in group) or not all(hasattr(module, n) for n in group):
         continue
-      joined = _joined([getattr(module, n).get_value() for n in group])
-      if joined is None:
+      parts = [getattr(module, n).get_value() for n in group]
+      if not _joinable(parts):
         continue
-      rows = tuple(int(getattr(module, n).get_value().shape[0]) for n in group)
+      rows = tuple(int(w.shape[0]) for w in parts)
+      room = device_room([_data(w) for w in parts])
+      device = None
+      if room is not None and sum(_data(w).nbytes for w in parts) + SLACK_BYTES > room:
+        parts, device = _through_host(parts)
+      try:
+        joined = _joined(parts)
+        if device is not None:
+          joined = jax.device_put(joined, device)
+        jax.block_until_ready(joined)   # the parts go now, not after a queue of joins
+      except jax.errors.JaxRuntimeError as e:   # no block for it even in the parts' room: stop joining
+        if "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        if device is not None:   # the parts back where they were
+          for n, w in zip(group, parts):
+            getattr(module, n).set_value(jax.device_put(w, device))
+        module.fused_groups = tuple(done)
+        warnings.warn(f"kvjax.fused: the device has no free block of {sum(_data(w).nbytes for w in parts) >> 20} "
+                      f"MiB for a join; {made} joined, the rest kept apart (fuse=False avoids the attempt)")
+        return made
       for n in group:
         delattr(module, n)
       setattr(module, PREFIX + group[0], nnx.Param(joined))

@@ -35,6 +35,7 @@ from kvjax.config import ModelConfig, attention_block_shapes, common_block_shape
 from kvjax.fused import PREFIX as _FUSED, ROWS as _FUSED_ROWS
 from kvjax.qweights import QuantizedWeight
 from kvjax_pallas import ggml_codec
+from kvjax_pallas.delta_rule import api as delta_rule_api
 from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import api as span_api
 
@@ -397,6 +398,22 @@ def delta_rule_chunked(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, chunk: int
   return state_hkv, o_shv
 
 
+CHUNK_FORMS = ("xla", "triton")   # the prefill's delta rule: delta_rule_chunked, the Pallas kernel
+
+
+def set_chunk_form(model: nnx.Module, form: str, interpret: bool = False) -> int:
+  """Every Gated DeltaNet of `model` runs its chunked (prefill) delta rule as `form`: "xla"
+  (`delta_rule_chunked`, the default) or "triton" (`kvjax_pallas.delta_rule`, the Pallas kernel;
+  `interpret` where there is no GPU). Part of the modules' static structure: set it before the
+  model is split into steps. -> how many layers it set."""
+  if form not in CHUNK_FORMS:
+    raise ValueError(f"gdn_impl {form!r}: expected one of {', '.join(CHUNK_FORMS)}")
+  mixers = [m for _, m in nnx.iter_graph(model) if isinstance(m, GatedDeltaNet)]
+  for m in mixers:
+    m.chunk_form = (form, bool(interpret))
+  return len(mixers)
+
+
 class GatedDeltaNet(nnx.Module):
   """Gated DeltaNet mixer: causal conv + gated delta rule + gated RMS norm."""
 
@@ -405,6 +422,7 @@ class GatedDeltaNet(nnx.Module):
     for leaf, shape in recurrent_block_shapes(cfg).items():
       is_vec = len(shape) == 1 or leaf == "ssm_conv1d.weight"
       setattr(self, attr_name(leaf), _param(shape, jnp.float32 if is_vec else dtype))
+    self.chunk_form = ("xla", False)   # the chunked form's (implementation, interpret): set_chunk_form
 
   def __call__(self, h_se, state: RecurrentState, n_valid, chunked: bool, capture: bool = False):
     """`chunked`: WY chunked form (prefill) or token scan (decode / verify). `capture` (scan form
@@ -447,7 +465,12 @@ class GatedDeltaNet(nnx.Module):
     if chunked:
       if capture:
         raise ValueError("per-row state capture needs the scan form (chunked=False)")
-      delta, o_shv = delta_rule_chunked(state.delta_hkv, q, k, v, g_sh, beta_sh)
+      form, interpret = self.chunk_form
+      if form == "xla":
+        delta, o_shv = delta_rule_chunked(state.delta_hkv, q, k, v, g_sh, beta_sh)
+      else:
+        delta, o_shv = delta_rule_api.delta_rule(state.delta_hkv, q, k, v, g_sh, beta_sh, implementation=form,
+                                                 interpret=interpret)
     else:
       delta, o_shv = delta_rule_scan(state.delta_hkv, q, k, v, g_sh, beta_sh, capture=capture is True)
     o_shv = rms_norm(o_shv, self.ssm_norm[...], cfg.rms_eps) * jax.nn.silu(z_shv)

@@ -338,13 +338,13 @@ def test_probe_planar_gemv_smoke(tmp_path):
 
 
 def test_probe_gdn_chunked_smoke(tmp_path):
-  """The chunked-GDN probe runs each form and chunk size on small heads (CPU); the hoisted form and
-  the scan give the model's chunked result within float32 rounding."""
+  """The chunked-GDN probe runs each form and chunk size on small heads (CPU); the hoisted form, the
+  scan and the Pallas kernel (interpreted) give the model's chunked result within float32 rounding."""
   out = str(tmp_path / "pgc")
   _run(["-m", "experiments.kernel_lab.probe_gdn_chunked", "--small", f"--out={out}"], cwd=REPO, timeout=300)
   rows = json.load(open(os.path.join(out, "gdn_chunked.json")))
   assert {(r["form"], r["chunk"]) for r in rows} == {("model", 16), ("model", 64), ("hoisted", 16), ("hoisted", 64),
-                                                     ("scan", 1)}
+                                                     ("scan", 1), ("triton tf32x3 bv16", 16), ("triton tf32x3 bv16", 64)}
   assert all(0 <= r["rel_diff"] < 1e-5 and r["ms"] > 0 for r in rows), rows
 
 

@@ -2,6 +2,7 @@
 of the model without, within float rounding, generates the same greedy tokens, takes the same
 weight bytes, and joins only matrices that can be one (dtype, block format)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -38,6 +39,48 @@ def test_joined_model_has_the_logits_of_the_parts():
   for a, b in zip(_logits(plain, toks), _logits(joined, toks)):
     a, b = np.asarray(a), np.asarray(b)
     assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max() and np.array_equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_a_device_without_room_joins_through_the_host(monkeypatch):
+  """Where the device has no free block for a join (`device_room` below the joined bytes), the parts
+  are copied to the host, freed on the device, and the joined matrix placed after: the same matrices
+  as a join on the device, the parts deleted, the joins on the device again."""
+  on_device, through_host = _tiny_model(), _tiny_model()
+  fused.fuse_projections(on_device)
+  ffn = through_host.groups[0].recurrent[0].ffn
+  gate = ffn.ffn_gate.get_value()
+  monkeypatch.setattr(fused, "device_room", lambda arrays: 0)
+  fused.fuse_projections(through_host)
+  assert gate.is_deleted()
+  for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(on_device)), nnx.to_flat_state(nnx.state(through_host))):
+    a, b = a.get_value(), b.get_value()
+    assert isinstance(b, jax.Array) and not b.is_deleted() and np.array_equal(np.asarray(a), np.asarray(b)), path
+
+
+def test_a_join_without_room_even_through_the_host_stops_the_joins(monkeypatch):
+  """The joined matrix finds no block even in its parts' room: the parts go back, the joins stop
+  there with a warning, the modules joined so far stay joined, and the model's logits are those
+  of the unjoined model within float rounding."""
+  plain, model = _tiny_model(), _tiny_model()
+  calls, real = [], fused._joined
+
+  def joined_until_full(ws):
+    calls.append(1)
+    if len(calls) == 4:
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00MiB")
+    return real(ws)
+  monkeypatch.setattr(fused, "device_room", lambda arrays: 0)
+  monkeypatch.setattr(fused, "_joined", joined_until_full)
+  with pytest.warns(UserWarning, match="no free block of .* MiB for a join; 3 joined, the rest kept apart"):
+    assert fused.fuse_projections(model) == 3
+  modules = [m for _, m in nnx.iter_graph(model) if type(m).__name__ in fused.FUSED_PRODUCTS]
+  assert sum(len(getattr(m, "fused_groups", ())) for m in modules) == 3
+  kept = [m for m in modules if not getattr(m, "fused_groups", ())]
+  assert kept and all(not d.is_deleted() for m in kept for _, d in nnx.to_flat_state(nnx.state(m))
+                      if isinstance(d.get_value(), jax.Array))
+  toks = jnp.asarray(np.random.default_rng(4).integers(0, plain.cfg.vocab_size, 12), jnp.int32)
+  a, b = np.asarray(_logits(plain, toks)[0]), np.asarray(_logits(model, toks)[0])
+  assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
 
 
 def test_load_model_joins_and_generates_the_same_tokens():

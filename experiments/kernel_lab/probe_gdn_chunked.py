@@ -10,6 +10,10 @@ work out of the scan over chunks pay? Variants, each jitted alone over S rows:
               unit-triangular inverse): decays, K K^T, Q K^T and one batched triangular solve
               for every chunk at once, then a scan of three products a chunk (`hoisted` below)
   scan        `kvjax.model.delta_rule_scan`: one row a step (the decode and verify form)
+  triton      `kvjax_pallas.delta_rule` (two Pallas calls a layer: the chunk-parallel part, then
+              one program a (head, value block) walking the chunks with its state block on
+              chip), at each of --precisions and --block_v (a kernel that fails to build prints
+              its error and the probe goes on)
 
 at chunk sizes 32, 64 (the model's `GDN_CHUNK`) and 128, printing ms a call (median of
 --rounds), ms for the 48 layers of a micro-batch, and the largest difference from the model's
@@ -26,6 +30,7 @@ bit-equality across programs), so it waits for a measured share that pays for re
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -43,6 +48,9 @@ def define_flags():
   flags.DEFINE_integer("heads", 48, "value heads (the 27B: 48)")
   flags.DEFINE_integer("head_dim", 128, "key = value head size (the 27B: 128)")
   flags.DEFINE_integer("layers", 48, "Gated DeltaNet layers a micro-batch runs (the 27B: 48)")
+  flags.DEFINE_list("precisions", ["tf32x3", "bf16x6", "ieee"], "the kernel's dot precisions")
+  flags.DEFINE_list("block_v", ["32", "64"], "the kernel's value columns a scan program")
+  flags.DEFINE_integer("num_warps", 4, "the kernel's warps a scan program")
   flags.DEFINE_integer("iters", 10, "calls a round")
   flags.DEFINE_integer("rounds", 5, "rounds (median)")
   flags.DEFINE_string("out", os.environ.get("OUT", "runs/probe_gdn_chunked"), "output folder")
@@ -118,6 +126,7 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   from kvjax import model as kmodel
+  from kvjax_pallas.delta_rule import triton as dr_triton
   small = FLAGS.small
   h, d = (4, 16) if small else (FLAGS.heads, FLAGS.head_dim)
   rows = [64] if small else [int(x) for x in FLAGS.rows]
@@ -131,16 +140,33 @@ def main(argv):
     want = None
     cases = [("model", c, kmodel.delta_rule_chunked) for c in chunks] + \
             [("hoisted", c, hoisted) for c in chunks] + [("scan", 1, None)]
+    interpret = jax.default_backend() != "gpu"
+    for c in chunks:
+      for prec in (["tf32x3"] if small else FLAGS.precisions):
+        for bv in ([16] if small else [int(x) for x in FLAGS.block_v]):
+          opts = dr_triton.DeltaRuleOptions(chunk=c, block_v=bv, num_warps=FLAGS.num_warps)
+          cases.append((f"triton {prec} bv{bv}", c, functools.partial(
+              dr_triton.delta_rule_chunked_triton, options=opts, precision=prec, interpret=interpret)))
     for name, c, fn in cases:
-      call = jax.jit(kmodel.delta_rule_scan) if name == "scan" else jax.jit(lambda *a, fn=fn, c=c: fn(*a, chunk=c))
-      st, o = call(*args)
+      if name == "scan":
+        call = jax.jit(kmodel.delta_rule_scan)
+      elif name.startswith("triton"):
+        call = fn
+      else:
+        call = jax.jit(lambda *a, fn=fn, c=c: fn(*a, chunk=c))
+      try:
+        st, o = call(*args)
+      except Exception as e:  # a kernel variant that does not build: say so, go on
+        print(f"S {s:5d}  {name:20s} chunk {c:4d}  failed: {type(e).__name__}: {str(e).splitlines()[0][:200]!r}", flush=True)
+        results.append(dict(rows=s, form=name, chunk=c, error=f"{type(e).__name__}: {e}"[:2000]))
+        continue
       if want is None:
         want = (np.asarray(st), np.asarray(o))
       err = max(float(np.max(np.abs(np.asarray(x) - w)) / np.max(np.abs(w))) for x, w in zip((st, o), want))
       ms = time_call(call, args, iters, rounds)
       row = dict(rows=s, form=name, chunk=c, ms=ms, ms_micro_batch=ms * FLAGS.layers, rel_diff=err)
       results.append(row)
-      print(f"S {s:5d}  {name:8s} chunk {c:4d}  {ms:8.3f} ms  x{FLAGS.layers} layers {ms * FLAGS.layers:8.2f} ms"
+      print(f"S {s:5d}  {name:20s} chunk {c:4d}  {ms:8.3f} ms  x{FLAGS.layers} layers {ms * FLAGS.layers:8.2f} ms"
             f"  rel diff {err:.1e}", flush=True)
       if small and err > 1e-5:
         raise SystemExit(f"probe_gdn_chunked: {name} chunk {c} differs from the model's form by {err:.1e}")

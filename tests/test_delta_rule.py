@@ -1,0 +1,140 @@
+"""The gated delta rule over a prefill's rows (`kvjax_pallas.delta_rule`): every implementation
+against the float64 oracle, the kernel's options, padding, the checks; the model's prefill with
+the kernel (`load_model(gdn_impl="triton")`): the logits of the XLA form within float32
+rounding, streamed == plain bit for bit.
+
+CPU (default): small shapes, the kernel in interpret mode.
+GPU: `KVJAX_TEST_GPU=1 JAX_PLATFORMS=cuda pytest tests/test_delta_rule.py` runs the kernel class
+at the 27B's heads (48 x 128) compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import jax.numpy as jnp
+
+from kvjax_pallas.delta_rule import api, reference as ref, triton
+
+ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"
+INTERPRET = not ON_GPU
+# (rows, heads, dk, dv, options): rows not a multiple of the chunk are padded inside
+CASES = ([(256, 48, 128, 128, triton.DeltaRuleOptions()), (1000, 48, 128, 128, triton.DeltaRuleOptions())]
+         if ON_GPU else
+         [(64, 2, 16, 16, triton.DeltaRuleOptions(chunk=16, block_v=16)),
+          (80, 3, 32, 32, triton.DeltaRuleOptions(chunk=32, block_v=16, sub_block=16)),
+          (72, 2, 32, 16, triton.DeltaRuleOptions(chunk=64, block_v=16, sub_block=0))])
+TOL = 1e-5
+
+
+def _rel(a, b):
+  return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
+
+
+def _inputs(seed, s, h, dk, dv):
+  return ref.random_inputs(seed, s, h, dk, dv)
+
+
+@pytest.mark.parametrize("impl", api.IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_the_f64_oracle(impl, case):
+  s, h, dk, dv, opts = CASES[case]
+  args = _inputs(case, s, h, dk, dv)
+  want_state, want_o = ref.delta_rule_numpy(*args)
+  state, o = api.delta_rule(*[jnp.asarray(x) for x in args], implementation=impl, options=opts,
+                            interpret=INTERPRET)
+  assert o.shape == (s, h, dv) and state.shape == (h, dk, dv)
+  assert _rel(o, want_o) <= TOL and _rel(state, want_state) <= TOL, (_rel(o, want_o), _rel(state, want_state))
+
+
+def test_every_option_gives_the_same_result():
+  """The substitution (row a step, blocks), chunk, value block and precision names change how, not
+  what: each within float32 rounding of the default."""
+  s, h, dk, dv = 96, 2, 32, 32
+  args = [jnp.asarray(x) for x in _inputs(5, s, h, dk, dv)]
+  base = triton.DeltaRuleOptions(chunk=32, block_v=16, sub_block=16)
+  want_state, want_o = ref.delta_rule_numpy(*args)
+  variants = [dataclasses.replace(base, sub_block=0), dataclasses.replace(base, sub_block=32),
+              dataclasses.replace(base, chunk=16, sub_block=16), dataclasses.replace(base, block_v=32),
+              dataclasses.replace(base, num_stages=2, num_warps=8)]
+  for opts in [base] + variants:
+    state, o = triton.delta_rule_chunked_triton(*args, options=opts, interpret=INTERPRET)
+    assert _rel(o, want_o) <= TOL and _rel(state, want_state) <= TOL, opts
+  for prec in triton.PRECISIONS:   # the interpreter computes float32 whatever the name
+    state, o = triton.delta_rule_chunked_triton(*args, options=base, precision=prec, interpret=INTERPRET)
+    assert _rel(o, want_o) <= (1e-2 if prec == "tf32" else TOL), prec
+
+
+def test_rows_of_zeros_leave_the_state_alone():
+  """Padding rows (k = v = g = beta = 0, as the model masks rows past n_valid) change nothing:
+  the state after S rows is the state after S rows and a tail of zeros, and the outputs of the S
+  rows are the same."""
+  s, h, d = 40, 2, 16
+  args = _inputs(9, s, h, d, d)
+  padded = [args[0]] + [np.concatenate([x, np.zeros((24,) + x.shape[1:], np.float32)]) for x in args[1:]]
+  opts = triton.DeltaRuleOptions(chunk=16, block_v=16)
+  st, o = triton.delta_rule_chunked_triton(*args, options=opts, interpret=INTERPRET)
+  st_p, o_p = triton.delta_rule_chunked_triton(*padded, options=opts, interpret=INTERPRET)
+  np.testing.assert_allclose(np.asarray(st_p), np.asarray(st), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(o_p)[:s], np.asarray(o), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("change,what", [
+    (dict(k=(10, 2, 16)), "k has shape (10, 2, 16), needs (12, 2, 16)"),
+    (dict(g=(12, 3)), "g has shape (12, 3), needs (12, 2)"),
+    (dict(state=(2, 16, 8)), "state has shape (2, 16, 8), needs (2, 16, 16)"),
+])
+def test_operands_that_do_not_agree_are_named(change, what):
+  shapes = dict(state=(2, 16, 16), q=(12, 2, 16), k=(12, 2, 16), v=(12, 2, 16), g=(12, 2), beta=(12, 2))
+  shapes.update(change)
+  args = [jnp.zeros(shapes[n], jnp.float32) for n in ("state", "q", "k", "v", "g", "beta")]
+  for impl in api.IMPLEMENTATIONS:
+    with pytest.raises(ValueError, match="^delta_rule: " + what.replace("(", r"\(").replace(")", r"\)")):
+      api.delta_rule(*args, implementation=impl, interpret=True)
+
+
+@pytest.mark.parametrize("kw,what", [
+    (dict(options=triton.DeltaRuleOptions(chunk=48)), "chunk is 48, needs a power of two >= 16"),
+    (dict(options=triton.DeltaRuleOptions(chunk=16, block_v=16, sub_block=32)), "sub_block 32"),
+    (dict(options=triton.DeltaRuleOptions(block_v=64)), "block_v 64 does not divide the value head_dim 32"),
+    (dict(precision="f16"), "precision 'f16', needs one of"),
+    (dict(implementation="cuda"), "implementation 'cuda'"),
+])
+def test_what_the_kernel_cannot_take_is_refused(kw, what):
+  args = [jnp.asarray(x) for x in _inputs(1, 20, 2, 32, 32)]
+  kw = dict(implementation="triton", interpret=True) | kw
+  with pytest.raises(ValueError, match=what):
+    api.delta_rule(*args, **kw)
+  small = [jnp.asarray(x) for x in _inputs(1, 20, 2, 8, 8)]   # the reference takes any head size
+  assert api.delta_rule(*small)[1].shape == (20, 2, 8)
+  with pytest.raises(ValueError, match="head_dim \\(dk\\) is 8, needs a power of two >= 16"):
+    api.delta_rule(*small, implementation="triton", interpret=True)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the tiny model runs on the CPU")
+def test_the_models_prefill_with_the_kernel():
+  """load_model(gdn_impl="triton"): the teacher-forced logits of the XLA form within float32
+  rounding; a streamed cache gives the plain cache's tokens and logits bit for bit (both prefill
+  through the kernel); a bad name is refused naming gdn_impl."""
+  from kvjax import api as kapi
+  from tiny_setup import assert_same_logits
+  prompt = [int(t) for t in np.random.default_rng(3).integers(0, 381, 70)]
+  xla = kapi.load_model("tiny", page_tokens=32)
+  model = kapi.load_model("tiny", page_tokens=32, gdn_impl="triton")
+  a = np.asarray(kapi.teacher_forced_logits(xla, prompt))
+  b = np.asarray(kapi.teacher_forced_logits(model, prompt))
+  assert 0 < np.max(np.abs(a - b)) <= 1e-4 * np.max(np.abs(a))    # another form, float32 rounding apart
+  runs = []
+  for kv in (None, kapi.make_kv(model, 100, pool_pages=4)):
+    rows = []
+    res = kapi.generate(model, kv, prompt_tokens=prompt, n_predict=12, ignore_eos=True, ubatch=32,
+                        on_logits=lambda _, lg: rows.append(np.asarray(lg)))
+    assert res.metrics["gdn_impl"] == "triton"
+    runs.append((res.tokens, np.stack(rows)))
+  assert runs[0][0] == runs[1][0]
+  assert_same_logits(runs[1][1], runs[0][1])
+  with pytest.raises(kapi.ParameterError, match="gdn_impl 'pallas': expected xla or triton"):
+    kapi.load_model("tiny", gdn_impl="pallas")
