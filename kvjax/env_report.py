@@ -11,6 +11,8 @@ pages of 256 tokens, 4 KV heads, 24 query heads, head_dim 256, a 4-page history)
 GPU prefill kernel), with what `implementation="auto"` picks for each. The kernels are compiled,
 not interpreted: on a CPU only "reference" compiles (the test suite runs the kernels there with
 `interpret=True`); "mosaic" needs a Hopper GPU (compute capability 9.0), "triton" an NVIDIA GPU.
+The same for the Gated DeltaNet's prefill form (`kvjax_pallas.delta_rule`: "reference", "triton",
+`load_model(gdn_impl=)`) at the 27B's heads (48 value heads of 128) over 64 rows.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, Dict, List, Optional
 CALLS = (("decode", 1), ("prefill", 64))
 # the 27B attention geometry (configs: qwen38_27b)
 KV_HEADS, Q_HEADS, HEAD_DIM, PAGE_TOKENS, PAGES, KV_LEN = 4, 24, 256, 256, 4, 900
+GDN_HEADS, GDN_HEAD_DIM, GDN_ROWS = 48, 128, 64   # the 27B's Gated DeltaNet value heads
 
 
 def _version(dist: str) -> Optional[str]:
@@ -135,6 +138,27 @@ def kernel_checks() -> List[Dict[str, str]]:
   return rows
 
 
+def gdn_checks() -> List[Dict[str, str]]:
+  """Each implementation of `kvjax_pallas.delta_rule` over `GDN_ROWS` rows: "ok" or the first line
+  of the error; and what "auto" picks."""
+  import jax
+  import jax.numpy as jnp
+  from kvjax_pallas.delta_rule import api as dr_api
+  h, d, s = GDN_HEADS, GDN_HEAD_DIM, GDN_ROWS
+  args = (jnp.zeros((h, d, d), jnp.float32), *(jnp.zeros((s, h, d), jnp.float32) for _ in range(3)),
+          jnp.zeros((s, h), jnp.float32), jnp.zeros((s, h), jnp.float32))
+  auto = dr_api.resolve_implementation("auto")
+  rows = []
+  for name in dr_api.IMPLEMENTATIONS:
+    try:
+      jax.block_until_ready(jax.jit(lambda *a, name=name: dr_api.delta_rule(*a, implementation=name))(*args))
+      status = "ok"
+    except Exception as e:  # pylint: disable=broad-except
+      status = _first_line(e)
+    rows.append({"implementation": name, "status": status, "auto": auto})
+  return rows
+
+
 def report(kernels: bool = True) -> Dict[str, Any]:
   """Everything `main` prints, as a dict."""
   import jax
@@ -142,6 +166,7 @@ def report(kernels: bool = True) -> Dict[str, Any]:
                          "cuda": cuda()}
   if kernels:
     out["kernels"] = kernel_checks()
+    out["gdn_kernels"] = gdn_checks()
   return out
 
 
@@ -173,6 +198,11 @@ def format_report(r: Dict[str, Any]) -> str:
         lines.append(f"  {x['call']} ({tokens}; auto -> {x['auto']}):")
         last = x["call"]
       lines.append(f"    {x['implementation']:<{width}}  {x['status']}")
+  if "gdn_kernels" in r:
+    lines.append(f"Gated DeltaNet prefill ({GDN_HEADS} heads of {GDN_HEAD_DIM}, {GDN_ROWS} rows; auto -> "
+                 f"{r['gdn_kernels'][0]['auto']}), compiled on the default device:")
+    width = max(len(x["implementation"]) for x in r["gdn_kernels"])
+    lines += [f"    {x['implementation']:<{width}}  {x['status']}" for x in r["gdn_kernels"]]
   return "\n".join(lines)
 
 
@@ -180,7 +210,7 @@ def main(argv: Optional[List[str]] = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m kvjax.env_report", description=__doc__.splitlines()[0])
   parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
   parser.add_argument("--no-kernels", dest="kernels", action="store_false",
-                      help="skip compiling the span-attention implementations")
+                      help="skip compiling the span-attention and Gated DeltaNet implementations")
   args = parser.parse_args(argv)
   r = report(kernels=args.kernels)
   print(json.dumps(r) if args.json else format_report(r), flush=True)
