@@ -51,15 +51,17 @@ def test_matches_the_f64_oracle(impl, case):
 
 
 def test_every_option_gives_the_same_result():
-  """The substitution (row a step, blocks), chunk, value block and precision names change how, not
-  what: each within float32 rounding of the default."""
+  """The substitution (row a step, blocks, tiles), chunk, value block, the scan in one call or two
+  and the precision names change how, not what: each within float32 rounding of the default."""
   s, h, dk, dv = 96, 2, 32, 32
   args = [jnp.asarray(x) for x in _inputs(5, s, h, dk, dv)]
   base = triton.DeltaRuleOptions(chunk=32, block_v=16, sub_block=16)
   want_state, want_o = ref.delta_rule_numpy(*args)
   variants = [dataclasses.replace(base, sub_block=0), dataclasses.replace(base, sub_block=32),
               dataclasses.replace(base, chunk=16, sub_block=16), dataclasses.replace(base, block_v=32),
-              dataclasses.replace(base, num_stages=2, num_warps=8)]
+              dataclasses.replace(base, num_stages=2, num_warps=8), dataclasses.replace(base, split_output=True),
+              dataclasses.replace(base, split_output=True, sub_block=0, block_v=32),
+              dataclasses.replace(base, prep_tiles=True), dataclasses.replace(base, prep_tiles=True, split_output=True)]
   for opts in [base] + variants:
     state, o = triton.delta_rule_chunked_triton(*args, options=opts, interpret=INTERPRET)
     assert _rel(o, want_o) <= TOL and _rel(state, want_state) <= TOL, opts
@@ -100,6 +102,7 @@ def test_operands_that_do_not_agree_are_named(change, what):
     (dict(options=triton.DeltaRuleOptions(chunk=48)), "chunk is 48, needs a power of two >= 16"),
     (dict(options=triton.DeltaRuleOptions(chunk=16, block_v=16, sub_block=32)), "sub_block 32"),
     (dict(options=triton.DeltaRuleOptions(block_v=64)), "block_v 64 does not divide the value head_dim 32"),
+    (dict(options=triton.DeltaRuleOptions(sub_block=0, prep_tiles=True)), "prep_tiles needs sub_block"),
     (dict(precision="f16"), "precision 'f16', needs one of"),
     (dict(implementation="cuda"), "implementation 'cuda'"),
 ])

@@ -12,7 +12,10 @@ work out of the scan over chunks pay? Variants, each jitted alone over S rows:
   scan        `kvjax.model.delta_rule_scan`: one row a step (the decode and verify form)
   triton      `kvjax_pallas.delta_rule` (two Pallas calls a layer: the chunk-parallel part, then
               one program a (head, value block) walking the chunks with its state block on
-              chip), at each of --precisions and --block_v (a kernel that fails to build prints
+              chip), at each of --precisions ("default": each kernel's own), --block_v and
+              --split_output (the scan as a serial state call + a parallel output call) and
+              --prep_tiles (the prep on 16-row tiles: no [C, C] products), each
+              chunk size 16 or more (a kernel that fails to build prints
               its error and the probe goes on)
 
 at chunk sizes 32, 64 (the model's `GDN_CHUNK`) and 128, printing ms a call (median of
@@ -31,6 +34,7 @@ bit-equality across programs), so it waits for a measured share that pays for re
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import time
@@ -48,8 +52,11 @@ def define_flags():
   flags.DEFINE_integer("heads", 48, "value heads (the 27B: 48)")
   flags.DEFINE_integer("head_dim", 128, "key = value head size (the 27B: 128)")
   flags.DEFINE_integer("layers", 48, "Gated DeltaNet layers a micro-batch runs (the 27B: 48)")
-  flags.DEFINE_list("precisions", ["tf32x3", "bf16x6", "ieee"], "the kernel's dot precisions")
-  flags.DEFINE_list("block_v", ["32", "64"], "the kernel's value columns a scan program")
+  flags.DEFINE_list("precisions", ["default"], "the kernel's dot precisions (default: each kernel's own; "
+                    "tf32x3, bf16x6, ieee, tf32 for both)")
+  flags.DEFINE_list("block_v", ["32"], "the kernel's value columns a scan program")
+  flags.DEFINE_list("split_output", ["0", "1"], "the kernel's scan in one call (0) or two (1)")
+  flags.DEFINE_list("prep_tiles", ["0", "1"], "the kernel's prep on [C, C] tiles (0) or 16-row tiles (1)")
   flags.DEFINE_integer("num_warps", 4, "the kernel's warps a scan program")
   flags.DEFINE_integer("iters", 10, "calls a round")
   flags.DEFINE_integer("rounds", 5, "rounds (median)")
@@ -142,11 +149,14 @@ def main(argv):
             [("hoisted", c, hoisted) for c in chunks] + [("scan", 1, None)]
     interpret = jax.default_backend() != "gpu"
     for c in chunks:
-      for prec in (["tf32x3"] if small else FLAGS.precisions):
+      for prec in (["default"] if small else FLAGS.precisions):
         for bv in ([16] if small else [int(x) for x in FLAGS.block_v]):
-          opts = dr_triton.DeltaRuleOptions(chunk=c, block_v=bv, num_warps=FLAGS.num_warps)
-          cases.append((f"triton {prec} bv{bv}", c, functools.partial(
-              dr_triton.delta_rule_chunked_triton, options=opts, precision=prec, interpret=interpret)))
+          for split, tiles in itertools.product(*([int(x) for x in f] for f in (FLAGS.split_output, FLAGS.prep_tiles))):
+            opts = dr_triton.DeltaRuleOptions(chunk=c, block_v=bv, num_warps=FLAGS.num_warps, split_output=bool(split),
+                                              sub_block=min(16, c), prep_tiles=bool(tiles))
+            cases.append((f"triton {prec} bv{bv}{' split' if split else ''}{' tiles' if tiles else ''}", c,
+                          functools.partial(dr_triton.delta_rule_chunked_triton, options=opts,
+                                            precision=None if prec == "default" else prec, interpret=interpret)))
     for name, c, fn in cases:
       if name == "scan":
         call = jax.jit(kmodel.delta_rule_scan)
@@ -157,7 +167,7 @@ def main(argv):
       try:
         st, o = call(*args)
       except Exception as e:  # a kernel variant that does not build: say so, go on
-        print(f"S {s:5d}  {name:20s} chunk {c:4d}  failed: {type(e).__name__}: {str(e).splitlines()[0][:200]!r}", flush=True)
+        print(f"S {s:5d}  {name:32s} chunk {c:4d}  failed: {type(e).__name__}: {str(e).splitlines()[0][:200]!r}", flush=True)
         results.append(dict(rows=s, form=name, chunk=c, error=f"{type(e).__name__}: {e}"[:2000]))
         continue
       if want is None:
@@ -166,7 +176,7 @@ def main(argv):
       ms = time_call(call, args, iters, rounds)
       row = dict(rows=s, form=name, chunk=c, ms=ms, ms_micro_batch=ms * FLAGS.layers, rel_diff=err)
       results.append(row)
-      print(f"S {s:5d}  {name:20s} chunk {c:4d}  {ms:8.3f} ms  x{FLAGS.layers} layers {ms * FLAGS.layers:8.2f} ms"
+      print(f"S {s:5d}  {name:32s} chunk {c:4d}  {ms:8.3f} ms  x{FLAGS.layers} layers {ms * FLAGS.layers:8.2f} ms"
             f"  rel diff {err:.1e}", flush=True)
       if small and err > 1e-5:
         raise SystemExit(f"probe_gdn_chunked: {name} chunk {c} differs from the model's form by {err:.1e}")

@@ -12,11 +12,16 @@ and chunk-start state S0 [dk, dv],
 Two calls a layer:
   `_prep_kernel`  grid (chunks, heads): every chunk at once. gamma (a cumulative sum), T by
                   forward substitution (C steps on a [C, C] tile: row i of T is final once the
-                  columns before it are folded in), then W, U and P. Writes gamma [S, H],
+                  columns before it are folded in; or 16-row diagonal blocks at once, then the
+                  blocks below by products; or, `prep_tiles`, tile by tile, `_prep_tiles_kernel`),
+                  then W, U and P. Writes gamma [S, H],
                   W [S, H, dk], U [S, H, dv], P [chunks, H, C, C].
   `_scan_kernel`  grid (heads, value blocks): a [dk, block_v] block of the state stays on chip
                   while the program walks the chunks in order (the value columns of the delta rule
-                  are independent given K), three products and one update a chunk.
+                  are independent given K), three products and one update a chunk. With
+                  `DeltaRuleOptions.split_output` two calls instead: `_state_kernel` (the serial
+                  part, D and the update: two products a chunk; writes D and each chunk's starting
+                  state) and `_output_kernel` (grid chunks x heads x value blocks: O at once).
 
 The XLA form runs the same chunks as a device loop of about fifteen small programs a chunk (a
 triangular solve among them); here the chunk-parallel work is one call and the loop one program.
@@ -65,6 +70,9 @@ class DeltaRuleOptions:
   scan_precision: str = "tf32x3"  # `PRECISIONS`
   prep_num_warps: int = 4
   prep_precision: str = "bf16x6"
+  prep_tiles: bool = False        # the prep by tiles of sub_block rows (`_prep_tiles_kernel`)
+  split_output: bool = False      # the scan as a serial call of two products a chunk (D and each
+                                  # chunk's starting state) and a chunk-parallel call for O
   sub_block: int = 16             # T's forward substitution: 0 one row a step over the chunk; B (a
                                   # power of two dividing the chunk): B steps over the diagonal BxB
                                   # blocks at once (a product a step), then the blocks below by products
@@ -95,6 +103,8 @@ def check_shapes(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, options: Optiona
   if options.sub_block and (options.sub_block & (options.sub_block - 1) or options.chunk % options.sub_block):
     raise ValueError(f"delta_rule: sub_block {options.sub_block}, needs 0 or a power of two dividing the "
                      f"chunk {options.chunk}")
+  if options.prep_tiles and not options.sub_block:
+    raise ValueError("delta_rule: prep_tiles needs sub_block, the rows of a tile (a power of two >= 16)")
   if dv % options.block_v:
     raise ValueError(f"delta_rule: block_v {options.block_v} does not divide the value head_dim {dv}")
 
@@ -123,11 +133,7 @@ def _unit_lower_inverse(m_cc, ti, tj, chunk: int, sub_block: int, prec):
   """(I + M)^-1 for M [C, C] strictly lower triangular (float32)."""
   eye = jnp.where(ti == tj, 1.0, 0.0).astype(jnp.float32)
   if not sub_block:
-    def substitute(i, t_cc):          # fold column i of M: row i of T is final
-      row = jnp.sum(jnp.where(ti == i, t_cc, 0.0), axis=0)       # T[i, :]
-      col = jnp.sum(jnp.where(tj == i, m_cc, 0.0), axis=1)       # M[:, i] (zero for rows <= i)
-      return t_cc - col[:, None] * row[None, :]
-    return lax.fori_loop(0, chunk, substitute, eye)
+    return _row_substitution(m_cc, ti, tj, chunk)
   same = (ti // sub_block) == (tj // sub_block)
   diag_cc, below_cc = jnp.where(same, m_cc, 0.0), jnp.where(same, 0.0, m_cc)
 
@@ -167,9 +173,68 @@ def _prep_kernel(q_ref, k_ref, v_ref, g_ref, b_ref,           # [S, H, dk] x2, [
   p_ref[ci, hh, :, :] = jnp.where(incl, qk_cc * jnp.exp(jnp.where(incl, diff_cc, 0.0)), 0.0)
 
 
-def _scan_kernel(s0_ref, q_ref, k_ref, gam_ref, w_ref, u_ref, p_ref,   # [H, dk, dv], [S, H, dk] x2, [S, H],
-                 o_ref, s1_ref,                                          # [S, H, dk], [S, H, dv], [n, H, C, C]
-                 *, chunk: int, chunks: int, block_v: int, prec):        # -> [S, H, dv], [H, dk, dv]
+def _row_substitution(m_bb, ti, tj, rows: int):
+  """(I + M)^-1 for M [B, B] strictly lower triangular, one row a step (row i of T is final once
+  the columns before it are folded in)."""
+  def substitute(i, t_bb):
+    row = jnp.sum(jnp.where(ti == i, t_bb, 0.0), axis=0)         # T[i, :]
+    col = jnp.sum(jnp.where(tj == i, m_bb, 0.0), axis=1)         # M[:, i] (zero for rows <= i)
+    return t_bb - col[:, None] * row[None, :]
+  return lax.fori_loop(0, rows, substitute, jnp.where(ti == tj, 1.0, 0.0).astype(jnp.float32))
+
+
+def _prep_tiles_kernel(q_ref, k_ref, v_ref, g_ref, b_ref,      # as `_prep_kernel`
+                       gam_ref, w_ref, u_ref, p_ref,
+                       *, chunk: int, tile: int, prec):
+  """`_prep_kernel`'s results from tiles of `tile` rows (`DeltaRuleOptions.prep_tiles`): M and
+  Q K^T by tile pairs, T's diagonal tiles by row substitution, the tiles below them by
+  T_ab = -T_aa sum_c M_ac T_cb, then W, U by tile products: no product of [C, C] tiles."""
+  ci, hh = pl.program_id(0), pl.program_id(1)
+  nt = chunk // tile
+  ti = lax.broadcasted_iota(jnp.int32, (tile, tile), 0)
+  tj = lax.broadcasted_iota(jnp.int32, (tile, tile), 1)
+  strict, incl = tj < ti, tj <= ti
+  q, k, v, gam, beta = [], [], [], [], []
+  end = jnp.float32(0.0)            # the cumulative log decay through the tiles before
+  for a in range(nt):
+    rows = pl.ds(ci * chunk + a * tile, tile)
+    q.append(q_ref[rows, hh, :])
+    k.append(k_ref[rows, hh, :])
+    v.append(v_ref[rows, hh, :])
+    beta.append(b_ref[rows, hh])
+    gam.append(end + jnp.sum(jnp.where(incl, g_ref[rows, hh][None, :], 0.0), axis=1))
+    end = _last(gam[a], tile)
+    gam_ref[rows, hh] = gam[a]
+
+  def decay(a, b, mask):            # e^(gamma_t - gamma_i) over tile pair (a, b), masked on the diagonal
+    diff = gam[a][:, None] - gam[b][None, :]
+    return jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0) if a == b else jnp.exp(diff)
+
+  m = {(a, b): beta[a][:, None] * _dot(k[a], k[b], prec, trans_b=True) * decay(a, b, strict)
+       for a in range(nt) for b in range(a + 1)}
+  t = {(a, a): _row_substitution(m[a, a], ti, tj, tile) for a in range(nt)}
+  for dist in range(1, nt):
+    for a in range(dist, nt):
+      b = a - dist
+      acc = sum(_dot(m[a, c], t[c, b], prec) for c in range(b, a))
+      t[a, b] = -_dot(t[a, a], acc, prec)
+  xw = [(beta[b] * jnp.exp(gam[b]))[:, None] * k[b] for b in range(nt)]
+  xu = [beta[b][:, None] * v[b] for b in range(nt)]
+  for a in range(nt):
+    rows = pl.ds(ci * chunk + a * tile, tile)
+    w_ref[rows, hh, :] = sum(_dot(t[a, b], xw[b], prec) for b in range(a + 1))
+    u_ref[rows, hh, :] = sum(_dot(t[a, b], xu[b], prec) for b in range(a + 1))
+    for b in range(nt):
+      cols = pl.ds(b * tile, tile)
+      p_ref[ci, hh, pl.ds(a * tile, tile), cols] = (
+          _dot(q[a], k[b], prec, trans_b=True) * decay(a, b, incl) if b <= a
+          else jnp.zeros((tile, tile), jnp.float32))
+
+
+def _scan_kernel(s0_ref, q_ref, k_ref, gam_ref, w_ref, u_ref, p_ref,  # [H, dk, dv], [S, H, dk] x2, [S, H],
+                                                                        # [S, H, dk], [S, H, dv], [n, H, C, C]
+                 o_ref, s1_ref,                                         # -> [S, H, dv], [H, dk, dv]
+                 *, chunk: int, chunks: int, block_v: int, prec):
   hh, vb = pl.program_id(0), pl.program_id(1)
   cols = pl.ds(vb * block_v, block_v)
 
@@ -179,11 +244,44 @@ def _scan_kernel(s0_ref, q_ref, k_ref, gam_ref, w_ref, u_ref, p_ref,   # [H, dk,
     u_cv, gam_c, p_cc = u_ref[rows, hh, cols], gam_ref[rows, hh], p_ref[ci, hh, :, :]
     d_cv = u_cv - _dot(w_ck, s_kv, prec)
     o_ref[rows, hh, cols] = jnp.exp(gam_c)[:, None] * _dot(q_ck, s_kv, prec) + _dot(p_cc, d_cv, prec)
-    g_end = _last(gam_c, chunk)
-    k_tail = k_ck * jnp.exp(g_end - gam_c)[:, None]
-    return jnp.exp(g_end) * s_kv + _dot(k_tail, d_cv, prec, trans_a=True)
+    return _next_state(s_kv, k_ck, gam_c, d_cv, chunk, prec)
 
   s1_ref[hh, :, cols] = lax.fori_loop(0, chunks, step, s0_ref[hh, :, cols])
+
+
+def _next_state(s_kv, k_ck, gam_c, d_cv, chunk: int, prec):
+  """S1 = e^gamma_C S0 + (diag(e^(gamma_C - gamma)) K)^T D."""
+  g_end = _last(gam_c, chunk)
+  k_tail = k_ck * jnp.exp(g_end - gam_c)[:, None]
+  return jnp.exp(g_end) * s_kv + _dot(k_tail, d_cv, prec, trans_a=True)
+
+
+def _state_kernel(s0_ref, k_ref, gam_ref, w_ref, u_ref,               # [H, dk, dv], [S, H, dk], [S, H],
+                                                                        # [S, H, dk], [S, H, dv]
+                  d_ref, sc_ref, s1_ref,                                # -> [S, H, dv], [n, H, dk, dv], [H, dk, dv]
+                  *, chunk: int, chunks: int, block_v: int, prec):
+  """`split_output`'s serial half: D and each chunk's starting state, two products a chunk."""
+  hh, vb = pl.program_id(0), pl.program_id(1)
+  cols = pl.ds(vb * block_v, block_v)
+
+  def step(ci, s_kv):
+    rows = pl.ds(ci * chunk, chunk)
+    sc_ref[ci, hh, :, cols] = s_kv
+    d_cv = u_ref[rows, hh, cols] - _dot(w_ref[rows, hh, :], s_kv, prec)
+    d_ref[rows, hh, cols] = d_cv
+    return _next_state(s_kv, k_ref[rows, hh, :], gam_ref[rows, hh], d_cv, chunk, prec)
+
+  s1_ref[hh, :, cols] = lax.fori_loop(0, chunks, step, s0_ref[hh, :, cols])
+
+
+def _output_kernel(q_ref, gam_ref, p_ref, d_ref, sc_ref,   # [S, H, dk], [S, H], [n, H, C, C], [S, H, dv], [n, H, dk, dv]
+                   o_ref,                                   # -> [S, H, dv]
+                   *, chunk: int, block_v: int, prec):
+  """`split_output`'s parallel half: O = diag(e^gamma) Q S_chunk + P D, every chunk at once."""
+  ci, hh, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  rows, cols = pl.ds(ci * chunk, chunk), pl.ds(vb * block_v, block_v)
+  o_ref[rows, hh, cols] = (jnp.exp(gam_ref[rows, hh])[:, None] * _dot(q_ref[rows, hh, :], sc_ref[ci, hh, :, cols], prec)
+                           + _dot(p_ref[ci, hh, :, :], d_ref[rows, hh, cols], prec))
 
 
 def _params(num_warps: int, num_stages: int, interpret: bool):
@@ -204,8 +302,10 @@ def prep_call(q, k, v, g, b, *, options: DeltaRuleOptions, prec, interpret: bool
   s, h, dk = q.shape
   dv, c, f32 = v.shape[-1], options.chunk, jnp.float32
   n = s // c
+  kernel = (functools.partial(_prep_tiles_kernel, chunk=c, tile=options.sub_block, prec=prec) if options.prep_tiles
+            else functools.partial(_prep_kernel, chunk=c, sub_block=options.sub_block, prec=prec))
   return pl.pallas_call(
-      functools.partial(_prep_kernel, chunk=c, sub_block=options.sub_block, prec=prec),
+      kernel,
       grid=(n, h),
       out_shape=(jax.ShapeDtypeStruct((s, h), f32), jax.ShapeDtypeStruct((s, h, dk), f32),
                  jax.ShapeDtypeStruct((s, h, dv), f32), jax.ShapeDtypeStruct((n, h, c, c), f32)),
@@ -215,16 +315,33 @@ def prep_call(q, k, v, g, b, *, options: DeltaRuleOptions, prec, interpret: bool
 
 
 def scan_call(state_hkv, q, k, gam, w, u, p, *, options: DeltaRuleOptions, prec, interpret: bool):
-  """The chunks in order from `state_hkv` over padded rows -> (o [S, H, dv], state_hkv)."""
+  """The chunks in order from `state_hkv` over padded rows -> (o [S, H, dv], state_hkv): one call, or
+  with `options.split_output` the serial state call and the chunk-parallel output call."""
   s, h, dk = q.shape
-  dv, c, f32 = u.shape[-1], options.chunk, jnp.float32
-  return pl.pallas_call(
-      functools.partial(_scan_kernel, chunk=c, chunks=s // c, block_v=options.block_v, prec=prec),
-      grid=(h, dv // options.block_v),
-      out_shape=(jax.ShapeDtypeStruct((s, h, dv), f32), jax.ShapeDtypeStruct((h, dk, dv), f32)),
-      compiler_params=_params(options.num_warps, options.num_stages, interpret),
-      interpret=interpret, name="kvjax_delta_rule_scan",
-  )(jnp.asarray(state_hkv, f32), q, k, gam, w, u, p)
+  dv, c, f32, bv = u.shape[-1], options.chunk, jnp.float32, options.block_v
+  params = _params(options.num_warps, options.num_stages, interpret)
+  if not options.split_output:
+    return pl.pallas_call(
+        functools.partial(_scan_kernel, chunk=c, chunks=s // c, block_v=bv, prec=prec),
+        grid=(h, dv // bv),
+        out_shape=(jax.ShapeDtypeStruct((s, h, dv), f32), jax.ShapeDtypeStruct((h, dk, dv), f32)),
+        compiler_params=params, interpret=interpret, name="kvjax_delta_rule_scan",
+    )(jnp.asarray(state_hkv, f32), q, k, gam, w, u, p)
+  d, starts, state = pl.pallas_call(
+      functools.partial(_state_kernel, chunk=c, chunks=s // c, block_v=bv, prec=prec),
+      grid=(h, dv // bv),
+      out_shape=(jax.ShapeDtypeStruct((s, h, dv), f32), jax.ShapeDtypeStruct((s // c, h, dk, dv), f32),
+                 jax.ShapeDtypeStruct((h, dk, dv), f32)),
+      compiler_params=params, interpret=interpret, name="kvjax_delta_rule_state",
+  )(jnp.asarray(state_hkv, f32), k, gam, w, u)
+  o = pl.pallas_call(
+      functools.partial(_output_kernel, chunk=c, block_v=bv, prec=prec),
+      grid=(s // c, h, dv // bv),
+      out_shape=jax.ShapeDtypeStruct((s, h, dv), f32),
+      compiler_params=_params(options.prep_num_warps, 1, interpret), interpret=interpret,
+      name="kvjax_delta_rule_output",
+  )(q, gam, p, d, starts)
+  return o, state
 
 
 @functools.partial(jax.jit, static_argnames=("options", "precision", "interpret"))
