@@ -170,8 +170,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
     fuse: join the matrices a block multiplies by the same input (FFN gate / up, attention q / k / v,
       Gated DeltaNet qkv / z / beta / alpha) into one product each (`kvjax.fused`; one device only):
       fewer, larger weight reads a decoded token.
-    gdn_impl: the Gated DeltaNet's prefill (chunked) form: "xla" (`kvjax.model.delta_rule_chunked`) or
-      "triton" (`kvjax_pallas.delta_rule`, two Pallas calls a layer; interpret mode without a GPU).
+    gdn_impl: the Gated DeltaNet's prefill form, "xla" (`model.delta_rule_chunked`) or "triton" (Pallas kernels).
   """
   checks.check_types(preset=(preset, "str?"), page_tokens=(page_tokens, "int"), weight_seed=(weight_seed, "int"),
                      fuse=(fuse, "bool"))
@@ -219,7 +218,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       cfg = config_lib.preset(preset)
     except ValueError as e:
       raise ParameterError(f"preset: {e}", "preset") from None
-    _check_tensor_parallel(cfg, tensor_parallel)
+    _check_model(cfg, tensor_parallel, gdn_impl)
     shapes = config_lib.gguf_tensor_shapes(cfg)
     checks.check_model_fits(cfg, page_tokens, "preset", preset, qweights.memory_shapes(shapes, jdtype.itemsize, weight_type)
                             if weight_type else shapes, jdtype, tensor_parallel)
@@ -241,7 +240,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       if tiny.is_builtin(source):
         raise ParameterError(str(e), "source") from None
       raise
-    _check_tensor_parallel(cfg, tensor_parallel)
+    _check_model(cfg, tensor_parallel, gdn_impl)
     shapes = config_lib.gguf_tensor_shapes(cfg, False)
     checks.check_model_fits(cfg, page_tokens, "source", source, qweights.memory_shapes(shapes, jdtype.itemsize)
                             if weights == "quantized" else shapes, jdtype, tensor_parallel)
@@ -265,11 +264,13 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
                      weights_impl, joined, gdn_impl)
 
 
-def _check_tensor_parallel(cfg: config_lib.ModelConfig, n: int) -> None:
+def _check_model(cfg: config_lib.ModelConfig, n: int, gdn_impl: str) -> None:
+  """The model's sizes against tensor_parallel and gdn_impl (before its weights are placed)."""
   try:
     parallel.check_tensor_parallel(cfg, n)
+    model_lib.check_chunk_form(cfg, gdn_impl)
   except ValueError as e:
-    raise ParameterError(str(e), "tensor_parallel") from None
+    raise ParameterError(str(e), "gdn_impl" if str(e).startswith("gdn_impl") else "tensor_parallel") from None
 
 
 def tensor_parallel(model: LoadedModel) -> int:
@@ -408,8 +409,7 @@ def make_kv(model: LoadedModel, max_tokens: int, *, arena_mib: Optional[float] =
   copy_pages: host -> device copy unit in pages (a power of two).
   policy: "fixed" (a uniform resident prefix per layer, `kvjax.streaming.plan.plan_kv`) or "adaptive"
     (`kvjax.streaming.policy` re-splits the pool every forward).
-  A model sharded over N devices (`load_model(tensor_parallel=N)`) gets one cache per device, each
-  holding its own KV heads; `arena_mib` and `pool_pages` are then per device.
+  A model sharded over N devices gets one cache per device (its own KV heads; `arena_mib`, `pool_pages` per device).
   phased: lay the arena out per phase (prefill: the larger workspace of `ubatch` rows; decode: a
     larger pool; the adaptive policy rebinds on each); needs `arena_mib`; `generate` must then use
     this `ubatch`.

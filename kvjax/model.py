@@ -35,7 +35,7 @@ from kvjax.config import ModelConfig, attention_block_shapes, common_block_shape
 from kvjax.fused import PREFIX as _FUSED, ROWS as _FUSED_ROWS
 from kvjax.qweights import QuantizedWeight
 from kvjax_pallas import ggml_codec
-from kvjax_pallas.delta_rule import api as delta_rule_api
+from kvjax_pallas.delta_rule import api as delta_rule_api, triton as delta_rule_triton
 from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import api as span_api
 
@@ -401,11 +401,19 @@ def delta_rule_chunked(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, chunk: int
 CHUNK_FORMS = ("xla", "triton")   # the prefill's delta rule: delta_rule_chunked, the Pallas kernel
 
 
+def check_chunk_form(cfg: ModelConfig, form: str) -> None:
+  """A ValueError naming gdn_impl unless `form` can run this model's Gated DeltaNet heads."""
+  if form == "triton":
+    try:
+      delta_rule_triton.check_kernel_sizes(cfg.linear_head_dim, cfg.linear_head_dim)
+    except ValueError as e:
+      raise ValueError(f"gdn_impl 'triton': the model's Gated DeltaNet heads: {e} (gdn_impl 'xla' takes any)") from None
+
+
 def set_chunk_form(model: nnx.Module, form: str, interpret: bool = False) -> int:
-  """Every Gated DeltaNet of `model` runs its chunked (prefill) delta rule as `form`: "xla"
-  (`delta_rule_chunked`, the default) or "triton" (`kvjax_pallas.delta_rule`, the Pallas kernel;
-  `interpret` where there is no GPU). Part of the modules' static structure: set it before the
-  model is split into steps. -> how many layers it set."""
+  """Every Gated DeltaNet of `model` runs its chunked (prefill) delta rule as `form`: "xla" (`delta_rule_chunked`)
+  or "triton" (`kvjax_pallas.delta_rule`; `interpret` without a GPU). Part of the modules' static
+  structure: set it before the model is split into steps. -> how many layers it set."""
   if form not in CHUNK_FORMS:
     raise ValueError(f"gdn_impl {form!r}: expected one of {', '.join(CHUNK_FORMS)}")
   mixers = [m for _, m in nnx.iter_graph(model) if isinstance(m, GatedDeltaNet)]

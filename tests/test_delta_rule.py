@@ -70,6 +70,22 @@ def test_every_option_gives_the_same_result():
     assert _rel(o, want_o) <= (1e-2 if prec == "tf32" else TOL), prec
 
 
+def test_value_blocks_past_the_head_and_no_rows():
+  """A value block wider than the value head runs the head as one block; no rows give the state as
+  it was and no output; nested lists are taken as arrays."""
+  args = _inputs(4, 20, 2, 32, 16)
+  want_state, want_o = ref.delta_rule_numpy(*args)
+  state, o = api.delta_rule(*args, implementation="triton", interpret=INTERPRET,
+                            options=triton.DeltaRuleOptions(chunk=16, block_v=32))
+  assert _rel(o, want_o) <= TOL and _rel(state, want_state) <= TOL
+  empty = [args[0]] + [x[:0] for x in args[1:]]
+  for impl in api.IMPLEMENTATIONS:
+    state, o = api.delta_rule(*empty, implementation=impl, interpret=INTERPRET)
+    assert o.shape == (0, 2, 16) and np.array_equal(np.asarray(state), args[0])
+  lists = [x.tolist() for x in args]
+  np.testing.assert_array_equal(np.asarray(api.delta_rule(*lists)[1]), np.asarray(api.delta_rule(*args)[1]))
+
+
 def test_rows_of_zeros_leave_the_state_alone():
   """Padding rows (k = v = g = beta = 0, as the model masks rows past n_valid) change nothing:
   the state after S rows is the state after S rows and a tail of zeros, and the outputs of the S
@@ -101,7 +117,10 @@ def test_operands_that_do_not_agree_are_named(change, what):
 @pytest.mark.parametrize("kw,what", [
     (dict(options=triton.DeltaRuleOptions(chunk=48)), "chunk is 48, needs a power of two >= 16"),
     (dict(options=triton.DeltaRuleOptions(chunk=16, block_v=16, sub_block=32)), "sub_block 32"),
-    (dict(options=triton.DeltaRuleOptions(block_v=64)), "block_v 64 does not divide the value head_dim 32"),
+    (dict(options=triton.DeltaRuleOptions(chunk=16, sub_block=8)), "sub_block 8, needs 0 or a power of two >= 16"),
+    (dict(options=triton.DeltaRuleOptions(num_warps=0)), "options.num_warps is 0, needs >= 1"),
+    (dict(options=triton.DeltaRuleOptions(chunk="64")), "options.chunk must be an int, got '64'"),
+    (dict(options={"chunk": 16}), "options must be a DeltaRuleOptions, got dict"),
     (dict(options=triton.DeltaRuleOptions(sub_block=0, prep_tiles=True)), "prep_tiles needs sub_block"),
     (dict(precision="f16"), "precision 'f16', needs one of"),
     (dict(implementation="cuda"), "implementation 'cuda'"),
@@ -117,11 +136,19 @@ def test_what_the_kernel_cannot_take_is_refused(kw, what):
     api.delta_rule(*small, implementation="triton", interpret=True)
 
 
+def _tiny_gguf_with_heads_of(head_dim: int, folder) -> str:
+  """A tiny GGUF whose Gated DeltaNet heads are `head_dim` wide."""
+  from kvjax import gguf_io, tiny, tokenizer, weights
+  cfg = tiny.tiny_config(linear_head_dim=head_dim)
+  return gguf_io.write_gguf(str(folder / f"tiny-gdn{head_dim}.gguf"), cfg, weights.random_tensors(cfg, 0),
+                            tokenizer.tiny_tokenizer_spec())
+
+
 @pytest.mark.skipif(ON_GPU, reason="the tiny model runs on the CPU")
-def test_the_models_prefill_with_the_kernel():
+def test_the_models_prefill_with_the_kernel(tmp_path):
   """load_model(gdn_impl="triton"): the teacher-forced logits of the XLA form within float32
   rounding; a streamed cache gives the plain cache's tokens and logits bit for bit (both prefill
-  through the kernel); a bad name is refused naming gdn_impl."""
+  through the kernel); a bad name, and heads the kernel cannot take, are refused naming gdn_impl."""
   from kvjax import api as kapi
   from tiny_setup import assert_same_logits
   prompt = [int(t) for t in np.random.default_rng(3).integers(0, 381, 70)]
@@ -141,3 +168,6 @@ def test_the_models_prefill_with_the_kernel():
   assert_same_logits(runs[1][1], runs[0][1])
   with pytest.raises(kapi.ParameterError, match="gdn_impl 'pallas': expected xla or triton"):
     kapi.load_model("tiny", gdn_impl="pallas")
+  with pytest.raises(kapi.ParameterError, match="gdn_impl 'triton': the model's Gated DeltaNet heads: "
+                                                "delta_rule: head_dim \\(dk\\) is 24, needs a power of two >= 16"):
+    kapi.load_model(_tiny_gguf_with_heads_of(24, tmp_path), gdn_impl="triton")

@@ -11,6 +11,8 @@ Kernel-only keyword arguments (ignored by "reference"): `options` (`triton.Delta
 chunk, value block, warps, each kernel's precision) and `precision` (a `triton.PRECISIONS` name for
 both kernels).
 
+No gradient: the kernels are forward-only (training runs the model's XLA form).
+
 Shapes: state_hkv [H, dk, dv], q_shk / k_shk [S, H, dk], v_shv [S, H, dv], g_sh / beta_sh [S, H]
 -> (state_hkv after the last row, o_shv [S, H, dv]), float32.
 """
@@ -20,11 +22,23 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
+import numpy as np
 
 from kvjax_pallas.delta_rule import reference as _ref
 from kvjax_pallas.delta_rule import triton as _triton
 
 IMPLEMENTATIONS = ("reference", "triton")
+
+
+_NAMES = ("state", "q", "k", "v", "g", "beta")
+
+
+def _as_array(name: str, x):
+  """Nested lists and numbers as an array (float32), or a one-line ValueError naming the operand."""
+  try:
+    return np.asarray(x, np.float32)
+  except (TypeError, ValueError):
+    raise ValueError(f"delta_rule: {name} must be an array (numpy or jax), got {type(x).__name__}") from None
 
 
 def resolve_implementation(implementation: str) -> str:
@@ -41,6 +55,10 @@ def delta_rule(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, *, implementation:
                precision: Optional[str] = None, interpret: bool = False):
   """The gated delta rule over S rows from `state_hkv` (see the module docstring)."""
   impl = resolve_implementation(implementation)
+  if options is not None and not isinstance(options, _triton.DeltaRuleOptions):
+    raise ValueError(f"delta_rule: options must be a DeltaRuleOptions, got {type(options).__name__}")
+  state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh = (x if hasattr(x, "shape") else _as_array(name, x) for name, x in
+                                                   zip(_NAMES, (state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh)))
   if impl == "reference":
     _triton.check_shapes(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, None)
     return _ref.delta_rule_reference(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh)

@@ -64,7 +64,8 @@ class DeltaRuleOptions:
   """Static tuning knobs of the two kernels (hashable: part of compiled-step keys). Defaults: the
   fastest measured on an H100 at the 27B's heads (docs/PERFORMANCE.md, 'Gated DeltaNet')."""
   chunk: int = 64                 # tokens a chunk (a power of two, >= 16)
-  block_v: int = 32               # value columns a scan program keeps of the state (power of two, >= 16)
+  block_v: int = 32               # value columns a scan program keeps of the state (a power of two
+                                  # >= 16; at most the value head size)
   num_warps: int = 4              # a scan program's
   num_stages: int = 1             # the scan's software pipelining of its chunk loads
   scan_precision: str = "tf32x3"  # `PRECISIONS`
@@ -82,9 +83,20 @@ def _pow2(x: int) -> bool:
   return x >= 16 and x & (x - 1) == 0
 
 
+def check_kernel_sizes(dk: int, dv: int) -> None:
+  """A ValueError unless the kernels take heads of these sizes (each a power of two >= 16)."""
+  for name, n in (("head_dim (dk)", dk), ("value head_dim (dv)", dv)):
+    if not _pow2(n):
+      raise ValueError(f"delta_rule: {name} is {n}, needs a power of two >= 16 (the Triton dots)")
+
+
 def check_shapes(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, options: Optional[DeltaRuleOptions]) -> None:
   """One-line ValueErrors for operands that do not agree, and (with `options`) for those the
-  kernels cannot take, before anything runs."""
+  kernels cannot take and options they cannot run, before anything runs."""
+  arrays = dict(state=state_hkv, q=q_shk, k=k_shk, v=v_shv, g=g_sh, beta=beta_sh)
+  for name, x in arrays.items():
+    if not hasattr(x, "shape") or not hasattr(x, "ndim"):
+      raise ValueError(f"delta_rule: {name} must be an array (numpy or jax), got {type(x).__name__}")
   if q_shk.ndim != 3:
     raise ValueError(f"delta_rule: q must be [S, H, dk], got shape {tuple(q_shk.shape)}")
   s, h, dk = q_shk.shape
@@ -96,17 +108,25 @@ def check_shapes(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, options: Optiona
       raise ValueError(f"delta_rule: {name} has shape {tuple(got)}, needs {need} (q is {(s, h, dk)})")
   if options is None:
     return
-  for name, n in (("head_dim (dk)", dk), ("value head_dim (dv)", dv), ("chunk", options.chunk),
-                  ("block_v", options.block_v)):
-    if not _pow2(n):
-      raise ValueError(f"delta_rule: {name} is {n}, needs a power of two >= 16 (the Triton dots)")
-  if options.sub_block and (options.sub_block & (options.sub_block - 1) or options.chunk % options.sub_block):
-    raise ValueError(f"delta_rule: sub_block {options.sub_block}, needs 0 or a power of two dividing the "
+  if not isinstance(options, DeltaRuleOptions):
+    raise ValueError(f"delta_rule: options must be a DeltaRuleOptions, got {type(options).__name__}")
+  for f in dataclasses.fields(options):
+    value = getattr(options, f.name)
+    if f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)):
+      raise ValueError(f"delta_rule: options.{f.name} must be an int, got {value!r}")
+  check_kernel_sizes(dk, dv)
+  if not _pow2(options.chunk):
+    raise ValueError(f"delta_rule: chunk is {options.chunk}, needs a power of two >= 16 (the Triton dots)")
+  if not _pow2(options.block_v):
+    raise ValueError(f"delta_rule: block_v is {options.block_v}, needs a power of two >= 16 (the Triton dots)")
+  if options.sub_block and (not _pow2(options.sub_block) or options.chunk % options.sub_block):
+    raise ValueError(f"delta_rule: sub_block {options.sub_block}, needs 0 or a power of two >= 16 dividing the "
                      f"chunk {options.chunk}")
   if options.prep_tiles and not options.sub_block:
     raise ValueError("delta_rule: prep_tiles needs sub_block, the rows of a tile (a power of two >= 16)")
-  if dv % options.block_v:
-    raise ValueError(f"delta_rule: block_v {options.block_v} does not divide the value head_dim {dv}")
+  for name in ("num_warps", "num_stages", "prep_num_warps"):
+    if getattr(options, name) < 1:
+      raise ValueError(f"delta_rule: options.{name} is {getattr(options, name)}, needs >= 1")
 
 
 def _precision(precision: str, interpret: bool):
@@ -352,6 +372,9 @@ def delta_rule_chunked_triton(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, *,
   name) overrides both kernels' (`options.prep_precision`, `options.scan_precision`). Tokens past a
   multiple of the chunk are padded with k = v = g = beta = 0 (they leave the state unchanged)."""
   check_shapes(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, options)
+  if q_shk.shape[0] == 0:   # no rows: the state as it was
+    return jnp.asarray(state_hkv, jnp.float32), jnp.zeros(v_shv.shape, jnp.float32)
+  options = dataclasses.replace(options, block_v=min(options.block_v, v_shv.shape[-1]))
   prep_prec = _precision(precision or options.prep_precision, interpret)
   scan_prec = _precision(precision or options.scan_precision, interpret)
   q, k, v, g, b = _padded(options, q_shk, k_shk, v_shv, g_sh, beta_sh)
