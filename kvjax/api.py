@@ -264,13 +264,13 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
                      weights_impl, joined, gdn_impl)
 
 
-def _check_model(cfg: config_lib.ModelConfig, n: int, gdn_impl: str) -> None:
-  """The model's sizes against tensor_parallel and gdn_impl (before its weights are placed)."""
-  try:
-    parallel.check_tensor_parallel(cfg, n)
-    model_lib.check_chunk_form(cfg, gdn_impl)
-  except ValueError as e:
-    raise ParameterError(str(e), "gdn_impl" if str(e).startswith("gdn_impl") else "tensor_parallel") from None
+def _check_model(cfg: config_lib.ModelConfig, n: int, gdn_impl: str) -> None:   # before the weights are placed
+  for param, check in (("tensor_parallel", lambda: parallel.check_tensor_parallel(cfg, n)),
+                       ("gdn_impl", lambda: model_lib.check_chunk_form(cfg, gdn_impl))):
+    try:
+      check()
+    except ValueError as e:
+      raise ParameterError(str(e), param) from None
 
 
 def tensor_parallel(model: LoadedModel) -> int:

@@ -104,17 +104,6 @@ def hoisted(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, chunk: int = 64):
   return state_hkv, o.swapaxes(1, 2).reshape(n * c, o.shape[1], o.shape[-1])[:s]
 
 
-def inputs(s: int, h: int, d: int, seed: int = 0):
-  """Normalized q / k (as the layer makes them), decays in (-0.5, 0), beta in (0, 1)."""
-  r = np.random.default_rng(seed)
-  q = r.standard_normal((s, h, d))
-  q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(d)
-  k = r.standard_normal((s, h, d))
-  k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  return [np.asarray(x, np.float32) for x in (r.standard_normal((h, d, d)), q, k, r.standard_normal((s, h, d)),
-                                              r.uniform(-0.5, 0.0, (s, h)), r.uniform(0.0, 1.0, (s, h)))]
-
-
 def time_call(fn, args, iters: int, rounds: int) -> float:
   import jax
   jax.block_until_ready(fn(*args))
@@ -133,7 +122,7 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   from kvjax import model as kmodel
-  from kvjax_pallas.delta_rule import triton as dr_triton
+  from kvjax_pallas.delta_rule import reference as dr_reference, triton as dr_triton
   small = FLAGS.small
   h, d = (4, 16) if small else (FLAGS.heads, FLAGS.head_dim)
   rows = [64] if small else [int(x) for x in FLAGS.rows]
@@ -143,7 +132,7 @@ def main(argv):
   print(f"{jax.devices()[0].device_kind}: {h} heads x {d}, float32, {FLAGS.layers} layers a micro-batch", flush=True)
   results = []
   for s in rows:
-    args = [jnp.asarray(x) for x in inputs(s, h, d, seed=s)]
+    args = [jnp.asarray(x) for x in dr_reference.random_inputs(s, s, h, d)]
     want = None
     cases = [("model", c, kmodel.delta_rule_chunked) for c in chunks] + \
             [("hoisted", c, hoisted) for c in chunks] + [("scan", 1, None)]
