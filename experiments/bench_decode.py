@@ -53,7 +53,7 @@ def define_flags():
   flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
   flags.DEFINE_string("weight_type", "", "matrices as random blocks of this format, kept quantized (q8_0, q4_0, "
                       "q4_k, q5_k, q6_k; '': dequantized in --dtype)")
-  flags.DEFINE_string("weights_impl", "xla", "the quantized product with --weight_type: xla, fused, pallas or pallas_gemv")
+  flags.DEFINE_string("weights_impl", "auto", "the quantized product with --weight_type: auto (planar on a GPU), xla, fused, pallas, pallas_gemv or planar")
   flags.DEFINE_list("contexts", ["32768", "131072"], "history lengths (tokens)")
   flags.DEFINE_float("arena_mib", 2240.0, "device KV budget for the streamed run (MiB)")
   flags.DEFINE_list("pool_pages", [], "more streamed runs with these KV pools (pages; the smallest that "

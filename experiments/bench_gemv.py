@@ -8,10 +8,10 @@ For every weight shape of the 27B geometry (`kvjax.config.qwen38_27b`: the atten
 gate / up and down), every format (q8_0, q4_0, q4_k, q5_k, q6_k), rows S (1, 4: decode and
 verify; 256: a prefill chunk) and implementation of `kvjax_pallas.quant_matmul.api` ("xla":
 dequantize then dot; "pallas": the kernel; "pallas_gemv": its GEMV for S <= 16 (no dot, split
-over K); plus "bf16", a plain bf16 x bf16 dot of dense weights
-as the baseline): the median time a call, effective GB/s and TFLOP/s.
+over K); "planar": the blocks repacked into planes once, `api.planar_matmul`; plus "bf16", a plain
+bf16 x bf16 dot of dense weights as the baseline): the median time a call, effective GB/s and TFLOP/s.
 
-Bytes counted: what a call must read once, the weight matrix as stored (N x row_bytes; N x K x 2
+Bytes counted: what a call must read once, the weight matrix as stored (N x row_bytes; the planes for "planar"; N x K x 2
 for "bf16") and x (S x K x 2, bf16); the [S, N] output is not counted. Times: `--iters` calls
 queued back to back, then one wait, per round; the median of `--rounds` rounds, divided by the
 calls. The calls cycle through copies of the weights worth at least `--rotate_mib` MiB, so a small
@@ -153,12 +153,18 @@ def run_case(jax, jnp, np, api, name, n, k, fmt, s, impl, interpret, copies_for,
     w_bytes = n * k * 2
     fn = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
                                                   preferred_element_type=jnp.float32))
+  elif impl == "planar":   # the planes made once (at load in a model); bytes: the planes'
+    if fmt not in api.PLANAR_FORMATS:
+      return dict(row, error=f"not a planar format (planar: {', '.join(api.PLANAR_FORMATS)})")
+    w = tuple(jnp.asarray(a) for a in api.to_planes(np.asarray(w_u8), fmt, k))
+    w_bytes = api.planes_nbytes(fmt, n, k)
+    fn = jax.jit(lambda x, w: api.planar_matmul(x, w[0], w[1], fmt, k))
   else:
     w = reference.halfword_view(w_u8) if impl.startswith("pallas") else w_u8
     w_bytes = formats.row_bytes(fmt, k) * n
     fn = jax.jit(lambda x, w: api.quant_matmul(x, w, fmt, k, implementation=impl, config=config,
                                                interpret=interpret))
-  ws = [w] + [w + 0 for _ in range(copies_for(w_bytes) - 1)]   # the copies: new buffers
+  ws = [w] + [jax.tree.map(lambda a: a + 0, w) for _ in range(copies_for(w_bytes) - 1)]   # new buffers
   try:
     out = np.asarray(fn(x, w))
     if impl != "bf16":
@@ -203,7 +209,7 @@ def main(argv):
   for fmt in FLAGS.formats:
     formats.get_format(fmt)
   for impl in FLAGS.implementations:
-    if impl != "bf16":
+    if impl not in ("bf16", "planar"):
       api.get_implementation(impl)
   tile_configs = {"pallas": [(t, parse_tiles(t)) for t in FLAGS.tiles] or [("", None)],
                   # the GEMV itself at every S <= 16 (without a GemvConfig "pallas_gemv" takes one row)
@@ -254,5 +260,5 @@ if __name__ == "__main__":
   from kvjax_pallas import quant_matmul
   app.run(checks.one_line_errors("bench_gemv", main), flags_parser=checks.flags_parser(
       "bench_gemv", values={"formats": (tuple(quant_matmul.FORMATS),),
-                            "implementations": (tuple(quant_matmul.IMPLEMENTATIONS) + ("bf16",),),
+                            "implementations": (tuple(quant_matmul.IMPLEMENTATIONS) + ("planar", "bf16"),),
                             "rows": (int, 1)}))

@@ -48,7 +48,7 @@ def define_flags():
   flags.DEFINE_string("dtype", "bfloat16", "weight/activation dtype")
   flags.DEFINE_string("weight_type", "", "a preset's matrices as random blocks of this format, kept quantized "
                       "(q8_0, q4_0, q4_k, q5_k, q6_k; '': dequantized in --dtype)")
-  flags.DEFINE_string("weights_impl", "xla", "the quantized product: xla, fused, pallas or pallas_gemv")
+  flags.DEFINE_string("weights_impl", "auto", "the quantized product: auto (planar on a GPU), xla, fused, pallas, pallas_gemv or planar")
   flags.DEFINE_list("contexts", ["32768", "131072"], "prompt lengths (tokens)")
   flags.DEFINE_list("kinds", ["fixed"], "cache kinds: fixed, adaptive, phased")
   flags.DEFINE_integer("n_predict", 1024, "decoded tokens a generation")
@@ -60,7 +60,8 @@ def define_flags():
   flags.DEFINE_bool("prefill_only", False, "time the prefill alone (one token decoded, no comparison forward)")
   flags.DEFINE_integer("profile_tokens", 0, "after the cases, a device timeline of a warmed prefill of this many "
                        "tokens on the first kind's cache: kernel time by family and the top kernels (0: none)")
-  flags.DEFINE_enum("gdn_impl", "xla", ["xla", "triton"], "the Gated DeltaNet's prefill form (api.load_model(gdn_impl=))")
+  flags.DEFINE_enum("gdn_impl", "auto", ["auto", "xla", "triton"], "the Gated DeltaNet's prefill form "
+                    "(api.load_model(gdn_impl=))")
   flags.DEFINE_bool("fuse", True, "join each block's same-input matrices into one product (api.load_model(fuse=))")
   flags.DEFINE_float("peak_tflops", 989.0, "the device's dense bf16 peak (TFLOP/s) for the prefill's MFU")
   flags.DEFINE_string("attn_impl", "auto", "span attention implementation")
@@ -242,7 +243,7 @@ def main(argv):
     from kvjax import checks
     checks.fail("bench_generate", str(e))
   log = {"device": str(jax.devices()[0]), "jax": jax.__version__, "load_s": time.perf_counter() - t0,
-         "weights": model.weights, "weight_bytes": api.weight_bytes(model),
+         "weights": model.weights, "gdn_impl_run": model.gdn_impl, "weight_bytes": api.weight_bytes(model),
          "flags": {k: FLAGS[k].value for k in ("model", "dtype", "weight_type", "weights_impl", "contexts", "kinds", "n_predict", "arena_mib",
                                                 "page_tokens", "copy_pages", "ubatch", "attn_impl", "warmup", "fuse", "gdn_impl",
                                                 "prefill_block", "prefill_only")},

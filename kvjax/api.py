@@ -102,7 +102,7 @@ class LoadedModel:
   weights: str = "dequantized"      # "quantized": matrices kept in their GGUF block format
   weights_impl: str = "xla"         # the quantized matrices' product (`kvjax_pallas.quant_matmul`)
   joined_products: int = 0          # matrices joined from a block's same-input parts (`kvjax.fused`)
-  gdn_impl: str = "xla"             # the Gated DeltaNet's prefill form (`kvjax.model.CHUNK_FORMS`)
+  gdn_impl: str = "xla"             # the Gated DeltaNet's prefill form run (`kvjax.model.CHUNK_FORMS`)
 
   @property
   def layout(self) -> PageLayout:
@@ -110,8 +110,7 @@ class LoadedModel:
 
 
 def weight_bytes(model: LoadedModel) -> int:
-  """Device bytes of the model's weights (quantized matrices at their stored size; a tied output
-  projection counted once)."""
+  """Device bytes of the model's weights (quantized matrices at their stored size; a tied output projection once)."""
   if not isinstance(model, LoadedModel):
     raise ParameterError(f"model must be a LoadedModel (api.load_model's), got {type(model).__name__}", "model")
   return qweights.runner_bytes(model.runner)
@@ -134,8 +133,8 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
                page_tokens: int = 256, k_type: str = "q8_0", v_type: str = "q4_0", attn_impl: str = "auto",
                block_pages: Union[int, str] = "auto", weight_seed: int = 0,
                tensor_parallel: int = 1, compile_cache: Union[bool, str, None] = None,
-               weights: Optional[str] = None, weights_impl: str = "xla",
-               weight_type: Optional[str] = None, fuse: bool = True, gdn_impl: str = "xla") -> LoadedModel:
+               weights: Optional[str] = None, weights_impl: str = "auto",
+               weight_type: Optional[str] = None, fuse: bool = True, gdn_impl: str = "auto") -> LoadedModel:
   """Build a model and its runner.
 
   Args:
@@ -160,17 +159,16 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       on the device and are dequantized as they are read: `kvjax.qweights`; other block types are
       dequantized at load, with a notice), "dequantized" (every weight in `dtype`), or None: quantized
       for a GGUF file on one device, else dequantized.
-    weights_impl: the quantized product: "xla" (dequantize in the step, then the dequantized weight's
-      product: the same logits), "fused" (for decode and verify rows the decode fused into one
-      multiply-and-sum: the stored bytes read once; prefill rows as "xla") or "pallas" / "pallas_gemv"
-      (`kvjax_pallas.quant_matmul`: dequantized in registers).
+    weights_impl: the quantized product: "auto" ("planar" on a GPU, else "xla"), "xla" (dequantize, then the
+      dequantized weight's product: the same logits), "fused" (decode rows as one multiply-and-sum), "pallas" /
+      "pallas_gemv" (kernels), "planar" (Q8_0 / Q4_0 / Q4_K repacked into planes at load; `kvjax.qweights`).
     weight_type: with `preset`, draw the matrices that may stay quantized as random blocks of this
       format (q8_0, q4_0, q4_k, q5_k, q6_k), kept quantized: the preset benchmarks as a quantized
       file of its geometry runs.
     fuse: join the matrices a block multiplies by the same input (FFN gate / up, attention q / k / v,
       Gated DeltaNet qkv / z / beta / alpha) into one product each (`kvjax.fused`; one device only):
       fewer, larger weight reads a decoded token.
-    gdn_impl: the Gated DeltaNet's prefill form, "xla" (`model.delta_rule_chunked`) or "triton" (Pallas kernels).
+    gdn_impl: the Gated DeltaNet's prefill form: "xla", "triton" (Pallas) or "auto" (triton on one GPU if it fits).
   """
   checks.check_types(preset=(preset, "str?"), page_tokens=(page_tokens, "int"), weight_seed=(weight_seed, "int"),
                      fuse=(fuse, "bool"))
@@ -178,8 +176,8 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
     raise ParameterError(f"dtype {dtype!r}: expected float32 or bfloat16", "dtype")
   if attn_impl not in IMPLEMENTATIONS + ("auto",):
     raise ParameterError(f"attn_impl {attn_impl!r}: expected auto or one of {', '.join(IMPLEMENTATIONS)}", "attn_impl")
-  if gdn_impl not in model_lib.CHUNK_FORMS:
-    raise ParameterError(f"gdn_impl {gdn_impl!r}: expected {' or '.join(model_lib.CHUNK_FORMS)}", "gdn_impl")
+  if gdn_impl not in ("auto",) + model_lib.CHUNK_FORMS:
+    raise ParameterError(f"gdn_impl {gdn_impl!r}: expected auto, {' or '.join(model_lib.CHUNK_FORMS)}", "gdn_impl")
   if page_tokens < 1:
     raise ParameterError(f"page_tokens must be >= 1, got {page_tokens}", "page_tokens")
   for name, kind in (("k_type", k_type), ("v_type", v_type)):
@@ -188,8 +186,8 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
   block_pages = parse_block_pages(block_pages)
   if weights not in (None,) + qweights.WEIGHTS:
     raise ParameterError(f"weights {weights!r}: expected {' or '.join(qweights.WEIGHTS)}", "weights")
-  if weights_impl not in qweights.IMPLEMENTATIONS:
-    raise ParameterError(f"weights_impl {weights_impl!r}: expected {' or '.join(qweights.IMPLEMENTATIONS)}",
+  if weights_impl not in ("auto",) + qweights.IMPLEMENTATIONS:
+    raise ParameterError(f"weights_impl {weights_impl!r}: expected auto, {' or '.join(qweights.IMPLEMENTATIONS)}",
                          "weights_impl")
   if weight_type is not None and (preset is None or weight_type not in qweights.FORMATS):
     raise ParameterError(f"weight_type {weight_type!r}: expected one of {', '.join(qweights.FORMATS)}, with a "
@@ -203,6 +201,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
     raise ModelNotFoundError(tiny.not_found(source, preset_arg=True), "source")
   cache_lib.enable(compile_cache)
   backend = jax.default_backend()
+  weights_impl = qweights.resolve_impl(weights_impl, backend)
   if attn_impl != "auto" or backend != "gpu":
     attn_impl = resolve_implementation(attn_impl)   # on a GPU "auto" stays: each call picks
   try:   # what the attention implementation takes ("auto" on a GPU may give any call to Triton)
@@ -218,10 +217,10 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       cfg = config_lib.preset(preset)
     except ValueError as e:
       raise ParameterError(f"preset: {e}", "preset") from None
-    _check_model(cfg, tensor_parallel, gdn_impl)
+    gdn_impl = _check_model(cfg, tensor_parallel, gdn_impl, backend)
     shapes = config_lib.gguf_tensor_shapes(cfg)
-    checks.check_model_fits(cfg, page_tokens, "preset", preset, qweights.memory_shapes(shapes, jdtype.itemsize, weight_type)
-                            if weight_type else shapes, jdtype, tensor_parallel)
+    mem = qweights.memory_shapes(shapes, jdtype.itemsize, weight_type, weights_impl) if weight_type else shapes
+    checks.check_model_fits(cfg, page_tokens, "preset", preset, mem, jdtype, tensor_parallel)
     weights = "quantized" if weight_type else "dequantized"
     model = engine.build_model(cfg, weights_lib.iter_random_device_tensors(cfg, weight_seed, dtype,
                                                                            weight_type=weight_type,
@@ -240,7 +239,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       if tiny.is_builtin(source):
         raise ParameterError(str(e), "source") from None
       raise
-    _check_model(cfg, tensor_parallel, gdn_impl)
+    gdn_impl = _check_model(cfg, tensor_parallel, gdn_impl, backend)
     shapes = config_lib.gguf_tensor_shapes(cfg, False)
     checks.check_model_fits(cfg, page_tokens, "source", source, qweights.memory_shapes(shapes, jdtype.itemsize)
                             if weights == "quantized" else shapes, jdtype, tensor_parallel)
@@ -264,13 +263,14 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
                      weights_impl, joined, gdn_impl)
 
 
-def _check_model(cfg: config_lib.ModelConfig, n: int, gdn_impl: str) -> None:   # before the weights are placed
-  for param, check in (("tensor_parallel", lambda: parallel.check_tensor_parallel(cfg, n)),
-                       ("gdn_impl", lambda: model_lib.check_chunk_form(cfg, gdn_impl))):
+def _check_model(cfg: config_lib.ModelConfig, n: int, gdn_impl: str, backend: str) -> str:   # before the weights
+  for param, check in (("tensor_parallel", lambda: parallel.check_tensor_parallel(cfg, n)),   # are placed
+                       ("gdn_impl", lambda: model_lib.check_chunk_form(cfg, gdn_impl, backend, n))):
     try:
-      check()
+      gdn_impl = check() or gdn_impl
     except ValueError as e:
       raise ParameterError(str(e), param) from None
+  return gdn_impl
 
 
 def tensor_parallel(model: LoadedModel) -> int:

@@ -73,9 +73,11 @@ def _model_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_enum("weights", "auto", ["auto", "quantized", "dequantized"], "quantized: a GGUF's Q8_0 / Q4_0 / "
                     "Q4_K / Q5_K / Q6_K matrices stay in their blocks on the device, dequantized as read (auto: "
                     "quantized for a GGUF on one device); dequantized: every weight in --dtype", flag_values=fv)
-  flags.DEFINE_enum("weights-impl", "xla", ["xla", "fused", "pallas", "pallas_gemv"], "the quantized "
-                    "product: xla (dequantize, then the dense product: the dequantized model's logits), fused "
-                    "(decode rows as one multiply-and-sum), pallas / pallas_gemv (kernels)", flag_values=fv)
+  flags.DEFINE_enum("weights-impl", "auto", ["auto", "xla", "fused", "pallas", "pallas_gemv", "planar"], "the "
+                    "quantized product: auto (planar on a GPU, else xla), xla (dequantize, then the dense product: "
+                    "the dequantized model's logits), fused "
+                    "(decode rows as one multiply-and-sum), pallas / pallas_gemv (kernels), planar (Q8_0 / Q4_0 / "
+                    "Q4_K repacked into planes at load)", flag_values=fv)
   flags.DEFINE_bool("fuse", True, "join each block's same-input matrices into one product (--nofuse: apart)",
                     flag_values=fv)
   flags.DEFINE_string("weight-type", "", "with a preset (--model qwen38_27b): its matrices as random blocks of "
@@ -91,8 +93,9 @@ def _model_flags(fv: flags.FlagValues) -> None:
                       "mosaic for each call it takes: decode, verify, prefill chunks; triton for the rest; "
                       "reference elsewhere) | reference | triton | mosaic; without a GPU a kernel runs in "
                       "Pallas interpret mode (slow)", flag_values=fv)
-  flags.DEFINE_string("gdn-impl", "xla", "the Gated DeltaNet's prefill form: xla | triton (Pallas kernels; "
-                      "interpret mode without a GPU)", flag_values=fv)
+  flags.DEFINE_string("gdn-impl", "auto", "the Gated DeltaNet's prefill form: auto (triton on one NVIDIA GPU "
+                      "where the kernels take the heads, else xla) | xla | triton (Pallas kernels; interpret mode "
+                      "without a GPU)", flag_values=fv)
   flags.DEFINE_string("attn-block-pages", "auto", "pages per logical partition of the attention "
                       "core (an int >= 1), or auto (sized to the table and the GPU)", flag_values=fv)
   flags.DEFINE_string("compile-cache-dir", "", "JAX's persistent compilation cache: a folder ('' = "

@@ -47,8 +47,8 @@ PREFIX, ROWS = "fused_", "fused_rows_"
 SLACK_BYTES = 256 << 20   # free beyond a join on the device: the allocator's rounding, a program's scratch
 
 
-def _data(w):
-  return w.data if isinstance(w, QuantizedWeight) else w
+def _arrays(w) -> tuple:
+  return w.arrays() if isinstance(w, QuantizedWeight) else (w,)
 
 
 def device_room(arrays) -> Optional[int]:
@@ -67,10 +67,11 @@ def device_room(arrays) -> Optional[int]:
 
 def _through_host(ws) -> Tuple[list, object]:
   """The parts' copies on the host (numpy), the parts freed on the device -> (copies, device)."""
-  device = next(iter(_data(ws[0]).devices()))
+  device = next(iter(_arrays(ws[0])[0].devices()))
   host = jax.device_get(ws)
   for w in ws:
-    _data(w).delete()
+    for a in _arrays(w):
+      a.delete()
   return host, device
 
 
@@ -88,11 +89,12 @@ def _joined(ws):
   """The matrices `ws` as one (rows stacked), or None where they cannot be one."""
   if not _joinable(ws):
     return None
-  data = [_data(w) for w in ws]
-  cat = np.concatenate if all(isinstance(d, np.ndarray) for d in data) else jnp.concatenate
+  parts = [_arrays(w) for w in ws]
+  cat = np.concatenate if all(isinstance(a, np.ndarray) for p in parts for a in p) else jnp.concatenate
+  joined = [cat(list(same)) for same in zip(*parts)]   # the bytes (values), and the scales of planes
   if isinstance(ws[0], QuantizedWeight):
-    return QuantizedWeight(cat(data), ws[0].fmt, ws[0].k, ws[0].dtype_name, ws[0].impl)
-  return cat(data)
+    return QuantizedWeight(joined[0], ws[0].fmt, ws[0].k, ws[0].dtype_name, ws[0].impl, *joined[1:])
+  return joined[0]
 
 
 def fuse_projections(model) -> int:
@@ -111,9 +113,9 @@ def fuse_projections(model) -> int:
       if not _joinable(parts):
         continue
       rows = tuple(int(w.shape[0]) for w in parts)
-      room = device_room([_data(w) for w in parts])
+      room = device_room([a for w in parts for a in _arrays(w)])
       device = None
-      if room is not None and sum(_data(w).nbytes for w in parts) + SLACK_BYTES > room:
+      if room is not None and sum(int(w.nbytes) for w in parts) + SLACK_BYTES > room:
         parts, device = _through_host(parts)
       try:
         joined = _joined(parts)
@@ -127,7 +129,7 @@ def fuse_projections(model) -> int:
           for n, w in zip(group, parts):
             getattr(module, n).set_value(jax.device_put(w, device))
         module.fused_groups = tuple(done)
-        warnings.warn(f"kvjax.fused: the device has no free block of {sum(_data(w).nbytes for w in parts) >> 20} "
+        warnings.warn(f"kvjax.fused: the device has no free block of {sum(int(w.nbytes) for w in parts) >> 20} "
                       f"MiB for a join; {made} joined, the rest kept apart (fuse=False avoids the attempt)")
         return made
       for n in group:

@@ -506,6 +506,9 @@ def write_gguf(path, config: ModelConfig, tensors: Mapping[str, np.ndarray],
 
   for t in sorted(tensors, key=_tensor_order):
     if isinstance(tensors[t], QuantizedWeight):    # bytes already in a block format: as they are
+      if tensors[t].scales is not None:
+        raise GGUFError(path, f"tensor {t}: weights repacked into planes (weights_impl 'planar') are not ggml "
+                              f"blocks; load the model with another weights_impl to write it")
       w.add_tensor(t, np.asarray(tensors[t].data, np.uint8), raw_dtype=QT[tensors[t].fmt.upper()])
       continue
     arr = np.asarray(tensors[t])

@@ -77,7 +77,8 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
       fixed split, pinned host memory), the grant less the staging reserve of in-flight uploads.
     weight_type: the weights' device bytes: "bf16" / "f16" / "f32" every weight at that size, or a
       block format (q8_0, q4_0, q4_k, q5_k, q6_k) for the matrices that stay quantized
-      (`kvjax.qweights`), the rest in bf16.
+      (`kvjax.qweights`) at their file's bytes, the rest in bf16 (a GPU's default product, "planar",
+      holds Q4_K matrices at 6 bits a value, 4/3 of these bytes).
   """
   if not 1 <= context_tokens <= checks.MAX_POSITIONS:
     raise ValueError(f"context_tokens must be in 1..{checks.MAX_POSITIONS} (int32 token positions), "

@@ -1,20 +1,18 @@
 """Qwen3.8-style hybrid target (Gated DeltaNet + gated attention) and its MTP head, in Flax NNX.
 
-The math is that of docs/reference-design.md ("Model architecture"), in GGUF conventions:
-every parameter keeps its GGUF name (dots -> underscores, `.weight` dropped)
-and GGUF shape (`[out, in]`, applied as `x @ W.T`), norm weights are stored
-with the +1 folded in, and Gated DeltaNet value head j reads key head j % Hk.
+The math is that of docs/reference-design.md ("Model architecture"), in GGUF conventions: every
+parameter keeps its GGUF name (dots -> underscores, `.weight` dropped) and GGUF shape (`[out, in]`,
+applied as `x @ W.T`), norm weights are stored with the +1 folded in, and Gated DeltaNet value head
+j reads key head j % Hk.
 
-Structure. Blocks are grouped into `LayerGroup`s: a run of recurrent blocks
-followed by (at most) one attention block — 3 GDN + 1 attention for the 27B.
-Every group of the model has the same structure, so one compiled group step
-serves all 16 groups (compile time does not grow with depth), and a streamed
-runtime can stage the next group's KV pages between group steps.
+Structure. Blocks are grouped into `LayerGroup`s: a run of recurrent blocks followed by (at most)
+one attention block — 3 GDN + 1 attention for the 27B. Every group of the model has the same
+structure, so one compiled group step serves all 16 groups (compile time does not grow with
+depth), and a streamed runtime can stage the next group's KV pages between group steps.
 
-Attention reads and writes KV through the paged pool (`kvjax_pallas.page_layout`):
-new K/V rows are encoded with the ggml codec and written into their page
-first, then span attention runs over the layer's page table. The plain cache
-is the same pool with an identity page table.
+Attention reads and writes KV through the paged pool (`kvjax_pallas.page_layout`): new K/V rows are
+encoded with the ggml codec and written into their page first, then span attention runs over the
+layer's page table. The plain cache is the same pool with an identity page table.
 """
 
 from __future__ import annotations
@@ -56,9 +54,8 @@ _SUM_AXIS: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("kvjax
 
 @contextlib.contextmanager
 def sum_over(axis: str):
-  """Trace the modules as one shard of a tensor-parallel model (`kvjax.parallel`): each block's
-  output projections (attention output, Gated DeltaNet output, FFN down) hold a partial sum over
-  the heads / FFN columns of this device, and `block_sum` all-reduces it over mesh axis `axis`."""
+  """Trace the modules as one shard of a tensor-parallel model (`kvjax.parallel`): each block's output projections
+  (attention, Gated DeltaNet, FFN down) hold this device's partial sum; `block_sum` all-reduces it over `axis`."""
   token = _SUM_AXIS.set(axis)
   try:
     yield
@@ -401,19 +398,22 @@ def delta_rule_chunked(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, chunk: int
 CHUNK_FORMS = ("xla", "triton")   # the prefill's delta rule: delta_rule_chunked, the Pallas kernel
 
 
-def check_chunk_form(cfg: ModelConfig, form: str) -> None:
-  """A ValueError naming gdn_impl unless `form` can run this model's Gated DeltaNet heads."""
+def check_chunk_form(cfg: ModelConfig, form: str, backend: str = "cpu", devices: int = 1) -> str:
+  """-> the prefill form to run: `form`; for "auto" "triton" on one GPU if the kernels take the heads, else "xla"."""
+  d = cfg.linear_head_dim
+  if form == "auto":   # (the kernels inside a shard_map: not measured)
+    return "triton" if backend == "gpu" and devices == 1 and delta_rule_triton.kernel_sizes_ok(d, d) else "xla"
   if form == "triton":
     try:
-      delta_rule_triton.check_kernel_sizes(cfg.linear_head_dim, cfg.linear_head_dim)
+      delta_rule_triton.check_kernel_sizes(d, d)
     except ValueError as e:
       raise ValueError(f"gdn_impl 'triton': the model's Gated DeltaNet heads: {e} (gdn_impl 'xla' takes any)") from None
+  return form
 
 
 def set_chunk_form(model: nnx.Module, form: str, interpret: bool = False) -> int:
-  """Every Gated DeltaNet of `model` runs its chunked (prefill) delta rule as `form`: "xla" (`delta_rule_chunked`)
-  or "triton" (`kvjax_pallas.delta_rule`; `interpret` without a GPU). Part of the modules' static
-  structure: set it before the model is split into steps. -> how many layers it set."""
+  """Every Gated DeltaNet of `model` runs its prefill delta rule as `form` ("xla" or "triton"; `interpret` without
+  a GPU): static structure, set before the model is split into steps. -> how many layers it set."""
   if form not in CHUNK_FORMS:
     raise ValueError(f"gdn_impl {form!r}: expected one of {', '.join(CHUNK_FORMS)}")
   mixers = [m for _, m in nnx.iter_graph(model) if isinstance(m, GatedDeltaNet)]

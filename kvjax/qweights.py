@@ -7,11 +7,14 @@ stay as ggml stored them, one row of blocks per output row, and are dequantized 
     y_sn = linear(x_sk, w)            # x @ dequantize(w).T, f32 accumulation (`kvjax.model.linear`)
     e_se = w[tokens_s]                # embedding rows, dequantized (a gather of their bytes first)
 
-A `QuantizedWeight` is a pytree whose one leaf is the bytes (format, row length, compute dtype and
+A `QuantizedWeight` is a pytree whose leaf is the bytes (format, row length, compute dtype and
 implementation are static), so it sits in an `nnx.Param` like any weight, is split with the model
 and passed to the compiled steps as a leaf. The product runs `kvjax_pallas.quant_matmul.quant_matmul`:
 "xla" (dequantize, then the same product as a dequantized weight's: bit for bit the logits of a
-model dequantized at load) or "pallas" (the kernel that dequantizes in registers).
+model dequantized at load) or "pallas" (the kernel that dequantizes in registers). With "planar"
+(`kept(..., impl="planar")`) a Q8_0 / Q4_0 / Q4_K matrix is repacked at load into a plane of its
+values (`data`) and one of its scales (`scales`, a second leaf), read by XLA's own reductions for a
+decode row (`kvjax_pallas.quant_matmul.planar`); its other formats keep ggml's rows ("xla").
 
 Tensors that stay dequantized: 1-D tensors, `ssm_conv1d` (a convolution, not a product) and any
 matrix stored in another type (F32 / F16 / BF16 as they are; other block types are dequantized at
@@ -32,7 +35,7 @@ from kvjax_pallas.quant_matmul import api as qmm
 
 FORMATS = tuple(qmm.FORMATS)                 # formats kept quantized ("q8_0", "q4_0", "q4_k", ...)
 WEIGHTS = ("quantized", "dequantized")       # load_model(weights=)
-IMPLEMENTATIONS = qmm.IMPLEMENTATIONS          # load_model(weights_impl=): "xla", "pallas", "pallas_gemv"
+IMPLEMENTATIONS = qmm.IMPLEMENTATIONS + ("planar",)   # load_model(weights_impl=): "xla", ..., "planar"
 # matrices read only through `linear` or an embedding gather (what may stay quantized)
 _PRODUCT_LEAVES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
                    "ffn_up.weight", "ffn_down.weight", "attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight",
@@ -42,12 +45,14 @@ _PRODUCT_LEAVES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_outp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-  """A matrix [N, K] as ggml blocks: `data` [N, row_bytes(fmt, K)] uint8."""
+  """A matrix [N, K] as ggml blocks: `data` [N, row_bytes(fmt, K)] uint8; or, `impl` "planar", as
+  planes: `data` the values, `scales` the scales (`kvjax_pallas.quant_matmul.planar.to_planes`)."""
   data: jax.Array
   fmt: str = dataclasses.field(metadata=dict(static=True))
   k: int = dataclasses.field(metadata=dict(static=True))
   dtype_name: str = dataclasses.field(default="float32", metadata=dict(static=True))
   impl: str = dataclasses.field(default="xla", metadata=dict(static=True))
+  scales: Optional[jax.Array] = None
 
   @property
   def shape(self) -> Tuple[int, int]:
@@ -64,23 +69,50 @@ class QuantizedWeight:
 
   @property
   def nbytes(self) -> int:
-    return int(self.data.nbytes)
+    return sum(int(a.nbytes) for a in self.arrays())
+
+  def arrays(self) -> tuple:
+    """The device arrays: the bytes (or values plane) and, planar, the scales."""
+    return (self.data,) if self.scales is None else (self.data, self.scales)
 
   def __getitem__(self, index):
     if index is Ellipsis:            # `param[...]`, as the model reads every weight
       return self
+    if self.scales is not None:
+      return qmm.dequantize_planes(self.data[index], self.scales[index], self.fmt, self.k, self.dtype)
     return qmm.dequantize(self.data[index], self.fmt, self.k, self.dtype)
 
   def dequantize(self):
+    if self.scales is not None:
+      return qmm.dequantize_planes(self.data, self.scales, self.fmt, self.k, self.dtype)
     return qmm.dequantize(self.data, self.fmt, self.k, self.dtype)
 
   def matmul(self, x):
     """x [..., K] @ dequantize(self).T -> [..., N] float32."""
     lead = x.shape[:-1]
     x_sk = x.reshape((-1, self.k)).astype(self.dtype)
+    if self.scales is not None:
+      return qmm.planar_matmul(x_sk, self.data, self.scales, self.fmt, self.k).reshape(lead + (self.shape[0],))
     y = qmm.quant_matmul(x_sk, self.data, self.fmt, self.k, implementation=self.impl,
                          interpret=jax.default_backend() != "gpu")   # the kernel compiles for GPUs
     return y.reshape(lead + (self.shape[0],))
+
+
+def kept(rows, fmt: str, k: int, dtype_name: str = "float32", impl: str = "xla") -> QuantizedWeight:
+  """A matrix kept quantized from its ggml rows (numpy): with `impl` "planar" repacked into planes on
+  the device (formats `qmm.PLANAR_FORMATS`; others keep their rows: "pallas_gemv" on a GPU, else "xla")."""
+  if impl == "planar":
+    if fmt not in qmm.PLANAR_FORMATS:   # the GEMV kernel on a GPU (2026-12-06, H100: 4x "xla" in a 27B decode)
+      return QuantizedWeight(rows, fmt, k, dtype_name, "pallas_gemv" if jax.default_backend() == "gpu" else "xla")
+    values, scales = qmm.to_planes(rows, fmt, k)
+    return QuantizedWeight(values, fmt, k, dtype_name, impl, scales)
+  return QuantizedWeight(rows, fmt, k, dtype_name, impl)
+
+
+def resolve_impl(impl: str, backend: str) -> str:
+  """`load_model(weights_impl="auto")`: "planar" on a GPU (the fastest 27B decode measured:
+  docs/PERFORMANCE.md, "Quantized weights"), "xla" elsewhere (the dequantized model's bits)."""
+  return ("planar" if backend == "gpu" else "xla") if impl == "auto" else impl
 
 
 def block_values(fmt: str) -> int:
@@ -122,7 +154,7 @@ def quantized_tensors(gguf_model, dtype=np.float32, impl: str = "xla", dtype_nam
     fmt = ggml_format(type_name)
     if fmt is not None and keeps_quantized(name) and len(info.shape) == 2:
       rows = np.asarray(gguf_model.raw_bytes(name)).reshape(info.shape[0], -1)
-      yield name, QuantizedWeight(rows, fmt, int(info.shape[1]), dtype_name, impl)
+      yield name, kept(rows, fmt, int(info.shape[1]), dtype_name, impl)
       continue
     if type_name not in ("F32", "F16", "BF16") and len(info.shape) == 2:
       dequantized.add(type_name)
@@ -163,19 +195,25 @@ def random_quantized(fmt: str, n: int, k: int, seed: int = 0, std: Optional[floa
 
 def with_dtype(w: QuantizedWeight, dtype_name: str) -> QuantizedWeight:
   """`w` computing in `dtype_name` (the model's), its bytes on the device."""
-  return dataclasses.replace(w, data=jnp.asarray(w.data), dtype_name=dtype_name)
+  return dataclasses.replace(w, data=jnp.asarray(w.data), dtype_name=dtype_name,
+                             scales=None if w.scales is None else jnp.asarray(w.scales))
 
 
-def memory_shapes(shapes, itemsize: int, fmt: Optional[str] = None):
+def memory_shapes(shapes, itemsize: int, fmt: Optional[str] = None, impl: str = "xla"):
   """{name: shape} the weight-memory check counts at `itemsize` bytes a value, for weights whose
   kept matrices are quantized: those come as one flat shape of their `fmt` bytes (rows of whole
-  blocks), or are left out where the format is not known yet (a GGUF's, read later: a lower
-  bound)."""
+  blocks; planes for `impl` "planar"), or are left out where the format is not known yet (a
+  GGUF's, read later: a lower bound)."""
   out = {n: s for n, s in shapes.items() if not keeps_quantized(n)}
   if fmt is not None:
     f = qmm.FORMATS[fmt]
-    kept = sum(s[0] * -(-s[1] // f.block_values) * f.block_bytes for n, s in shapes.items() if keeps_quantized(n))
-    out["(quantized matrices)"] = (-(-kept // itemsize),)
+
+    def size(n, k):
+      if impl == "planar" and fmt in qmm.PLANAR_FORMATS and k % f.block_values == 0:
+        return qmm.planes_nbytes(fmt, n, k)
+      return n * -(-k // f.block_values) * f.block_bytes
+    total = sum(size(*s) for n, s in shapes.items() if keeps_quantized(n))
+    out["(quantized matrices)"] = (-(-total // itemsize),)
   return out
 
 

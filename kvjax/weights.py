@@ -9,7 +9,6 @@ Hugging Face's +1 already folded in; `ssm_a = -exp(A_log) < 0`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
@@ -68,7 +67,7 @@ def iter_random_device_tensors(cfg: ModelConfig, seed: int = 0, dtype="bfloat16"
   for k, (name, shape) in enumerate(sorted(gguf_tensor_shapes(cfg, include_optional).items())):
     if block is not None and qweights.keeps_quantized(name) and len(shape) == 2 and shape[1] % block == 0:
       w = qweights.random_quantized(weight_type, shape[0], shape[1], seed=seed * 1_000_003 + k)
-      yield name, dataclasses.replace(w, impl=weights_impl)
+      yield name, qweights.kept(w.data, weight_type, shape[1], impl=weights_impl)
       continue
     kk = jax.random.fold_in(key, k)
     leaf = name.split(".", 2)[-1] if name.startswith("blk.") else name

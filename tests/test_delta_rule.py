@@ -51,7 +51,7 @@ def test_matches_the_f64_oracle(impl, case):
 
 
 def test_every_option_gives_the_same_result():
-  """The substitution (row a step, blocks, tiles), chunk, value block, the scan in one call or two
+  """The substitution (row a step, blocks), chunk, value block, the scan in one call or two
   and the precision names change how, not what: each within float32 rounding of the default."""
   s, h, dk, dv = 96, 2, 32, 32
   args = [jnp.asarray(x) for x in _inputs(5, s, h, dk, dv)]
@@ -59,9 +59,8 @@ def test_every_option_gives_the_same_result():
   want_state, want_o = ref.delta_rule_numpy(*args)
   variants = [dataclasses.replace(base, sub_block=0), dataclasses.replace(base, sub_block=32),
               dataclasses.replace(base, chunk=16, sub_block=16), dataclasses.replace(base, block_v=32),
-              dataclasses.replace(base, num_stages=2, num_warps=8), dataclasses.replace(base, split_output=True),
-              dataclasses.replace(base, split_output=True, sub_block=0, block_v=32),
-              dataclasses.replace(base, prep_tiles=True), dataclasses.replace(base, prep_tiles=True, split_output=True)]
+              dataclasses.replace(base, num_stages=2, num_warps=8), dataclasses.replace(base, split_output=False),
+              dataclasses.replace(base, split_output=False, sub_block=0, block_v=32)]
   for opts in [base] + variants:
     state, o = triton.delta_rule_chunked_triton(*args, options=opts, interpret=INTERPRET)
     assert _rel(o, want_o) <= TOL and _rel(state, want_state) <= TOL, opts
@@ -121,7 +120,6 @@ def test_operands_that_do_not_agree_are_named(change, what):
     (dict(options=triton.DeltaRuleOptions(num_warps=0)), "options.num_warps is 0, needs >= 1"),
     (dict(options=triton.DeltaRuleOptions(chunk="64")), "options.chunk must be an int, got '64'"),
     (dict(options={"chunk": 16}), "options must be a DeltaRuleOptions, got dict"),
-    (dict(options=triton.DeltaRuleOptions(sub_block=0, prep_tiles=True)), "prep_tiles needs sub_block"),
     (dict(precision="f16"), "precision 'f16', needs one of"),
     (dict(implementation="cuda"), "implementation 'cuda'"),
 ])
@@ -166,8 +164,23 @@ def test_the_models_prefill_with_the_kernel(tmp_path):
     runs.append((res.tokens, np.stack(rows)))
   assert runs[0][0] == runs[1][0]
   assert_same_logits(runs[1][1], runs[0][1])
-  with pytest.raises(kapi.ParameterError, match="gdn_impl 'pallas': expected xla or triton"):
+  assert xla.gdn_impl == "xla" and model.gdn_impl == "triton"     # "auto" on a CPU: XLA's form
+  with pytest.raises(kapi.ParameterError, match="gdn_impl 'pallas': expected auto, xla or triton"):
     kapi.load_model("tiny", gdn_impl="pallas")
   with pytest.raises(kapi.ParameterError, match="gdn_impl 'triton': the model's Gated DeltaNet heads: "
                                                 "delta_rule: head_dim \\(dk\\) is 24, needs a power of two >= 16"):
     kapi.load_model(_tiny_gguf_with_heads_of(24, tmp_path), gdn_impl="triton")
+
+
+def test_auto_picks_the_kernels_on_one_gpu_where_they_take_the_heads():
+  """gdn_impl "auto" (load_model's default): "triton" on one GPU for heads the kernels take; "xla"
+  on a CPU, across devices (the kernels inside a shard_map are not measured) and for other heads."""
+  from kvjax import model as kmodel
+  from kvjax import tiny
+  cfg, odd = tiny.tiny_config(), tiny.tiny_config(linear_head_dim=24)
+  assert kmodel.check_chunk_form(cfg, "auto", "gpu", 1) == "triton"
+  assert [kmodel.check_chunk_form(c, "auto", b, n) for c, b, n in
+          ((cfg, "cpu", 1), (cfg, "gpu", 2), (odd, "gpu", 1))] == ["xla"] * 3
+  assert kmodel.check_chunk_form(odd, "xla", "gpu", 1) == "xla"
+  with pytest.raises(ValueError, match="gdn_impl 'triton': the model's Gated DeltaNet heads"):
+    kmodel.check_chunk_form(odd, "triton", "gpu", 1)

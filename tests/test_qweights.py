@@ -63,14 +63,15 @@ def test_quantized_logits_equal_dequantized(tmp_path, fmt):
   assert np.array_equal(lq, lp) and np.array_equal(mq, mp)
 
 
-@pytest.mark.parametrize("impl", ["pallas", "pallas_gemv", "fused"])
+@pytest.mark.parametrize("impl", ["pallas", "pallas_gemv", "fused", "planar"])
 def test_pallas_quantized_logits_within_1e3_of_dequantized(tmp_path, impl):
   """The products that dequantize as they read (the kernels in interpret mode here), Q4_K layers:
   the target's and the MTP head's logits within 1e-3 of the largest (float32), the same top-1 on
   every row. The matmul kernel runs 8-row forwards; "pallas_gemv" a 2-row forward (the matmul
   kernel: it routes more than one row there) and the MTP head's 1-row forward (the GEMV,
   interpreted a row at a time; its row padding and splits: tests/test_quant_matmul.py); "fused"
-  2-row forwards (the multiply-and-sum)."""
+  2-row forwards (the multiply-and-sum); "planar" the dequantized planes' dot for the target's 2 rows,
+  the planes' multiply-and-sum for the MTP head's row."""
   cfg = config_lib.tiny(**WIDE)
   _, quant, plain = _models(_write(tmp_path / "q4_k.gguf", cfg, "q4_k"), impl=impl)
   n = 8 if impl == "pallas" else 2
@@ -92,6 +93,26 @@ def test_code_tiny_quantized_takes_its_file_bytes_and_generates_the_same():
   a = api.generate(quant, prompt="def main(", n_predict=12)
   b = api.generate(plain, prompt="def main(", n_predict=12)
   assert a.tokens == b.tokens
+
+
+def test_code_tiny_planar_takes_its_file_bytes_and_decodes_within_rounding():
+  """weights_impl "planar": the Q8_0 matrices as planes (values and f16 scales: the file's bytes),
+  joined as the blocks are; greedy decoding gives the dequantized model's tokens, every decode
+  step's logits within float32 rounding of its."""
+  g = gguf_io.read_gguf(tiny.builtin_path("code-tiny"))
+  file_bytes = sum(g.tensor_info(n).nbytes for n in g.tensor_names())
+  planar = api.load_model("code-tiny", weights_impl="planar", compile_cache=False)
+  plain = api.load_model("code-tiny", weights="dequantized", compile_cache=False)
+  dtypes = {jnp.dtype(x.dtype).name for x in jax.tree_util.tree_leaves([x for _, x in planar.runner.groups])}
+  assert {"int8", "float16"} <= dtypes and planar.weights_impl == "planar"    # Q8_0 values and scales planes
+  assert api.weight_bytes(planar) <= 1.15 * file_bytes
+  runs = []
+  for model in (planar, plain):
+    rows = []
+    res = api.generate(model, prompt="def main(", n_predict=12, on_logits=lambda _, lg: rows.append(np.asarray(lg)))
+    runs.append((res.tokens, np.stack(rows)))
+  assert runs[0][0] == runs[1][0]
+  assert np.abs(runs[0][1] - runs[1][1]).max() <= 1e-4 * np.abs(runs[1][1]).max()
 
 
 def test_q8_0_tiny_file_loads_quantized_by_default(tmp_path):

@@ -13,8 +13,7 @@ work out of the scan over chunks pay? Variants, each jitted alone over S rows:
   triton      `kvjax_pallas.delta_rule` (two Pallas calls a layer: the chunk-parallel part, then
               one program a (head, value block) walking the chunks with its state block on
               chip), at each of --precisions ("default": each kernel's own), --block_v and
-              --split_output (the scan as a serial state call + a parallel output call) and
-              --prep_tiles (the prep on 16-row tiles: no [C, C] products), each
+              --split_output (the scan as a serial state call + a parallel output call), each
               chunk size 16 or more (a kernel that fails to build prints
               its error and the probe goes on)
 
@@ -34,7 +33,6 @@ bit-equality across programs), so it waits for a measured share that pays for re
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import os
 import time
@@ -56,7 +54,6 @@ def define_flags():
                     "tf32x3, bf16x6, ieee, tf32 for both)")
   flags.DEFINE_list("block_v", ["32"], "the kernel's value columns a scan program")
   flags.DEFINE_list("split_output", ["0", "1"], "the kernel's scan in one call (0) or two (1)")
-  flags.DEFINE_list("prep_tiles", ["0", "1"], "the kernel's prep on [C, C] tiles (0) or 16-row tiles (1)")
   flags.DEFINE_integer("num_warps", 4, "the kernel's warps a scan program")
   flags.DEFINE_integer("iters", 10, "calls a round")
   flags.DEFINE_integer("rounds", 5, "rounds (median)")
@@ -140,10 +137,10 @@ def main(argv):
     for c in chunks:
       for prec in (["default"] if small else FLAGS.precisions):
         for bv in ([16] if small else [int(x) for x in FLAGS.block_v]):
-          for split, tiles in itertools.product(*([int(x) for x in f] for f in (FLAGS.split_output, FLAGS.prep_tiles))):
+          for split in [int(x) for x in FLAGS.split_output]:
             opts = dr_triton.DeltaRuleOptions(chunk=c, block_v=bv, num_warps=FLAGS.num_warps, split_output=bool(split),
-                                              sub_block=min(16, c), prep_tiles=bool(tiles))
-            cases.append((f"triton {prec} bv{bv}{' split' if split else ''}{' tiles' if tiles else ''}", c,
+                                              sub_block=min(16, c))
+            cases.append((f"triton {prec} bv{bv}{' split' if split else ''}", c,
                           functools.partial(dr_triton.delta_rule_chunked_triton, options=opts,
                                             precision=None if prec == "default" else prec, interpret=interpret)))
     for name, c, fn in cases:

@@ -13,13 +13,12 @@ Two calls a layer:
   `_prep_kernel`  grid (chunks, heads): every chunk at once. gamma (a cumulative sum), T by
                   forward substitution (C steps on a [C, C] tile: row i of T is final once the
                   columns before it are folded in; or 16-row diagonal blocks at once, then the
-                  blocks below by products; or, `prep_tiles`, tile by tile, `_prep_tiles_kernel`),
-                  then W, U and P. Writes gamma [S, H],
+                  blocks below by products), then W, U and P. Writes gamma [S, H],
                   W [S, H, dk], U [S, H, dv], P [chunks, H, C, C].
   `_scan_kernel`  grid (heads, value blocks): a [dk, block_v] block of the state stays on chip
                   while the program walks the chunks in order (the value columns of the delta rule
                   are independent given K), three products and one update a chunk. With
-                  `DeltaRuleOptions.split_output` two calls instead: `_state_kernel` (the serial
+                  `DeltaRuleOptions.split_output` (the default) two calls instead: `_state_kernel` (the serial
                   part, D and the update: two products a chunk; writes D and each chunk's starting
                   state) and `_output_kernel` (grid chunks x heads x value blocks: O at once).
 
@@ -71,8 +70,7 @@ class DeltaRuleOptions:
   scan_precision: str = "tf32x3"  # `PRECISIONS`
   prep_num_warps: int = 4
   prep_precision: str = "bf16x6"
-  prep_tiles: bool = False        # the prep by tiles of sub_block rows (`_prep_tiles_kernel`)
-  split_output: bool = False      # the scan as a serial call of two products a chunk (D and each
+  split_output: bool = True       # the scan as a serial call of two products a chunk (D and each
                                   # chunk's starting state) and a chunk-parallel call for O
   sub_block: int = 16             # T's forward substitution: 0 one row a step over the chunk; B (a
                                   # power of two dividing the chunk): B steps over the diagonal BxB
@@ -81,6 +79,10 @@ class DeltaRuleOptions:
 
 def _pow2(x: int) -> bool:
   return x >= 16 and x & (x - 1) == 0
+
+
+def kernel_sizes_ok(dk: int, dv: int) -> bool:
+  return _pow2(dk) and _pow2(dv)
 
 
 def check_kernel_sizes(dk: int, dv: int) -> None:
@@ -122,8 +124,6 @@ def check_shapes(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, options: Optiona
   if options.sub_block and (not _pow2(options.sub_block) or options.chunk % options.sub_block):
     raise ValueError(f"delta_rule: sub_block {options.sub_block}, needs 0 or a power of two >= 16 dividing the "
                      f"chunk {options.chunk}")
-  if options.prep_tiles and not options.sub_block:
-    raise ValueError("delta_rule: prep_tiles needs sub_block, the rows of a tile (a power of two >= 16)")
   for name in ("num_warps", "num_stages", "prep_num_warps"):
     if getattr(options, name) < 1:
       raise ValueError(f"delta_rule: options.{name} is {getattr(options, name)}, needs >= 1")
@@ -203,54 +203,6 @@ def _row_substitution(m_bb, ti, tj, rows: int):
   return lax.fori_loop(0, rows, substitute, jnp.where(ti == tj, 1.0, 0.0).astype(jnp.float32))
 
 
-def _prep_tiles_kernel(q_ref, k_ref, v_ref, g_ref, b_ref,      # as `_prep_kernel`
-                       gam_ref, w_ref, u_ref, p_ref,
-                       *, chunk: int, tile: int, prec):
-  """`_prep_kernel`'s results from tiles of `tile` rows (`DeltaRuleOptions.prep_tiles`): M and
-  Q K^T by tile pairs, T's diagonal tiles by row substitution, the tiles below them by
-  T_ab = -T_aa sum_c M_ac T_cb, then W, U by tile products: no product of [C, C] tiles."""
-  ci, hh = pl.program_id(0), pl.program_id(1)
-  nt = chunk // tile
-  ti = lax.broadcasted_iota(jnp.int32, (tile, tile), 0)
-  tj = lax.broadcasted_iota(jnp.int32, (tile, tile), 1)
-  strict, incl = tj < ti, tj <= ti
-  q, k, v, gam, beta = [], [], [], [], []
-  end = jnp.float32(0.0)            # the cumulative log decay through the tiles before
-  for a in range(nt):
-    rows = pl.ds(ci * chunk + a * tile, tile)
-    q.append(q_ref[rows, hh, :])
-    k.append(k_ref[rows, hh, :])
-    v.append(v_ref[rows, hh, :])
-    beta.append(b_ref[rows, hh])
-    gam.append(end + jnp.sum(jnp.where(incl, g_ref[rows, hh][None, :], 0.0), axis=1))
-    end = _last(gam[a], tile)
-    gam_ref[rows, hh] = gam[a]
-
-  def decay(a, b, mask):            # e^(gamma_t - gamma_i) over tile pair (a, b), masked on the diagonal
-    diff = gam[a][:, None] - gam[b][None, :]
-    return jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0) if a == b else jnp.exp(diff)
-
-  m = {(a, b): beta[a][:, None] * _dot(k[a], k[b], prec, trans_b=True) * decay(a, b, strict)
-       for a in range(nt) for b in range(a + 1)}
-  t = {(a, a): _row_substitution(m[a, a], ti, tj, tile) for a in range(nt)}
-  for dist in range(1, nt):
-    for a in range(dist, nt):
-      b = a - dist
-      acc = sum(_dot(m[a, c], t[c, b], prec) for c in range(b, a))
-      t[a, b] = -_dot(t[a, a], acc, prec)
-  xw = [(beta[b] * jnp.exp(gam[b]))[:, None] * k[b] for b in range(nt)]
-  xu = [beta[b][:, None] * v[b] for b in range(nt)]
-  for a in range(nt):
-    rows = pl.ds(ci * chunk + a * tile, tile)
-    w_ref[rows, hh, :] = sum(_dot(t[a, b], xw[b], prec) for b in range(a + 1))
-    u_ref[rows, hh, :] = sum(_dot(t[a, b], xu[b], prec) for b in range(a + 1))
-    for b in range(nt):
-      cols = pl.ds(b * tile, tile)
-      p_ref[ci, hh, pl.ds(a * tile, tile), cols] = (
-          _dot(q[a], k[b], prec, trans_b=True) * decay(a, b, incl) if b <= a
-          else jnp.zeros((tile, tile), jnp.float32))
-
-
 def _scan_kernel(s0_ref, q_ref, k_ref, gam_ref, w_ref, u_ref, p_ref,  # [H, dk, dv], [S, H, dk] x2, [S, H],
                                                                         # [S, H, dk], [S, H, dv], [n, H, C, C]
                  o_ref, s1_ref,                                         # -> [S, H, dv], [H, dk, dv]
@@ -322,10 +274,8 @@ def prep_call(q, k, v, g, b, *, options: DeltaRuleOptions, prec, interpret: bool
   s, h, dk = q.shape
   dv, c, f32 = v.shape[-1], options.chunk, jnp.float32
   n = s // c
-  kernel = (functools.partial(_prep_tiles_kernel, chunk=c, tile=options.sub_block, prec=prec) if options.prep_tiles
-            else functools.partial(_prep_kernel, chunk=c, sub_block=options.sub_block, prec=prec))
   return pl.pallas_call(
-      kernel,
+      functools.partial(_prep_kernel, chunk=c, sub_block=options.sub_block, prec=prec),
       grid=(n, h),
       out_shape=(jax.ShapeDtypeStruct((s, h), f32), jax.ShapeDtypeStruct((s, h, dk), f32),
                  jax.ShapeDtypeStruct((s, h, dv), f32), jax.ShapeDtypeStruct((n, h, c, c), f32)),

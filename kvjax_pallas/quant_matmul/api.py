@@ -35,6 +35,7 @@ import jax
 from kvjax_pallas.quant_matmul import formats as _formats
 from kvjax_pallas.quant_matmul import gemv as _gemv
 from kvjax_pallas.quant_matmul import kernel as _kernel
+from kvjax_pallas.quant_matmul import planar as _planar
 from kvjax_pallas.quant_matmul import reference as _ref
 
 FORMATS = _formats.FORMATS
@@ -43,6 +44,12 @@ QuantMatmulConfig = _kernel.QuantMatmulConfig
 GemvConfig = _gemv.GemvConfig
 dequantize = _ref.dequantize
 row_bytes = _formats.row_bytes
+# weights repacked into planes at load (not ggml rows, so not in the registry): `planar`
+PLANAR_FORMATS = _planar.PLANAR_FORMATS
+to_planes = _planar.to_planes
+dequantize_planes = _planar.dequantize_planes
+planar_matmul = _planar.planar_matmul
+planes_nbytes = _planar.planes_nbytes
 
 
 @dataclasses.dataclass(frozen=True)
