@@ -14,7 +14,9 @@ and passed to the compiled steps as a leaf. The product runs `kvjax_pallas.quant
 model dequantized at load) or "pallas" (the kernel that dequantizes in registers). With "planar"
 (`kept(..., impl="planar")`) a Q8_0 / Q4_0 / Q4_K matrix is repacked at load into a plane of its
 values (`data`) and one of its scales (`scales`, a second leaf), read by XLA's own reductions for a
-decode row (`kvjax_pallas.quant_matmul.planar`); its other formats keep ggml's rows ("xla").
+decode row (`kvjax_pallas.quant_matmul.planar`); other formats keep ggml's rows ("pallas_gemv" on a
+GPU, else "xla"). Decode rows are what planes speed up; verify and prefill rows dequantize the
+planes and run the dot, as "xla" does.
 
 Tensors that stay dequantized: 1-D tensors, `ssm_conv1d` (a convolution, not a product) and any
 matrix stored in another type (F32 / F16 / BF16 as they are; other block types are dequantized at
