@@ -24,5 +24,7 @@ def get_config():
   c.decode_workspace_mib = 12.0
   c.stage_in_arena = True
   c.weight_type = "bf16"     # or a block format the matrices stay in: q8_0, q4_0, q4_k, q5_k, q6_k
+  c.weights_impl = "planar"  # the product the quantized bytes are for: planar (a GPU's default; Q4_K at 6
+                             # bits a value) or xla / pallas_gemv / ... (the file's blocks)
   c.copy_pages = 8           # host -> device copy unit (pages): sizes the staging reserve of the plan
   return c

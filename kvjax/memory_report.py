@@ -60,7 +60,7 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
                   k_type: str = "q8_0", v_type: str = "q4_0", arena_mib: float = 2240.0,
                   mtp_depth: int = 3, page_tokens: int = 256,
                   decode_workspace_mib: float = 0.0, stage_in_arena: bool = True,
-                  weight_type: str = "bf16", copy_pages: int = 8) -> Dict[str, float]:
+                  weight_type: str = "bf16", copy_pages: int = 8, weights_impl: str = "planar") -> Dict[str, float]:
   """Byte accounting; returns an ordered dict of named quantities.
 
   Args:
@@ -77,8 +77,9 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
       fixed split, pinned host memory), the grant less the staging reserve of in-flight uploads.
     weight_type: the weights' device bytes: "bf16" / "f16" / "f32" every weight at that size, or a
       block format (q8_0, q4_0, q4_k, q5_k, q6_k) for the matrices that stay quantized
-      (`kvjax.qweights`) at their file's bytes, the rest in bf16 (a GPU's default product, "planar",
-      holds Q4_K matrices at 6 bits a value, 4/3 of these bytes).
+      (`kvjax.qweights`), the rest in bf16.
+    weights_impl: the quantized product the bytes are counted for: "planar" (a GPU's default: Q8_0 / Q4_0
+      at the file's bytes, Q4_K at 6 bits a value against 4.5) or another (the file's blocks).
   """
   if not 1 <= context_tokens <= checks.MAX_POSITIONS:
     raise ValueError(f"context_tokens must be in 1..{checks.MAX_POSITIONS} (int32 token positions), "
@@ -118,9 +119,10 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
   except StreamBudgetError as e:
     refusal = str(e)
   pool_pages = kv_plan.pool_pages if kv_plan else 0
-  weights = weight_bytes(model_cfg, weight_type)
+  weights = weight_bytes(model_cfg, weight_type, weights_impl)
   return {
       "weight_type": weight_type,
+      "weights_impl": weights_impl,
       "weight_bytes": weights,
       "kv_layout": pl.describe(),
       "context_tokens": context_tokens,
@@ -179,15 +181,16 @@ _LABELS = [
 ]
 
 
-def weight_bytes(model_cfg: config_lib.ModelConfig, weight_type: str = "bf16") -> int:
+def weight_bytes(model_cfg: config_lib.ModelConfig, weight_type: str = "bf16", weights_impl: str = "planar") -> int:
   """Device bytes of the model's weights: every tensor at `weight_type`'s size ("bf16", "f16",
-  "f32"), or the matrices that stay quantized in block format `weight_type` and the rest in bf16."""
+  "f32"), or the matrices that stay quantized in block format `weight_type` (held for `weights_impl`:
+  "planar" / "auto" as planes, another as the file's blocks) and the rest in bf16."""
   shapes = config_lib.gguf_tensor_shapes(model_cfg)
   sizes = {"f32": 4, "bf16": 2, "f16": 2}
   if weight_type not in sizes:
     from kvjax import qweights  # pylint: disable=import-outside-toplevel  (block formats: jax's side)
     qweights.block_values(weight_type)
-    shapes = qweights.memory_shapes(shapes, 2, weight_type)
+    shapes = qweights.memory_shapes(shapes, 2, weight_type, "planar" if weights_impl == "auto" else weights_impl)
   return sum(math.prod(s) for s in shapes.values()) * sizes.get(weight_type, 2)
 
 
@@ -206,6 +209,8 @@ def format_table(report: Dict[str, float]) -> str:
       f"context {report['context_tokens']:,} tokens = {report['kv_pages_per_layer']:,} pages "
       f"per layer; {report['target_attention_layers']} target attention layers, "
       f"{report['recurrent_layers']} recurrent layers; MTP depth {report['mtp_depth']}",
+      f"weights {report['weight_type']}" + ("" if report["weight_type"] in ("bf16", "f16", "f32") else
+                                            f", kept quantized for weights_impl {report['weights_impl']}"),
   ]
   w = max(len(l) for _, l in _LABELS)
   for key, label in _LABELS:
@@ -235,7 +240,8 @@ def report_from_config(cfg) -> Dict[str, float]:
       model, context_tokens=cfg.context_tokens, k_type=cfg.k_type, v_type=cfg.v_type,
       arena_mib=cfg.arena_mib, mtp_depth=cfg.mtp_depth, page_tokens=cfg.page_tokens,
       decode_workspace_mib=cfg.decode_workspace_mib, stage_in_arena=cfg.stage_in_arena,
-      weight_type=cfg.get("weight_type", "bf16"), copy_pages=cfg.get("copy_pages", 8))
+      weight_type=cfg.get("weight_type", "bf16"), copy_pages=cfg.get("copy_pages", 8),
+      weights_impl=cfg.get("weights_impl", "planar"))
 
 
 def main(argv=None):

@@ -3,8 +3,8 @@
 # step's log under $OUT, a short table last:
 #   1. probe_planar_gemv: XLA's fused reductions over quantized blocks (ggml's rows, planes) against
 #      the bf16 dot, 27B shapes, S = 1 and 4
-#   2. bench_gemv: the "fused" product (multiply-and-sum) beside "xla" and the bf16 dot
-#   3. bench_decode at 32K, resident (the weights' share): bf16 joined / parts, Q4_K "fused" / "xla"
+#   2. bench_gemv: the "planar" product (planes, XLA's reductions) beside "pallas_gemv" and the bf16 dot
+#   3. bench_decode at 32K (the weights' share): bf16 joined / parts, Q4_K and Q8_0 "planar", Q4_K "pallas_gemv"
 # Args: the steps to run (default: 1 2 3).  bash experiments/kernel_lab/weights_round.sh 1 3
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -28,12 +28,13 @@ decode() {  # $1 name, then bench_decode flags
 for s in $steps; do
   case $s in
     1) step planar 150 python3 -m experiments.kernel_lab.probe_planar_gemv --out="$OUT/planar" ;;
-    2) step gemv_fused 120 python3 -m experiments.bench_gemv --implementations=fused,xla,bf16 --rows=1,4 \
-         --formats=q8_0,q4_k,q6_k --shapes=ffn_gate.weight,ffn_down.weight,attn_qkv.weight --rounds=3 \
-         --out="$OUT/gemv_fused.json" ;;
+    2) step gemv_planar 120 python3 -m experiments.bench_gemv --implementations=planar,pallas_gemv,bf16 --rows=1,4 \
+         --formats=q8_0,q4_0,q4_k --shapes=ffn_gate.weight,ffn_down.weight,attn_qkv.weight --rounds=3 \
+         --out="$OUT/gemv_planar.json" ;;
     3) decode bf16_joined
        decode bf16_parts --nofuse
-       decode q4k_fused --weight_type=q4_k --weights_impl=fused
-       decode q4k_xla --weight_type=q4_k --weights_impl=xla ;;
+       decode q4k_planar --weight_type=q4_k --weights_impl=planar
+       decode q8_planar --weight_type=q8_0 --weights_impl=planar
+       decode q4k_gemv --weight_type=q4_k --weights_impl=pallas_gemv ;;
   esac
 done
