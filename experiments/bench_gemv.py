@@ -46,7 +46,7 @@ def define_flags():
   flags.DEFINE_list("formats", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"], "weight formats")
   flags.DEFINE_list("rows", ["1", "4", "256"], "rows S of x")
   flags.DEFINE_list("implementations", ["xla", "fused", "pallas", "pallas_gemv", "bf16"],
-                    "xla, fused, pallas, pallas_gemv, bf16 (baseline)")
+                    "xla, fused, pallas, pallas_gemv, planar (planes; its formats only), bf16 (baseline)")
   flags.DEFINE_list("shapes", [], "tensor names to keep (default: all), e.g. ffn_up.weight")
   flags.DEFINE_integer("iters", 20, "calls a round")
   flags.DEFINE_integer("rounds", 5, "timed rounds (median)")
@@ -231,8 +231,8 @@ def main(argv):
         x = jnp.asarray(np.random.default_rng(s).standard_normal((s, k)), jnp.bfloat16)
         ref_out = np.asarray(reference.quant_matmul_reference(x, w_u8, fmt, k))
         for impl in FLAGS.implementations:
-          if impl == "bf16" and fmt != FLAGS.formats[0]:
-            continue          # the dense baseline once a shape and S
+          if (impl == "bf16" and fmt != FLAGS.formats[0]) or (impl == "planar" and fmt not in api.PLANAR_FORMATS):
+            continue          # the dense baseline once a shape and S; planes of their formats only
           if time.time() - t0 > FLAGS.max_seconds:
             stopped = True
             break

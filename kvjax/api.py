@@ -100,7 +100,7 @@ class LoadedModel:
   load_s: float
   source: str
   weights: str = "dequantized"      # "quantized": matrices kept in their GGUF block format
-  weights_impl: str = "xla"         # the quantized matrices' product (`kvjax_pallas.quant_matmul`)
+  weights_impl: str = "xla"         # the quantized matrices' product ("none": nothing kept quantized)
   joined_products: int = 0          # matrices joined from a block's same-input parts (`kvjax.fused`)
   gdn_impl: str = "xla"             # the Gated DeltaNet's prefill form run (`kvjax.model.CHUNK_FORMS`)
 
@@ -189,12 +189,8 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
   if weights_impl not in ("auto",) + qweights.IMPLEMENTATIONS:
     raise ParameterError(f"weights_impl {weights_impl!r}: expected auto, {' or '.join(qweights.IMPLEMENTATIONS)}",
                          "weights_impl")
-  if weight_type is not None and (preset is None or weight_type not in qweights.FORMATS):
-    raise ParameterError(f"weight_type {weight_type!r}: expected one of {', '.join(qweights.FORMATS)}, with a "
-                         f"preset (a GGUF's types are its own)", "weight_type")
-  if (weights == "quantized" or weight_type) and tensor_parallel > 1:
-    raise ParameterError(f"weights 'quantized' runs on one device: weights='dequantized' with tensor_parallel "
-                         f"{tensor_parallel}", "weights")
+  if qweights.request_error(weights, weight_type, preset, tensor_parallel):
+    raise ParameterError(*qweights.request_error(weights, weight_type, preset, tensor_parallel))
   if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
     raise ParameterError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}", "tensor_parallel")
   if preset is None and not tiny.is_builtin(source) and not os.path.exists(source):
@@ -217,7 +213,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       cfg = config_lib.preset(preset)
     except ValueError as e:
       raise ParameterError(f"preset: {e}", "preset") from None
-    gdn_impl = _check_model(cfg, tensor_parallel, gdn_impl, backend)
+    gdn_impl = _check_model(cfg, tensor_parallel, gdn_impl, backend, weight_type)
     shapes = config_lib.gguf_tensor_shapes(cfg)
     mem = qweights.memory_shapes(shapes, jdtype.itemsize, weight_type, weights_impl) if weight_type else shapes
     checks.check_model_fits(cfg, page_tokens, "preset", preset, mem, jdtype, tensor_parallel)
@@ -229,8 +225,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
     tok = None
   else:
     try:
-      if weights is None:
-        weights = "quantized" if tensor_parallel == 1 else "dequantized"
+      asked, weights = weights, weights or ("quantized" if tensor_parallel == 1 else "dequantized")
       cfg, tensors, tok = tiny.load_model_source(source, seed=weight_seed, dtype=np.float32, weights=weights,
                                                  weights_impl=weights_impl)
     except FileNotFoundError as e:
@@ -247,6 +242,9 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
     cfg = model.cfg
     if not any(qweights.is_quantized(x) for x in
                jax.tree_util.tree_leaves(nnx.state(model), is_leaf=qweights.is_quantized)):
+      if asked == "quantized":
+        raise ParameterError(f"weights 'quantized': {source} has no matrix in a kept block format "
+                             f"({', '.join(f.upper() for f in qweights.FORMATS)})", "weights")
       weights = "dequantized"     # nothing was stored in a kept block format
   layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, k_type, v_type, page_tokens)
   opts = AttentionOptions(attn_impl, block_pages, interpret)
@@ -260,12 +258,13 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
     runner = engine.Runner(model, layout, opts)
   jax.block_until_ready(runner.token_embd)
   return LoadedModel(runner, tok, cfg, time.perf_counter() - t0, preset or source, weights or "dequantized",
-                     weights_impl, joined, gdn_impl)
+                     weights_impl if weights == "quantized" else "none", joined, gdn_impl)
 
 
-def _check_model(cfg: config_lib.ModelConfig, n: int, gdn_impl: str, backend: str) -> str:   # before the weights
-  for param, check in (("tensor_parallel", lambda: parallel.check_tensor_parallel(cfg, n)),   # are placed
-                       ("gdn_impl", lambda: model_lib.check_chunk_form(cfg, gdn_impl, backend, n))):
+def _check_model(cfg: config_lib.ModelConfig, n: int, gdn_impl: str, backend: str, weight_type=None) -> str:
+  for param, check in (("tensor_parallel", lambda: parallel.check_tensor_parallel(cfg, n)),   # before the weights
+                       ("gdn_impl", lambda: model_lib.check_chunk_form(cfg, gdn_impl, backend, n)),   # are placed
+                       ("weight_type", lambda: qweights.check_rows(config_lib.gguf_tensor_shapes(cfg), weight_type))):
     try:
       gdn_impl = check() or gdn_impl
     except ValueError as e:
@@ -566,7 +565,8 @@ def generate(model: LoadedModel, kv: Optional[KVCache] = None, *, prompt: Option
   predicted_compiles: programs compiled in the prefill, up to the first decoded token, after it),
   warmup (warmup_compiles, ...), compile_cache_dir, spec_type ("none", "mtp", "ngram", "ngram+mtp",
   "oracle"; speculative runs add the metrics of `kvjax.speculative.generate_speculative`), the
-  cache's counters and budget (`KVCache.info`), load_s, attn_impl, attn_interpret, weights.
+  cache's counters and budget (`KVCache.info`), load_s, attn_impl, attn_interpret, weights,
+  weights_impl, joined_products, gdn_impl.
   """
   checks.check_types(prompt=(prompt, "str?"), seed=(seed, "int"), prompt_tokens=(prompt_tokens, "ids?"))
   check_generation(n_predict=n_predict, temperature=temperature, top_k=top_k, ubatch=ubatch, spec=spec,

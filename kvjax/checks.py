@@ -154,7 +154,7 @@ def weight_bytes(shapes: Iterable[Sequence[int]], itemsize: int) -> int:
 
 def check_weights_memory(param: str, value: Any, shapes: Iterable[Sequence[int]], dtype_name: str,
                          itemsize: int, devices: int = 1,
-                         available: Optional[Dict[str, Optional[int]]] = None) -> None:
+                         available: Optional[Dict[str, Optional[int]]] = None, quantized: bool = False) -> None:
   """The model's weights (parameter count x dtype bytes, split over `devices` when the device
   reports its memory) within the memory they are built in, before any is drawn or read."""
   shapes = list(shapes)
@@ -162,7 +162,9 @@ def check_weights_memory(param: str, value: Any, shapes: Iterable[Sequence[int]]
   available = _available(available)
   on_device = where_memory(available) == "device"
   need = count * itemsize // (devices if on_device else 1)
-  check_memory(param, value, need, f"the weights ({count:,} parameters x {itemsize} B {dtype_name}"
+  what = (f"{count * itemsize:,} B: quantized matrices at their stored bytes, the rest in {dtype_name}" if quantized
+          else f"{count:,} parameters x {itemsize} B {dtype_name}")
+  check_memory(param, value, need, f"the weights ({what}"
                f"{f', 1/{devices} a device' if on_device and devices > 1 else ''})", available)
 
 
@@ -171,7 +173,8 @@ def check_model_fits(cfg, page_tokens: int, param: str, value: Any, shapes: Dict
   """Before a weight is drawn or read: KV pages within the model's context (`check_page_tokens`),
   the weights of `shapes` in `dtype` (a numpy / jax dtype) within memory (`check_weights_memory`)."""
   check_page_tokens(page_tokens, cfg.context_length)
-  check_weights_memory(param, value, shapes.values(), dtype.name, dtype.itemsize, devices)
+  check_weights_memory(param, value, shapes.values(), dtype.name, dtype.itemsize, devices,
+                       quantized="(quantized matrices)" in shapes)
 
 
 MAX_POSITIONS = 2**31 - 1   # token positions are int32 in the compiled steps

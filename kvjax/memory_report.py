@@ -190,6 +190,8 @@ def weight_bytes(model_cfg: config_lib.ModelConfig, weight_type: str = "bf16", w
   if weight_type not in sizes:
     from kvjax import qweights  # pylint: disable=import-outside-toplevel  (block formats: jax's side)
     qweights.block_values(weight_type)
+    if weights_impl not in ("auto",) + qweights.IMPLEMENTATIONS:
+      raise ValueError(f"weights_impl {weights_impl!r}: expected auto, {', '.join(qweights.IMPLEMENTATIONS)}")
     shapes = qweights.memory_shapes(shapes, 2, weight_type, "planar" if weights_impl == "auto" else weights_impl)
   return sum(math.prod(s) for s in shapes.values()) * sizes.get(weight_type, 2)
 

@@ -111,6 +111,37 @@ def kept(rows, fmt: str, k: int, dtype_name: str = "float32", impl: str = "xla")
   return QuantizedWeight(rows, fmt, k, dtype_name, impl)
 
 
+def request_error(weights: Optional[str], weight_type: Optional[str], preset: Optional[str],
+                  tensor_parallel: int) -> Optional[Tuple[str, str]]:
+  """`load_model`'s weight arguments that do not go together -> (one-line message, parameter), or None."""
+  if weight_type is not None and preset is None:
+    return (f"weight_type {weight_type!r} draws a preset's matrices as random blocks: it needs preset= "
+            f"(a GGUF's block types are its own)", "weight_type")
+  if weight_type is not None and weight_type not in FORMATS:
+    return f"weight_type {weight_type!r}: expected one of {', '.join(FORMATS)}", "weight_type"
+  if weight_type is not None and weights == "dequantized":
+    return (f"weights 'dequantized' with weight_type {weight_type!r}: the preset's matrices would be drawn "
+            f"quantized; give one of them", "weights")
+  if weights == "quantized" and preset is not None and weight_type is None:
+    return "weights 'quantized' with a preset needs weight_type (the block format to draw)", "weights"
+  if (weights == "quantized" or weight_type) and tensor_parallel > 1:
+    return (f"weights 'quantized' runs on one device: weights='dequantized' with tensor_parallel "
+            f"{tensor_parallel}", "weights")
+  return None
+
+
+def check_rows(shapes, weight_type: Optional[str]) -> None:
+  """A one-line ValueError unless every matrix that may stay quantized has rows of whole
+  `weight_type` blocks (what drawing a preset's matrices in that format needs)."""
+  if weight_type is None:
+    return
+  b = block_values(weight_type)
+  for name, shape in sorted(shapes.items()):
+    if keeps_quantized(name) and len(shape) == 2 and shape[1] % b:
+      raise ValueError(f"weight_type {weight_type!r}: {name} has rows of {shape[1]} values, not a multiple of "
+                       f"its {b}-value block (q8_0 and q4_0 take multiples of 32)")
+
+
 def resolve_impl(impl: str, backend: str) -> str:
   """`load_model(weights_impl="auto")`: "planar" on a GPU (the fastest 27B decode measured:
   docs/PERFORMANCE.md, "Quantized weights"), "xla" elsewhere (the dequantized model's bits)."""

@@ -913,7 +913,7 @@ def test_a_preset_without_tokenizer_prints_the_generated_ids(capsys):
   assert rc == 0, err
   want = json_line(out)["tokens"]
   m = json_line(out)["metrics"]
-  assert m["joined_products"] > 0 and m["weights_impl"] == "xla"
+  assert m["joined_products"] > 0 and m["weights_impl"] == "none"   # bf16 random weights: nothing quantized
   rc, out, err = run_main(capsys, *argv)
   assert rc == 0, err
   assert out.strip() == ",".join(map(str, want))

@@ -118,5 +118,7 @@ def test_weight_bytes_by_type():
   assert 19.9 * 2**30 < planar < 20.1 * 2**30 and planar == weight_bytes(cfg, "q4_k", "auto") == weight_bytes(cfg, "q4_k")
   assert weight_bytes(cfg, "q8_0", "planar") == q8 and weight_bytes(cfg, "bf16", "planar") == bf16
   assert memory_report(cfg, 4096, weight_type="q4_k", weights_impl="xla")["weight_bytes"] == q4k
+  with pytest.raises(ValueError, match="^weights_impl 'bogus': expected auto, xla"):
+    weight_bytes(cfg, "q4_k", "bogus")
   with pytest.raises(ValueError, match="q3_k"):
     weight_bytes(cfg, "q3_k")

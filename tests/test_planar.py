@@ -44,10 +44,11 @@ def test_planar_product_is_the_references(fmt):
       assert 0 < np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     else:        # dequantize, then the reference's dot
       assert np.array_equal(got, want)
-  xb = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)   # the row's products in float32
+  xb = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)   # the dot's bf16 products, float32 sums
   got = np.asarray(qmm.planar_matmul(xb, values, scales, fmt, k))
-  want = np.asarray(ref.quant_matmul_reference(xb.astype(jnp.float32), rows, fmt, k))
-  assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+  want = np.asarray(ref.quant_matmul_reference(xb, rows, fmt, k))
+  exact = np.asarray(ref.quant_matmul_reference(xb.astype(jnp.float32), rows, fmt, k))
+  assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max() < np.abs(exact - want).max()
 
 
 def test_what_planes_cannot_take_is_refused():
@@ -58,6 +59,18 @@ def test_what_planes_cannot_take_is_refused():
     qmm.to_planes(np.zeros((2, 34), np.uint8), "q8_0", 64)
   with pytest.raises(ValueError, match="^q4_k: k=96"):
     qmm.to_planes(np.zeros((2, 54), np.uint8), "q4_k", 96)
+  values, scales = qmm.to_planes(np.asarray(qweights.random_quantized("q4_k", 4, 512).data), "q4_k", 512)
+  x = jnp.ones((1, 512), jnp.float32)
+  for call, what in [
+      (lambda: qmm.planar_matmul(x, values, scales, "q6_k", 512), "format 'q6_k' is not repacked"),
+      (lambda: qmm.planar_matmul(x, scales, values, "q4_k", 512), r"q4_k values for rows of 512 values must be uint8 \[4, 8, 32\], got float32"),
+      (lambda: qmm.planar_matmul(x, values, scales[:2], "q4_k", 512), r"q4_k scales .* must be float32 \[4, 2, 16\], got float32 \[2, 2, 16\]"),
+      (lambda: qmm.planar_matmul([[1.0] * 512], values, scales, "q4_k", 512), "x must be an array"),
+      (lambda: qmm.dequantize_planes(values, scales, "q8_0", 512), "q8_0 values .* must be int8"),
+      (lambda: qmm.to_planes(np.zeros((2, 1088), np.uint8), "q8_0", 512.0), "k \\(values a row\\) must be an int, got 512.0"),
+      (lambda: qmm.planes_nbytes("q4_k", -1, 512), "n \\(rows\\) must be an int >= 0, got -1")]:
+    with pytest.raises(ValueError, match="^planar weights: " + what):
+      call()
 
 
 def test_kept_repacks_the_planar_formats_only(tmp_path):

@@ -132,6 +132,24 @@ def test_bad_quantized_input_is_one_line():
     api.load_model("code-tiny", weights="int4", compile_cache=False)
 
 
+def test_weight_arguments_that_do_not_go_together_are_refused_naming_them():
+  """Nothing asked for is dropped: a weight_type the preset's rows cannot take, weights 'dequantized'
+  beside a weight_type, weights 'quantized' where nothing would be kept; a model with nothing
+  quantized reports its weights' product as "none"."""
+  for kw, param, what in [
+      (dict(preset="tiny", weight_type="q4_k"), "weight_type", "weight_type 'q4_k': blk.0.attn_gate.weight has rows of 64 values, not a multiple of its 256-value block"),
+      (dict(preset="tiny", weight_type="q8_0", weights="dequantized"), "weights", "weights 'dequantized' with weight_type 'q8_0'"),
+      (dict(preset="tiny", weights="quantized"), "weights", "weights 'quantized' with a preset needs weight_type"),
+      (dict(weights="quantized"), "weights", "weights 'quantized': tiny has no matrix in a kept block format"),
+      (dict(source="code-tiny", weight_type="q4_k"), "weight_type", "weight_type 'q4_k' draws a preset's matrices"),
+  ]:
+    source = kw.pop("source", "tiny")
+    with pytest.raises(api.ParameterError, match="^" + what) as e:
+      api.load_model(source, compile_cache=False, **kw)
+    assert e.value.params == (param,)
+  assert api.load_model("tiny", weights_impl="planar", compile_cache=False).weights_impl == "none"
+
+
 def test_preset_draws_quantized_random_weights():
   """`weight_type` gives a preset random blocks of a format, kept quantized (what a quantized file
   of its geometry holds): a fraction of the float32 bytes, and it generates."""
@@ -140,7 +158,7 @@ def test_preset_draws_quantized_random_weights():
   assert quant.weights == "quantized" and plain.weights == "dequantized"
   assert api.weight_bytes(quant) < api.weight_bytes(plain) / 4
   assert len(api.generate(quant, prompt_tokens=[1, 2, 3], n_predict=4).tokens) == 4
-  with pytest.raises(api.ParameterError, match="weight_type 'q4_k'.*with a preset"):
+  with pytest.raises(api.ParameterError, match="weight_type 'q4_k' draws a preset's matrices.*needs preset="):
     api.load_model("tiny", weight_type="q4_k", compile_cache=False)
 
 

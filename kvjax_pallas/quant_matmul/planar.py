@@ -21,7 +21,8 @@ The planes hold the same numbers as the blocks: `dequantize_planes` equals
 ggml's: q8_0 and q4_0 the same; q4_k 6 bits a value against 4.5 (its scale products need float32).
 
 The product (`planar_matmul`): up to `REDUCE_ROWS` rows of x as one multiply-and-sum over the
-planes in float32 (the row's sums in XLA's order); more rows dequantize the planes to
+planes in float32 (the row's sums in XLA's order; for bfloat16 x the weights rounded to bfloat16
+first, the dot's products); more rows dequantize the planes to
 `reference.compute_dtype(x.dtype)` and run the reference's dot (the "xla" product's bits).
 
 Shapes: x_sk [S, K] -> [S, N] float32. Imports nothing from `kvjax`.
@@ -47,15 +48,42 @@ REDUCE_ROWS = 1   # rows of x the multiply-and-sum takes; more: dequantize, then
 def _check(fmt: str, k: int) -> None:
   if fmt not in PLANAR_FORMATS:
     raise ValueError(f"planar weights: format {fmt!r} is not repacked (planar formats: {', '.join(PLANAR_FORMATS)})")
+  if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
+    raise ValueError(f"planar weights: k (values a row) must be an int, got {k!r}")
   _formats.check_k(fmt, k)
-  if fmt == "q4_k" and k % 256:
-    raise ValueError(f"q4_k: k={k} is not a multiple of 256")
+
+
+def plane_shapes(fmt: str, n: int, k: int):
+  """-> ((values shape, dtype), (scales shape, dtype)) of an [N, K] matrix's planes."""
+  _check(fmt, k)
+  if fmt == "q8_0":
+    return ((n, k), jnp.int8), ((n, k // 32), jnp.float16)
+  if fmt == "q4_0":
+    return ((n, k // 32, 16), jnp.uint8), ((n, k // 32), jnp.float16)
+  return ((n, k // 64, 32), jnp.uint8), ((n, 2, k // 32), jnp.float32)
+
+
+def check_planes(values, scales, fmt: str, k: int) -> int:
+  """One-line ValueErrors unless `values` and `scales` are the planes of a `fmt` matrix of rows of
+  `k` values (`to_planes`'s). Returns N."""
+  _check(fmt, k)
+  for name, a in (("values", values), ("scales", scales)):
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+      raise ValueError(f"planar weights: {name} must be an array (to_planes'), got {type(a).__name__}")
+  n = values.shape[0] if len(values.shape) else 0
+  for name, a, (shape, dtype) in zip(("values", "scales"), (values, scales), plane_shapes(fmt, n, k)):
+    if tuple(a.shape) != shape or jnp.dtype(a.dtype) != jnp.dtype(dtype):
+      raise ValueError(f"planar weights: {fmt} {name} for rows of {k} values must be {jnp.dtype(dtype).name} "
+                       f"{list(shape)}, got {jnp.dtype(a.dtype).name} {list(a.shape)}")
+  return n
 
 
 def to_planes(w_nb, fmt: str, k: int) -> Tuple[jax.Array, jax.Array]:
-  """ggml rows uint8 [N, row_bytes(fmt, k)] (numpy or jax) -> (values, scales), the planes above,
+  """ggml rows uint8 [N, row_bytes(fmt, k)] or their uint16 view (numpy or jax) -> (values, scales), the planes,
   made on the default device (one jitted program a format and shape)."""
   _check(fmt, k)
+  if getattr(w_nb, "dtype", None) == np.uint16 and len(w_nb.shape) == 2:   # the halfword view quant_matmul takes
+    w_nb = _ref.byte_view(jnp.asarray(w_nb))
   if getattr(w_nb, "dtype", None) != np.uint8 or len(w_nb.shape) != 2 or w_nb.shape[1] != _formats.row_bytes(fmt, k):
     raise ValueError(f"planar weights: {fmt} rows of {k} values need uint8 [N, {_formats.row_bytes(fmt, k)}], "
                      f"got {getattr(w_nb, 'dtype', type(w_nb).__name__)} {tuple(np.shape(w_nb))}")
@@ -85,8 +113,7 @@ def _nibbles(p):
 
 def dequantize_planes(values, scales, fmt: str, k: int, dtype=jnp.float32):
   """The planes -> [N, K] of `dtype` (float32 values, cast once): ggml's dequantization."""
-  _check(fmt, k)
-  n = values.shape[0]
+  n = check_planes(values, scales, fmt, k)
   if fmt == "q8_0":
     out = values.astype(jnp.float32).reshape(n, k // 32, 32) * scales.astype(jnp.float32)[..., None]
   elif fmt == "q4_0":
@@ -100,9 +127,14 @@ def dequantize_planes(values, scales, fmt: str, k: int, dtype=jnp.float32):
 
 
 def _reduce(x_sk, values, scales, fmt: str, k: int):
-  """sum_k W[n, k] x[s, k] as one multiply-and-sum over the planes, float32."""
+  """sum_k W[n, k] x[s, k] as one multiply-and-sum over the planes, float32. bfloat16 x: the
+  weights rounded to bfloat16 first, the products of the dequantize-then-dot (its bits up to the
+  order of the sums: a decode row then agrees with the verify rows' dot as float32 x does)."""
   s, n, f32 = x_sk.shape[0], values.shape[0], jnp.float32
   x = x_sk.astype(f32)
+  if _ref.compute_dtype(x_sk.dtype) == jnp.bfloat16:   # explicit: XLA may drop a f32 -> bf16 -> f32 pair
+    w_nk = lax.reduce_precision(dequantize_planes(values, scales, fmt, k), exponent_bits=8, mantissa_bits=7)
+    return jnp.sum(w_nk[None] * x[:, None], axis=-1)
   if fmt == "q8_0":
     xs = x.reshape(s, k // 32, 32)
     part = jnp.sum(values.astype(f32).reshape(n, k // 32, 32)[None] * xs[:, None], axis=-1)   # [S, N, K/32]
@@ -122,6 +154,9 @@ def _reduce(x_sk, values, scales, fmt: str, k: int):
 @functools.partial(jax.jit, static_argnames=("fmt", "k"))
 def planar_matmul(x_sk, values, scales, fmt: str, k: int):
   """x [S, K] @ W[N, K].T -> [S, N] float32, W in planes (`to_planes`)."""
+  if not hasattr(x_sk, "shape") or not hasattr(x_sk, "dtype"):
+    raise ValueError(f"planar weights: x must be an array [S, {k}], got {type(x_sk).__name__}")
+  check_planes(values, scales, fmt, k)
   _formats.check_x(x_sk, k)
   if x_sk.shape[0] <= REDUCE_ROWS:
     return _reduce(x_sk, values, scales, fmt, k)
@@ -133,6 +168,6 @@ def planar_matmul(x_sk, values, scales, fmt: str, k: int):
 
 def planes_nbytes(fmt: str, n: int, k: int) -> int:
   """Bytes of the planes of an [N, K] matrix."""
-  _check(fmt, k)
-  return {"q8_0": n * k + n * k // 32 * 2, "q4_0": n * k // 2 + n * k // 32 * 2,
-          "q4_k": n * k // 2 + n * k // 32 * 8}[fmt]
+  if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+    raise ValueError(f"planar weights: n (rows) must be an int >= 0, got {n!r}")
+  return sum(int(np.prod(shape)) * jnp.dtype(dtype).itemsize for shape, dtype in plane_shapes(fmt, n, k))
