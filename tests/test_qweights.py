@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax import api, config as config_lib, engine, gguf_io, qweights, tiny
+from kvjax import api, config as config_lib, engine, gguf_io, qweights, tiny, tokenizer
 from kvjax import weights as weights_lib
 
 # every matrix's rows (its input features) a multiple of 256: hidden 256, attention 4 x 64,
@@ -179,3 +179,23 @@ def test_cli_weights_flags(capsys):
   assert cli.main(argv + ["--weight-type=q4_k"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "--weight-type" in err[0] and "q4_k" in err[0]
+
+
+def test_planar_bfloat16_speculative_output_equals_plain_greedy(tmp_path):
+  """A bfloat16 model with Q4_K / Q8_0 / Q4_0 planes: a decode row's product (the planes' multiply-
+  and-sum) and the verify rows' (dequantize, then the dot) share their products, so speculative
+  decoding (ngram and MTP drafts) gives plain greedy's tokens (they split at the 8th token while the
+  decode row multiplied the exact values in float32)."""
+  cfg = config_lib.tiny(**WIDE)
+  tensors = weights_lib.random_tensors(cfg, 0)
+  fmts = ("q4_k", "q8_0", "q4_0")
+  for i, name in enumerate(sorted(tensors)):
+    if qweights.keeps_quantized(name):
+      tensors[name] = qweights.random_quantized(fmts[i % 3], *tensors[name].shape, seed=i)
+  path = gguf_io.write_gguf(str(tmp_path / "mixed.gguf"), cfg, tensors, tokenizer.tiny_tokenizer_spec(), weight_type="f32")
+  model = api.load_model(path, weights_impl="planar", dtype="bfloat16", compile_cache=False)
+  assert model.weights == "quantized" and model.weights_impl == "planar"
+  prompt = list(range(5, 160))
+  plain = api.generate(model, prompt_tokens=prompt, n_predict=32, ignore_eos=True).tokens
+  for spec in (api.SpecConfig("ngram", n_max=3, ngram_n=2), api.SpecConfig("mtp", n_max=3)):
+    assert api.generate(model, prompt_tokens=prompt, n_predict=32, ignore_eos=True, spec=spec).tokens == plain
