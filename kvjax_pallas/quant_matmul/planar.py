@@ -1,6 +1,6 @@
 """GGUF weight blocks repacked into planes at load, read by XLA's own fused reductions.
 
-A ggml row interleaves each block's scales with its quantized values. Repacked once on the host,
+A ggml row interleaves each block's scales with its quantized values. Repacked once at load (on the device),
 the values become one plane and the scales another, so that XLA's reduction for a decode row
 (x [1, K] against W [N, K]) reads the plane at close to the bytes' speed with no Pallas kernel
 (`experiments/kernel_lab/probe_planar_gemv.py`: on an H100 Q4_K planes at 0.95-1.27 TB/s, faster
