@@ -64,6 +64,9 @@ def check_token_ids(name: str, ids: Any) -> None:
   if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or not hasattr(ids, "__iter__"):
     raise _error(f"{name} must be a sequence of int token ids, got {_short(ids)} ({type(ids).__name__})"
                  + ("; for text use prompt" if isinstance(ids, str) and name == "prompt_tokens" else ""), name)
+  dtype = getattr(ids, "dtype", None)   # a numpy or jax array: 1-D and of an integer dtype
+  if getattr(dtype, "kind", "") in ("i", "u") and getattr(ids, "ndim", 1) == 1:
+    return
   bad = next((t for t in ids if not _is(t, "int")), None)
   if bad is not None:
     raise _error(f"{name} must be a sequence of int token ids, got the element {bad!r} ({type(bad).__name__})",

@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -764,6 +765,12 @@ def test_api_budget_and_type_errors_name_the_parameter(capsys, tiny64):
     api.encode(tiny64, 123)
   with pytest.raises(api.ParameterError, match=r"^tokens must be a sequence of int token ids, got 'hi' \(str\)"):
     api.teacher_forced_logits(tiny64, "hi")
+  ids = list(range(5, 20))   # token ids as a jax or numpy integer array: the list's logits
+  want = np.asarray(api.teacher_forced_logits(tiny64, ids))
+  for arr in (jnp.asarray(ids, jnp.int32), np.asarray(ids, np.int64)):
+    assert np.array_equal(np.asarray(api.teacher_forced_logits(tiny64, arr)), want)
+  with pytest.raises(api.ParameterError, match=r"^tokens must be a sequence of int token ids, got the element"):
+    api.teacher_forced_logits(tiny64, jnp.ones((2, 3), jnp.int32))
   with pytest.raises(api.ParameterError, match=r"^model must be a LoadedModel .*, got str"):
     api.weight_bytes("tiny")
 
