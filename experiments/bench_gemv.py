@@ -12,10 +12,13 @@ over K); "planar": the blocks repacked into planes once, `api.planar_matmul`; pl
 bf16 x bf16 dot of dense weights as the baseline): the median time a call, effective GB/s and TFLOP/s.
 
 Bytes counted: what a call must read once, the weight matrix as stored (N x row_bytes; the planes for "planar"; N x K x 2
-for "bf16") and x (S x K x 2, bf16); the [S, N] output is not counted. Times: `--iters` calls
-queued back to back, then one wait, per round; the median of `--rounds` rounds, divided by the
-calls. The calls cycle through copies of the weights worth at least `--rotate_mib` MiB, so a small
-matrix is not read from L2 (the H200's is 50 MB). Each case also checks the implementation
+for "bf16") and x (S x K x 2, bf16); the [S, N] output is not counted. Times: one program calls
+the product on each of several copies of the weights (at least 8, and worth at least
+`--rotate_mib` MiB, so a matrix is not read from L2: the H200's is 50 MB; at most 8 GiB of
+copies), so what is timed is the GPU's work, not the host's dispatch of each call (a call of a
+50 MB matrix takes ~20 us, about what dispatching a jitted call costs); per round that program
+is queued for at least `--iters` calls, then one wait; the median of `--rounds` rounds, divided
+by the calls. Each case also checks the implementation
 against "xla" (max |diff| / max |xla|, column `check`); a case that fails to compile becomes a
 row with its error. The "pallas" weights are passed as their uint16 halfword view, made once
 (the kernel reads halfwords); "xla" gets the uint8 bytes.
@@ -37,6 +40,9 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 
+MIN_COPIES = 8          # weight copies (calls in one timed program), within COPIES_BYTES
+COPIES_BYTES = 8 << 30
+PLANAR_IMPLS = ("planar", "planar_pallas", "planar_xla")
 SMALL_SHAPES = (("ffn_up.weight", 512, 512), ("ffn_down.weight", 256, 1024))
 
 
@@ -46,7 +52,8 @@ def define_flags():
   flags.DEFINE_list("formats", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"], "weight formats")
   flags.DEFINE_list("rows", ["1", "4", "256"], "rows S of x")
   flags.DEFINE_list("implementations", ["xla", "fused", "pallas", "pallas_gemv", "bf16"],
-                    "xla, fused, pallas, pallas_gemv, planar (planes; its formats only), bf16 (baseline)")
+                    "xla, fused, pallas, pallas_gemv, planar (planes, its formats only: the model's "
+                    "product), planar_pallas / planar_xla (the planes' products named), bf16 (baseline)")
   flags.DEFINE_list("shapes", [], "tensor names to keep (default: all), e.g. ffn_up.weight")
   flags.DEFINE_integer("iters", 20, "calls a round")
   flags.DEFINE_integer("rounds", 5, "timed rounds (median)")
@@ -60,6 +67,9 @@ def define_flags():
   flags.DEFINE_list("gemv_tiles", [], "pallas_gemv tile configs to compare, each "
                     "block_n:block_k:split_k:warps:stages (e.g. 32:512:8:4:3); each a row of impl "
                     "'pallas_gemv' with its tiles (default: gemv.DEFAULT_CONFIG)")
+  flags.DEFINE_list("planar_tiles", [], "planar_pallas tile configs to compare, each "
+                    "block_n:block_groups:split_k:min_programs:sum_each_step:grouped:warps:stages (e.g. 32:8:0:512:1:0:4:3); each a row "
+                    "of impl 'planar_pallas' (default: planar_gemv.DEFAULT_CONFIG)")
   flags.DEFINE_float("max_seconds", 1200.0, "stop starting new cases after this")
   flags.DEFINE_string("out", "", "JSON file for the rows (empty: none)")
 
@@ -98,15 +108,18 @@ def _random_weights(np, fmt: str, n: int, k: int, seed: int):
 
 
 def _time_calls(jax, fn, xs, ws, iters: int, rounds: int) -> float:
-  """Median seconds a call of fn(x, w): per round `iters` calls queued, cycling through the
-  weight copies `ws`, then one wait."""
-  jax.block_until_ready(fn(xs, ws[0]))
+  """Median seconds a call of fn(x, w): one program makes a call on each weight copy of `ws` (so
+  the host's dispatch of a call is not what is timed); per round that program is queued enough
+  times for `iters` calls, then one wait."""
+  many = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
+  jax.block_until_ready(many(xs, ws))
+  reps = max(1, -(-iters // len(ws)))
   per = []
   for _ in range(rounds):
     t = time.perf_counter()
-    outs = [fn(xs, ws[i % len(ws)]) for i in range(iters)]
+    outs = [many(xs, ws) for _ in range(reps)]
     jax.block_until_ready(outs)
-    per.append((time.perf_counter() - t) / iters)
+    per.append((time.perf_counter() - t) / (reps * len(ws)))
   per.sort()
   return per[len(per) // 2]
 
@@ -136,6 +149,12 @@ def parse_gemv_tiles(text: str):
   return _parse_config(text, "gemv_tiles", gemv.GemvConfig, gemv.check_config)
 
 
+def parse_planar_tiles(text: str):
+  """'bn:groups:split:min_programs:sum_each_step:grouped:warps:stages' -> a PlanarGemvConfig (checked)."""
+  from kvjax_pallas.quant_matmul import planar_gemv
+  return _parse_config(text, "planar_tiles", planar_gemv.PlanarGemvConfig, planar_gemv.check_config)
+
+
 def gemv_default():
   from kvjax_pallas.quant_matmul import gemv
   return gemv.DEFAULT_CONFIG
@@ -153,12 +172,14 @@ def run_case(jax, jnp, np, api, name, n, k, fmt, s, impl, interpret, copies_for,
     w_bytes = n * k * 2
     fn = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
                                                   preferred_element_type=jnp.float32))
-  elif impl == "planar":   # the planes made once (at load in a model); bytes: the planes'
+  elif impl.startswith("planar"):   # the planes made once (at load in a model); bytes: the planes'
     if fmt not in api.PLANAR_FORMATS:
       return dict(row, error=f"not a planar format (planar: {', '.join(api.PLANAR_FORMATS)})")
     w = tuple(jnp.asarray(a) for a in api.to_planes(np.asarray(w_u8), fmt, k))
     w_bytes = api.planes_nbytes(fmt, n, k)
-    fn = jax.jit(lambda x, w: api.planar_matmul(x, w[0], w[1], fmt, k))
+    product = {"planar": "auto", "planar_pallas": "pallas", "planar_xla": "xla"}[impl]
+    fn = jax.jit(lambda x, w: api.planar_matmul(x, w[0], w[1], fmt, k, implementation=product, config=config,
+                                                interpret=interpret))
   else:
     w = reference.halfword_view(w_u8) if impl.startswith("pallas") else w_u8
     w_bytes = formats.row_bytes(fmt, k) * n
@@ -181,10 +202,10 @@ def run_case(jax, jnp, np, api, name, n, k, fmt, s, impl, interpret, copies_for,
 
 def _fmt_row(r) -> str:
   if "error" in r:
-    return (f"{r['shape']:>18} {r['n']:>6} {r['k']:>6} {r['fmt']:>5} {r['s']:>4} {r['impl']:>7}"
+    return (f"{r['shape']:>18} {r['n']:>6} {r['k']:>6} {r['fmt']:>5} {r['s']:>4} {r['impl']:>13}"
             f"  ERROR {r['error']}")
   check = f"{r['check']:.1e}" if "check" in r else "-"
-  return (f"{r['shape']:>18} {r['n']:>6} {r['k']:>6} {r['fmt']:>5} {r['s']:>4} {r['impl']:>7} "
+  return (f"{r['shape']:>18} {r['n']:>6} {r['k']:>6} {r['fmt']:>5} {r['s']:>4} {r['impl']:>13} "
           f"{r['ms']:>9.4f} {r['gbps']:>8.1f} {r['tflops']:>7.2f} {check:>8} {r.get('tiles', '')}")
 
 
@@ -209,18 +230,22 @@ def main(argv):
   for fmt in FLAGS.formats:
     formats.get_format(fmt)
   for impl in FLAGS.implementations:
-    if impl not in ("bf16", "planar"):
+    if impl not in PLANAR_IMPLS + ("bf16",):
       api.get_implementation(impl)
   tile_configs = {"pallas": [(t, parse_tiles(t)) for t in FLAGS.tiles] or [("", None)],
                   # the GEMV itself at every S <= 16 (without a GemvConfig "pallas_gemv" takes one row)
-                  "pallas_gemv": [(t, parse_gemv_tiles(t)) for t in FLAGS.gemv_tiles] or [("", gemv_default())]}
+                  "pallas_gemv": [(t, parse_gemv_tiles(t)) for t in FLAGS.gemv_tiles] or [("", gemv_default())],
+                  "planar_pallas": [(t, parse_planar_tiles(t)) for t in FLAGS.planar_tiles] or [("", None)]}
 
   def copies_for(nbytes: int) -> int:
-    return max(1, min(64, math.ceil(FLAGS.rotate_mib * 2**20 / nbytes))) if FLAGS.rotate_mib else 1
+    if not FLAGS.rotate_mib:
+      return 1
+    want = max(MIN_COPIES, math.ceil(FLAGS.rotate_mib * 2**20 / nbytes))   # >= MIN_COPIES calls a program
+    return max(1, min(64, want, COPIES_BYTES // nbytes))
 
   print(f"backend {backend} ({jax.devices()[0].device_kind}), kernel interpret={interpret}, "
         f"{rounds_note} shapes, iters {FLAGS.iters} x rounds {FLAGS.rounds}", flush=True)
-  print(f"{'shape':>18} {'N':>6} {'K':>6} {'fmt':>5} {'S':>4} {'impl':>7} {'ms':>9} {'GB/s':>8} "
+  print(f"{'shape':>18} {'N':>6} {'K':>6} {'fmt':>5} {'S':>4} {'impl':>13} {'ms':>9} {'GB/s':>8} "
         f"{'TFLOP/s':>7} {'check':>8} tiles", flush=True)
   table = []
   stopped = False
@@ -231,7 +256,7 @@ def main(argv):
         x = jnp.asarray(np.random.default_rng(s).standard_normal((s, k)), jnp.bfloat16)
         ref_out = np.asarray(reference.quant_matmul_reference(x, w_u8, fmt, k))
         for impl in FLAGS.implementations:
-          if (impl == "bf16" and fmt != FLAGS.formats[0]) or (impl == "planar" and fmt not in api.PLANAR_FORMATS):
+          if (impl == "bf16" and fmt != FLAGS.formats[0]) or (impl in PLANAR_IMPLS and fmt not in api.PLANAR_FORMATS):
             continue          # the dense baseline once a shape and S; planes of their formats only
           if time.time() - t0 > FLAGS.max_seconds:
             stopped = True
@@ -260,5 +285,5 @@ if __name__ == "__main__":
   from kvjax_pallas import quant_matmul
   app.run(checks.one_line_errors("bench_gemv", main), flags_parser=checks.flags_parser(
       "bench_gemv", values={"formats": (tuple(quant_matmul.FORMATS),),
-                            "implementations": (tuple(quant_matmul.IMPLEMENTATIONS) + ("planar", "bf16"),),
+                            "implementations": (tuple(quant_matmul.IMPLEMENTATIONS) + PLANAR_IMPLS + ("bf16",),),
                             "rows": (int, 1)}))

@@ -87,6 +87,10 @@ def define_flags():
   flags.DEFINE_integer("verify_rows", 0, "> 0: compare a verify forward of this many rows with one-row "
                        "forwards at each context (numerics check; no timing)")
   flags.DEFINE_bool("fuse", True, "join each block's same-input matrices into one product (api.load_model(fuse=))")
+  flags.DEFINE_string("weight_type", "", "matrices as random blocks of this format, kept quantized (q8_0, q4_0, "
+                      "q4_k, q5_k, q6_k; api.load_model(weight_type=)); empty: --dtype weights")
+  flags.DEFINE_string("weights_impl", "auto", "the quantized product with --weight_type: auto (planar on a GPU), xla, "
+                      "fused, pallas, pallas_gemv or planar")
   flags.DEFINE_string("out", os.environ.get("OUT", "runs/bench_spec"), "output folder")
 
 
@@ -108,7 +112,7 @@ def main(argv):
   try:     # the model as users load it: random weights of the preset's geometry, drawn on the device
     loaded = api.load_model(preset=FLAGS.model, dtype=FLAGS.dtype, page_tokens=FLAGS.page_tokens,
                             attn_impl=FLAGS.attn_impl, block_pages=FLAGS.block_pages, compile_cache=True,
-                            fuse=FLAGS.fuse)
+                            fuse=FLAGS.fuse, weight_type=FLAGS.weight_type or None, weights_impl=FLAGS.weights_impl)
   except api.ParameterError as e:
     from kvjax import checks
     checks.fail("bench_spec", str(e))
@@ -120,7 +124,7 @@ def main(argv):
   widest_draft = speculative.SpecConfig("oracle", n_max=rows - 1, rollback=FLAGS.rollback) if rows > 1 else None
   log = {"flags": {k: FLAGS[k].value for k in FLAGS if k in (
       "model", "dtype", "contexts", "arena_mib", "decode_tokens", "acceptance", "n_max", "rollback",
-      "page_tokens", "copy_pages", "attn_impl", "fuse")}, "device": str(jax.devices()[0]), "jax": jax.__version__}
+      "page_tokens", "copy_pages", "attn_impl", "fuse", "weight_type", "weights_impl")}, "device": str(jax.devices()[0]), "jax": jax.__version__}
   print(json.dumps(log), flush=True)
 
   def make_kv(ctx):

@@ -13,10 +13,11 @@ and passed to the compiled steps as a leaf. The product runs `kvjax_pallas.quant
 "xla" (dequantize, then the same product as a dequantized weight's: bit for bit the logits of a
 model dequantized at load) or "pallas" (the kernel that dequantizes in registers). With "planar"
 (`kept(..., impl="planar")`) a Q8_0 / Q4_0 / Q4_K matrix is repacked at load into a plane of its
-values (`data`) and one of its scales (`scales`, a second leaf), read by XLA's own reductions for a
-decode row (`kvjax_pallas.quant_matmul.planar`); other formats keep ggml's rows ("pallas_gemv" on a
-GPU, else "xla"). Decode rows are what planes speed up; verify and prefill rows dequantize the
-planes and run the dot, as "xla" does.
+values (`data`) and one of its scales (`scales`, a second leaf) (`kvjax_pallas.quant_matmul.planar`):
+on a GPU decode and verify rows (up to 32) run the Pallas GEMV over the planes (float32 weights, a
+row's sums the same bits whatever other rows its call has), elsewhere XLA's multiply-and-sum for a
+decode row; prefill rows dequantize the planes and run the dot, as "xla" does. Other formats keep
+ggml's rows ("pallas_gemv" on a GPU, else "xla").
 
 Tensors that stay dequantized: 1-D tensors, `ssm_conv1d` (a convolution, not a product) and any
 matrix stored in another type (F32 / F16 / BF16 as they are; other block types are dequantized at

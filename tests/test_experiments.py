@@ -325,6 +325,13 @@ def test_probe_page_reads_smoke(tmp_path):
   assert [l.split()[2] for l in probes] == ["mode=load", "mode=decode"], probes
 
 
+def test_probe_triton_loads_smoke():
+  """kernel_lab/probe_triton_loads on the CPU: every load pattern interpreted, its byte sums right."""
+  p = _run(["-m", "experiments.kernel_lab.probe_triton_loads"], cwd=REPO, timeout=300)
+  rows = [line for line in p.stdout.splitlines() if line.startswith("small ")]
+  assert len(rows) >= 8 and all(line.endswith("ok=True") for line in rows), p.stdout[-2000:]
+
+
 def test_probe_planar_gemv_smoke(tmp_path):
   """The quantized-GEMV-as-XLA-fusion probe runs every variant on small shapes (CPU) and each
   variant's product is the dense product of the weights it packs (bf16 variants: bf16 rounding)."""

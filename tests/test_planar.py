@@ -24,10 +24,10 @@ def test_planes_dequantize_as_ggml_rows_bit_for_bit(fmt):
     want = np.asarray(ref.dequantize(rows, fmt, k))
     assert np.abs(want).max() > 0 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert values.nbytes + scales.nbytes == qmm.planes_nbytes(fmt, n, k)
-  if fmt != "q4_k":   # the same bytes as ggml's rows; q4_k 6 bits a value against 4.5
+  if fmt != "q4_k":   # the same bytes as ggml's rows; q4_k 5 bits a value against 4.5
     assert qmm.planes_nbytes(fmt, 8, 512) == 8 * qmm.row_bytes(fmt, 512)
   else:
-    assert qmm.planes_nbytes(fmt, 8, 512) * 3 == 4 * 8 * qmm.row_bytes(fmt, 512)
+    assert qmm.planes_nbytes(fmt, 8, 512) * 9 == 10 * 8 * qmm.row_bytes(fmt, 512)
 
 
 @pytest.mark.parametrize("fmt", qmm.PLANAR_FORMATS)
@@ -63,8 +63,8 @@ def test_what_planes_cannot_take_is_refused():
   x = jnp.ones((1, 512), jnp.float32)
   for call, what in [
       (lambda: qmm.planar_matmul(x, values, scales, "q6_k", 512), "format 'q6_k' is not repacked"),
-      (lambda: qmm.planar_matmul(x, scales, values, "q4_k", 512), r"q4_k values for rows of 512 values must be uint8 \[4, 8, 32\], got float32"),
-      (lambda: qmm.planar_matmul(x, values, scales[:2], "q4_k", 512), r"q4_k scales .* must be float32 \[4, 2, 16\], got float32 \[2, 2, 16\]"),
+      (lambda: qmm.planar_matmul(x, scales, values, "q4_k", 512), r"q4_k values for rows of 512 values must be uint8 \[4, 8, 32\], got uint32 \[4, 8, 2\]"),
+      (lambda: qmm.planar_matmul(x, values, scales[:2], "q4_k", 512), r"q4_k scales .* must be uint32 \[4, 8, 2\], got uint32 \[2, 8, 2\]"),
       (lambda: qmm.planar_matmul([[1.0] * 512], values, scales, "q4_k", 512), "x must be an array"),
       (lambda: qmm.dequantize_planes(values, scales, "q8_0", 512), "q8_0 values .* must be int8"),
       (lambda: qmm.to_planes(np.zeros((2, 1088), np.uint8), "q8_0", 512.0), "k \\(values a row\\) must be an int, got 512.0"),
@@ -91,3 +91,93 @@ def test_kept_repacks_the_planar_formats_only(tmp_path):
     gguf_io.write_gguf(str(tmp_path / "planar.gguf"), cfg, tensors)
   other = qweights.kept(np.asarray(qweights.random_quantized("q6_k", 6, 256).data), "q6_k", 256, impl="planar")
   assert other.impl == "xla" and other.scales is None
+
+
+def _oracle(x, values, scales, fmt, k, round_bf16):
+  """float64 x @ W.T of the planes' weights (rounded to bfloat16 first where the product does)."""
+  w = qmm.dequantize_planes(values, scales, fmt, k)
+  if round_bf16:
+    w = w.astype(jnp.bfloat16).astype(jnp.float32)
+  return np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+
+
+@pytest.mark.parametrize("fmt", qmm.PLANAR_FORMATS)
+def test_gemv_kernel_is_the_product_of_its_weights(fmt):
+  """The Pallas GEMV (interpreted): grouped (float32 weights, the scale a group) and ggml-made weights
+  (bfloat16 for bfloat16 x), rows 1 to 8, within float32 summation of a float64 oracle; a K split
+  and several column tiles."""
+  from kvjax_pallas.quant_matmul import planar_gemv as pg
+  n, k = 48, 1024
+  _, values, scales = _planes(fmt, n, k, 6)
+  rng = np.random.default_rng(7)
+  for grouped in (1, 0):
+    cfg = pg.PlanarGemvConfig(block_n=16, block_groups=4, min_programs=8, grouped=grouped)
+    assert pg.resolve_tiles(cfg, fmt, n, k).split > 1
+    for s, dtype in ((1, jnp.float32), (3, jnp.bfloat16), (8, jnp.float32)):
+      x = jnp.asarray(rng.standard_normal((s, k)), dtype)
+      got = np.asarray(pg.planar_gemv(x, values, scales, fmt, k, config=cfg, interpret=True))
+      want = _oracle(x.astype(jnp.float32), values, scales, fmt, k, round_bf16=not grouped and dtype == jnp.bfloat16)
+      scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(qmm.dequantize_planes(values, scales, fmt, k), np.float64)).T
+      assert got.shape == (s, n) and np.all(np.abs(got - want) <= 1e-5 * scale + 1e-30), (grouped, s)
+
+
+@pytest.mark.parametrize("fmt", qmm.PLANAR_FORMATS)
+def test_a_rows_sums_do_not_depend_on_the_other_rows(fmt):
+  """A decode row and the same row among verify rows give the same bits: the GEMV with 1 and with
+  5 rows, and `planar_matmul` ("pallas", interpreted) over 20 rows (GEMV calls of 8) against each
+  row alone; more than KERNEL_ROWS rows run the dequantize-then-dot."""
+  from kvjax_pallas.quant_matmul import planar, planar_gemv as pg
+  n, k = 32, 512
+  rows, values, scales = _planes(fmt, n, k, 8)
+  x = jnp.asarray(np.random.default_rng(9).standard_normal((20, k)), jnp.bfloat16)
+  five = np.asarray(pg.planar_gemv(x[:5], values, scales, fmt, k, interpret=True))
+  one = np.asarray(pg.planar_gemv(x[3:4], values, scales, fmt, k, interpret=True))
+  assert np.array_equal(five[3:4], one)
+  many = np.asarray(qmm.planar_matmul(x, values, scales, fmt, k, implementation="pallas"))
+  alone = np.concatenate([np.asarray(qmm.planar_matmul(x[r:r + 1], values, scales, fmt, k, implementation="pallas"))
+                          for r in range(20)])
+  assert np.array_equal(many, alone)
+  wide = jnp.asarray(np.random.default_rng(10).standard_normal((planar.KERNEL_ROWS + 1, k)), jnp.bfloat16)
+  assert np.array_equal(np.asarray(qmm.planar_matmul(wide, values, scales, fmt, k, implementation="pallas")),
+                        np.asarray(ref.quant_matmul_reference(wide, rows, fmt, k)))
+
+
+def test_gemv_lowers_for_the_triton_backend():
+  """Every planar format's GEMV passes Pallas' Triton lowering for a CUDA target (on a CPU-only
+  jaxlib `jax.export` stops before Triton's own compile), one and four rows, both products."""
+  import functools
+  import jax
+  from jax import export
+  from kvjax_pallas.quant_matmul import kernel, planar, planar_gemv as pg
+  if kernel._pltriton is None:
+    pytest.skip("this jax has no Pallas Triton backend")
+  n, k = 1024, 5120
+  for fmt in qmm.PLANAR_FORMATS:
+    (vs, vd), (ss, sd) = planar.plane_shapes(fmt, n, k)
+    for s, dtype, grouped in ((1, jnp.bfloat16, 1), (4, jnp.float32, 0)):
+      cfg = pg.PlanarGemvConfig(grouped=grouped)
+      fn = functools.partial(pg._call, fmt=fmt, k=k, cfg=cfg, tiles=pg.resolve_tiles(cfg, fmt, n, k), interpret=False)
+      exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+          export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+              jax.ShapeDtypeStruct((s, k), dtype), jax.ShapeDtypeStruct(vs, vd), jax.ShapeDtypeStruct(ss, sd))
+      assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+
+
+def test_gemv_refuses_what_it_cannot_take(monkeypatch):
+  from kvjax_pallas.quant_matmul import planar, planar_gemv as pg
+  _, values, scales = _planes("q8_0", 16, 256, 1)
+  for cfg, what in [(pg.PlanarGemvConfig(block_n=12), "block_n must be a power of two"),
+                    (pg.PlanarGemvConfig(split_k=3), "split_k must be 0"),
+                    (pg.PlanarGemvConfig(grouped=2), "grouped must be 0 or 1"),
+                    (pg.PlanarGemvConfig(split_k=16), "split_k=16 must divide the 8 groups")]:
+    with pytest.raises(ValueError, match=what):
+      pg.planar_gemv(jnp.ones((1, 256)), values, scales, "q8_0", 256, config=cfg, interpret=True)
+  with pytest.raises(ValueError, match="planar GEMV: takes 1 to 8 rows of x, got 9"):
+    pg.planar_gemv(jnp.ones((9, 256)), values, scales, "q8_0", 256, interpret=True)
+  with pytest.raises(ValueError, match="^planar weights: implementation must be one of auto, pallas, xla, got 'cuda'"):
+    qmm.planar_matmul(jnp.ones((1, 256)), values, scales, "q8_0", 256, implementation="cuda")
+  monkeypatch.setenv(planar.PRODUCT_ENV, "triton")
+  with pytest.raises(ValueError, match=r"^planar weights: \$KVJAX_PLANAR_PRODUCT must be one of auto, pallas, xla, got 'triton'"):
+    qmm.planar_matmul(jnp.ones((2, 256)), values, scales, "q8_0", 256)
+  monkeypatch.setenv(planar.PRODUCT_ENV, "pallas")
+  assert planar.resolve_product("auto") == "pallas" and planar.resolve_product("xla") == "xla"

@@ -181,11 +181,14 @@ def test_cli_weights_flags(capsys):
   assert len(err) == 1 and "--weight-type" in err[0] and "q4_k" in err[0]
 
 
-def test_planar_bfloat16_speculative_output_equals_plain_greedy(tmp_path):
-  """A bfloat16 model with Q4_K / Q8_0 / Q4_0 planes: a decode row's product (the planes' multiply-
-  and-sum) and the verify rows' (dequantize, then the dot) share their products, so speculative
-  decoding (ngram and MTP drafts) gives plain greedy's tokens (they split at the 8th token while the
-  decode row multiplied the exact values in float32)."""
+@pytest.mark.parametrize("product", ["xla", "pallas"])
+def test_planar_bfloat16_speculative_output_equals_plain_greedy(tmp_path, monkeypatch, product):
+  """A bfloat16 model with Q4_K / Q8_0 / Q4_0 planes: speculative decoding (ngram and MTP drafts)
+  gives plain greedy's tokens with either planar product. "xla": a decode row's multiply-and-sum
+  and the verify rows' dot share their (bfloat16) products (they split at the 8th token while the
+  decode row multiplied the exact values in float32); "pallas" (the GPU's GEMV, interpreted): a
+  row's sums are the same bits whatever other rows its call has."""
+  monkeypatch.setenv("KVJAX_PLANAR_PRODUCT", product)
   cfg = config_lib.tiny(**WIDE)
   tensors = weights_lib.random_tensors(cfg, 0)
   fmts = ("q4_k", "q8_0", "q4_0")

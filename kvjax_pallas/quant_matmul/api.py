@@ -36,6 +36,7 @@ from kvjax_pallas.quant_matmul import formats as _formats
 from kvjax_pallas.quant_matmul import gemv as _gemv
 from kvjax_pallas.quant_matmul import kernel as _kernel
 from kvjax_pallas.quant_matmul import planar as _planar
+from kvjax_pallas.quant_matmul import planar_gemv as _planar_gemv
 from kvjax_pallas.quant_matmul import reference as _ref
 
 FORMATS = _formats.FORMATS
@@ -49,6 +50,8 @@ PLANAR_FORMATS = _planar.PLANAR_FORMATS
 to_planes = _planar.to_planes
 dequantize_planes = _planar.dequantize_planes
 planar_matmul = _planar.planar_matmul
+PLANAR_PRODUCTS = _planar.PRODUCTS
+PlanarGemvConfig = _planar_gemv.PlanarGemvConfig
 planes_nbytes = _planar.planes_nbytes
 
 

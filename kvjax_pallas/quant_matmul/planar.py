@@ -13,17 +13,27 @@ Planes (`to_planes`, made on the device at load), per format (values a row K, N 
   q4_0  nibbles uint8 [N, K/32, 16] (byte j: value j low, j + 16 high); d float16 [N, K/32]
                                                                         value = d * (q - 8)
   q4_k  nibbles uint8 [N, K/64, 32] (byte l of chunk c: value 64c + l low, 64c + 32 + l high);
-        s, o float32 [N, 2, K/32] (s = d * sc, o = dmin * m of each 32 values, ggml's products)
-                                                                        value = s * q - o
+        uint32 [N, K/64, 2], a chunk's two words: sc_lo | sc_hi << 8 | m_lo << 16 | m_hi << 24
+        (the 6-bit scales and mins of its low / high 32 values), then its block's f16 d | dmin << 16
+                                                value = (d * sc) * q - dmin * m (ggml's float32)
 
 The planes hold the same numbers as the blocks: `dequantize_planes` equals
 `reference.dequantize` of the ggml rows bit for bit (the same float32 products). Bytes against
-ggml's: q8_0 and q4_0 the same; q4_k 6 bits a value against 4.5 (its scale products need float32).
+ggml's: q8_0 and q4_0 the same; q4_k 5 bits a value against 4.5 (d and dmin once a chunk of 64, not a block of 256).
 
-The product (`planar_matmul`): up to `REDUCE_ROWS` rows of x as one multiply-and-sum over the
-planes in float32 (the row's sums in XLA's order; for bfloat16 x the weights rounded to bfloat16
-first, the dot's products); more rows dequantize the planes to
-`reference.compute_dtype(x.dtype)` and run the reference's dot (the "xla" product's bits).
+The product (`planar_matmul(..., implementation=)`):
+  "pallas"  up to `KERNEL_ROWS` rows: the Pallas GEMV over the planes (`planar_gemv.py`, its
+            `GEMV_MAX_ROWS` rows a call; interpreted off a GPU): float32 weights, each group's
+            scale applied to its sum; a row's sums do not depend on the call's other rows, so a
+            decode row and the same row among verify rows agree bit for bit;
+  "xla"     up to `REDUCE_ROWS` rows: one XLA multiply-and-sum over the planes with the dot's
+            products (the weights rounded to bfloat16 for bfloat16 x), which the verify rows'
+            dot shares;
+  "auto"    the environment's `KVJAX_PLANAR_PRODUCT` if set, else "pallas" on a GPU, "xla"
+            elsewhere (the default).
+More rows dequantize the planes to `reference.compute_dtype(x.dtype)` and run the reference's dot
+(the "xla" quant-matmul's bits). So with "pallas", speculative decoding gives plain greedy's
+tokens while its verify rows are at most `KERNEL_ROWS` (a wider verify meets bfloat16 weights).
 
 Shapes: x_sk [S, K] -> [S, N] float32. Imports nothing from `kvjax`.
 """
@@ -31,6 +41,7 @@ Shapes: x_sk [S, K] -> [S, N] float32. Imports nothing from `kvjax`.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Tuple
 
 import jax
@@ -42,7 +53,10 @@ from kvjax_pallas.quant_matmul import formats as _formats
 from kvjax_pallas.quant_matmul import reference as _ref
 
 PLANAR_FORMATS = ("q8_0", "q4_0", "q4_k")
-REDUCE_ROWS = 1   # rows of x the multiply-and-sum takes; more: dequantize, then the dot
+REDUCE_ROWS = 1   # rows of x the XLA multiply-and-sum takes; more: dequantize, then the dot
+KERNEL_ROWS = 32  # rows of x the "pallas" product takes (GEMV calls of planar_gemv.GEMV_MAX_ROWS rows)
+PRODUCTS = ("auto", "pallas", "xla")   # planar_matmul(implementation=)
+PRODUCT_ENV = "KVJAX_PLANAR_PRODUCT"   # "auto"'s choice where set
 
 
 def _check(fmt: str, k: int) -> None:
@@ -60,7 +74,7 @@ def plane_shapes(fmt: str, n: int, k: int):
     return ((n, k), jnp.int8), ((n, k // 32), jnp.float16)
   if fmt == "q4_0":
     return ((n, k // 32, 16), jnp.uint8), ((n, k // 32), jnp.float16)
-  return ((n, k // 64, 32), jnp.uint8), ((n, 2, k // 32), jnp.float32)
+  return ((n, k // 64, 32), jnp.uint8), ((n, k // 64, 2), jnp.uint32)
 
 
 def check_planes(values, scales, fmt: str, k: int) -> int:
@@ -100,11 +114,22 @@ def _to_planes(w_nb, fmt: str, k: int):
     return lax.bitcast_convert_type(blk[..., 2:], jnp.int8).reshape(n, k), d
   if fmt == "q4_0":
     return blk[..., 2:], d
-  dmin = lax.bitcast_convert_type(blk[..., 2:4], jnp.float16).astype(jnp.float32)
-  sc, mn = _ref._k_scales(blk[..., 4:16].astype(jnp.int32))                  # [N, K/256, 8]
-  so = jnp.stack([d.astype(jnp.float32)[..., None] * sc.astype(jnp.float32),
-                  dmin[..., None] * mn.astype(jnp.float32)], axis=1)          # [N, 2, K/256, 8]
-  return blk[..., 16:].reshape(n, k // 64, 32), so.reshape(n, 2, k // 32)
+  sc, mn = _ref._k_scales(blk[..., 4:16].astype(jnp.int32))                  # [N, K/256, 8]: group 2c + h
+  dd = jnp.broadcast_to(blk[..., None, 0:4], (n, k // 256, 4, 4))             # d, dmin bytes, each chunk
+  chunk = jnp.concatenate([sc.reshape(n, k // 256, 4, 2).astype(jnp.uint8),
+                           mn.reshape(n, k // 256, 4, 2).astype(jnp.uint8), dd], axis=-1)   # [N, K/256, 4, 8]
+  words = lax.bitcast_convert_type(chunk.reshape(n, k // 64, 2, 4), jnp.uint32)   # little-endian
+  return blk[..., 16:].reshape(n, k // 64, 32), words
+
+
+def _k_scales_of(scales):
+  """A q4_k scales plane uint32 [N, K/64, 2] -> float32 (s_lo, s_hi, o_lo, o_hi), each [N, K/64]:
+  ggml's d * sc and dmin * m."""
+  w0, w1 = scales[..., 0], scales[..., 1]
+  d, dmin = (lax.bitcast_convert_type(((w1 >> sh) & 0xFFFF).astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+             for sh in (0, 16))
+  q = [((w0 >> (8 * j)) & 0xFF).astype(jnp.float32) for j in range(4)]
+  return d * q[0], d * q[1], dmin * q[2], dmin * q[3]
 
 
 def _nibbles(p):
@@ -121,8 +146,8 @@ def dequantize_planes(values, scales, fmt: str, k: int, dtype=jnp.float32):
     out = jnp.concatenate([lo - 8.0, hi - 8.0], axis=-1) * scales.astype(jnp.float32)[..., None]
   else:
     lo, hi = _nibbles(values)                                               # [N, K/64, 32]
-    sc, off = (scales[:, i].reshape(n, k // 64, 2, 1) for i in (0, 1))      # [N, chunk, half, 1]
-    out = jnp.stack([lo, hi], axis=2) * sc - off                            # [N, chunk, half, 32]
+    s_lo, s_hi, o_lo, o_hi = (a[..., None] for a in _k_scales_of(scales))     # [N, chunk, 1]
+    out = jnp.stack([lo * s_lo - o_lo, hi * s_hi - o_hi], axis=2)           # [N, chunk, half, 32]
   return out.reshape(n, k).astype(dtype)
 
 
@@ -146,19 +171,44 @@ def _reduce(x_sk, values, scales, fmt: str, k: int):
     return jnp.sum(part * scales.astype(f32)[None], axis=-1)
   xs = x.reshape(s, k // 64, 2, 32)                                                    # [S, chunk, half, 32]
   lo, hi = _nibbles(values)
-  sc, off = (scales[:, i].reshape(n, k // 64, 2) for i in (0, 1))                   # [N, chunk, half]
+  s_lo, s_hi, o_lo, o_hi = _k_scales_of(scales)
+  sc, off = jnp.stack([s_lo, s_hi], -1), jnp.stack([o_lo, o_hi], -1)                 # [N, chunk, half]
   t = lo[None] * sc[None, ..., 0:1] * xs[:, None, :, 0] + hi[None] * sc[None, ..., 1:2] * xs[:, None, :, 1]
   return jnp.sum(t, axis=(2, 3)) - jnp.einsum("nch,sch->sn", off, jnp.sum(xs, -1), precision=lax.Precision.HIGHEST)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "k"))
-def planar_matmul(x_sk, values, scales, fmt: str, k: int):
-  """x [S, K] @ W[N, K].T -> [S, N] float32, W in planes (`to_planes`)."""
+def resolve_product(implementation: str) -> str:
+  """`implementation` of `planar_matmul` ("auto": $KVJAX_PLANAR_PRODUCT, else "pallas" on a GPU, else "xla")."""
+  if implementation not in PRODUCTS:
+    raise ValueError(f"planar weights: implementation must be one of {', '.join(PRODUCTS)}, got {implementation!r}")
+  if implementation != "auto":
+    return implementation
+  env = os.environ.get(PRODUCT_ENV, "auto")
+  if env not in PRODUCTS:
+    raise ValueError(f"planar weights: ${PRODUCT_ENV} must be one of {', '.join(PRODUCTS)}, got {env!r}")
+  if env != "auto":
+    return env
+  return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "k", "implementation", "config", "interpret"))
+def planar_matmul(x_sk, values, scales, fmt: str, k: int, *, implementation: str = "auto", config=None,
+                  interpret: bool = False):
+  """x [S, K] @ W[N, K].T -> [S, N] float32, W in planes (`to_planes`). `config`: the GEMV's
+  `planar_gemv.PlanarGemvConfig` (None: its defaults); the kernel runs interpreted where `interpret`
+  or the backend is not a GPU."""
   if not hasattr(x_sk, "shape") or not hasattr(x_sk, "dtype"):
     raise ValueError(f"planar weights: x must be an array [S, {k}], got {type(x_sk).__name__}")
   check_planes(values, scales, fmt, k)
-  _formats.check_x(x_sk, k)
-  if x_sk.shape[0] <= REDUCE_ROWS:
+  s = _formats.check_x(x_sk, k)
+  product = resolve_product(implementation)
+  from kvjax_pallas.quant_matmul import planar_gemv   # pylint: disable=import-outside-toplevel (it imports this)
+  if product == "pallas" and s <= KERNEL_ROWS:
+    step = planar_gemv.GEMV_MAX_ROWS
+    outs = [planar_gemv.planar_gemv(x_sk[r:r + step], values, scales, fmt, k, config=config,
+                                    interpret=interpret or jax.default_backend() != "gpu") for r in range(0, s, step)]
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+  if product == "xla" and x_sk.shape[0] <= REDUCE_ROWS:
     return _reduce(x_sk, values, scales, fmt, k)
   dtype = _ref.compute_dtype(x_sk.dtype)
   w_nk = dequantize_planes(values, scales, fmt, k, dtype)
