@@ -129,12 +129,12 @@ def _parse_config(text: str, flag: str, cls, check=None):
   names = [f.name for f in dataclasses.fields(cls)]
   parts = text.split(":")
   if len(parts) != len(names) or not all(p.isdigit() for p in parts):
-    raise app.UsageError(f"--{flag} entry {text!r}: want {':'.join(names)}, {len(names)} integers")
+    raise ValueError(f"--{flag} entry {text!r}: want {':'.join(names)}, {len(names)} integers")
   try:
     cfg = cls(*(int(p) for p in parts))
     return check(cfg) if check else cfg
   except ValueError as e:
-    raise app.UsageError(f"--{flag} entry {text!r}: {e}") from None
+    raise ValueError(f"--{flag} entry {text!r}: {e}") from None
 
 
 def parse_tiles(text: str):
@@ -236,6 +236,11 @@ def main(argv):
                   # the GEMV itself at every S <= 16 (without a GemvConfig "pallas_gemv" takes one row)
                   "pallas_gemv": [(t, parse_gemv_tiles(t)) for t in FLAGS.gemv_tiles] or [("", gemv_default())],
                   "planar_pallas": [(t, parse_planar_tiles(t)) for t in FLAGS.planar_tiles] or [("", None)]}
+
+  no_planes = [f for f in FLAGS.formats if f not in api.PLANAR_FORMATS]
+  if no_planes and any(i in PLANAR_IMPLS for i in FLAGS.implementations):
+    print(f"note: {', '.join(no_planes)} not repacked into planes: no planar rows for them "
+          f"(planar formats: {', '.join(api.PLANAR_FORMATS)})", flush=True)
 
   def copies_for(nbytes: int) -> int:
     if not FLAGS.rotate_mib:

@@ -124,7 +124,8 @@ def main(argv):
   widest_draft = speculative.SpecConfig("oracle", n_max=rows - 1, rollback=FLAGS.rollback) if rows > 1 else None
   log = {"flags": {k: FLAGS[k].value for k in FLAGS if k in (
       "model", "dtype", "contexts", "arena_mib", "decode_tokens", "acceptance", "n_max", "rollback",
-      "page_tokens", "copy_pages", "attn_impl", "fuse", "weight_type", "weights_impl")}, "device": str(jax.devices()[0]), "jax": jax.__version__}
+      "page_tokens", "copy_pages", "attn_impl", "fuse", "weight_type", "weights_impl")}, "device": str(jax.devices()[0]),
+      "jax": jax.__version__, "weights_impl_run": loaded.weights_impl}
   print(json.dumps(log), flush=True)
 
   def make_kv(ctx):

@@ -161,7 +161,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       for a GGUF file on one device, else dequantized.
     weights_impl: the quantized product: "auto" ("planar" on a GPU, else "xla"), "xla" (dequantize, then the
       dequantized weight's product: the same logits), "fused" (decode rows as one multiply-and-sum), "pallas" /
-      "pallas_gemv" (kernels), "planar" (Q8_0 / Q4_0 / Q4_K repacked into planes at load; `kvjax.qweights`).
+      "pallas_gemv" (kernels), "planar" (Q8_0 / Q4_0 / Q4_K / Q6_K repacked into planes at load; `kvjax.qweights`).
     weight_type: with `preset`, draw the matrices that may stay quantized as random blocks of this
       format (q8_0, q4_0, q4_k, q5_k, q6_k), kept quantized: the preset benchmarks as a quantized
       file of its geometry runs.

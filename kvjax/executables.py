@@ -89,14 +89,25 @@ def _text(value) -> str:
   return _ADDRESS.sub("", repr(value))
 
 
+# environment variables read while a step is traced (they decide its program, so they are part of
+# a stored executable's key): XLA's flags, the planar weights' product
+# (`kvjax_pallas.quant_matmul.planar.PRODUCT_ENV`; read when a step is first traced in a process)
+TRACE_ENV = ("XLA_FLAGS", "KVJAX_PLANAR_PRODUCT")
+
+
+def _trace_env() -> Tuple[str, ...]:
+  return tuple(os.environ.get(name, "") for name in TRACE_ENV)
+
+
 def _context() -> str:
-  """What else decides a compiled program: XLA's flags and jax's tracing configuration."""
+  """What else decides a compiled program: the environment read while tracing (`TRACE_ENV`) and
+  jax's tracing configuration."""
   try:
     from jax._src import config as jax_config
     trace = repr(jax_config.trace_context())
   except (ImportError, AttributeError):   # pragma: no cover - a jax without it: the x64 switch at least
     trace = repr(jax.config.jax_enable_x64)
-  return "\n".join((os.environ.get("XLA_FLAGS", ""), _ADDRESS.sub("", trace)))
+  return "\n".join(_trace_env() + (_ADDRESS.sub("", trace),))
 
 
 def jit(fn=None, *, static_argnames=(), donate_argnames=(), params: Optional[str] = None):

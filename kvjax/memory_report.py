@@ -79,7 +79,7 @@ def memory_report(model_cfg: config_lib.ModelConfig, context_tokens: int,
       block format (q8_0, q4_0, q4_k, q5_k, q6_k) for the matrices that stay quantized
       (`kvjax.qweights`), the rest in bf16.
     weights_impl: the quantized product the bytes are counted for: "planar" (a GPU's default: Q8_0 / Q4_0
-      at the file's bytes, Q4_K at 5 bits a value against 4.5) or another (the file's blocks).
+      at the file's bytes, Q4_K at 5 bits a value against 4.5, Q6_K at 6.75 against 6.5625) or another (the file's blocks).
   """
   if not 1 <= context_tokens <= checks.MAX_POSITIONS:
     raise ValueError(f"context_tokens must be in 1..{checks.MAX_POSITIONS} (int32 token positions), "

@@ -12,7 +12,7 @@ implementation are static), so it sits in an `nnx.Param` like any weight, is spl
 and passed to the compiled steps as a leaf. The product runs `kvjax_pallas.quant_matmul.quant_matmul`:
 "xla" (dequantize, then the same product as a dequantized weight's: bit for bit the logits of a
 model dequantized at load) or "pallas" (the kernel that dequantizes in registers). With "planar"
-(`kept(..., impl="planar")`) a Q8_0 / Q4_0 / Q4_K matrix is repacked at load into a plane of its
+(`kept(..., impl="planar")`) a Q8_0 / Q4_0 / Q4_K / Q6_K matrix is repacked at load into a plane of its
 values (`data`) and one of its scales (`scales`, a second leaf) (`kvjax_pallas.quant_matmul.planar`):
 on a GPU decode and verify rows (up to 32) run the Pallas GEMV over the planes (float32 weights, a
 row's sums the same bits whatever other rows its call has), elsewhere XLA's multiply-and-sum for a

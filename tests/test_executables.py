@@ -197,3 +197,16 @@ def test_an_entry_taking_other_shapes_is_compiled_again(store):
   assert executables.STATS["mismatched"] == before["mismatched"] + 1
   assert executables.STATS["compiled"] == before["compiled"] + 1
   np.testing.assert_array_equal(np.asarray(out), np.asarray(_step.jitted(weights, jnp.zeros((3, 5)), x, power=2)[0]))
+
+
+def test_the_planar_product_s_setting_keys_its_own_executable(store, monkeypatch):
+  """A later process with another KVJAX_PLANAR_PRODUCT (read while tracing) does not load the
+  programs stored under the first: the variable is part of the stored key."""
+  weights, acc, x = _args()
+  monkeypatch.setenv("KVJAX_PLANAR_PRODUCT", "xla")
+  _step(weights, acc, x, power=2)
+  executables.clear_loaded()                      # as a second process
+  monkeypatch.setenv("KVJAX_PLANAR_PRODUCT", "pallas")
+  loaded = executables.STATS["loaded"]
+  _step(weights, jnp.zeros((3, 5)), x, power=2)
+  assert executables.STATS["loaded"] == loaded and len(list(store.iterdir())) == 2

@@ -24,10 +24,9 @@ def test_planes_dequantize_as_ggml_rows_bit_for_bit(fmt):
     want = np.asarray(ref.dequantize(rows, fmt, k))
     assert np.abs(want).max() > 0 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert values.nbytes + scales.nbytes == qmm.planes_nbytes(fmt, n, k)
-  if fmt != "q4_k":   # the same bytes as ggml's rows; q4_k 5 bits a value against 4.5
-    assert qmm.planes_nbytes(fmt, 8, 512) == 8 * qmm.row_bytes(fmt, 512)
-  else:
-    assert qmm.planes_nbytes(fmt, 8, 512) * 9 == 10 * 8 * qmm.row_bytes(fmt, 512)
+  # the same bytes as ggml's rows; q4_k 5 bits a value against 4.5, q6_k 6.75 against 6.5625
+  num, den = {"q4_k": (10, 9), "q6_k": (36, 35)}.get(fmt, (1, 1))
+  assert qmm.planes_nbytes(fmt, 8, 512) * den == num * 8 * qmm.row_bytes(fmt, 512)
 
 
 @pytest.mark.parametrize("fmt", qmm.PLANAR_FORMATS)
@@ -52,9 +51,9 @@ def test_planar_product_is_the_references(fmt):
 
 
 def test_what_planes_cannot_take_is_refused():
-  rows = np.asarray(qweights.random_quantized("q6_k", 2, 256).data)
-  with pytest.raises(ValueError, match="^planar weights: format 'q6_k' is not repacked"):
-    qmm.to_planes(rows, "q6_k", 256)
+  rows = np.asarray(qweights.random_quantized("q5_k", 2, 256).data)
+  with pytest.raises(ValueError, match="^planar weights: format 'q5_k' is not repacked"):
+    qmm.to_planes(rows, "q5_k", 256)
   with pytest.raises(ValueError, match=r"^planar weights: q8_0 rows of 64 values need uint8 \[N, 68\], got uint8 \(2, 34\)"):
     qmm.to_planes(np.zeros((2, 34), np.uint8), "q8_0", 64)
   with pytest.raises(ValueError, match="^q4_k: k=96"):
@@ -62,7 +61,7 @@ def test_what_planes_cannot_take_is_refused():
   values, scales = qmm.to_planes(np.asarray(qweights.random_quantized("q4_k", 4, 512).data), "q4_k", 512)
   x = jnp.ones((1, 512), jnp.float32)
   for call, what in [
-      (lambda: qmm.planar_matmul(x, values, scales, "q6_k", 512), "format 'q6_k' is not repacked"),
+      (lambda: qmm.planar_matmul(x, values, scales, "q5_k", 512), "format 'q5_k' is not repacked"),
       (lambda: qmm.planar_matmul(x, scales, values, "q4_k", 512), r"q4_k values for rows of 512 values must be uint8 \[4, 8, 32\], got uint32 \[4, 8, 2\]"),
       (lambda: qmm.planar_matmul(x, values, scales[:2], "q4_k", 512), r"q4_k scales .* must be uint32 \[4, 8, 2\], got uint32 \[2, 8, 2\]"),
       (lambda: qmm.planar_matmul([[1.0] * 512], values, scales, "q4_k", 512), "x must be an array"),
@@ -75,7 +74,7 @@ def test_what_planes_cannot_take_is_refused():
 
 def test_kept_repacks_the_planar_formats_only(tmp_path):
   """`qweights.kept(impl="planar")` repacks Q4_K (its dequantized rows unchanged); a GGUF is not
-  written from planes (one-line error naming the tensor); Q6_K keeps its rows and another product."""
+  written from planes (one-line error naming the tensor); Q5_K keeps its rows and another product."""
   w = qweights.random_quantized("q4_k", 6, 256, seed=5)
   planar = qweights.kept(np.asarray(w.data), "q4_k", 256, impl="planar")
   assert planar.impl == "planar" and planar.scales is not None and planar.shape == (6, 256)
@@ -89,7 +88,7 @@ def test_kept_repacks_the_planar_formats_only(tmp_path):
                                                  impl="planar")
   with pytest.raises(gguf_io.GGUFError, match="blk.0.ffn_up.weight: weights repacked into planes"):
     gguf_io.write_gguf(str(tmp_path / "planar.gguf"), cfg, tensors)
-  other = qweights.kept(np.asarray(qweights.random_quantized("q6_k", 6, 256).data), "q6_k", 256, impl="planar")
+  other = qweights.kept(np.asarray(qweights.random_quantized("q5_k", 6, 256).data), "q5_k", 256, impl="planar")
   assert other.impl == "xla" and other.scales is None
 
 

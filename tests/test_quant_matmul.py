@@ -318,6 +318,25 @@ def test_bench_small_runs(tmp_path):
   assert all(r["check"] < 1e-5 for r in rows if r["impl"].startswith("pallas"))
 
 
+def test_bench_planar_rows_and_bad_tiles_in_one_line(tmp_path):
+  """bench_gemv --small: the planar products' rows (the GEMV with tiles given, XLA's reduction)
+  within float32 rounding of the float32-weights or bf16 products; a bad tile entry is one line."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "bench.json"
+  run = lambda *a: subprocess.run([sys.executable, "-m", "experiments.bench_gemv", "--small", "--formats=q6_k,q5_k",
+                                   "--shapes=ffn_down.weight", *a], cwd=root, capture_output=True, text=True,
+                                  timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  p = run("--implementations=planar_pallas,planar_xla", "--planar_tiles=8:4:0:8:1:1:4:3", f"--out={out}")
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert "note: q5_k not repacked into planes" in p.stdout
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["impl"], r["s"], r["fmt"]) for r in rows] == [(i, s, "q6_k") for s in (1, 4) for i in ("planar_pallas", "planar_xla")]
+  assert all("error" not in r and r["check"] < 1e-2 for r in rows)
+  bad = run("--implementations=planar_pallas", "--planar_tiles=12:4:0:8:1:1:4:3")
+  assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+      "bench_gemv: error: --planar_tiles entry '12:4:0:8:1:1:4:3': block_n must be a power of two >= 1, got 12"]
+
+
 # ----------------------------------------------------------------------------- tiles, errors
 
 

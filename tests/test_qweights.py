@@ -183,7 +183,7 @@ def test_cli_weights_flags(capsys):
 
 @pytest.mark.parametrize("product", ["xla", "pallas"])
 def test_planar_bfloat16_speculative_output_equals_plain_greedy(tmp_path, monkeypatch, product):
-  """A bfloat16 model with Q4_K / Q8_0 / Q4_0 planes: speculative decoding (ngram and MTP drafts)
+  """A bfloat16 model with Q4_K / Q8_0 / Q4_0 / Q6_K planes: speculative decoding (ngram and MTP drafts)
   gives plain greedy's tokens with either planar product. "xla": a decode row's multiply-and-sum
   and the verify rows' dot share their (bfloat16) products (they split at the 8th token while the
   decode row multiplied the exact values in float32); "pallas" (the GPU's GEMV, interpreted): a
@@ -191,10 +191,10 @@ def test_planar_bfloat16_speculative_output_equals_plain_greedy(tmp_path, monkey
   monkeypatch.setenv("KVJAX_PLANAR_PRODUCT", product)
   cfg = config_lib.tiny(**WIDE)
   tensors = weights_lib.random_tensors(cfg, 0)
-  fmts = ("q4_k", "q8_0", "q4_0")
+  fmts = ("q4_k", "q8_0", "q4_0", "q6_k")
   for i, name in enumerate(sorted(tensors)):
     if qweights.keeps_quantized(name):
-      tensors[name] = qweights.random_quantized(fmts[i % 3], *tensors[name].shape, seed=i)
+      tensors[name] = qweights.random_quantized(fmts[i % 4], *tensors[name].shape, seed=i)
   path = gguf_io.write_gguf(str(tmp_path / "mixed.gguf"), cfg, tensors, tokenizer.tiny_tokenizer_spec(), weight_type="f32")
   model = api.load_model(path, weights_impl="planar", dtype="bfloat16", compile_cache=False)
   assert model.weights == "quantized" and model.weights_impl == "planar"

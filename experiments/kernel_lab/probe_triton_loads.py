@@ -61,7 +61,7 @@ def run(v, variant, bn, cw, warps, stages):
         in_specs=[pl.BlockSpec((bn, kb // 32, 32), lambda i: (i, 0, 0))], out_specs=pl.BlockSpec((bn,), lambda i: (i,)),
         out_shape=jax.ShapeDtypeStruct((n,), jnp.float32), compiler_params=cp(warps, stages), interpret=INTERP)(v3)
   if variant == "flat":
-    total = n * kb; per = 1 << 16                    # bytes a program
+    total = n * kb; per = min(1 << 16, total)       # bytes a program
     vf = v.reshape(total // per, per)
     return pl.pallas_call(functools.partial(kflat, width=cw, steps=per // cw), grid=(total // per,),
         in_specs=[pl.BlockSpec((1, per), lambda i: (i, 0))], out_specs=pl.BlockSpec((1, cw), lambda i: (i, 0)),
@@ -92,7 +92,7 @@ def main():
       cfgs += [(var, bn, cw, w, st) for bn, cw, w, st in [(8, 256, 4, 3), (8, 512, 4, 3), (4, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (2, 1024, 4, 3), (8, 1024, 8, 4)]]
     cfgs += [("flat", 0, cw, w, st) for cw, w, st in [(1024, 4, 3), (2048, 4, 3), (4096, 8, 3), (8192, 8, 4)]]
     for var, bn, cw, w, st in cfgs:
-      if INTERP and (cw > 256 or var == "flat" and cw > 1024): continue
+      if INTERP and cw > (1024 if var == "flat" else 256): continue
       if var != "flat" and (kb % cw or n % max(bn, 1)): continue
       fn = jax.jit(functools.partial(run, variant=var, bn=bn, cw=cw, warps=w, stages=st))
       try:
@@ -105,4 +105,7 @@ def main():
 
 
 if __name__ == "__main__":
+  import sys
+  if len(sys.argv) > 1:
+    sys.exit(f"probe_triton_loads: takes no arguments, got {' '.join(sys.argv[1:])!r}")
   main()

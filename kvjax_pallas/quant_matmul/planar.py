@@ -1,11 +1,12 @@
-"""GGUF weight blocks repacked into planes at load, read by XLA's own fused reductions.
+"""GGUF weight blocks repacked into planes at load, read by a Pallas GEMV (or XLA's reductions).
 
-A ggml row interleaves each block's scales with its quantized values. Repacked once at load (on the device),
-the values become one plane and the scales another, so that XLA's reduction for a decode row
-(x [1, K] against W [N, K]) reads the plane at close to the bytes' speed with no Pallas kernel
-(`experiments/kernel_lab/probe_planar_gemv.py`: on an H100 Q4_K planes at 0.95-1.27 TB/s, faster
-than the bf16 dot on the 27B's FFN matrices, where a decode of ggml's rows inside the same
-reduction ran at 0.28-0.45 TB/s).
+A ggml row interleaves each block's scales with its quantized values. Repacked once at load (on the
+device), the values become one plane and the scales another, so that a decode or verify row
+(x [S, K] against W [N, K]) reads each at speed: on a GPU the Pallas GEMV of `planar_gemv.py`
+(H100, 2026-12-06: the 27B's Q4_K decode 13.4 ms against 23.2 with bf16 weights), elsewhere XLA's
+own multiply-and-sum (`experiments/kernel_lab/probe_planar_gemv.py` measured it first: on an H100
+Q4_K planes at 0.95-1.27 TB/s where a decode of ggml's rows inside the same reduction ran at
+0.28-0.45 TB/s).
 
 Planes (`to_planes`, made on the device at load), per format (values a row K, N rows):
 
@@ -16,10 +17,15 @@ Planes (`to_planes`, made on the device at load), per format (values a row K, N 
         uint32 [N, K/64, 2], a chunk's two words: sc_lo | sc_hi << 8 | m_lo << 16 | m_hi << 24
         (the 6-bit scales and mins of its low / high 32 values), then its block's f16 d | dmin << 16
                                                 value = (d * sc) * q - dmin * m (ggml's float32)
+  q6_k  uint8 [N, K/128, 96], a half block (chunk) of 128 values: its 64 bytes of low nibbles (ql)
+        then its 32 bytes of 2-bit highs (qh), as ggml stores them; uint32 [N, K/128, 3], a chunk's
+        words: its 8 int8 scales (one a 16 values), then its block's f16 d
+                                                value = (d * sc) * (q - 32) (ggml's float32)
 
 The planes hold the same numbers as the blocks: `dequantize_planes` equals
 `reference.dequantize` of the ggml rows bit for bit (the same float32 products). Bytes against
-ggml's: q8_0 and q4_0 the same; q4_k 5 bits a value against 4.5 (d and dmin once a chunk of 64, not a block of 256).
+ggml's: q8_0 and q4_0 the same; q4_k 5 bits a value against 4.5 (d and dmin once a chunk of 64, not a
+block of 256); q6_k 6.75 against 6.5625 (d once a chunk of 128).
 
 The product (`planar_matmul(..., implementation=)`):
   "pallas"  up to `KERNEL_ROWS` rows: the Pallas GEMV over the planes (`planar_gemv.py`, its
@@ -52,7 +58,7 @@ from jax import lax
 from kvjax_pallas.quant_matmul import formats as _formats
 from kvjax_pallas.quant_matmul import reference as _ref
 
-PLANAR_FORMATS = ("q8_0", "q4_0", "q4_k")
+PLANAR_FORMATS = ("q8_0", "q4_0", "q4_k", "q6_k")
 REDUCE_ROWS = 1   # rows of x the XLA multiply-and-sum takes; more: dequantize, then the dot
 KERNEL_ROWS = 32  # rows of x the "pallas" product takes (GEMV calls of planar_gemv.GEMV_MAX_ROWS rows)
 PRODUCTS = ("auto", "pallas", "xla")   # planar_matmul(implementation=)
@@ -74,6 +80,8 @@ def plane_shapes(fmt: str, n: int, k: int):
     return ((n, k), jnp.int8), ((n, k // 32), jnp.float16)
   if fmt == "q4_0":
     return ((n, k // 32, 16), jnp.uint8), ((n, k // 32), jnp.float16)
+  if fmt == "q6_k":
+    return ((n, k // 128, 96), jnp.uint8), ((n, k // 128, 3), jnp.uint32)
   return ((n, k // 64, 32), jnp.uint8), ((n, k // 64, 2), jnp.uint32)
 
 
@@ -114,6 +122,11 @@ def _to_planes(w_nb, fmt: str, k: int):
     return lax.bitcast_convert_type(blk[..., 2:], jnp.int8).reshape(n, k), d
   if fmt == "q4_0":
     return blk[..., 2:], d
+  if fmt == "q6_k":   # block: ql [128], qh [64], scales int8 [16], d f16
+    vals = jnp.concatenate([blk[..., 0:128].reshape(n, k // 256, 2, 64), blk[..., 128:192].reshape(n, k // 256, 2, 32)], -1)
+    dd = jnp.broadcast_to(blk[..., None, 208:210], (n, k // 256, 2, 2))
+    chunk = jnp.concatenate([blk[..., 192:208].reshape(n, k // 256, 2, 8), dd, jnp.zeros_like(dd)], -1)   # [.., 2, 12]
+    return vals.reshape(n, k // 128, 96), lax.bitcast_convert_type(chunk.reshape(n, k // 128, 3, 4), jnp.uint32)
   sc, mn = _ref._k_scales(blk[..., 4:16].astype(jnp.int32))                  # [N, K/256, 8]: group 2c + h
   dd = jnp.broadcast_to(blk[..., None, 0:4], (n, k // 256, 4, 4))             # d, dmin bytes, each chunk
   chunk = jnp.concatenate([sc.reshape(n, k // 256, 4, 2).astype(jnp.uint8),
@@ -132,6 +145,22 @@ def _k_scales_of(scales):
   return d * q[0], d * q[1], dmin * q[2], dmin * q[3]
 
 
+def _q6_of(values, scales):
+  """q6_k planes [N, C, 96] / [N, C, 3] -> (q - 32 float32 [N, C, 8, 16], d * sc float32 [N, C, 8]):
+  part p = 2j + h of a chunk is its values 32j + 16h .. + 16, scale p."""
+  n, c = values.shape[:2]
+  ql = values[..., :64].astype(jnp.int32).reshape(n, c, 1, 2, 32)          # [.., 1, a, l]
+  qh = values[..., 64:].astype(jnp.int32).reshape(n, c, 1, 1, 32)
+  hi = jnp.arange(2, dtype=jnp.int32)[:, None, None]                       # [hi, 1, 1]
+  a = jnp.arange(2, dtype=jnp.int32)[None, :, None]                        # [1, a, 1]
+  q = (((ql >> (4 * hi)) & 15) | (((qh >> (2 * a + 4 * hi)) & 3) << 4)) - 32   # value 64 hi + 32 a + l
+  w0, w1, w2 = (scales[..., i] for i in range(3))
+  sc = jnp.stack([lax.bitcast_convert_type(((w >> (8 * b)) & 0xFF).astype(jnp.uint8), jnp.int8)
+                  for w in (w0, w1) for b in range(4)], -1).astype(jnp.float32)
+  d = lax.bitcast_convert_type((w2 & 0xFFFF).astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+  return q.astype(jnp.float32).reshape(n, c, 8, 16), d[..., None] * sc
+
+
 def _nibbles(p):
   return (p & 15).astype(jnp.float32), (p >> 4).astype(jnp.float32)
 
@@ -144,6 +173,9 @@ def dequantize_planes(values, scales, fmt: str, k: int, dtype=jnp.float32):
   elif fmt == "q4_0":
     lo, hi = _nibbles(values)                                               # [N, K/32, 16]
     out = jnp.concatenate([lo - 8.0, hi - 8.0], axis=-1) * scales.astype(jnp.float32)[..., None]
+  elif fmt == "q6_k":
+    q, ds = _q6_of(values, scales)
+    out = ds[..., None] * q                                                 # ggml: (d * sc) * q
   else:
     lo, hi = _nibbles(values)                                               # [N, K/64, 32]
     s_lo, s_hi, o_lo, o_hi = (a[..., None] for a in _k_scales_of(scales))     # [N, chunk, 1]
@@ -160,6 +192,8 @@ def _reduce(x_sk, values, scales, fmt: str, k: int):
   if _ref.compute_dtype(x_sk.dtype) == jnp.bfloat16:   # explicit: XLA may drop a f32 -> bf16 -> f32 pair
     w_nk = lax.reduce_precision(dequantize_planes(values, scales, fmt, k), exponent_bits=8, mantissa_bits=7)
     return jnp.sum(w_nk[None] * x[:, None], axis=-1)
+  if fmt == "q6_k":
+    return jnp.sum(dequantize_planes(values, scales, fmt, k)[None] * x[:, None], axis=-1)
   if fmt == "q8_0":
     xs = x.reshape(s, k // 32, 32)
     part = jnp.sum(values.astype(f32).reshape(n, k // 32, 32)[None] * xs[:, None], axis=-1)   # [S, N, K/32]
@@ -191,24 +225,33 @@ def resolve_product(implementation: str) -> str:
   return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "k", "implementation", "config", "interpret"))
 def planar_matmul(x_sk, values, scales, fmt: str, k: int, *, implementation: str = "auto", config=None,
                   interpret: bool = False):
   """x [S, K] @ W[N, K].T -> [S, N] float32, W in planes (`to_planes`). `config`: the GEMV's
   `planar_gemv.PlanarGemvConfig` (None: its defaults); the kernel runs interpreted where `interpret`
-  or the backend is not a GPU."""
+  or the backend is not a GPU. "auto" is resolved at each call (inside a traced step: when it is
+  traced)."""
   if not hasattr(x_sk, "shape") or not hasattr(x_sk, "dtype"):
     raise ValueError(f"planar weights: x must be an array [S, {k}], got {type(x_sk).__name__}")
   check_planes(values, scales, fmt, k)
-  s = _formats.check_x(x_sk, k)
-  product = resolve_product(implementation)
+  _formats.check_x(x_sk, k)
   from kvjax_pallas.quant_matmul import planar_gemv   # pylint: disable=import-outside-toplevel (it imports this)
+  if config is not None:
+    planar_gemv.check_config(config)
+  return _planar_matmul(x_sk, values, scales, fmt=fmt, k=k, product=resolve_product(implementation), config=config,
+                        interpret=bool(interpret) or jax.default_backend() != "gpu")
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "k", "product", "config", "interpret"))
+def _planar_matmul(x_sk, values, scales, *, fmt: str, k: int, product: str, config, interpret: bool):
+  from kvjax_pallas.quant_matmul import planar_gemv   # pylint: disable=import-outside-toplevel
+  s = x_sk.shape[0]
   if product == "pallas" and s <= KERNEL_ROWS:
     step = planar_gemv.GEMV_MAX_ROWS
-    outs = [planar_gemv.planar_gemv(x_sk[r:r + step], values, scales, fmt, k, config=config,
-                                    interpret=interpret or jax.default_backend() != "gpu") for r in range(0, s, step)]
+    outs = [planar_gemv.planar_gemv(x_sk[r:r + step], values, scales, fmt, k, config=config, interpret=interpret)
+            for r in range(0, s, step)]
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
-  if product == "xla" and x_sk.shape[0] <= REDUCE_ROWS:
+  if product == "xla" and s <= REDUCE_ROWS:
     return _reduce(x_sk, values, scales, fmt, k)
   dtype = _ref.compute_dtype(x_sk.dtype)
   w_nk = dequantize_planes(values, scales, fmt, k, dtype)

@@ -7,7 +7,8 @@ groups of W values a loop step), its scales, and multiplies and sums against x's
 
 * **Groups.** Every format is seen as [N, groups, W] with one scale (Q4_K: a scale and an offset)
   per group and part: q8_0 one part, int8 [N, K/32, 32]; q4_0 two parts (low and high nibbles)
-  of uint8 [N, K/32, 16]; q4_k two parts of uint8 [N, K/64, 32]. x is read as it is, [S, groups,
+  of uint8 [N, K/32, 16]; q4_k two parts of uint8 [N, K/64, 32]; q6_k eight parts of 16 values a
+  128-value chunk, each from its ql and qh bytes of uint8 [N, K/128, 96]. x is read as it is, [S, groups,
   parts * W] (a reshape, no XLA op before the call), part p's columns at p * W of a group.
 * **No int -> float convert.** A value q in [0, 256) becomes float32 as the bits
   0x4B000000 | q (2^23 + q exactly) minus 2^23 + bias: a logic op and an add, the exact number
@@ -28,7 +29,8 @@ GPU lowering: the Pallas Triton lowering (power-of-two loads with `pl.ds`, int32
 equal-width bitcasts, sums); `interpret=True` anywhere (the CPU tests). Imports nothing from
 `kvjax`.
 
-Shapes: x_sk [S, K] float32 / bfloat16; values, scales as `planar.plane_shapes`; out [S, N] float32.
+Shapes: x_sk [S, K] float32 / bfloat16 (other floating dtypes as float32); values, scales as
+`planar.plane_shapes`; out [S, N] float32.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ GEMV_MAX_ROWS = 8
 _MAGIC = 0x4B000000          # float32 bits of 2^23
 _TWO23 = 8388608.0
 # format -> (values a group, values a part's group (W), parts)
-_GROUPS = {"q8_0": (32, 32, 1), "q4_0": (32, 16, 2), "q4_k": (64, 32, 2)}
+_GROUPS = {"q8_0": (32, 32, 1), "q4_0": (32, 16, 2), "q4_k": (64, 32, 2), "q6_k": (128, 16, 8)}
+_VALUE_BYTES = {"q8_0": 32, "q4_0": 16, "q4_k": 32, "q6_k": 96}   # the values plane's bytes a group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +88,8 @@ def check_config(cfg: PlanarGemvConfig) -> PlanarGemvConfig:
   for name in ("sum_each_step", "grouped"):
     if getattr(cfg, name) not in (0, 1):
       raise ValueError(f"{name} must be 0 or 1, got {getattr(cfg, name)!r}")
-  if not isinstance(cfg.split_k, int) or cfg.split_k < 0 or (cfg.split_k and cfg.split_k & (cfg.split_k - 1)):
+  if not isinstance(cfg.split_k, int) or isinstance(cfg.split_k, bool) or cfg.split_k < 0 or \
+      (cfg.split_k and cfg.split_k & (cfg.split_k - 1)):
     raise ValueError(f"split_k must be 0 (automatic) or a power of two, got {cfg.split_k!r}")
   return cfg
 
@@ -130,9 +134,28 @@ def _k_scales(s_ref, g0, cb: int):
   return d * q[0], d * q[1], dmin * q[2], dmin * q[3]
 
 
-def _weights(fmt: str, v, s_ref, g0, cb: int):
-  """A tile of the values plane [BN, CB, W] -> its parts' float32 weights [BN, CB, W] each."""
-  vi = v.astype(jnp.int32)
+def _q6_parts(w_ref, s_ref, g0, cb: int):
+  """q6_k: a step's 8 parts (p = 2j + h: a chunk's values 32j + 16h .. + 16), each (q - 32 float32
+  [BN, CB, 16], its scale d * sc float32 [BN, CB]), loaded from the values plane's ql and qh bytes."""
+  ql = [[w_ref[:, pl.ds(g0, cb), pl.ds(32 * a + 16 * h, 16)].astype(jnp.int32) for h in (0, 1)] for a in (0, 1)]
+  qh = [w_ref[:, pl.ds(g0, cb), pl.ds(64 + 16 * h, 16)].astype(jnp.int32) for h in (0, 1)]
+  w0, w1, w2 = (s_ref[:, pl.ds(g0, cb), i] for i in range(3))
+  d = lax.bitcast_convert_type((w2 & 0xFFFF).astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+  parts = []
+  for j in range(4):
+    for h in (0, 1):
+      p = 2 * j + h
+      q = ((ql[j & 1][h] >> (4 * (j >> 1))) & 15) | (((qh[h] >> (2 * j)) & 3) << 4)
+      byte = (((w0, w1)[p // 4] >> (8 * (p % 4))) & 0xFF).astype(jnp.int32)
+      parts.append((_exact_float(q, 32.0), d * _exact_float(byte ^ 128, 128.0)))
+  return parts
+
+
+def _weights(fmt: str, w_ref, s_ref, g0, cb: int):
+  """A step's tile of the values plane -> its parts' float32 weights [BN, CB, W] each."""
+  if fmt == "q6_k":
+    return [sc[:, :, None] * q for q, sc in _q6_parts(w_ref, s_ref, g0, cb)]    # ggml: (d * sc) * q
+  vi = w_ref[:, pl.ds(g0, cb), :].astype(jnp.int32)
   if fmt == "q8_0":
     d = s_ref[:, pl.ds(g0, cb)].astype(jnp.float32)[:, :, None]
     return [d * _exact_float((vi & 255) ^ 128, 128.0)]
@@ -143,10 +166,12 @@ def _weights(fmt: str, v, s_ref, g0, cb: int):
   return [s_lo * _exact_float(vi & 15, 0.0) - o_lo, s_hi * _exact_float(vi >> 4, 0.0) - o_hi]
 
 
-def _grouped_sums(fmt: str, v, s_ref, g0, cb: int, x_parts):
-  """The float32-weights product of a tile, the scale applied once a group: [BN, CB] sums of one row
-  (x_parts: its parts' columns [CB, W] float32)."""
-  vi = v.astype(jnp.int32)
+def _grouped_sums(fmt: str, w_ref, s_ref, g0, cb: int, x_parts):
+  """The float32-weights product of a step's tile, the scale applied once a group: [BN, CB] sums of
+  one row (x_parts: its parts' columns [CB, W] float32)."""
+  if fmt == "q6_k":
+    return sum(sc * jnp.sum(q * xp[None], axis=2) for (q, sc), xp in zip(_q6_parts(w_ref, s_ref, g0, cb), x_parts))
+  vi = w_ref[:, pl.ds(g0, cb), :].astype(jnp.int32)
   if fmt == "q8_0":
     d = s_ref[:, pl.ds(g0, cb)].astype(jnp.float32)
     return d * jnp.sum(_exact_float((vi & 255) ^ 128, 128.0) * x_parts[0][None], axis=2)
@@ -163,16 +188,15 @@ def _grouped_sums(fmt: str, v, s_ref, g0, cb: int, x_parts):
 def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, tiles: PlanarTiles, rows: int, dtype, interpret: bool,
                  sum_each_step: bool, grouped: bool):
   # x_ref [S, groups / split, parts * W] (x's dtype; this K range's columns), w_ref [BN, groups / split, W],
-  # s_ref [BN, groups / split] (q4_k [BN, chunks / split, 2] uint32), o_ref [1, S, BN] float32 (this K range's sums)
-  t, w = tiles, w_ref.shape[2]
+  # s_ref [BN, groups / split] (q4_k, q6_k [BN, chunks / split, words] uint32), o_ref [1, S, BN] float32 (this K range's sums)
+  t, w = tiles, _GROUPS[fmt][1]
 
   def body(i, acc):                         # acc: a row's sums [BN, CB] (or products [BN, CB, W]), one a row
     g0 = pl.multiple_of(i * t.cb, t.cb)
-    v = w_ref[:, pl.ds(g0, t.cb), :]
     if grouped:
-      return tuple(a + _grouped_sums(fmt, v, s_ref, g0, t.cb, [x_ref[r, pl.ds(g0, t.cb), pl.ds(p * w, w)].astype(
+      return tuple(a + _grouped_sums(fmt, w_ref, s_ref, g0, t.cb, [x_ref[r, pl.ds(g0, t.cb), pl.ds(p * w, w)].astype(
           jnp.float32) for p in range(_GROUPS[fmt][2])]) for r, a in enumerate(acc))
-    ws = _weights(fmt, v, s_ref, g0, t.cb)
+    ws = _weights(fmt, w_ref, s_ref, g0, t.cb)
     if dtype == jnp.bfloat16:               # the dot's weights (bfloat16), its exact products
       ws = [_to_bf16(w, interpret) for w in ws]
     acc = list(acc)
@@ -194,8 +218,8 @@ def _call(x_sk, values, scales, *, fmt: str, k: int, cfg: PlanarGemvConfig, tile
   gv, w, _ = _GROUPS[fmt]
   n, s, t = values.shape[0], x_sk.shape[0], tiles
   gs = k // gv // t.split                                     # groups a K range
-  if fmt == "q4_k":
-    s_spec = pl.BlockSpec((t.bn, gs, 2), lambda ni, si: (ni, si, 0))
+  if fmt in ("q4_k", "q6_k"):
+    s_spec = pl.BlockSpec((t.bn, gs) + scales.shape[2:], lambda ni, si: (ni, si, 0))
   else:
     s_spec = pl.BlockSpec((t.bn, gs), lambda ni, si: (ni, si))
   part = pl.pallas_call(
@@ -204,13 +228,13 @@ def _call(x_sk, values, scales, *, fmt: str, k: int, cfg: PlanarGemvConfig, tile
                         grouped=bool(cfg.grouped)),
       grid=(n // t.bn, t.split),
       in_specs=[pl.BlockSpec((s, gs, gv), lambda ni, si: (0, si, 0)),
-                pl.BlockSpec((t.bn, gs, w), lambda ni, si: (ni, si, 0)), s_spec],
+                pl.BlockSpec((t.bn, gs, _VALUE_BYTES[fmt]), lambda ni, si: (ni, si, 0)), s_spec],
       out_specs=pl.BlockSpec((1, s, t.bn), lambda ni, si: (si, 0, ni)),
       out_shape=jax.ShapeDtypeStruct((t.split, s, n), jnp.float32),
       compiler_params=_kernel._compiler_params(cfg, interpret),   # pylint: disable=protected-access
       interpret=interpret,
       name="kvjax_planar_gemv",
-  )(x_sk.reshape(s, k // gv, gv), values.reshape(n, k // gv, w), scales)
+  )(x_sk.reshape(s, k // gv, gv), values.reshape(n, k // gv, _VALUE_BYTES[fmt]), scales)
   out = part[0]
   for j in range(1, t.split):               # the K ranges' sums, in a fixed order
     out = out + part[j]
@@ -220,10 +244,16 @@ def _call(x_sk, values, scales, *, fmt: str, k: int, cfg: PlanarGemvConfig, tile
 def planar_gemv(x_sk, values, scales, fmt: str, k: int, *, config: Optional[PlanarGemvConfig] = None,
                 interpret: bool = False):
   """x [S, K] @ W[N, K].T -> [S, N] float32 for S <= GEMV_MAX_ROWS, W in planes (`planar.to_planes`)."""
+  if not hasattr(x_sk, "shape") or not hasattr(x_sk, "dtype"):
+    raise ValueError(f"planar GEMV: x must be an array [S, {k}], got {type(x_sk).__name__}")
   n = _planar.check_planes(values, scales, fmt, k)
   s = _formats.check_x(x_sk, k)
   if s > GEMV_MAX_ROWS:
     raise ValueError(f"planar GEMV: takes 1 to {GEMV_MAX_ROWS} rows of x, got {s}")
   cfg = DEFAULT_CONFIG if config is None else config
-  tiles = resolve_tiles(cfg, fmt, n, k)
+  tiles = resolve_tiles(cfg, fmt, max(n, 1), k)
+  if not interpret and jax.default_backend() != "gpu":
+    raise ValueError(f"planar GEMV: the kernel compiles for a GPU; on {jax.default_backend()} pass interpret=True")
+  if n == 0:
+    return jnp.zeros((s, 0), jnp.float32)
   return _call(x_sk, values, scales, fmt=fmt, k=k, cfg=cfg, tiles=tiles, interpret=interpret)
