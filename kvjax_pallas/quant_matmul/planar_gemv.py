@@ -59,7 +59,8 @@ _VALUE_BYTES = {"q8_0": 32, "q4_0": 16, "q4_k": 32, "q6_k": 96}   # the values p
 
 @dataclasses.dataclass(frozen=True)
 class PlanarGemvConfig:
-  """Tiles of the planar GEMV (defaults: guesses until measured)."""
+  """Tiles of the planar GEMV (defaults: the best of an H100 sweep for Q4_K at one row, 2026-12-06:
+  docs/PERFORMANCE.md, "Quantized weights")."""
   block_n: int = 8          # output columns a program: upper bound, a power of two
   block_groups: int = 16    # groups a loop step: upper bound, a power of two
   split_k: int = 0          # K ranges, a power of two; 0: as many as `min_programs` asks (<= 16)
@@ -198,7 +199,7 @@ def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, tiles: PlanarTiles, ro
           jnp.float32) for p in range(_GROUPS[fmt][2])]) for r, a in enumerate(acc))
     ws = _weights(fmt, w_ref, s_ref, g0, t.cb)
     if dtype == jnp.bfloat16:               # the dot's weights (bfloat16), its exact products
-      ws = [_to_bf16(w, interpret) for w in ws]
+      ws = [_to_bf16(wt, interpret) for wt in ws]
     acc = list(acc)
     for r in range(rows):
       for p, wp in enumerate(ws):
