@@ -135,14 +135,18 @@ def _to_planes(w_nb, fmt: str, k: int):
   return blk[..., 16:].reshape(n, k // 64, 32), words
 
 
-def _k_scales_of(scales):
-  """A q4_k scales plane uint32 [N, K/64, 2] -> float32 (s_lo, s_hi, o_lo, o_hi), each [N, K/64]:
-  ggml's d * sc and dmin * m."""
-  w0, w1 = scales[..., 0], scales[..., 1]
+def k_scale_products(w0, w1, to_float=lambda q: q.astype(jnp.float32)):
+  """A q4_k chunk's scale words (uint32, any shape) -> float32 (s_lo, s_hi, o_lo, o_hi): ggml's
+  d * sc and dmin * m. `to_float`: int32 bytes -> float32 (the GEMV passes its exact bit trick)."""
   d, dmin = (lax.bitcast_convert_type(((w1 >> sh) & 0xFFFF).astype(jnp.uint16), jnp.float16).astype(jnp.float32)
              for sh in (0, 16))
-  q = [((w0 >> (8 * j)) & 0xFF).astype(jnp.float32) for j in range(4)]
+  q = [to_float(((w0 >> (8 * j)) & 0xFF).astype(jnp.int32)) for j in range(4)]
   return d * q[0], d * q[1], dmin * q[2], dmin * q[3]
+
+
+def _k_scales_of(scales):
+  """A q4_k scales plane uint32 [N, K/64, 2] -> float32 (s_lo, s_hi, o_lo, o_hi), each [N, K/64]."""
+  return k_scale_products(scales[..., 0], scales[..., 1])
 
 
 def _q6_of(values, scales):

@@ -129,10 +129,7 @@ def _k_scales(s_ref, g0, cb: int):
   """q4_k scale words [BN, chunks, 2] uint32 -> float32 (s_lo, s_hi, o_lo, o_hi) [BN, CB] each: ggml's
   d * sc and dmin * m."""
   w0, w1 = (s_ref[:, pl.ds(g0, cb), j] for j in (0, 1))
-  d, dmin = (lax.bitcast_convert_type(((w1 >> sh) & 0xFFFF).astype(jnp.uint16), jnp.float16).astype(jnp.float32)
-             for sh in (0, 16))
-  q = [_exact_float(((w0 >> (8 * j)) & 0xFF).astype(jnp.int32), 0.0) for j in range(4)]
-  return d * q[0], d * q[1], dmin * q[2], dmin * q[3]
+  return _planar.k_scale_products(w0, w1, lambda q: _exact_float(q, 0.0))
 
 
 def _q6_parts(w_ref, s_ref, g0, cb: int):
