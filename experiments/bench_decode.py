@@ -98,13 +98,14 @@ def main(argv):
   import jax.numpy as jnp
   import numpy as np
   from kvjax import api, generate, qweights
+  from kvjax import checks
   from experiments.lib import synthetic
 
   os.makedirs(FLAGS.out, exist_ok=True)
   log = {"flags": {k: FLAGS[k].value for k in FLAGS if k in (
       "model", "dtype", "contexts", "arena_mib", "decode_steps", "page_tokens", "copy_pages", "attn_impl", "fuse",
       "block_pages", "k_type", "v_type", "tensor_parallel", "weight_type", "weights_impl")}, "device": str(jax.devices()[0]),
-      "jax": jax.__version__}
+      "jax": jax.__version__, "planar_product": checks.planar_product("bench_decode")}
   tp = FLAGS.tensor_parallel
   t0 = time.perf_counter()
   try:     # the model as users load it: random weights of the preset's geometry, drawn on the device
@@ -114,7 +115,6 @@ def main(argv):
                             weight_type=FLAGS.weight_type or None, weights_impl=FLAGS.weights_impl,
                             compile_cache=False, fuse=FLAGS.fuse)
   except api.ParameterError as e:
-    from kvjax import checks
     checks.fail("bench_decode", str(e))
   runner, cfg = loaded.runner, loaded.cfg
   device_runner = runner.device_runners[0] if tp > 1 else runner

@@ -42,18 +42,18 @@ FLAGS = flags.FLAGS
 
 MIN_COPIES = 8          # weight copies (calls in one timed program), within COPIES_BYTES
 COPIES_BYTES = 8 << 30
-PLANAR_IMPLS = ("planar", "planar_pallas", "planar_xla")
+PLANAR_IMPLS = ("planar", "planar_pallas", "planar_dot", "planar_xla")
 SMALL_SHAPES = (("ffn_up.weight", 512, 512), ("ffn_down.weight", 256, 1024))
 
 
 def define_flags():
   """The flags, defined when the module runs as a program (see experiments/acceptance.py)."""
-  flags.DEFINE_bool("small", False, "CPU smoke test: small shapes, S 1 and 4, one round")
+  flags.DEFINE_bool("small", False, "CPU smoke test: small shapes, S 1 and 4 (or --rows), one round")
   flags.DEFINE_list("formats", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"], "weight formats")
   flags.DEFINE_list("rows", ["1", "4", "256"], "rows S of x")
   flags.DEFINE_list("implementations", ["xla", "fused", "pallas", "pallas_gemv", "bf16"],
                     "xla, fused, pallas, pallas_gemv, planar (planes, its formats only: the model's "
-                    "product), planar_pallas / planar_xla (the planes' products named), bf16 (baseline)")
+                    "product), planar_pallas / planar_dot / planar_xla (the planes' products named), bf16 (baseline)")
   flags.DEFINE_list("shapes", [], "tensor names to keep (default: all), e.g. ffn_up.weight")
   flags.DEFINE_integer("iters", 20, "calls a round")
   flags.DEFINE_integer("rounds", 5, "timed rounds (median)")
@@ -68,7 +68,7 @@ def define_flags():
                     "block_n:block_k:split_k:warps:stages (e.g. 32:512:8:4:3); each a row of impl "
                     "'pallas_gemv' with its tiles (default: gemv.DEFAULT_CONFIG)")
   flags.DEFINE_list("planar_tiles", [], "planar_pallas tile configs to compare, each "
-                    "block_n:block_groups:split_k:min_programs:sum_each_step:grouped:warps:stages (e.g. 32:8:0:512:1:0:4:3); each a row "
+                    "block_n:block_groups:split_k:min_programs:sum_each_step:grouped:warps:stages:dot (e.g. 32:8:0:512:1:0:4:3:1; a prefix: the rest as the class defaults); each a row "
                     "of impl 'planar_pallas' (default: planar_gemv.DEFAULT_CONFIG)")
   flags.DEFINE_float("max_seconds", 1200.0, "stop starting new cases after this")
   flags.DEFINE_string("out", "", "JSON file for the rows (empty: none)")
@@ -125,11 +125,13 @@ def _time_calls(jax, fn, xs, ws, iters: int, rounds: int) -> float:
 
 
 def _parse_config(text: str, flag: str, cls, check=None):
-  """'a:b:c:d:e' (the five int fields of `cls`, in order) -> a `cls`, checked by `check` if given."""
+  """'a:b:c' (the first int fields of `cls`, in order; the rest its defaults) -> a `cls`, checked by
+  `check` if given."""
   names = [f.name for f in dataclasses.fields(cls)]
   parts = text.split(":")
-  if len(parts) != len(names) or not all(p.isdigit() for p in parts):
-    raise ValueError(f"--{flag} entry {text!r}: want {':'.join(names)}, {len(names)} integers")
+  if len(parts) > len(names) or not all(p.isdigit() for p in parts):
+    raise ValueError(f"--{flag} entry {text!r}: want {':'.join(names)}, up to {len(names)} integers (the rest: "
+                     "defaults)")
   try:
     cfg = cls(*(int(p) for p in parts))
     return check(cfg) if check else cfg
@@ -177,7 +179,7 @@ def run_case(jax, jnp, np, api, name, n, k, fmt, s, impl, interpret, copies_for,
       return dict(row, error=f"not a planar format (planar: {', '.join(api.PLANAR_FORMATS)})")
     w = tuple(jnp.asarray(a) for a in api.to_planes(np.asarray(w_u8), fmt, k))
     w_bytes = api.planes_nbytes(fmt, n, k)
-    product = {"planar": "auto", "planar_pallas": "pallas", "planar_xla": "xla"}[impl]
+    product = {"planar": "auto", "planar_pallas": "pallas", "planar_dot": "pallas_dot", "planar_xla": "xla"}[impl]
     fn = jax.jit(lambda x, w: api.planar_matmul(x, w[0], w[1], fmt, k, implementation=product, config=config,
                                                 interpret=interpret))
   else:
@@ -221,7 +223,8 @@ def main(argv):
   backend = jax.default_backend()
   interpret = {"true": True, "false": False, "auto": backend != "gpu"}[FLAGS.interpret.lower()]
   if FLAGS.small:
-    shapes, rows, rounds_note = list(SMALL_SHAPES), [1, 4], "small"
+    rows = [int(r) for r in FLAGS.rows] if FLAGS["rows"].present else [1, 4]
+    shapes, rounds_note = list(SMALL_SHAPES), "small"
     FLAGS.iters, FLAGS.rounds, FLAGS.rotate_mib = 2, 1, 0
   else:
     shapes, rows, rounds_note = geometry_shapes(), [int(r) for r in FLAGS.rows], "geometry"

@@ -221,6 +221,7 @@ def main(argv):
   del argv
   import jax
   from kvjax import api
+  from kvjax import checks
   os.makedirs(FLAGS.out, exist_ok=True)
   if FLAGS.cache_key_log:
     handler = logging.FileHandler(FLAGS.cache_key_log, mode="w")
@@ -240,14 +241,13 @@ def main(argv):
                            weights_impl=FLAGS.weights_impl, fuse=FLAGS.fuse,
                            gdn_impl=FLAGS.gdn_impl)
   except api.ParameterError as e:
-    from kvjax import checks
     checks.fail("bench_generate", str(e))
   log = {"device": str(jax.devices()[0]), "jax": jax.__version__, "load_s": time.perf_counter() - t0,
          "weights": model.weights, "gdn_impl_run": model.gdn_impl, "weight_bytes": api.weight_bytes(model),
          "flags": {k: FLAGS[k].value for k in ("model", "dtype", "weight_type", "weights_impl", "contexts", "kinds", "n_predict", "arena_mib",
                                                 "page_tokens", "copy_pages", "ubatch", "attn_impl", "warmup", "fuse", "gdn_impl",
                                                 "prefill_block", "prefill_only")},
-         "compile_cache_dir": cache_dir if cache else ""}
+         "compile_cache_dir": cache_dir if cache else "", "planar_product": checks.planar_product("bench_generate")}
   print(json.dumps(log), flush=True)
   rows, refused = log["rows"], log["refused"] = [], []
   for ctx in [int(c) for c in FLAGS.contexts]:

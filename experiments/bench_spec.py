@@ -103,6 +103,7 @@ def main(argv):
   import jax.numpy as jnp
   import numpy as np
   from kvjax import api, generate, speculative
+  from kvjax import checks
   from kvjax import compile_cache
   from experiments.lib import synthetic
 
@@ -114,7 +115,6 @@ def main(argv):
                             attn_impl=FLAGS.attn_impl, block_pages=FLAGS.block_pages, compile_cache=True,
                             fuse=FLAGS.fuse, weight_type=FLAGS.weight_type or None, weights_impl=FLAGS.weights_impl)
   except api.ParameterError as e:
-    from kvjax import checks
     checks.fail("bench_spec", str(e))
   runner, cfg = loaded.runner, loaded.cfg
   jax.block_until_ready([leaves for _, leaves in runner.groups])
@@ -125,7 +125,7 @@ def main(argv):
   log = {"flags": {k: FLAGS[k].value for k in FLAGS if k in (
       "model", "dtype", "contexts", "arena_mib", "decode_tokens", "acceptance", "n_max", "rollback",
       "page_tokens", "copy_pages", "attn_impl", "fuse", "weight_type", "weights_impl")}, "device": str(jax.devices()[0]),
-      "jax": jax.__version__, "weights_impl_run": loaded.weights_impl}
+      "jax": jax.__version__, "weights_impl_run": loaded.weights_impl, "planar_product": checks.planar_product("bench_spec")}
   print(json.dumps(log), flush=True)
 
   def make_kv(ctx):

@@ -279,6 +279,15 @@ def fail(prog: str, message: Any, status: int = 2):
   sys.exit(status)
 
 
+def planar_product(prog: str) -> str:
+  """The planar weights' product this process traces (`KVJAX_PLANAR_PRODUCT` resolved), or `fail`."""
+  from kvjax_pallas.quant_matmul import planar  # pylint: disable=import-outside-toplevel
+  try:
+    return planar.resolve_product("auto")
+  except ValueError as e:
+    fail(prog, e)
+
+
 def list_values_error(flag: str, values: Sequence[str], kind: Any = int, least: float = 1,
                       most: Optional[float] = None) -> Optional[str]:
   """The one-line error of a list flag's values, or None: each an integer (`kind` int) or a finite

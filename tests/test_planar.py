@@ -102,20 +102,23 @@ def _oracle(x, values, scales, fmt, k, round_bf16):
 
 @pytest.mark.parametrize("fmt", qmm.PLANAR_FORMATS)
 def test_gemv_kernel_is_the_product_of_its_weights(fmt):
-  """The Pallas GEMV (interpreted): grouped (float32 weights, the scale a group) and ggml-made weights
-  (bfloat16 for bfloat16 x), rows 1 to 8, within float32 summation of a float64 oracle; a K split
-  and several column tiles."""
+  """The Pallas GEMV (interpreted): grouped (float32 weights, the scale a group), ggml-made weights
+  (bfloat16 for bfloat16 x), their dot and the grouped dots (bfloat16 x), rows 1 to 8,
+  within float32 summation of a float64 oracle; a K split and several column tiles."""
   from kvjax_pallas.quant_matmul import planar_gemv as pg
   n, k = 48, 1024
   _, values, scales = _planes(fmt, n, k, 6)
   rng = np.random.default_rng(7)
-  for grouped in (1, 0):
-    cfg = pg.PlanarGemvConfig(block_n=16, block_groups=4, min_programs=8, grouped=grouped)
+  for grouped, dot in ((1, 0), (0, 0), (0, 1), (1, 2)):
+    cfg = pg.PlanarGemvConfig(block_n=16, block_groups=4, min_programs=8, grouped=grouped, dot=dot)
     assert pg.resolve_tiles(cfg, fmt, n, k).split > 1
-    for s, dtype in ((1, jnp.float32), (3, jnp.bfloat16), (8, jnp.float32)):
+    for s, dtype in ((1, jnp.float32), (3, jnp.bfloat16), (8, jnp.float32), (8, jnp.bfloat16)):
+      if s > pg.max_rows(cfg, fmt, n, k, dtype):
+        continue
+      assert pg.uses_dot(cfg, fmt, n, k, dtype) == (dot > 0 and dtype == jnp.bfloat16)
       x = jnp.asarray(rng.standard_normal((s, k)), dtype)
       got = np.asarray(pg.planar_gemv(x, values, scales, fmt, k, config=cfg, interpret=True))
-      want = _oracle(x.astype(jnp.float32), values, scales, fmt, k, round_bf16=not grouped and dtype == jnp.bfloat16)
+      want = _oracle(x.astype(jnp.float32), values, scales, fmt, k, round_bf16=(not grouped or dot == 1) and dtype == jnp.bfloat16)
       scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(qmm.dequantize_planes(values, scales, fmt, k), np.float64)).T
       assert got.shape == (s, n) and np.all(np.abs(got - want) <= 1e-5 * scale + 1e-30), (grouped, s)
 
@@ -124,7 +127,10 @@ def test_gemv_kernel_is_the_product_of_its_weights(fmt):
 def test_a_rows_sums_do_not_depend_on_the_other_rows(fmt):
   """A decode row and the same row among verify rows give the same bits: the GEMV with 1 and with
   5 rows, and `planar_matmul` ("pallas", interpreted) over 20 rows (GEMV calls of 8) against each
-  row alone; more than KERNEL_ROWS rows run the dequantize-then-dot."""
+  row alone; the dots' calls of 8 rows against each row alone (as GEMV calls: under the suite's
+  unoptimised XLA CPU build an interpreted dot inside a larger program may round otherwise, seen
+  once for q6_k at 4.8e-7; on a GPU the kernel is the same compiled program wherever it is called);
+  more than KERNEL_ROWS rows run the dequantize-then-dot."""
   from kvjax_pallas.quant_matmul import planar, planar_gemv as pg
   n, k = 32, 512
   rows, values, scales = _planes(fmt, n, k, 8)
@@ -136,6 +142,12 @@ def test_a_rows_sums_do_not_depend_on_the_other_rows(fmt):
   alone = np.concatenate([np.asarray(qmm.planar_matmul(x[r:r + 1], values, scales, fmt, k, implementation="pallas"))
                           for r in range(20)])
   assert np.array_equal(many, alone)
+  for cfg in (pg.DOT_CONFIG, pg.PlanarGemvConfig(block_n=16, block_groups=4, dot=1)):     # the dots: calls of 8
+    eights = np.concatenate([np.asarray(pg.planar_gemv(x[r:r + 8], values, scales, fmt, k, config=cfg, interpret=True))
+                             for r in range(0, 20, 8)])
+    alone = np.concatenate([np.asarray(pg.planar_gemv(x[r:r + 1], values, scales, fmt, k, config=cfg, interpret=True))
+                            for r in range(20)])
+    assert np.array_equal(eights, alone)
   wide = jnp.asarray(np.random.default_rng(10).standard_normal((planar.KERNEL_ROWS + 1, k)), jnp.bfloat16)
   assert np.array_equal(np.asarray(qmm.planar_matmul(wide, values, scales, fmt, k, implementation="pallas")),
                         np.asarray(ref.quant_matmul_reference(wide, rows, fmt, k)))
@@ -143,7 +155,7 @@ def test_a_rows_sums_do_not_depend_on_the_other_rows(fmt):
 
 def test_gemv_lowers_for_the_triton_backend():
   """Every planar format's GEMV passes Pallas' Triton lowering for a CUDA target (on a CPU-only
-  jaxlib `jax.export` stops before Triton's own compile), one and four rows, both products."""
+  jaxlib `jax.export` stops before Triton's own compile), one and four rows, both products and the dot."""
   import functools
   import jax
   from jax import export
@@ -153,9 +165,11 @@ def test_gemv_lowers_for_the_triton_backend():
   n, k = 1024, 5120
   for fmt in qmm.PLANAR_FORMATS:
     (vs, vd), (ss, sd) = planar.plane_shapes(fmt, n, k)
-    for s, dtype, grouped in ((1, jnp.bfloat16, 1), (4, jnp.float32, 0)):
-      cfg = pg.PlanarGemvConfig(grouped=grouped)
-      fn = functools.partial(pg._call, fmt=fmt, k=k, cfg=cfg, tiles=pg.resolve_tiles(cfg, fmt, n, k), interpret=False)
+    for s, dtype, grouped, dot in ((1, jnp.bfloat16, 1, 0), (4, jnp.float32, 0, 0), (4, jnp.bfloat16, 0, 1),
+                                   (1, jnp.bfloat16, 1, 2)):
+      cfg = pg.PlanarGemvConfig(block_n=32 if dot else 8, block_groups=8, grouped=grouped, dot=dot)
+      fn = functools.partial(pg._call, fmt=fmt, k=k, cfg=cfg, tiles=pg.resolve_tiles(cfg, fmt, n, k), interpret=False,
+                             dot=bool(dot))
       exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
           export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
               jax.ShapeDtypeStruct((s, k), dtype), jax.ShapeDtypeStruct(vs, vd), jax.ShapeDtypeStruct(ss, sd))
@@ -168,15 +182,20 @@ def test_gemv_refuses_what_it_cannot_take(monkeypatch):
   for cfg, what in [(pg.PlanarGemvConfig(block_n=12), "block_n must be a power of two"),
                     (pg.PlanarGemvConfig(split_k=3), "split_k must be 0"),
                     (pg.PlanarGemvConfig(grouped=2), "grouped must be 0 or 1"),
-                    (pg.PlanarGemvConfig(split_k=16), "split_k=16 must divide the 8 groups")]:
+                    (pg.PlanarGemvConfig(split_k=16), "split_k=16 must divide the 8 groups"),
+                    (pg.PlanarGemvConfig(dot=1), "block_n must be >= 16 with dot=1"),
+                    (pg.PlanarGemvConfig(dot=3), "dot must be 0, 1 or 2")]:
     with pytest.raises(ValueError, match=what):
       pg.planar_gemv(jnp.ones((1, 256)), values, scales, "q8_0", 256, config=cfg, interpret=True)
-  with pytest.raises(ValueError, match="planar GEMV: takes 1 to 8 rows of x, got 9"):
+  with pytest.raises(ValueError, match="planar GEMV: takes 1 to 8 rows of x here, got 9"):
     pg.planar_gemv(jnp.ones((9, 256)), values, scales, "q8_0", 256, interpret=True)
-  with pytest.raises(ValueError, match="^planar weights: implementation must be one of auto, pallas, xla, got 'cuda'"):
+  with pytest.raises(ValueError, match="planar GEMV: takes 1 to 8 rows of x here, got 9"):
+    pg.planar_gemv(jnp.ones((9, 256), jnp.bfloat16), values, scales, "q8_0", 256, interpret=True,
+                   config=pg.PlanarGemvConfig(block_n=16, dot=1))
+  with pytest.raises(ValueError, match="^planar weights: implementation must be one of auto, pallas, pallas_dot, xla, got 'cuda'"):
     qmm.planar_matmul(jnp.ones((1, 256)), values, scales, "q8_0", 256, implementation="cuda")
   monkeypatch.setenv(planar.PRODUCT_ENV, "triton")
-  with pytest.raises(ValueError, match=r"^planar weights: \$KVJAX_PLANAR_PRODUCT must be one of auto, pallas, xla, got 'triton'"):
+  with pytest.raises(ValueError, match=r"^planar weights: \$KVJAX_PLANAR_PRODUCT must be one of auto, pallas, pallas_dot, xla, got 'triton'"):
     qmm.planar_matmul(jnp.ones((2, 256)), values, scales, "q8_0", 256)
   monkeypatch.setenv(planar.PRODUCT_ENV, "pallas")
   assert planar.resolve_product("auto") == "pallas" and planar.resolve_product("xla") == "xla"

@@ -181,13 +181,14 @@ def test_cli_weights_flags(capsys):
   assert len(err) == 1 and "--weight-type" in err[0] and "q4_k" in err[0]
 
 
-@pytest.mark.parametrize("product", ["xla", "pallas"])
+@pytest.mark.parametrize("product", ["xla", "pallas", "pallas_dot"])
 def test_planar_bfloat16_speculative_output_equals_plain_greedy(tmp_path, monkeypatch, product):
   """A bfloat16 model with Q4_K / Q8_0 / Q4_0 / Q6_K planes: speculative decoding (ngram and MTP drafts)
   gives plain greedy's tokens with either planar product. "xla": a decode row's multiply-and-sum
   and the verify rows' dot share their (bfloat16) products (they split at the 8th token while the
-  decode row multiplied the exact values in float32); "pallas" (the GPU's GEMV, interpreted): a
-  row's sums are the same bits whatever other rows its call has."""
+  decode row multiplied the exact values in float32); "pallas" (the GPU's GEMV, interpreted) and
+  "pallas_dot" (its tensor-core dots): a row's sums are the same bits whatever other rows its call
+  has."""
   monkeypatch.setenv("KVJAX_PLANAR_PRODUCT", product)
   cfg = config_lib.tiny(**WIDE)
   tensors = weights_lib.random_tensors(cfg, 0)

@@ -29,9 +29,13 @@ block of 256); q6_k 6.75 against 6.5625 (d once a chunk of 128).
 
 The product (`planar_matmul(..., implementation=)`):
   "pallas"  up to `KERNEL_ROWS` rows: the Pallas GEMV over the planes (`planar_gemv.py`, its
-            `GEMV_MAX_ROWS` rows a call; interpreted off a GPU): float32 weights, each group's
-            scale applied to its sum; a row's sums do not depend on the call's other rows, so a
-            decode row and the same row among verify rows agree bit for bit;
+            `GEMV_MAX_ROWS` rows a call, `DOT_ROWS` with its dots; interpreted off a GPU):
+            float32 weights, each group's scale applied to its sum; a row's sums do not depend
+            on the call's other rows, so a decode row and the same row among verify rows agree
+            bit for bit;
+  "pallas_dot" the same kernel with tensor-core dots (`planar_gemv.DOT_CONFIG`, bfloat16 x): the
+            same float32 weights, other bits; slower at one row, faster for verify rows (H100:
+            1.3-1.8x the sums' time at one row, 0.42-0.85x at four), so for speculative decoding;
   "xla"     up to `REDUCE_ROWS` rows: one XLA multiply-and-sum over the planes with the dot's
             products (the weights rounded to bfloat16 for bfloat16 x), which the verify rows'
             dot shares;
@@ -60,8 +64,8 @@ from kvjax_pallas.quant_matmul import reference as _ref
 
 PLANAR_FORMATS = ("q8_0", "q4_0", "q4_k", "q6_k")
 REDUCE_ROWS = 1   # rows of x the XLA multiply-and-sum takes; more: dequantize, then the dot
-KERNEL_ROWS = 32  # rows of x the "pallas" product takes (GEMV calls of planar_gemv.GEMV_MAX_ROWS rows)
-PRODUCTS = ("auto", "pallas", "xla")   # planar_matmul(implementation=)
+KERNEL_ROWS = 32  # rows of x the "pallas" product takes (GEMV calls of planar_gemv.max_rows)
+PRODUCTS = ("auto", "pallas", "pallas_dot", "xla")   # planar_matmul(implementation=)
 PRODUCT_ENV = "KVJAX_PLANAR_PRODUCT"   # "auto"'s choice where set
 
 
@@ -250,8 +254,10 @@ def planar_matmul(x_sk, values, scales, fmt: str, k: int, *, implementation: str
 def _planar_matmul(x_sk, values, scales, *, fmt: str, k: int, product: str, config, interpret: bool):
   from kvjax_pallas.quant_matmul import planar_gemv   # pylint: disable=import-outside-toplevel
   s = x_sk.shape[0]
-  if product == "pallas" and s <= KERNEL_ROWS:
-    step = planar_gemv.GEMV_MAX_ROWS
+  if product in ("pallas", "pallas_dot") and s <= KERNEL_ROWS:
+    if product == "pallas_dot" and config is None:
+      config = planar_gemv.DOT_CONFIG
+    step = planar_gemv.max_rows(config, fmt, values.shape[0], k, x_sk.dtype)
     outs = [planar_gemv.planar_gemv(x_sk[r:r + step], values, scales, fmt, k, config=config, interpret=interpret)
             for r in range(0, s, step)]
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)

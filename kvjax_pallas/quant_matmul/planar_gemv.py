@@ -24,6 +24,13 @@ groups of W values a loop step), its scales, and multiplies and sums against x's
   row among verify rows give the same bits.
 * **Split over K** (`split_k`; 0: enough ranges that the grid has `min_programs`): each range
   writes its partial sums [S, BN]; the ranges are added in a fixed order after the call.
+* **Tensor-core dots** (`dot`, bfloat16 x, BN >= 16; `DOT_CONFIG`, the "pallas_dot" product of
+  `planar.py`): x's rows zero-padded to DOT_ROWS (8) meet the tile in `lax.dot_general`s, so their
+  cost hardly grows with S: `dot=1` a step's ggml-made weights rounded to bfloat16 in one dot a
+  part; `dot=2` a group's q (exact in bfloat16) in a dot, its scale applied to the dot's sums (the
+  float32 weights of `grouped=1`). A row's sums still do not depend on the other rows. On an H100
+  (2026-12-06) `DOT_CONFIG` takes 1.3-1.8x the sums' time at one row and 0.42-0.85x at four (Q4_K,
+  Q8_0; Q6_K's 8 small dots a group gain nothing).
 
 GPU lowering: the Pallas Triton lowering (power-of-two loads with `pl.ds`, int32 bit operations,
 equal-width bitcasts, sums); `interpret=True` anywhere (the CPU tests). Imports nothing from
@@ -49,7 +56,8 @@ from kvjax_pallas.quant_matmul import kernel as _kernel
 from kvjax_pallas.quant_matmul import planar as _planar
 from kvjax_pallas.quant_matmul import reference as _ref
 
-GEMV_MAX_ROWS = 8
+GEMV_MAX_ROWS = 8     # rows a call of the sums (CUDA cores)
+DOT_ROWS = 8          # rows a call of the dots (x zero-padded to them: the dot's N; 8 ran faster than 16)
 _MAGIC = 0x4B000000          # float32 bits of 2^23
 _TWO23 = 8388608.0
 # format -> (values a group, values a part's group (W), parts)
@@ -71,9 +79,15 @@ class PlanarGemvConfig:
                             # weight made as ggml makes it, rounded to bf16 for bf16 x (the dot's products)
   num_warps: int = 4
   num_stages: int = 3
+  dot: int = 0              # bfloat16 x, x's rows padded to DOT_ROWS, tensor-core dots: 1 a step's
+                            # weights made as ggml makes them, rounded to bfloat16, in one dot a
+                            # part; 2 a group's q (exact in bfloat16) in a dot, its scale applied
+                            # to the dot's sums (the float32 weights of grouped=1)
 
 
 DEFAULT_CONFIG = PlanarGemvConfig()
+# the "pallas_dot" product's tiles: the best dot=2 row of an H100 sweep (2026-12-06; docs/PERFORMANCE.md)
+DOT_CONFIG = PlanarGemvConfig(block_n=64, block_groups=4, grouped=1, dot=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,13 +100,27 @@ class PlanarTiles:
 
 def check_config(cfg: PlanarGemvConfig) -> PlanarGemvConfig:
   _kernel.check_fields(cfg, PlanarGemvConfig, ("block_n", "block_groups"), ("min_programs", "num_warps", "num_stages"))
-  for name in ("sum_each_step", "grouped"):
-    if getattr(cfg, name) not in (0, 1):
-      raise ValueError(f"{name} must be 0 or 1, got {getattr(cfg, name)!r}")
+  for name, most in (("sum_each_step", 1), ("grouped", 1), ("dot", 2)):
+    if getattr(cfg, name) not in range(most + 1):
+      raise ValueError(f"{name} must be {', '.join(map(str, range(most)))} or {most}, got {getattr(cfg, name)!r}")
   if not isinstance(cfg.split_k, int) or isinstance(cfg.split_k, bool) or cfg.split_k < 0 or \
       (cfg.split_k and cfg.split_k & (cfg.split_k - 1)):
     raise ValueError(f"split_k must be 0 (automatic) or a power of two, got {cfg.split_k!r}")
+  if cfg.dot and cfg.block_n < 16:
+    raise ValueError(f"block_n must be >= 16 with dot={cfg.dot} (the dot's least M), got {cfg.block_n}")
   return cfg
+
+
+def uses_dot(cfg: Optional[PlanarGemvConfig], fmt: str, n: int, k: int, x_dtype) -> bool:
+  """Does a call run the dot? `dot=1`, bfloat16 x and >= 16 output columns a program: fixed by the
+  matrix and x's dtype, never by S (a row's sums are those of any call)."""
+  cfg = DEFAULT_CONFIG if cfg is None else cfg
+  return bool(cfg.dot) and _ref.compute_dtype(x_dtype) == jnp.bfloat16 and resolve_tiles(cfg, fmt, max(n, 1), k).bn >= 16
+
+
+def max_rows(cfg: Optional[PlanarGemvConfig], fmt: str, n: int, k: int, x_dtype) -> int:
+  """Rows of x a call takes."""
+  return DOT_ROWS if uses_dot(cfg, fmt, n, k, x_dtype) else GEMV_MAX_ROWS
 
 
 def resolve_tiles(cfg: PlanarGemvConfig, fmt: str, n: int, k: int) -> PlanarTiles:
@@ -164,23 +192,49 @@ def _weights(fmt: str, w_ref, s_ref, g0, cb: int):
   return [s_lo * _exact_float(vi & 15, 0.0) - o_lo, s_hi * _exact_float(vi >> 4, 0.0) - o_hi]
 
 
-def _grouped_sums(fmt: str, w_ref, s_ref, g0, cb: int, x_parts):
-  """The float32-weights product of a step's tile, the scale applied once a group: [BN, CB] sums of
-  one row (x_parts: its parts' columns [CB, W] float32)."""
+def _group_parts(fmt: str, w_ref, s_ref, g):
+  """Group g of the tile -> its parts [(q float32 [BN, W] exact (bfloat16 too), scale [BN, 1], offset
+  [BN, 1] or None)]: the part's weights are scale * q - offset."""
   if fmt == "q6_k":
-    return sum(sc * jnp.sum(q * xp[None], axis=2) for (q, sc), xp in zip(_q6_parts(w_ref, s_ref, g0, cb), x_parts))
+    return [(q.reshape(q.shape[0], q.shape[2]), sc, None) for q, sc in _q6_parts(w_ref, s_ref, g, 1)]
+  vi = w_ref[:, pl.ds(g, 1), :].astype(jnp.int32)
+  vi = vi.reshape(vi.shape[0], vi.shape[2])
+  if fmt == "q8_0":
+    return [(_exact_float((vi & 255) ^ 128, 128.0), s_ref[:, pl.ds(g, 1)].astype(jnp.float32), None)]
+  if fmt == "q4_0":
+    d = s_ref[:, pl.ds(g, 1)].astype(jnp.float32)
+    return [(_exact_float(vi & 15, 8.0), d, None), (_exact_float(vi >> 4, 8.0), d, None)]
+  s_lo, s_hi, o_lo, o_hi = _k_scales(s_ref, g, 1)
+  return [(_exact_float(vi & 15, 0.0), s_lo, o_lo), (_exact_float(vi >> 4, 0.0), s_hi, o_hi)]
+
+
+def _grouped_values(fmt: str, w_ref, s_ref, g0, cb: int):
+  """A step's tile decoded once for all rows -> (q, scale, offset) a part: q float32 [BN, CB, W] exact,
+  scale [BN, CB], offset [BN, CB] or None (the part's weights: scale * q - offset)."""
+  if fmt == "q6_k":
+    return [(q, sc, None) for q, sc in _q6_parts(w_ref, s_ref, g0, cb)]
   vi = w_ref[:, pl.ds(g0, cb), :].astype(jnp.int32)
   if fmt == "q8_0":
-    d = s_ref[:, pl.ds(g0, cb)].astype(jnp.float32)
-    return d * jnp.sum(_exact_float((vi & 255) ^ 128, 128.0) * x_parts[0][None], axis=2)
+    return [(_exact_float((vi & 255) ^ 128, 128.0), s_ref[:, pl.ds(g0, cb)].astype(jnp.float32), None)]
   if fmt == "q4_0":
     d = s_ref[:, pl.ds(g0, cb)].astype(jnp.float32)
-    return d * (jnp.sum(_exact_float(vi & 15, 8.0) * x_parts[0][None], axis=2)
-                + jnp.sum(_exact_float(vi >> 4, 8.0) * x_parts[1][None], axis=2))
+    return [(_exact_float(vi & 15, 8.0), d, None), (_exact_float(vi >> 4, 8.0), d, None)]
   s_lo, s_hi, o_lo, o_hi = _k_scales(s_ref, g0, cb)
-  q_lo = jnp.sum(_exact_float(vi & 15, 0.0) * x_parts[0][None], axis=2)
-  q_hi = jnp.sum(_exact_float(vi >> 4, 0.0) * x_parts[1][None], axis=2)
-  return (s_lo * q_lo - o_lo * jnp.sum(x_parts[0], axis=1)[None]) + (s_hi * q_hi - o_hi * jnp.sum(x_parts[1], axis=1)[None])
+  return [(_exact_float(vi & 15, 0.0), s_lo, o_lo), (_exact_float(vi >> 4, 0.0), s_hi, o_hi)]
+
+
+def _grouped_sums(values, x_parts):
+  """The float32-weights product of a step's tile (`_grouped_values`), the scale applied once a
+  group: [BN, CB] sums of one row (x_parts: its parts' columns [CB, W] float32)."""
+  if values[0][2] is None and all(sc is values[0][1] for _, sc, _ in values):   # q8_0, q4_0: one scale a group
+    return values[0][1] * sum(jnp.sum(q * xp[None], axis=2) for (q, _, _), xp in zip(values, x_parts))
+  out = None
+  for (q, sc, off), xp in zip(values, x_parts):
+    t = sc * jnp.sum(q * xp[None], axis=2)
+    if off is not None:
+      t = t - off * jnp.sum(xp, axis=1)[None]
+    out = t if out is None else out + t
+  return out
 
 
 def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, tiles: PlanarTiles, rows: int, dtype, interpret: bool,
@@ -191,9 +245,10 @@ def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, tiles: PlanarTiles, ro
 
   def body(i, acc):                         # acc: a row's sums [BN, CB] (or products [BN, CB, W]), one a row
     g0 = pl.multiple_of(i * t.cb, t.cb)
-    if grouped:
-      return tuple(a + _grouped_sums(fmt, w_ref, s_ref, g0, t.cb, [x_ref[r, pl.ds(g0, t.cb), pl.ds(p * w, w)].astype(
-          jnp.float32) for p in range(_GROUPS[fmt][2])]) for r, a in enumerate(acc))
+    if grouped:                             # the tile decoded once, then each row's sums
+      values = _grouped_values(fmt, w_ref, s_ref, g0, t.cb)
+      return tuple(a + _grouped_sums(values, [x_ref[r, pl.ds(g0, t.cb), pl.ds(p * w, w)].astype(jnp.float32)
+                                              for p in range(_GROUPS[fmt][2])]) for r, a in enumerate(acc))
     ws = _weights(fmt, w_ref, s_ref, g0, t.cb)
     if dtype == jnp.bfloat16:               # the dot's weights (bfloat16), its exact products
       ws = [_to_bf16(wt, interpret) for wt in ws]
@@ -211,32 +266,68 @@ def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, tiles: PlanarTiles, ro
     o_ref[0, r, :] = jnp.sum(acc[r], axis=1) if sum_each_step else jnp.sum(jnp.sum(acc[r], axis=2), axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "k", "cfg", "tiles", "interpret"))
-def _call(x_sk, values, scales, *, fmt: str, k: int, cfg: PlanarGemvConfig, tiles: PlanarTiles, interpret: bool):
-  gv, w, _ = _GROUPS[fmt]
+def _dot_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, tiles: PlanarTiles, grouped: bool):
+  # x_ref [DOT_ROWS, groups / split, parts * W] bfloat16, w_ref / s_ref as `_gemv_kernel`'s,
+  # o_ref [1, BN, DOT_ROWS] float32 (this K range's sums, transposed)
+  t, w = tiles, _GROUPS[fmt][1]
+  rows = x_ref.shape[0]
+
+  def body(i, acc):                         # acc [BN, DOT_ROWS] float32
+    g0 = pl.multiple_of(i * t.cb, t.cb)
+    if grouped:                             # dot=2: a dot a group and part, then its scale
+      for c in range(t.cb):
+        for p, (q, sc, off) in enumerate(_group_parts(fmt, w_ref, s_ref, g0 + c)):
+          xp = x_ref[:, pl.ds(g0 + c, 1), pl.ds(p * w, w)].reshape(rows, w)            # [rows, W]
+          acc = acc + sc * lax.dot_general(q.astype(jnp.bfloat16), xp, (((1,), (1,)), ((), ())),
+                                           preferred_element_type=jnp.float32)
+          if off is not None:
+            acc = acc - off * jnp.sum(xp.astype(jnp.float32), axis=1)[None, :]
+      return acc
+    for p, wp in enumerate(_weights(fmt, w_ref, s_ref, g0, t.cb)):
+      a = wp.astype(jnp.bfloat16).reshape(wp.shape[0], t.cb * w)                        # [BN, CB * W]
+      xp = x_ref[:, pl.ds(g0, t.cb), pl.ds(p * w, w)].reshape(rows, t.cb * w)          # [rows, CB * W]
+      acc = acc + lax.dot_general(a, xp, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return acc
+
+  o_ref[0] = lax.fori_loop(0, t.steps, body, jnp.zeros((o_ref.shape[1], rows), jnp.float32))
+
+
+def _scale_spec(fmt: str, t: PlanarTiles, gs: int, scales):
+  if fmt in ("q4_k", "q6_k"):
+    return pl.BlockSpec((t.bn, gs) + scales.shape[2:], lambda ni, si: (ni, si, 0))
+  return pl.BlockSpec((t.bn, gs), lambda ni, si: (ni, si))
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "k", "cfg", "tiles", "interpret", "dot"))
+def _call(x_sk, values, scales, *, fmt: str, k: int, cfg: PlanarGemvConfig, tiles: PlanarTiles, interpret: bool,
+          dot: bool = False):
+  gv = _GROUPS[fmt][0]
   n, s, t = values.shape[0], x_sk.shape[0], tiles
   gs = k // gv // t.split                                     # groups a K range
-  if fmt in ("q4_k", "q6_k"):
-    s_spec = pl.BlockSpec((t.bn, gs) + scales.shape[2:], lambda ni, si: (ni, si, 0))
+  if dot:          # x zero-padded to DOT_ROWS rows; a program's sums come out [BN, rows]
+    rows, x_sk = DOT_ROWS, jnp.pad(x_sk.astype(jnp.bfloat16), ((0, DOT_ROWS - s), (0, 0)))
+    kernel = functools.partial(_dot_kernel, fmt=fmt, tiles=t, grouped=cfg.dot == 2)
+    out_spec, out_shape = pl.BlockSpec((1, t.bn, rows), lambda ni, si: (si, ni, 0)), (t.split, n, rows)
   else:
-    s_spec = pl.BlockSpec((t.bn, gs), lambda ni, si: (ni, si))
+    rows = s
+    kernel = functools.partial(_gemv_kernel, fmt=fmt, tiles=t, rows=s, dtype=_ref.compute_dtype(x_sk.dtype),
+                               interpret=interpret, sum_each_step=bool(cfg.sum_each_step), grouped=bool(cfg.grouped))
+    out_spec, out_shape = pl.BlockSpec((1, s, t.bn), lambda ni, si: (si, 0, ni)), (t.split, s, n)
   part = pl.pallas_call(
-      functools.partial(_gemv_kernel, fmt=fmt, tiles=t, rows=s, dtype=_ref.compute_dtype(x_sk.dtype),
-                        interpret=interpret, sum_each_step=bool(cfg.sum_each_step),
-                        grouped=bool(cfg.grouped)),
+      kernel,
       grid=(n // t.bn, t.split),
-      in_specs=[pl.BlockSpec((s, gs, gv), lambda ni, si: (0, si, 0)),
-                pl.BlockSpec((t.bn, gs, _VALUE_BYTES[fmt]), lambda ni, si: (ni, si, 0)), s_spec],
-      out_specs=pl.BlockSpec((1, s, t.bn), lambda ni, si: (si, 0, ni)),
-      out_shape=jax.ShapeDtypeStruct((t.split, s, n), jnp.float32),
+      in_specs=[pl.BlockSpec((rows, gs, gv), lambda ni, si: (0, si, 0)),
+                pl.BlockSpec((t.bn, gs, _VALUE_BYTES[fmt]), lambda ni, si: (ni, si, 0)), _scale_spec(fmt, t, gs, scales)],
+      out_specs=out_spec,
+      out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
       compiler_params=_kernel._compiler_params(cfg, interpret),   # pylint: disable=protected-access
       interpret=interpret,
-      name="kvjax_planar_gemv",
-  )(x_sk.reshape(s, k // gv, gv), values.reshape(n, k // gv, _VALUE_BYTES[fmt]), scales)
+      name="kvjax_planar_dot" if dot else "kvjax_planar_gemv",
+  )(x_sk.reshape(rows, k // gv, gv), values.reshape(n, k // gv, _VALUE_BYTES[fmt]), scales)
   out = part[0]
   for j in range(1, t.split):               # the K ranges' sums, in a fixed order
     out = out + part[j]
-  return out
+  return out[:, :s].T if dot else out
 
 
 def planar_gemv(x_sk, values, scales, fmt: str, k: int, *, config: Optional[PlanarGemvConfig] = None,
@@ -246,12 +337,13 @@ def planar_gemv(x_sk, values, scales, fmt: str, k: int, *, config: Optional[Plan
     raise ValueError(f"planar GEMV: x must be an array [S, {k}], got {type(x_sk).__name__}")
   n = _planar.check_planes(values, scales, fmt, k)
   s = _formats.check_x(x_sk, k)
-  if s > GEMV_MAX_ROWS:
-    raise ValueError(f"planar GEMV: takes 1 to {GEMV_MAX_ROWS} rows of x, got {s}")
   cfg = DEFAULT_CONFIG if config is None else config
   tiles = resolve_tiles(cfg, fmt, max(n, 1), k)
+  if s > max_rows(cfg, fmt, n, k, x_sk.dtype):
+    raise ValueError(f"planar GEMV: takes 1 to {max_rows(cfg, fmt, n, k, x_sk.dtype)} rows of x here, got {s}")
   if not interpret and jax.default_backend() != "gpu":
     raise ValueError(f"planar GEMV: the kernel compiles for a GPU; on {jax.default_backend()} pass interpret=True")
   if n == 0:
     return jnp.zeros((s, 0), jnp.float32)
-  return _call(x_sk, values, scales, fmt=fmt, k=k, cfg=cfg, tiles=tiles, interpret=interpret)
+  return _call(x_sk, values, scales, fmt=fmt, k=k, cfg=cfg, tiles=tiles, interpret=interpret,
+               dot=uses_dot(cfg, fmt, n, k, x_sk.dtype))
