@@ -112,8 +112,8 @@ def check_config(cfg: PlanarGemvConfig) -> PlanarGemvConfig:
 
 
 def uses_dot(cfg: Optional[PlanarGemvConfig], fmt: str, n: int, k: int, x_dtype) -> bool:
-  """Does a call run the dot? `dot=1`, bfloat16 x and >= 16 output columns a program: fixed by the
-  matrix and x's dtype, never by S (a row's sums are those of any call)."""
+  """Does a call run the dots? `dot` 1 or 2, bfloat16 x and >= 16 output columns a program: fixed by
+  the matrix and x's dtype, never by S (a row's sums are those of any call)."""
   cfg = DEFAULT_CONFIG if cfg is None else cfg
   return bool(cfg.dot) and _ref.compute_dtype(x_dtype) == jnp.bfloat16 and resolve_tiles(cfg, fmt, max(n, 1), k).bn >= 16
 
@@ -192,22 +192,6 @@ def _weights(fmt: str, w_ref, s_ref, g0, cb: int):
   return [s_lo * _exact_float(vi & 15, 0.0) - o_lo, s_hi * _exact_float(vi >> 4, 0.0) - o_hi]
 
 
-def _group_parts(fmt: str, w_ref, s_ref, g):
-  """Group g of the tile -> its parts [(q float32 [BN, W] exact (bfloat16 too), scale [BN, 1], offset
-  [BN, 1] or None)]: the part's weights are scale * q - offset."""
-  if fmt == "q6_k":
-    return [(q.reshape(q.shape[0], q.shape[2]), sc, None) for q, sc in _q6_parts(w_ref, s_ref, g, 1)]
-  vi = w_ref[:, pl.ds(g, 1), :].astype(jnp.int32)
-  vi = vi.reshape(vi.shape[0], vi.shape[2])
-  if fmt == "q8_0":
-    return [(_exact_float((vi & 255) ^ 128, 128.0), s_ref[:, pl.ds(g, 1)].astype(jnp.float32), None)]
-  if fmt == "q4_0":
-    d = s_ref[:, pl.ds(g, 1)].astype(jnp.float32)
-    return [(_exact_float(vi & 15, 8.0), d, None), (_exact_float(vi >> 4, 8.0), d, None)]
-  s_lo, s_hi, o_lo, o_hi = _k_scales(s_ref, g, 1)
-  return [(_exact_float(vi & 15, 0.0), s_lo, o_lo), (_exact_float(vi >> 4, 0.0), s_hi, o_hi)]
-
-
 def _grouped_values(fmt: str, w_ref, s_ref, g0, cb: int):
   """A step's tile decoded once for all rows -> (q, scale, offset) a part: q float32 [BN, CB, W] exact,
   scale [BN, CB], offset [BN, CB] or None (the part's weights: scale * q - offset)."""
@@ -276,10 +260,10 @@ def _dot_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, tiles: PlanarTiles, gro
     g0 = pl.multiple_of(i * t.cb, t.cb)
     if grouped:                             # dot=2: a dot a group and part, then its scale
       for c in range(t.cb):
-        for p, (q, sc, off) in enumerate(_group_parts(fmt, w_ref, s_ref, g0 + c)):
+        for p, (q, sc, off) in enumerate(_grouped_values(fmt, w_ref, s_ref, g0 + c, 1)):   # q [BN, 1, W]
           xp = x_ref[:, pl.ds(g0 + c, 1), pl.ds(p * w, w)].reshape(rows, w)            # [rows, W]
-          acc = acc + sc * lax.dot_general(q.astype(jnp.bfloat16), xp, (((1,), (1,)), ((), ())),
-                                           preferred_element_type=jnp.float32)
+          q = q.reshape(q.shape[0], w).astype(jnp.bfloat16)                             # exact in bfloat16
+          acc = acc + sc * lax.dot_general(q, xp, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
           if off is not None:
             acc = acc - off * jnp.sum(xp.astype(jnp.float32), axis=1)[None, :]
       return acc
