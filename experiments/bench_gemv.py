@@ -8,7 +8,9 @@ For every weight shape of the 27B geometry (`kvjax.config.qwen38_27b`: the atten
 gate / up and down), every format (q8_0, q4_0, q4_k, q5_k, q6_k), rows S (1, 4: decode and
 verify; 256: a prefill chunk) and implementation of `kvjax_pallas.quant_matmul.api` ("xla":
 dequantize then dot; "pallas": the kernel; "pallas_gemv": its GEMV for S <= 16 (no dot, split
-over K); "planar": the blocks repacked into planes once, `api.planar_matmul`; plus "bf16", a plain
+over K); "planar": the blocks repacked into planes once, `api.planar_matmul` (the product
+`KVJAX_PLANAR_PRODUCT` resolves to; "planar_pallas", "planar_dot", "planar_xla": the GEMV's sums, its
+tensor-core dots, XLA's reduction, named); plus "bf16", a plain
 bf16 x bf16 dot of dense weights as the baseline): the median time a call, effective GB/s and TFLOP/s.
 
 Bytes counted: what a call must read once, the weight matrix as stored (N x row_bytes; the planes for "planar"; N x K x 2
@@ -23,7 +25,7 @@ against "xla" (max |diff| / max |xla|, column `check`); a case that fails to com
 row with its error. The "pallas" weights are passed as their uint16 halfword view, made once
 (the kernel reads halfwords); "xla" gets the uint8 bytes.
 
---small: a few small shapes, S in {1, 4}, the kernel interpreted: a quick check that the
+--small: a few small shapes, S in {1, 4} (or --rows), the kernel interpreted: a quick check that the
 program runs (CPU). Imports kvjax only for the geometry.
 """
 
@@ -130,8 +132,8 @@ def _parse_config(text: str, flag: str, cls, check=None):
   names = [f.name for f in dataclasses.fields(cls)]
   parts = text.split(":")
   if len(parts) > len(names) or not all(p.isdigit() for p in parts):
-    raise ValueError(f"--{flag} entry {text!r}: want {':'.join(names)}, up to {len(names)} integers (the rest: "
-                     "defaults)")
+    raise ValueError(f"--{flag} entry {text!r}: want {':'.join(names)}, up to {len(names)} integers >= 0 (the "
+                     f"rest: defaults), got {len(parts)} fields")
   try:
     cfg = cls(*(int(p) for p in parts))
     return check(cfg) if check else cfg
@@ -152,7 +154,8 @@ def parse_gemv_tiles(text: str):
 
 
 def parse_planar_tiles(text: str):
-  """'bn:groups:split:min_programs:sum_each_step:grouped:warps:stages' -> a PlanarGemvConfig (checked)."""
+  """'bn:groups:split:min_programs:sum_each_step:grouped:warps:stages:dot' (or a prefix) -> a
+  PlanarGemvConfig (checked)."""
   from kvjax_pallas.quant_matmul import planar_gemv
   return _parse_config(text, "planar_tiles", planar_gemv.PlanarGemvConfig, planar_gemv.check_config)
 
@@ -240,6 +243,9 @@ def main(argv):
                   "pallas_gemv": [(t, parse_gemv_tiles(t)) for t in FLAGS.gemv_tiles] or [("", gemv_default())],
                   "planar_pallas": [(t, parse_planar_tiles(t)) for t in FLAGS.planar_tiles] or [("", None)]}
 
+  planar_product = api.resolve_planar_product("auto")      # a bad KVJAX_PLANAR_PRODUCT: one line, before any case
+  if FLAGS.planar_tiles and "planar_pallas" not in FLAGS.implementations:
+    print("note: --planar_tiles applies to implementation planar_pallas only (not given)", flush=True)
   no_planes = [f for f in FLAGS.formats if f not in api.PLANAR_FORMATS]
   if no_planes and any(i in PLANAR_IMPLS for i in FLAGS.implementations):
     print(f"note: {', '.join(no_planes)} not repacked into planes: no planar rows for them "
@@ -281,7 +287,8 @@ def main(argv):
     with open(FLAGS.out, "w") as f:
       json.dump(dict(backend=backend, device=jax.devices()[0].device_kind, interpret=interpret,
                      small=FLAGS.small, iters=FLAGS.iters, rounds=FLAGS.rounds,
-                     rotate_mib=FLAGS.rotate_mib, stopped=stopped, rows=table), f, indent=1)
+                     rotate_mib=FLAGS.rotate_mib, planar_product=planar_product, stopped=stopped, rows=table),
+                f, indent=1)
     print(f"wrote {FLAGS.out}", flush=True)
   errors = [r for r in table if "error" in r]
   print(f"{len(table)} cases, {len(errors)} errors, {time.time() - t0:.1f} s", flush=True)

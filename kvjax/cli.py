@@ -77,7 +77,7 @@ def _model_flags(fv: flags.FlagValues) -> None:
                     "quantized product: auto (planar on a GPU, else xla), xla (dequantize, then the dense product: "
                     "the dequantized model's logits), fused "
                     "(decode rows as one multiply-and-sum), pallas / pallas_gemv (kernels), planar (Q8_0 / Q4_0 / "
-                    "Q4_K repacked into planes at load)", flag_values=fv)
+                    "Q4_K / Q6_K repacked into planes at load; KVJAX_PLANAR_PRODUCT picks their product)", flag_values=fv)
   flags.DEFINE_bool("fuse", True, "join each block's same-input matrices into one product (--nofuse: apart)",
                     flag_values=fv)
   flags.DEFINE_string("weight-type", "", "with a preset (--model qwen38_27b): its matrices as random blocks of "

@@ -114,7 +114,13 @@ def kept(rows, fmt: str, k: int, dtype_name: str = "float32", impl: str = "xla")
 
 def request_error(weights: Optional[str], weight_type: Optional[str], preset: Optional[str],
                   tensor_parallel: int) -> Optional[Tuple[str, str]]:
-  """`load_model`'s weight arguments that do not go together -> (one-line message, parameter), or None."""
+  """`load_model`'s weight arguments that do not go together, or a `KVJAX_PLANAR_PRODUCT` that names
+  no product (checked whatever the weights: a typo is not left for a later run) -> (one-line
+  message, parameter), or None."""
+  try:
+    qmm.resolve_planar_product("auto")
+  except ValueError as e:
+    return str(e), qmm.PLANAR_PRODUCT_ENV
   if weight_type is not None and preset is None:
     return (f"weight_type {weight_type!r} draws a preset's matrices as random blocks: it needs preset= "
             f"(a GGUF's block types are its own)", "weight_type")

@@ -197,5 +197,9 @@ def test_gemv_refuses_what_it_cannot_take(monkeypatch):
   monkeypatch.setenv(planar.PRODUCT_ENV, "triton")
   with pytest.raises(ValueError, match=r"^planar weights: \$KVJAX_PLANAR_PRODUCT must be one of auto, pallas, pallas_dot, xla, got 'triton'"):
     qmm.planar_matmul(jnp.ones((2, 256)), values, scales, "q8_0", 256)
+  msg, param = qweights.request_error(None, None, None, 1)     # load_model's check: whatever the weights
+  assert param == "KVJAX_PLANAR_PRODUCT" and msg.endswith("got 'triton'") and "\n" not in msg
+  monkeypatch.setenv(planar.PRODUCT_ENV, "")             # set but empty: as unset
+  assert planar.resolve_product("auto") == "xla" and qweights.request_error(None, None, None, 1) is None
   monkeypatch.setenv(planar.PRODUCT_ENV, "pallas")
   assert planar.resolve_product("auto") == "pallas" and planar.resolve_product("xla") == "xla"

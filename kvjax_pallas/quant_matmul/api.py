@@ -51,6 +51,8 @@ to_planes = _planar.to_planes
 dequantize_planes = _planar.dequantize_planes
 planar_matmul = _planar.planar_matmul
 PLANAR_PRODUCTS = _planar.PRODUCTS
+PLANAR_PRODUCT_ENV = _planar.PRODUCT_ENV
+resolve_planar_product = _planar.resolve_product
 PlanarGemvConfig = _planar_gemv.PlanarGemvConfig
 planes_nbytes = _planar.planes_nbytes
 

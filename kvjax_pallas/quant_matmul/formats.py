@@ -94,5 +94,5 @@ def check_x(x_sk, k: int) -> int:
   if x_sk.shape[0] < 1:
     raise ValueError("x must have at least one row")
   if not jnp.issubdtype(x_sk.dtype, jnp.floating):
-    raise ValueError(f"x must be floating point (float32 or bfloat16), got {x_sk.dtype}")
+    raise ValueError(f"x must be floating point (bfloat16; other floating dtypes compute as float32), got {x_sk.dtype}")
   return x_sk.shape[0]

@@ -225,7 +225,7 @@ def resolve_product(implementation: str) -> str:
     raise ValueError(f"planar weights: implementation must be one of {', '.join(PRODUCTS)}, got {implementation!r}")
   if implementation != "auto":
     return implementation
-  env = os.environ.get(PRODUCT_ENV, "auto")
+  env = os.environ.get(PRODUCT_ENV) or "auto"     # set but empty: as unset
   if env not in PRODUCTS:
     raise ValueError(f"planar weights: ${PRODUCT_ENV} must be one of {', '.join(PRODUCTS)}, got {env!r}")
   if env != "auto":

@@ -101,7 +101,8 @@ class PlanarTiles:
 def check_config(cfg: PlanarGemvConfig) -> PlanarGemvConfig:
   _kernel.check_fields(cfg, PlanarGemvConfig, ("block_n", "block_groups"), ("min_programs", "num_warps", "num_stages"))
   for name, most in (("sum_each_step", 1), ("grouped", 1), ("dot", 2)):
-    if getattr(cfg, name) not in range(most + 1):
+    v = getattr(cfg, name)
+    if not isinstance(v, int) or isinstance(v, bool) or v not in range(most + 1):
       raise ValueError(f"{name} must be {', '.join(map(str, range(most)))} or {most}, got {getattr(cfg, name)!r}")
   if not isinstance(cfg.split_k, int) or isinstance(cfg.split_k, bool) or cfg.split_k < 0 or \
       (cfg.split_k and cfg.split_k & (cfg.split_k - 1)):
