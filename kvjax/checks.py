@@ -281,9 +281,9 @@ def fail(prog: str, message: Any, status: int = 2):
 
 def planar_product(prog: str) -> str:
   """The planar weights' product this process traces (`KVJAX_PLANAR_PRODUCT` resolved), or `fail`."""
-  from kvjax_pallas.quant_matmul import planar  # pylint: disable=import-outside-toplevel
+  from kvjax_pallas.quant_matmul import api as qmm  # pylint: disable=import-outside-toplevel
   try:
-    return planar.resolve_product("auto")
+    return qmm.resolve_planar_product("auto")
   except ValueError as e:
     fail(prog, e)
 
