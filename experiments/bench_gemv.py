@@ -44,7 +44,7 @@ FLAGS = flags.FLAGS
 
 MIN_COPIES = 8          # weight copies (calls in one timed program), within COPIES_BYTES
 COPIES_BYTES = 8 << 30
-PLANAR_IMPLS = ("planar", "planar_pallas", "planar_dot", "planar_xla")
+PLANAR_IMPLS = ("planar", "planar_pallas", "planar_dot", "planar_q8", "planar_xla")
 SMALL_SHAPES = (("ffn_up.weight", 512, 512), ("ffn_down.weight", 256, 1024))
 
 
@@ -55,7 +55,7 @@ def define_flags():
   flags.DEFINE_list("rows", ["1", "4", "256"], "rows S of x")
   flags.DEFINE_list("implementations", ["xla", "fused", "pallas", "pallas_gemv", "bf16"],
                     "xla, fused, pallas, pallas_gemv, planar (planes, its formats only: the model's "
-                    "product), planar_pallas / planar_dot / planar_xla (the planes' products named), bf16 (baseline)")
+                    "product), planar_pallas / planar_dot / planar_q8 / planar_xla (the planes' products named), bf16 (baseline)")
   flags.DEFINE_list("shapes", [], "tensor names to keep (default: all), e.g. ffn_up.weight")
   flags.DEFINE_integer("iters", 20, "calls a round")
   flags.DEFINE_integer("rounds", 5, "timed rounds (median)")
@@ -71,7 +71,7 @@ def define_flags():
                     "'pallas_gemv' with its tiles (default: gemv.DEFAULT_CONFIG)")
   flags.DEFINE_list("planar_tiles", [], "planar_pallas tile configs to compare, each "
                     "block_n:block_groups:split_k:min_programs:sum_each_step:grouped:warps:stages:dot (e.g. 32:8:0:512:1:0:4:3:1; a prefix: the rest as the class defaults); each a row "
-                    "of impl 'planar_pallas' (default: planar_gemv.DEFAULT_CONFIG)")
+                    "of impls 'planar_pallas' and 'planar_q8' (q8: dot 0 only; default: each kernel's DEFAULT_CONFIG)")
   flags.DEFINE_float("max_seconds", 1200.0, "stop starting new cases after this")
   flags.DEFINE_string("out", "", "JSON file for the rows (empty: none)")
 
@@ -182,7 +182,8 @@ def run_case(jax, jnp, np, api, name, n, k, fmt, s, impl, interpret, copies_for,
       return dict(row, error=f"not a planar format (planar: {', '.join(api.PLANAR_FORMATS)})")
     w = tuple(jnp.asarray(a) for a in api.to_planes(np.asarray(w_u8), fmt, k))
     w_bytes = api.planes_nbytes(fmt, n, k)
-    product = {"planar": "auto", "planar_pallas": "pallas", "planar_dot": "pallas_dot", "planar_xla": "xla"}[impl]
+    product = {"planar": "auto", "planar_pallas": "pallas", "planar_dot": "pallas_dot", "planar_q8": "pallas_q8",
+               "planar_xla": "xla"}[impl]
     fn = jax.jit(lambda x, w: api.planar_matmul(x, w[0], w[1], fmt, k, implementation=product, config=config,
                                                 interpret=interpret))
   else:
@@ -242,10 +243,11 @@ def main(argv):
                   # the GEMV itself at every S <= 16 (without a GemvConfig "pallas_gemv" takes one row)
                   "pallas_gemv": [(t, parse_gemv_tiles(t)) for t in FLAGS.gemv_tiles] or [("", gemv_default())],
                   "planar_pallas": [(t, parse_planar_tiles(t)) for t in FLAGS.planar_tiles] or [("", None)]}
+  tile_configs["planar_q8"] = [(t, c) for t, c in tile_configs["planar_pallas"] if c is None or not c.dot] or [("", None)]
 
   planar_product = api.resolve_planar_product("auto")      # a bad KVJAX_PLANAR_PRODUCT: one line, before any case
-  if FLAGS.planar_tiles and "planar_pallas" not in FLAGS.implementations:
-    print("note: --planar_tiles applies to implementation planar_pallas only (not given)", flush=True)
+  if FLAGS.planar_tiles and not {"planar_pallas", "planar_q8"} & set(FLAGS.implementations):
+    print("note: --planar_tiles applies to implementations planar_pallas and planar_q8 only (neither given)", flush=True)
   no_planes = [f for f in FLAGS.formats if f not in api.PLANAR_FORMATS]
   if no_planes and any(i in PLANAR_IMPLS for i in FLAGS.implementations):
     print(f"note: {', '.join(no_planes)} not repacked into planes: no planar rows for them "

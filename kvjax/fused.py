@@ -79,7 +79,7 @@ def _joinable(ws) -> bool:
   """Whether the matrices `ws` can be one: the same dtype, or the same block format, row length,
   compute dtype and implementation for `QuantizedWeight`s."""
   if all(isinstance(w, QuantizedWeight) for w in ws):
-    return len({(w.fmt, w.k, w.dtype_name, w.impl) for w in ws}) == 1
+    return len({(w.fmt, w.k, w.dtype_name, w.impl, w.product) for w in ws}) == 1
   if any(isinstance(w, QuantizedWeight) for w in ws):
     return False
   return len({(jnp.dtype(w.dtype), w.ndim, w.shape[1:]) for w in ws}) == 1 and ws[0].ndim == 2
@@ -93,7 +93,8 @@ def _joined(ws):
   cat = np.concatenate if all(isinstance(a, np.ndarray) for p in parts for a in p) else jnp.concatenate
   joined = [cat(list(same)) for same in zip(*parts)]   # the bytes (values), and the scales of planes
   if isinstance(ws[0], QuantizedWeight):
-    return QuantizedWeight(joined[0], ws[0].fmt, ws[0].k, ws[0].dtype_name, ws[0].impl, *joined[1:])
+    return QuantizedWeight(joined[0], ws[0].fmt, ws[0].k, ws[0].dtype_name, ws[0].impl, *joined[1:],
+                           product=ws[0].product)
   return joined[0]
 
 

@@ -16,7 +16,8 @@ model dequantized at load) or "pallas" (the kernel that dequantizes in registers
 values (`data`) and one of its scales (`scales`, a second leaf) (`kvjax_pallas.quant_matmul.planar`):
 on a GPU decode and verify rows (up to 32) run the Pallas GEMV over the planes (float32 weights, a
 row's sums the same bits whatever other rows its call has), elsewhere XLA's multiply-and-sum for a
-decode row; prefill rows dequantize the planes and run the dot, as "xla" does. Other formats keep
+decode row (the product, `$KVJAX_PLANAR_PRODUCT` or the backend's, is read when the weight is made
+and kept as a static field, so it is part of the compiled steps' key); prefill rows dequantize the planes and run the dot, as "xla" does. Other formats keep
 ggml's rows ("pallas_gemv" on a GPU, else "xla").
 
 Tensors that stay dequantized: 1-D tensors, `ssm_conv1d` (a convolution, not a product) and any
@@ -56,6 +57,9 @@ class QuantizedWeight:
   dtype_name: str = dataclasses.field(default="float32", metadata=dict(static=True))
   impl: str = dataclasses.field(default="xla", metadata=dict(static=True))
   scales: Optional[jax.Array] = None
+  # planar: the product (`qmm.PLANAR_PRODUCTS`), resolved when the weight is made (`kept`), so that it
+  # is part of the compiled steps' key (a model loaded under another $KVJAX_PLANAR_PRODUCT traces anew)
+  product: str = dataclasses.field(default="auto", metadata=dict(static=True))
 
   @property
   def shape(self) -> Tuple[int, int]:
@@ -95,7 +99,8 @@ class QuantizedWeight:
     lead = x.shape[:-1]
     x_sk = x.reshape((-1, self.k)).astype(self.dtype)
     if self.scales is not None:
-      return qmm.planar_matmul(x_sk, self.data, self.scales, self.fmt, self.k).reshape(lead + (self.shape[0],))
+      return qmm.planar_matmul(x_sk, self.data, self.scales, self.fmt, self.k,
+                               implementation=self.product).reshape(lead + (self.shape[0],))
     y = qmm.quant_matmul(x_sk, self.data, self.fmt, self.k, implementation=self.impl,
                          interpret=jax.default_backend() != "gpu")   # the kernel compiles for GPUs
     return y.reshape(lead + (self.shape[0],))
@@ -108,7 +113,7 @@ def kept(rows, fmt: str, k: int, dtype_name: str = "float32", impl: str = "xla")
     if fmt not in qmm.PLANAR_FORMATS:   # the GEMV kernel on a GPU (2026-12-06, H100: 4x "xla" in a 27B decode)
       return QuantizedWeight(rows, fmt, k, dtype_name, "pallas_gemv" if jax.default_backend() == "gpu" else "xla")
     values, scales = qmm.to_planes(rows, fmt, k)
-    return QuantizedWeight(values, fmt, k, dtype_name, impl, scales)
+    return QuantizedWeight(values, fmt, k, dtype_name, impl, scales, qmm.resolve_planar_product("auto"))
   return QuantizedWeight(rows, fmt, k, dtype_name, impl)
 
 

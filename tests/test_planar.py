@@ -192,10 +192,10 @@ def test_gemv_refuses_what_it_cannot_take(monkeypatch):
   with pytest.raises(ValueError, match="planar GEMV: takes 1 to 8 rows of x here, got 9"):
     pg.planar_gemv(jnp.ones((9, 256), jnp.bfloat16), values, scales, "q8_0", 256, interpret=True,
                    config=pg.PlanarGemvConfig(block_n=16, dot=1))
-  with pytest.raises(ValueError, match="^planar weights: implementation must be one of auto, pallas, pallas_dot, xla, got 'cuda'"):
+  with pytest.raises(ValueError, match="^planar weights: implementation must be one of auto, pallas, pallas_dot, pallas_q8, xla, got 'cuda'"):
     qmm.planar_matmul(jnp.ones((1, 256)), values, scales, "q8_0", 256, implementation="cuda")
   monkeypatch.setenv(planar.PRODUCT_ENV, "triton")
-  with pytest.raises(ValueError, match=r"^planar weights: \$KVJAX_PLANAR_PRODUCT must be one of auto, pallas, pallas_dot, xla, got 'triton'"):
+  with pytest.raises(ValueError, match=r"^planar weights: \$KVJAX_PLANAR_PRODUCT must be one of auto, pallas, pallas_dot, pallas_q8, xla, got 'triton'"):
     qmm.planar_matmul(jnp.ones((2, 256)), values, scales, "q8_0", 256)
   msg, param = qweights.request_error(None, None, None, 1)     # load_model's check: whatever the weights
   assert param == "KVJAX_PLANAR_PRODUCT" and msg.endswith("got 'triton'") and "\n" not in msg

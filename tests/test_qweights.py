@@ -181,7 +181,7 @@ def test_cli_weights_flags(capsys):
   assert len(err) == 1 and "--weight-type" in err[0] and "q4_k" in err[0]
 
 
-@pytest.mark.parametrize("product", ["xla", "pallas", "pallas_dot"])
+@pytest.mark.parametrize("product", ["xla", "pallas", "pallas_dot", "pallas_q8"])
 def test_planar_bfloat16_speculative_output_equals_plain_greedy(tmp_path, monkeypatch, product):
   """A bfloat16 model with Q4_K / Q8_0 / Q4_0 / Q6_K planes: speculative decoding (ngram and MTP drafts)
   gives plain greedy's tokens with either planar product. "xla": a decode row's multiply-and-sum
@@ -199,6 +199,10 @@ def test_planar_bfloat16_speculative_output_equals_plain_greedy(tmp_path, monkey
   path = gguf_io.write_gguf(str(tmp_path / "mixed.gguf"), cfg, tensors, tokenizer.tiny_tokenizer_spec(), weight_type="f32")
   model = api.load_model(path, weights_impl="planar", dtype="bfloat16", compile_cache=False)
   assert model.weights == "quantized" and model.weights_impl == "planar"
+  groups = [jax.tree_util.tree_unflatten(st.treedef, lv) for st, lv in model.runner.groups]
+  kept = [w for w in jax.tree_util.tree_leaves(groups, is_leaf=qweights.is_quantized)
+          if qweights.is_quantized(w)]        # the product is the weights' (static: the steps' key), not the trace's
+  assert kept and {w.product for w in kept} == {product}
   prompt = list(range(5, 160))
   plain = api.generate(model, prompt_tokens=prompt, n_predict=32, ignore_eos=True).tokens
   for spec in (api.SpecConfig("ngram", n_max=3, ngram_n=2), api.SpecConfig("mtp", n_max=3)):

@@ -36,6 +36,11 @@ The product (`planar_matmul(..., implementation=)`):
   "pallas_dot" the same kernel with tensor-core dots (`planar_gemv.DOT_CONFIG`, bfloat16 x): the
             same float32 weights, other bits; slower at one row, faster for verify rows (H100:
             1.3-1.8x the sums' time at one row, 0.42-0.85x at four), so for speculative decoding;
+  "pallas_q8" up to `KERNEL_ROWS` rows: x's rows quantized to int8 blocks of 32 values (ggml's
+            q8_1 idea), the planes' integer values met by byte dot products (`planar_q8.py`,
+            `Q8_MAX_ROWS` rows a call): exact integer sums a group, so a decode row and the same
+            row among verify rows agree bit for bit; the numbers differ from the float32 weights'
+            product by x's rounding (~2^-8 of a block's largest value);
   "xla"     up to `REDUCE_ROWS` rows: one XLA multiply-and-sum over the planes with the dot's
             products (the weights rounded to bfloat16 for bfloat16 x), which the verify rows'
             dot shares;
@@ -65,7 +70,7 @@ from kvjax_pallas.quant_matmul import reference as _ref
 PLANAR_FORMATS = ("q8_0", "q4_0", "q4_k", "q6_k")
 REDUCE_ROWS = 1   # rows of x the XLA multiply-and-sum takes; more: dequantize, then the dot
 KERNEL_ROWS = 32  # rows of x the "pallas" product takes (GEMV calls of planar_gemv.max_rows)
-PRODUCTS = ("auto", "pallas", "pallas_dot", "xla")   # planar_matmul(implementation=)
+PRODUCTS = ("auto", "pallas", "pallas_dot", "pallas_q8", "xla")   # planar_matmul(implementation=)
 PRODUCT_ENV = "KVJAX_PLANAR_PRODUCT"   # "auto"'s choice where set
 
 
@@ -254,6 +259,11 @@ def planar_matmul(x_sk, values, scales, fmt: str, k: int, *, implementation: str
 def _planar_matmul(x_sk, values, scales, *, fmt: str, k: int, product: str, config, interpret: bool):
   from kvjax_pallas.quant_matmul import planar_gemv   # pylint: disable=import-outside-toplevel
   s = x_sk.shape[0]
+  if product == "pallas_q8" and s <= KERNEL_ROWS:
+    from kvjax_pallas.quant_matmul import planar_q8   # pylint: disable=import-outside-toplevel
+    outs = [planar_q8.planar_q8_gemv(x_sk[r:r + planar_q8.Q8_MAX_ROWS], values, scales, fmt, k, config=config,
+                                     interpret=interpret) for r in range(0, s, planar_q8.Q8_MAX_ROWS)]
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
   if product in ("pallas", "pallas_dot") and s <= KERNEL_ROWS:
     if product == "pallas_dot" and config is None:
       config = planar_gemv.DOT_CONFIG
