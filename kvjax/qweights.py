@@ -17,8 +17,9 @@ values (`data`) and one of its scales (`scales`, a second leaf) (`kvjax_pallas.q
 on a GPU decode and verify rows (up to 32) run the Pallas GEMV over the planes (float32 weights, a
 row's sums the same bits whatever other rows its call has), elsewhere XLA's multiply-and-sum for a
 decode row (the product, `$KVJAX_PLANAR_PRODUCT` or the backend's, is read when the weight is made
-and kept as a static field, so it is part of the compiled steps' key); prefill rows dequantize the planes and run the dot, as "xla" does. Other formats keep
-ggml's rows ("pallas_gemv" on a GPU, else "xla").
+and kept as a static field, so it is part of the compiled steps' key); prefill rows dequantize the
+planes and run the dot, as "xla" does. Other formats keep ggml's rows ("pallas_gemv" on a GPU, else
+"xla").
 
 Tensors that stay dequantized: 1-D tensors, `ssm_conv1d` (a convolution, not a product) and any
 matrix stored in another type (F32 / F16 / BF16 as they are; other block types are dequantized at

@@ -313,16 +313,17 @@ def _call(x_sk, values, scales, *, fmt: str, k: int, cfg: PlanarGemvConfig, tile
   return out[:, :s].T if dot else out
 
 
-def checked_call(what: str, x_sk, values, scales, fmt: str, k: int, cfg: PlanarGemvConfig, most_rows: int,
+def checked_call(what: str, x_sk, values, scales, fmt: str, k: int, cfg: PlanarGemvConfig, most_rows,
                  interpret: bool):
-  """The checks of a planar GEMV call (`what` names it), before anything runs -> (N, S, tiles)."""
+  """The checks of a planar GEMV call (`what` names it; `most_rows(n)`: the rows it takes), before
+  anything runs -> (N, S, tiles)."""
   if not hasattr(x_sk, "shape") or not hasattr(x_sk, "dtype"):
     raise ValueError(f"{what}: x must be an array [S, {k}], got {type(x_sk).__name__}")
   n = _planar.check_planes(values, scales, fmt, k)
   s = _formats.check_x(x_sk, k)
   tiles = resolve_tiles(cfg, fmt, max(n, 1), k)
-  if s > most_rows:
-    raise ValueError(f"{what}: takes 1 to {most_rows} rows of x here, got {s}")
+  if s > most_rows(n):
+    raise ValueError(f"{what}: takes 1 to {most_rows(n)} rows of x here, got {s}")
   if not interpret and jax.default_backend() != "gpu":
     raise ValueError(f"{what}: the kernel compiles for a GPU; on {jax.default_backend()} pass interpret=True")
   return n, s, tiles
@@ -340,8 +341,8 @@ def planar_gemv(x_sk, values, scales, fmt: str, k: int, *, config: Optional[Plan
                 interpret: bool = False):
   """x [S, K] @ W[N, K].T -> [S, N] float32 for S <= GEMV_MAX_ROWS, W in planes (`planar.to_planes`)."""
   cfg = DEFAULT_CONFIG if config is None else config
-  most = max_rows(cfg, fmt, _planar.check_planes(values, scales, fmt, k), k, x_sk.dtype) if hasattr(x_sk, "dtype") else 0
-  n, s, tiles = checked_call("planar GEMV", x_sk, values, scales, fmt, k, cfg, most, interpret)
+  n, s, tiles = checked_call("planar GEMV", x_sk, values, scales, fmt, k, cfg,
+                             lambda n: max_rows(cfg, fmt, n, k, x_sk.dtype), interpret)
   if n == 0:
     return jnp.zeros((s, 0), jnp.float32)
   return _call(x_sk, values, scales, fmt=fmt, k=k, cfg=cfg, tiles=tiles, interpret=interpret,

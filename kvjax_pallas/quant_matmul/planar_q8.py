@@ -56,9 +56,7 @@ except ImportError:   # pragma: no cover
 Q8_BLOCK = 32       # x values a block (one d_b)
 Q8_MAX_ROWS = 8     # rows of x a call
 _WORDS = {"q8_0": 8, "q4_0": 4, "q4_k": 8, "q6_k": 24}   # 32-bit words of the values plane a group
-DEFAULT_CONFIG = _gemv.PlanarGemvConfig(block_n=16, block_groups=8)
-
-
+DEFAULT_CONFIG = _gemv.PlanarGemvConfig(block_n=16, block_groups=8)   # not swept yet (the sums' best was 8 x 16)
 _ROUND = 12582912.0   # 1.5 * 2^23: x + _ROUND rounds x (|x| < 2^22) to an integer, its low bits that integer's
 
 
@@ -216,7 +214,8 @@ def planar_q8_gemv(x_sk, values, scales, fmt: str, k: int, *, config: Optional[_
   cfg = DEFAULT_CONFIG if config is None else config
   if isinstance(cfg, _gemv.PlanarGemvConfig) and cfg.dot:
     raise ValueError(f"planar q8 GEMV: config.dot must be 0 (the dp4a products have no dot form), got {cfg.dot}")
-  n, s, tiles = _gemv.checked_call("planar q8 GEMV", x_sk, values, scales, fmt, k, cfg, Q8_MAX_ROWS, interpret)
+  n, s, tiles = _gemv.checked_call("planar q8 GEMV", x_sk, values, scales, fmt, k, cfg, lambda n: Q8_MAX_ROWS,
+                                    interpret)
   if n == 0:
     return jnp.zeros((s, 0), jnp.float32)
   return _call(x_sk, values, scales, fmt=fmt, k=k, cfg=cfg, tiles=tiles, interpret=interpret)
