@@ -76,7 +76,7 @@ def define_flags():
   flags.DEFINE_integer("check_steps", 64, "decode steps compared bit for bit, streamed against resident (0: none)")
   flags.DEFINE_integer("tensor_parallel", 1, "devices the model is sharded over (arena_mib and pool_pages "
                        "are per device)")
-  flags.DEFINE_bool("profile", False, "device timeline of two streamed forwards per context (experiments.lib.timeline)")
+  flags.DEFINE_bool("profile", False, "device timeline of two streamed forwards per context and their kernels by family and name (experiments.lib.timeline)")
 
 
 FLAGS = flags.FLAGS
@@ -304,8 +304,12 @@ def _profile_forwards(runner, kv, ctx, cfg):
     for name, (n, ms) in sorted(calls.items(), key=lambda kv: -kv[1][1]):
       f.write(f"host {ms:9.3f} ms {n:5d} calls  {name}\n")
     f.write(timeline.format_segments(timeline.segments(events), limit=100000) + "\n")
+  table = timeline.kernel_table(events, top=25)
+  with open(os.path.join(FLAGS.out, f"kernels_{ctx}.txt"), "w") as f:
+    f.write(timeline.format_kernel_table(table) + "\n")
   print(f"timeline {ctx}: " + json.dumps(summ), flush=True)
   print(timeline.format_segments(timeline.segments(events), limit=40), flush=True)
+  print(f"kernels of the two forwards at {ctx}:\n" + timeline.format_kernel_table(table), flush=True)
   return {"timeline_" + k: v for k, v in summ.items() if "[" not in k}
 
 

@@ -153,6 +153,24 @@ def test_a_rows_sums_do_not_depend_on_the_other_rows(fmt):
                         np.asarray(ref.quant_matmul_reference(wide, rows, fmt, k)))
 
 
+@pytest.mark.parametrize("fmt", qmm.PLANAR_FORMATS)
+def test_prefetch_gives_the_same_sums(fmt):
+  """The grouped sums with each step's loads issued a step ahead (`prefetch=1`) give the same bits
+  as without (several loop steps, a K split, rows 1 and 5)."""
+  from kvjax_pallas.quant_matmul import planar_gemv as pg
+  n, k = 32, 2048
+  _, values, scales = _planes(fmt, n, k, 11)
+  base = pg.PlanarGemvConfig(block_n=8, block_groups=2, min_programs=8)
+  ahead = pg.PlanarGemvConfig(block_n=8, block_groups=2, min_programs=8, prefetch=1)
+  t = pg.resolve_tiles(base, fmt, n, k)
+  assert t.steps > 1 and t.split > 1, t
+  x = jnp.asarray(np.random.default_rng(12).standard_normal((5, k)), jnp.bfloat16)
+  for s in (1, 5):
+    a = np.asarray(pg.planar_gemv(x[:s], values, scales, fmt, k, config=base, interpret=True))
+    b = np.asarray(pg.planar_gemv(x[:s], values, scales, fmt, k, config=ahead, interpret=True))
+    assert np.array_equal(a, b) and np.abs(a).max() > 0, s
+
+
 def test_gemv_lowers_for_the_triton_backend():
   """Every planar format's GEMV passes Pallas' Triton lowering for a CUDA target (on a CPU-only
   jaxlib `jax.export` stops before Triton's own compile), one and four rows, both products and the dot."""
@@ -165,9 +183,9 @@ def test_gemv_lowers_for_the_triton_backend():
   n, k = 1024, 5120
   for fmt in qmm.PLANAR_FORMATS:
     (vs, vd), (ss, sd) = planar.plane_shapes(fmt, n, k)
-    for s, dtype, grouped, dot in ((1, jnp.bfloat16, 1, 0), (4, jnp.float32, 0, 0), (4, jnp.bfloat16, 0, 1),
-                                   (1, jnp.bfloat16, 1, 2)):
-      cfg = pg.PlanarGemvConfig(block_n=32 if dot else 8, block_groups=8, grouped=grouped, dot=dot)
+    for s, dtype, grouped, dot, ahead in ((1, jnp.bfloat16, 1, 0, 0), (4, jnp.float32, 0, 0, 0), (4, jnp.bfloat16, 0, 1, 0),
+                                          (1, jnp.bfloat16, 1, 2, 0), (4, jnp.bfloat16, 1, 0, 1)):
+      cfg = pg.PlanarGemvConfig(block_n=32 if dot else 8, block_groups=8, grouped=grouped, dot=dot, prefetch=ahead)
       fn = functools.partial(pg._call, fmt=fmt, k=k, cfg=cfg, tiles=pg.resolve_tiles(cfg, fmt, n, k), interpret=False,
                              dot=bool(dot))
       exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
@@ -184,7 +202,10 @@ def test_gemv_refuses_what_it_cannot_take(monkeypatch):
                     (pg.PlanarGemvConfig(grouped=2), "grouped must be 0 or 1"),
                     (pg.PlanarGemvConfig(split_k=16), "split_k=16 must divide the 8 groups"),
                     (pg.PlanarGemvConfig(dot=1), "block_n must be >= 16 with dot=1"),
-                    (pg.PlanarGemvConfig(dot=3), "dot must be 0, 1 or 2")]:
+                    (pg.PlanarGemvConfig(dot=3), "dot must be 0, 1 or 2"),
+                    (pg.PlanarGemvConfig(prefetch=2), "prefetch must be 0 or 1, got 2"),
+                    (pg.PlanarGemvConfig(x_blocks=1), "^planar GEMV: x_blocks must be 0"),
+                    (pg.PlanarGemvConfig(grouped=0, prefetch=1), "prefetch=1 needs grouped=1 and dot=0")]:
     with pytest.raises(ValueError, match=what):
       pg.planar_gemv(jnp.ones((1, 256)), values, scales, "q8_0", 256, config=cfg, interpret=True)
   with pytest.raises(ValueError, match="planar GEMV: takes 1 to 8 rows of x here, got 9"):

@@ -2,6 +2,7 @@
 round(x / d)); the dp4a GEMV (interpreted) is its plain-jnp reference within float32 rounding, is the
 float32-weights product within x's rounding, and a row's sums never depend on the call's other rows."""
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from kvjax import qweights
-from kvjax_pallas.quant_matmul import api as qmm, planar, planar_q8 as pq
+from kvjax_pallas.quant_matmul import api as qmm, planar, planar_gemv as pg, planar_q8 as pq
 
 
 def _planes(fmt, n, k, seed=0):
@@ -52,7 +53,6 @@ def test_q8_gemv_is_its_reference_and_the_float_product_within_xs_rounding(fmt):
   """Rows 1 to 8, float32 and bfloat16 x, a K split and several column tiles: within float32 rounding
   of the plain-jnp reference; within x's rounding (half a block's d a value) of a float64 oracle of
   the planes' float32 weights."""
-  from kvjax_pallas.quant_matmul import planar_gemv as pg
   n, k = 48, 1024
   values, scales = _planes(fmt, n, k, 6)
   w = np.asarray(qmm.dequantize_planes(values, scales, fmt, k), np.float64)
@@ -74,17 +74,57 @@ def test_q8_gemv_is_its_reference_and_the_float_product_within_xs_rounding(fmt):
 
 @pytest.mark.parametrize("fmt", qmm.PLANAR_FORMATS)
 def test_q8_rows_sums_do_not_depend_on_the_other_rows(fmt):
-  """A GEMV call of 8 rows and each row alone; `planar_matmul("pallas_q8")` over 20 rows (calls of 8)."""
+  """A GEMV call of 8 rows and each row alone (x's blocks made first, the default, and by each
+  program); `planar_matmul("pallas_q8")` over 20 rows (calls of 8)."""
   n, k = 32, 512
   values, scales = _planes(fmt, n, k, 8)
   x = jnp.asarray(np.random.default_rng(9).standard_normal((20, k)), jnp.bfloat16)
-  eight = np.asarray(pq.planar_q8_gemv(x[:8], values, scales, fmt, k, interpret=True))
-  for r in (0, 5):
-    assert np.array_equal(eight[r:r + 1], np.asarray(pq.planar_q8_gemv(x[r:r + 1], values, scales, fmt, k, interpret=True)))
+  for cfg in (pq.DEFAULT_CONFIG, pq.IN_KERNEL_CONFIG):
+    eight = np.asarray(pq.planar_q8_gemv(x[:8], values, scales, fmt, k, config=cfg, interpret=True))
+    for r in (0, 5):
+      assert np.array_equal(eight[r:r + 1], np.asarray(pq.planar_q8_gemv(x[r:r + 1], values, scales, fmt, k, config=cfg,
+                                                                         interpret=True))), cfg
   many = np.asarray(qmm.planar_matmul(x, values, scales, fmt, k, implementation="pallas_q8"))
   alone = np.concatenate([np.asarray(qmm.planar_matmul(x[r:r + 1], values, scales, fmt, k, implementation="pallas_q8"))
                           for r in range(20)])
-  assert np.array_equal(many, alone) and np.array_equal(many[:8], eight)
+  assert np.array_equal(many, alone)
+  assert np.array_equal(many[:8], np.asarray(pq.planar_q8_gemv(x[:8], values, scales, fmt, k, interpret=True)))
+
+
+def test_x_blocks_kernel_is_quantize_x():
+  """The Pallas quantizer (interpreted): the words, d and sums of q of `quantize_x`, each unit's sum
+  of x within float32 rounding of numpy's; several programs a row (K of 17 * 1024 values)."""
+  rng = np.random.default_rng(15)
+  for s, k, dtype in ((3, 17 * 1024, jnp.bfloat16), (1, 256, jnp.float32)):
+    x = rng.standard_normal((s, k)).astype(np.float32)
+    x[0, :32] = 0.0                                            # an all-zero block: d 0, q 0
+    xj = jnp.asarray(x, dtype)
+    words, d, xs, xq = (np.asarray(a) for a in pq.quantize_x_blocks(xj, interpret=True))
+    w_ref, d_ref, _, q_ref = (np.asarray(a) for a in pq.quantize_x(xj))
+    np.testing.assert_array_equal(words, w_ref)
+    np.testing.assert_array_equal(d, d_ref)
+    np.testing.assert_array_equal(xq, q_ref)
+    x64 = np.asarray(xj.astype(jnp.float32), np.float64).reshape(s, k // 16, 16)
+    assert xs.shape == (s, k // 16) and np.all(np.abs(xs - x64.sum(-1)) <= 1e-6 * np.abs(x64).sum(-1) + 1e-30)
+    assert d[0, 0] == 0 and words[0, 0] == 0
+
+
+@pytest.mark.parametrize("fmt", qmm.PLANAR_FORMATS)
+def test_q8_blocks_made_first_and_prefetch_give_the_same_sums(fmt):
+  """x's blocks made by their own kernel before the GEMV (`x_blocks=1`) and each step's loads issued a
+  step ahead (`prefetch=1`), interpreted: the bits of each program quantizing x without prefetch
+  (several loop steps, a K split)."""
+  n, k = 32, 2048
+  values, scales = _planes(fmt, n, k, 16)
+  base = pg.PlanarGemvConfig(block_n=16, block_groups=2, min_programs=4)
+  t = pg.resolve_tiles(base, fmt, n, k)
+  assert t.steps > 1 and t.split > 1, t
+  x = jnp.asarray(np.random.default_rng(17).standard_normal((4, k)), jnp.bfloat16)
+  a = np.asarray(pq.planar_q8_gemv(x, values, scales, fmt, k, config=base, interpret=True))
+  assert np.abs(a).max() > 0
+  for xb, ahead in ((1, 0), (0, 1), (1, 1)):
+    cfg = dataclasses.replace(base, x_blocks=xb, prefetch=ahead)
+    assert np.array_equal(a, np.asarray(pq.planar_q8_gemv(x, values, scales, fmt, k, config=cfg, interpret=True))), cfg
 
 
 def test_q8_gemv_lowers_for_the_triton_backend():
@@ -97,9 +137,10 @@ def test_q8_gemv_lowers_for_the_triton_backend():
   n, k = 1024, 5120
   for fmt in qmm.PLANAR_FORMATS:
     (vs, vd), (ss, sd) = planar.plane_shapes(fmt, n, k)
-    for s in (1, 4):
-      fn = functools.partial(pq._call, fmt=fmt, k=k, cfg=pq.DEFAULT_CONFIG,   # pylint: disable=protected-access
-                             tiles=pq._gemv.resolve_tiles(pq.DEFAULT_CONFIG, fmt, n, k), interpret=False)   # pylint: disable=protected-access
+    for s, cfg in ((1, pq.DEFAULT_CONFIG), (4, pq.DEFAULT_CONFIG), (1, pq.IN_KERNEL_CONFIG),
+                   (4, dataclasses.replace(pq.IN_KERNEL_CONFIG, prefetch=1))):
+      fn = functools.partial(pq._call, fmt=fmt, k=k, cfg=cfg,   # pylint: disable=protected-access
+                             tiles=pq._gemv.resolve_tiles(cfg, fmt, n, k), interpret=False)   # pylint: disable=protected-access
       exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
           export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
               jax.ShapeDtypeStruct((s, k), jnp.bfloat16), jax.ShapeDtypeStruct(vs, vd), jax.ShapeDtypeStruct(ss, sd))
@@ -107,7 +148,6 @@ def test_q8_gemv_lowers_for_the_triton_backend():
 
 
 def test_q8_gemv_refuses_what_it_cannot_take():
-  from kvjax_pallas.quant_matmul import planar_gemv as pg
   values, scales = _planes("q4_k", 16, 256, 1)
   with pytest.raises(ValueError, match="^planar q8 GEMV: takes 1 to 8 rows of x here, got 9$"):
     pq.planar_q8_gemv(jnp.ones((9, 256)), values, scales, "q4_k", 256, interpret=True)

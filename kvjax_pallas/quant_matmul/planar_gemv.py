@@ -83,6 +83,10 @@ class PlanarGemvConfig:
                             # weights made as ggml makes them, rounded to bfloat16, in one dot a
                             # part; 2 a group's q (exact in bfloat16) in a dot, its scale applied
                             # to the dot's sums (the float32 weights of grouped=1)
+  prefetch: int = 0         # 1: a loop step's loads (x's columns, the tile, its scales) issued one step
+                            # ahead, before the previous step's sums (grouped sums and "pallas_q8")
+  x_blocks: int = 0         # "pallas_q8" only: 1 x's int8 blocks made once by their own kernel before
+                            # the GEMV (`planar_q8.quantize_x_blocks`); 0 each program quantizes x
 
 
 DEFAULT_CONFIG = PlanarGemvConfig()
@@ -107,6 +111,12 @@ def check_config(cfg: PlanarGemvConfig) -> PlanarGemvConfig:
   if not isinstance(cfg.split_k, int) or isinstance(cfg.split_k, bool) or cfg.split_k < 0 or \
       (cfg.split_k and cfg.split_k & (cfg.split_k - 1)):
     raise ValueError(f"split_k must be 0 (automatic) or a power of two, got {cfg.split_k!r}")
+  for name in ("prefetch", "x_blocks"):
+    if getattr(cfg, name) not in (0, 1) or isinstance(getattr(cfg, name), bool):
+      raise ValueError(f"{name} must be 0 or 1, got {getattr(cfg, name)!r}")
+  if cfg.prefetch and (cfg.dot or not cfg.grouped):
+    raise ValueError(f"prefetch=1 needs grouped=1 and dot=0 (the loop it changes), got grouped={cfg.grouped}, "
+                     f"dot={cfg.dot}")
   if cfg.dot and cfg.block_n < 16:
     raise ValueError(f"block_n must be >= 16 with dot={cfg.dot} (the dot's least M), got {cfg.block_n}")
   return cfg
@@ -141,6 +151,24 @@ def resolve_tiles(cfg: PlanarGemvConfig, fmt: str, n: int, k: int) -> PlanarTile
   return PlanarTiles(bn=bn, cb=cb, split=split, steps=groups // split // cb)
 
 
+def step_start(i, cb: int):
+  """The first group of loop step i (a Python int: the step before the loop), a multiple of cb."""
+  return i * cb if isinstance(i, int) else pl.multiple_of(i * cb, cb)
+
+
+def run_steps(loads, step, acc0, steps: int, prefetch: bool):
+  """A program's K loop: acc = step(loads(i), acc) for i < steps. `prefetch`: step i + 1's loads
+  issued before step i's sums (carried in the loop; the last step loads itself again)."""
+  if not prefetch:
+    return lax.fori_loop(0, steps, lambda i, acc: step(loads(i), acc), acc0)
+
+  def body(i, carry):
+    acc, loaded = carry
+    ahead = loads(jnp.minimum(i + 1, steps - 1))
+    return step(loaded, acc), ahead
+  return lax.fori_loop(0, steps, body, (acc0, loads(0)))[0]
+
+
 def _exact_float(q_i32, bias: float):
   """int32 q in [0, 2^23) -> float32 q - bias, by the bits of 2^23 + q (no int -> float convert)."""
   return lax.bitcast_convert_type(q_i32 | _MAGIC, jnp.float32) - (_TWO23 + bias)
@@ -161,12 +189,18 @@ def _k_scales(s_ref, g0, cb: int):
   return _planar.k_scale_products(w0, w1, lambda q: _exact_float(q, 0.0))
 
 
-def _q6_parts(w_ref, s_ref, g0, cb: int):
-  """q6_k: a step's 8 parts (p = 2j + h: a chunk's values 32j + 16h .. + 16), each (q - 32 float32
-  [BN, CB, 16], its scale d * sc float32 [BN, CB]), loaded from the values plane's ql and qh bytes."""
+def _q6_loads(w_ref, s_ref, g0, cb: int):
+  """q6_k: a step's loads: (ql bytes [[a0h0, a0h1], [a1h0, a1h1]], qh bytes [h0, h1] int32 [BN, CB, 16]
+  each; scale words (w0, w1, w2) [BN, CB])."""
   ql = [[w_ref[:, pl.ds(g0, cb), pl.ds(32 * a + 16 * h, 16)].astype(jnp.int32) for h in (0, 1)] for a in (0, 1)]
   qh = [w_ref[:, pl.ds(g0, cb), pl.ds(64 + 16 * h, 16)].astype(jnp.int32) for h in (0, 1)]
-  w0, w1, w2 = (s_ref[:, pl.ds(g0, cb), i] for i in range(3))
+  return ql, qh, tuple(s_ref[:, pl.ds(g0, cb), i] for i in range(3))
+
+
+def _q6_parts(loaded):
+  """q6_k: a step's 8 parts (p = 2j + h: a chunk's values 32j + 16h .. + 16), each (q - 32 float32
+  [BN, CB, 16], its scale d * sc float32 [BN, CB]), from its ql and qh bytes (`_q6_loads`)."""
+  ql, qh, (w0, w1, w2) = loaded
   d = lax.bitcast_convert_type((w2 & 0xFFFF).astype(jnp.uint16), jnp.float16).astype(jnp.float32)
   parts = []
   for j in range(4):
@@ -181,7 +215,7 @@ def _q6_parts(w_ref, s_ref, g0, cb: int):
 def _weights(fmt: str, w_ref, s_ref, g0, cb: int):
   """A step's tile of the values plane -> its parts' float32 weights [BN, CB, W] each."""
   if fmt == "q6_k":
-    return [sc[:, :, None] * q for q, sc in _q6_parts(w_ref, s_ref, g0, cb)]    # ggml: (d * sc) * q
+    return [sc[:, :, None] * q for q, sc in _q6_parts(_q6_loads(w_ref, s_ref, g0, cb))]    # ggml: (d * sc) * q
   vi = w_ref[:, pl.ds(g0, cb), :].astype(jnp.int32)
   if fmt == "q8_0":
     d = s_ref[:, pl.ds(g0, cb)].astype(jnp.float32)[:, :, None]
@@ -193,18 +227,29 @@ def _weights(fmt: str, w_ref, s_ref, g0, cb: int):
   return [s_lo * _exact_float(vi & 15, 0.0) - o_lo, s_hi * _exact_float(vi >> 4, 0.0) - o_hi]
 
 
-def _grouped_values(fmt: str, w_ref, s_ref, g0, cb: int):
-  """A step's tile decoded once for all rows -> (q, scale, offset) a part: q float32 [BN, CB, W] exact,
-  scale [BN, CB], offset [BN, CB] or None (the part's weights: scale * q - offset)."""
+def _grouped_loads(fmt: str, w_ref, s_ref, g0, cb: int):
+  """A step's loads of the tile and its scales, as `_grouped_values` takes them."""
   if fmt == "q6_k":
-    return [(q, sc, None) for q, sc in _q6_parts(w_ref, s_ref, g0, cb)]
+    return _q6_loads(w_ref, s_ref, g0, cb)
   vi = w_ref[:, pl.ds(g0, cb), :].astype(jnp.int32)
+  if fmt == "q4_k":
+    return vi, tuple(s_ref[:, pl.ds(g0, cb), j] for j in (0, 1))
+  return vi, s_ref[:, pl.ds(g0, cb)]
+
+
+def _grouped_values(fmt: str, loaded):
+  """A step's tile (`_grouped_loads`) decoded once for all rows -> (q, scale, offset) a part: q
+  float32 [BN, CB, W] exact, scale [BN, CB], offset [BN, CB] or None (the part's weights: scale * q
+  - offset)."""
+  if fmt == "q6_k":
+    return [(q, sc, None) for q, sc in _q6_parts(loaded)]
+  vi, sc = loaded
   if fmt == "q8_0":
-    return [(_exact_float((vi & 255) ^ 128, 128.0), s_ref[:, pl.ds(g0, cb)].astype(jnp.float32), None)]
+    return [(_exact_float((vi & 255) ^ 128, 128.0), sc.astype(jnp.float32), None)]
   if fmt == "q4_0":
-    d = s_ref[:, pl.ds(g0, cb)].astype(jnp.float32)
+    d = sc.astype(jnp.float32)
     return [(_exact_float(vi & 15, 8.0), d, None), (_exact_float(vi >> 4, 8.0), d, None)]
-  s_lo, s_hi, o_lo, o_hi = _k_scales(s_ref, g0, cb)
+  s_lo, s_hi, o_lo, o_hi = _planar.k_scale_products(sc[0], sc[1], lambda q: _exact_float(q, 0.0))
   return [(_exact_float(vi & 15, 0.0), s_lo, o_lo), (_exact_float(vi >> 4, 0.0), s_hi, o_hi)]
 
 
@@ -223,17 +268,24 @@ def _grouped_sums(values, x_parts):
 
 
 def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, tiles: PlanarTiles, rows: int, dtype, interpret: bool,
-                 sum_each_step: bool, grouped: bool):
+                 sum_each_step: bool, grouped: bool, prefetch: bool = False):
   # x_ref [S, groups / split, parts * W] (x's dtype; this K range's columns), w_ref [BN, groups / split, W],
   # s_ref [BN, groups / split] (q4_k, q6_k [BN, chunks / split, words] uint32), o_ref [1, S, BN] float32 (this K range's sums)
   t, w = tiles, _GROUPS[fmt][1]
+  parts = _GROUPS[fmt][2]
 
-  def body(i, acc):                         # acc: a row's sums [BN, CB] (or products [BN, CB, W]), one a row
+  def grouped_loads(i):                     # (a row's parts' columns [CB, W], a tuple a row; the tile's loads)
+    g0 = step_start(i, t.cb)
+    xs = tuple(tuple(x_ref[r, pl.ds(g0, t.cb), pl.ds(p * w, w)] for p in range(parts)) for r in range(rows))
+    return xs, _grouped_loads(fmt, w_ref, s_ref, g0, t.cb)
+
+  def grouped_step(loaded, acc):            # the tile decoded once, then each row's sums
+    xs, tile = loaded
+    values = _grouped_values(fmt, tile)
+    return tuple(a + _grouped_sums(values, [xp.astype(jnp.float32) for xp in xr]) for xr, a in zip(xs, acc))
+
+  def body(i, acc):                         # ungrouped: acc a row's sums [BN, CB] (or products [BN, CB, W])
     g0 = pl.multiple_of(i * t.cb, t.cb)
-    if grouped:                             # the tile decoded once, then each row's sums
-      values = _grouped_values(fmt, w_ref, s_ref, g0, t.cb)
-      return tuple(a + _grouped_sums(values, [x_ref[r, pl.ds(g0, t.cb), pl.ds(p * w, w)].astype(jnp.float32)
-                                              for p in range(_GROUPS[fmt][2])]) for r, a in enumerate(acc))
     ws = _weights(fmt, w_ref, s_ref, g0, t.cb)
     if dtype == jnp.bfloat16:               # the dot's weights (bfloat16), its exact products
       ws = [_to_bf16(wt, interpret) for wt in ws]
@@ -246,7 +298,11 @@ def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, tiles: PlanarTiles, ro
 
   sum_each_step = sum_each_step or grouped
   shape = (o_ref.shape[2], t.cb) + (() if sum_each_step else (w,))
-  acc = lax.fori_loop(0, t.steps, body, tuple(jnp.zeros(shape, jnp.float32) for _ in range(rows)))
+  acc0 = tuple(jnp.zeros(shape, jnp.float32) for _ in range(rows))
+  if grouped:
+    acc = run_steps(grouped_loads, grouped_step, acc0, t.steps, prefetch)
+  else:
+    acc = lax.fori_loop(0, t.steps, body, acc0)
   for r in range(rows):
     o_ref[0, r, :] = jnp.sum(acc[r], axis=1) if sum_each_step else jnp.sum(jnp.sum(acc[r], axis=2), axis=1)
 
@@ -261,7 +317,8 @@ def _dot_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, tiles: PlanarTiles, gro
     g0 = pl.multiple_of(i * t.cb, t.cb)
     if grouped:                             # dot=2: a dot a group and part, then its scale
       for c in range(t.cb):
-        for p, (q, sc, off) in enumerate(_grouped_values(fmt, w_ref, s_ref, g0 + c, 1)):   # q [BN, 1, W]
+        tile = _grouped_loads(fmt, w_ref, s_ref, g0 + c, 1)
+        for p, (q, sc, off) in enumerate(_grouped_values(fmt, tile)):   # q [BN, 1, W]
           xp = x_ref[:, pl.ds(g0 + c, 1), pl.ds(p * w, w)].reshape(rows, w)            # [rows, W]
           q = q.reshape(q.shape[0], w).astype(jnp.bfloat16)                             # exact in bfloat16
           acc = acc + sc * lax.dot_general(q, xp, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -296,7 +353,8 @@ def _call(x_sk, values, scales, *, fmt: str, k: int, cfg: PlanarGemvConfig, tile
   else:
     rows = s
     kernel = functools.partial(_gemv_kernel, fmt=fmt, tiles=t, rows=s, dtype=_ref.compute_dtype(x_sk.dtype),
-                               interpret=interpret, sum_each_step=bool(cfg.sum_each_step), grouped=bool(cfg.grouped))
+                               interpret=interpret, sum_each_step=bool(cfg.sum_each_step), grouped=bool(cfg.grouped),
+                               prefetch=bool(cfg.prefetch))
     out_spec, out_shape = pl.BlockSpec((1, s, t.bn), lambda ni, si: (si, 0, ni)), (t.split, s, n)
   part = pl.pallas_call(
       kernel,
@@ -341,6 +399,8 @@ def planar_gemv(x_sk, values, scales, fmt: str, k: int, *, config: Optional[Plan
                 interpret: bool = False):
   """x [S, K] @ W[N, K].T -> [S, N] float32 for S <= GEMV_MAX_ROWS, W in planes (`planar.to_planes`)."""
   cfg = DEFAULT_CONFIG if config is None else config
+  if isinstance(cfg, PlanarGemvConfig) and cfg.x_blocks:
+    raise ValueError(f"planar GEMV: x_blocks must be 0 (x's int8 blocks are the q8 GEMV's, planar_q8), got {cfg.x_blocks}")
   n, s, tiles = checked_call("planar GEMV", x_sk, values, scales, fmt, k, cfg,
                              lambda n: max_rows(cfg, fmt, n, k, x_sk.dtype), interpret)
   if n == 0:

@@ -4,12 +4,17 @@ weights' integer values met by 4-way byte dot products (PTX `dp4a`), as ggml's C
 `planar_q8_gemv(x_sk, values, scales, fmt, k, config=..., interpret=...)` computes x [S, K] @
 W[N, K].T -> [S, N] float32 for S <= Q8_MAX_ROWS, W the planes' matrix (`planar.dequantize_planes`),
 with x replaced by its int8 blocks: each block of 32 values b has d_b = max|x| / 127 and q_b =
-round(x * 127 / max|x|) (half to even) in [-127, 127]. The kernel quantizes x itself, a step's
-groups at a time, in each program (no XLA op before the call; `quantize_x` is the same arithmetic
-in XLA, for the reference). The float32 sums of `planar_gemv.py` cost ~4 operations a weight value
-(its decode to an exact float, then a multiply-add a row); here a 32-bit word of weights (4 or 8
-values) is masked once and meets a row's 4 int8 values in one `dp4a`, exact in int32. A group's
-integer sum then meets the scales once:
+round(x * 127 / max|x|) (half to even) in [-127, 127]. Who makes the blocks (`x_blocks` of the
+config): 1 (the default) a small Pallas kernel, `quantize_x_blocks`, once a call, before the GEMV
+(one launch, ~1.4 us on an H100: XLA's 2-3 ops a call had cost ~15 us); 0 each program of the
+GEMV, a step's groups at a time (each row's x quantized again for every 16 columns: four rows
+cost 2.2x one). Both run the same arithmetic, so they give the same bits (checked on an H100 for
+q8_0, q4_0 and q4_k); `quantize_x` is that arithmetic in XLA, for the reference.
+
+The float32 sums of `planar_gemv.py` cost ~4 operations a weight value (its decode to an exact
+float, then a multiply-add a row); here a 32-bit word of weights (4 or 8 values) is masked once
+and meets a row's 4 int8 values in one `dp4a`, exact in int32. A group's integer sum then meets
+the scales once:
 
   q8_0  d_w * (d_b * sum q_w q_b)
   q4_0  d_w * (d_b * (sum q_w q_b - 8 * sum q_b))                          (value d_w (q - 8))
@@ -22,10 +27,13 @@ output; code-tiny's logits 5.4e-3 of the largest, the same top-1 on 32 of 32 row
 never depend on the call's other rows, so a decode row and the same row among verify rows agree
 bit for bit (checked on an H100, and the kernel there equals its interpretation bit for bit).
 
-Measured (H100, 2026-12-06; docs/PERFORMANCE.md, "int8 activations"): not the bandwidth either. At
-one row 0.81-1.16x the sums' time (the loads, not the operations, bound both), at four 0.57-0.88x;
-with x quantized by XLA before each call instead, the GEMV alone was faster at four rows but the
-27B's decode paid ~4 ms for the extra XLA ops (two or three a call), so the kernel quantizes.
+Measured (H100, 2026-12-06; docs/PERFORMANCE.md, "int8 activations"): not the bandwidth. Blocks
+made first against blocks made by each program, one card: the one-row GEMV 0.87-1.10x the time,
+four rows 0.77-0.82x; the 27B's plain decoding at 32K 54.7 -> 66.0 tok/s, speculation 64.6 ->
+77.9. Under ncu (blocks made by each program, one row) half of the stall cycles are shared memory
+and barriers (the kernel's layout changes and cross-thread sums), DRAM 53% busy. `prefetch=1`
+(a step's loads issued one step ahead) with 32 columns a program took the four-row GEMV to
+0.61-0.82x again (not yet the default: not timed end to end).
 
 GPU lowering: Pallas Triton with `dp4a` as inline PTX; `interpret=True` runs the same integer
 arithmetic in XLA (the tests on the CPU). Imports nothing from `kvjax`.
@@ -56,7 +64,12 @@ except ImportError:   # pragma: no cover
 Q8_BLOCK = 32       # x values a block (one d_b)
 Q8_MAX_ROWS = 8     # rows of x a call
 _WORDS = {"q8_0": 8, "q4_0": 4, "q4_k": 8, "q6_k": 24}   # 32-bit words of the values plane a group
-DEFAULT_CONFIG = _gemv.PlanarGemvConfig(block_n=16, block_groups=8)   # not swept yet (the sums' best was 8 x 16)
+# x's blocks made first by their own kernel (measured end to end on an H100, 2026-12-06: docs/PERFORMANCE.md,
+# "int8 activations"); the GEMV alone was faster still with 32 columns a program and prefetch=1
+# (block_n=32, prefetch=1: four rows 0.61-0.82x this time), not yet timed end to end
+DEFAULT_CONFIG = _gemv.PlanarGemvConfig(block_n=16, block_groups=8, x_blocks=1)
+IN_KERNEL_CONFIG = _gemv.PlanarGemvConfig(block_n=16, block_groups=8)   # the earlier form: each program quantizes x
+                                                                        # (the same tiles: the same bits)
 _ROUND = 12582912.0   # 1.5 * 2^23: x + _ROUND rounds x (|x| < 2^22) to an integer, its low bits that integer's
 
 
@@ -107,79 +120,164 @@ def _isum(w, xw, signed_w: bool, interpret: bool):
   return jnp.sum(_dp4a(w, jnp.broadcast_to(xw[None], w.shape), signed_w, interpret), axis=2)
 
 
-def _kernel_body(x_ref, w_ref, s_ref, o_ref, *, fmt: str, tiles, rows: int, interpret: bool):
-  # x_ref [S, G, group/4, 4] (x's dtype; this K range's groups: value 4m + i of a group at [m, i]),
-  # w_ref [BN, G, words] int32, s_ref [BN, G] f16 (q4_k, q6_k [BN, G, words] uint32), o_ref [1, S, BN] float32
-  t = tiles
+def _weight_loads(fmt: str, w_ref, s_ref, gs):
+  """A loop step's loads of the values plane's words and the scale plane's columns, as `_step_sums`
+  takes them."""
+  if fmt == "q8_0":
+    return tuple(w_ref[:, gs, pl.ds(4 * u, 4)] for u in (0, 1)), (s_ref[:, gs],)
+  if fmt == "q4_0":
+    return (w_ref[:, gs, :],), (s_ref[:, gs],)
+  if fmt == "q4_k":
+    return tuple(w_ref[:, gs, pl.ds(4 * u, 4)] for u in (0, 1)), (s_ref[:, gs, 0], s_ref[:, gs, 1])
+  # q6_k: words 0-15 a chunk's low nibbles (ql), 16-23 its 2-bit highs (qh)
+  return (tuple(w_ref[:, gs, pl.ds(4 * m, 4)] for m in range(4))
+          + tuple(w_ref[:, gs, pl.ds(16 + 4 * h, 4)] for h in (0, 1)),
+          tuple(s_ref[:, gs, i] for i in range(3)))
+
+
+def _row_x(units_raw, n_units: int):
+  """A row's step (its units [CB, 4, 4] in x's dtype) -> its units' (words [CB, 4], sum of q [CB],
+  sum of x [CB]) and each block's d [CB]."""
+  units = [u.astype(jnp.float32) for u in units_raw]
+  out, ds = [], []
+  for b in range(n_units // 2):
+    inv, d = _block_scale(units[2 * b:2 * b + 2])
+    ds.append(d)
+    for u in units[2 * b:2 * b + 2]:
+      out.append(_x_units(u, inv) + (jnp.sum(jnp.sum(u, axis=2), axis=1),))
+  return out, ds
+
+
+def _step_sums(fmt: str, loaded, acc, interpret: bool):
+  """One loop step: (x's blocks a row: (a unit's (words [CB, 4], sum of q [CB], sum of x [CB]) each,
+  a block's d [CB] each), the weights' loads of `_weight_loads`) -> acc (a row's sums [BN, CB]
+  float32, a tuple) + the step's."""
   f32 = jnp.float32
-  n_units = _gemv._GROUPS[fmt][0] // 16   # pylint: disable=protected-access
-
-  def row_x(r, gs):
-    """Row r's step: its units' (words [CB, 4], sum of q [CB], sum of x [CB]) and each block's d [CB]."""
-    units = [x_ref[r, gs, pl.ds(4 * u, 4), :].astype(f32) for u in range(n_units)]
-    out, ds = [], []
-    for b in range(n_units // 2):
-      inv, d = _block_scale(units[2 * b:2 * b + 2])
-      ds.append(d)
-      for u in units[2 * b:2 * b + 2]:
-        out.append(_x_units(u, inv) + (jnp.sum(jnp.sum(u, axis=2), axis=1),))
-    return out, ds
-
-  def body(i, acc):
-    g0 = pl.multiple_of(i * t.cb, t.cb)
-    gs = pl.ds(g0, t.cb)
-    xs = [row_x(r, gs) for r in range(rows)]
-    if fmt in ("q8_0", "q4_0"):
-      d = s_ref[:, gs].astype(f32)
-      if fmt == "q8_0":
-        ws = [(w_ref[:, gs, pl.ds(4 * u, 4)], True) for u in (0, 1)]
-      else:
-        wv = w_ref[:, gs, :]
-        ws = [(wv & 0x0F0F0F0F, False), ((wv >> 4) & 0x0F0F0F0F, False)]
-      out = []
-      for a, (units, (db,)) in zip(acc, xs):
-        isum = sum(_isum(w, xw, sg, interpret) for (w, sg), (xw, _, _) in zip(ws, units))
-        if fmt == "q4_0":
-          isum = isum - 8 * (units[0][1] + units[1][1])[None]
-        out.append(a + d * (db[None] * isum.astype(f32)))
-      return tuple(out)
-    if fmt == "q4_k":
-      halves = [w_ref[:, gs, pl.ds(4 * u, 4)] for u in (0, 1)]
-      ws = [h & 0x0F0F0F0F for h in halves] + [(h >> 4) & 0x0F0F0F0F for h in halves]   # units 0-3
-      s_lo, s_hi, o_lo, o_hi = _planar.k_scale_products(s_ref[:, gs, 0], s_ref[:, gs, 1],
-                                                        lambda q: _gemv._exact_float(q, 0.0))   # pylint: disable=protected-access
-      out = []
-      for a, (units, ds) in zip(acc, xs):
-        isums = [_isum(w, xw, False, interpret).astype(f32) for w, (xw, _, _) in zip(ws, units)]
-        for b, (sc, off) in enumerate(((s_lo, o_lo), (s_hi, o_hi))):
-          a = a + (sc * (ds[b][None] * (isums[2 * b] + isums[2 * b + 1]))
-                   - off * (units[2 * b][2] + units[2 * b + 1][2])[None])
-        out.append(a)
-      return tuple(out)
-    # q6_k: a chunk of 128 values, words 0-15 its low nibbles (ql), 16-23 its 2-bit highs (qh); part p = 2j + h
-    # (unit p) is values 32j + 16h .. + 16: ql words 8 (j & 1) + 4h .. + 4, nibble j >> 1; qh words 16 + 4h .. + 4, bits 2j
-    ql = [w_ref[:, gs, pl.ds(4 * m, 4)] for m in range(4)]
-    qh = [w_ref[:, gs, pl.ds(16 + 4 * h, 4)] for h in (0, 1)]
-    w0, w1, w2 = (s_ref[:, gs, i] for i in range(3))
-    dw = lax.bitcast_convert_type((w2 & 0xFFFF).astype(jnp.uint16), jnp.float16).astype(f32)
-    parts = []
-    for j in range(4):
-      for h in (0, 1):
-        p = 2 * j + h
-        qw = ((ql[2 * (j & 1) + h] >> (4 * (j >> 1))) & 0x0F0F0F0F) | (((qh[h] >> (2 * j)) & 0x03030303) << 4)
-        byte = (((w0, w1)[p // 4] >> (8 * (p % 4))) & 0xFF).astype(jnp.int32)
-        parts.append((qw, dw * _gemv._exact_float(byte ^ 128, 128.0)))   # pylint: disable=protected-access
+  xs, (wl, sl) = loaded
+  if fmt in ("q8_0", "q4_0"):
+    d = sl[0].astype(f32)
+    if fmt == "q8_0":
+      ws = [(w, True) for w in wl]
+    else:
+      ws = [(wl[0] & 0x0F0F0F0F, False), ((wl[0] >> 4) & 0x0F0F0F0F, False)]
+    out = []
+    for a, (units, (db,)) in zip(acc, xs):
+      isum = sum(_isum(w, xw, sg, interpret) for (w, sg), (xw, _, _) in zip(ws, units))
+      if fmt == "q4_0":
+        isum = isum - 8 * (units[0][1] + units[1][1])[None]
+      out.append(a + d * (db[None] * isum.astype(f32)))
+    return tuple(out)
+  if fmt == "q4_k":
+    ws = [h & 0x0F0F0F0F for h in wl] + [(h >> 4) & 0x0F0F0F0F for h in wl]   # units 0-3
+    s_lo, s_hi, o_lo, o_hi = _planar.k_scale_products(sl[0], sl[1],
+                                                      lambda q: _gemv._exact_float(q, 0.0))   # pylint: disable=protected-access
     out = []
     for a, (units, ds) in zip(acc, xs):
-      for p, ((qw, sc), (xw, qsum, _)) in enumerate(zip(parts, units)):
-        isum = _isum(qw, xw, False, interpret) - 32 * qsum[None]
-        a = a + sc * (ds[p // 2][None] * isum.astype(f32))
+      isums = [_isum(w, xw, False, interpret).astype(f32) for w, (xw, _, _) in zip(ws, units)]
+      for b, (sc, off) in enumerate(((s_lo, o_lo), (s_hi, o_hi))):
+        a = a + (sc * (ds[b][None] * (isums[2 * b] + isums[2 * b + 1]))
+                 - off * (units[2 * b][2] + units[2 * b + 1][2])[None])
       out.append(a)
     return tuple(out)
+  # q6_k: part p = 2j + h (unit p) is values 32j + 16h .. + 16: ql words 8 (j & 1) + 4h .. + 4,
+  # nibble j >> 1; qh words 16 + 4h .. + 4, bits 2j
+  ql, qh = wl[:4], wl[4:]
+  w0, w1, w2 = sl
+  dw = lax.bitcast_convert_type((w2 & 0xFFFF).astype(jnp.uint16), jnp.float16).astype(f32)
+  parts = []
+  for j in range(4):
+    for h in (0, 1):
+      p = 2 * j + h
+      qw = ((ql[2 * (j & 1) + h] >> (4 * (j >> 1))) & 0x0F0F0F0F) | (((qh[h] >> (2 * j)) & 0x03030303) << 4)
+      byte = (((w0, w1)[p // 4] >> (8 * (p % 4))) & 0xFF).astype(jnp.int32)
+      parts.append((qw, dw * _gemv._exact_float(byte ^ 128, 128.0)))   # pylint: disable=protected-access
+  out = []
+  for a, (units, ds) in zip(acc, xs):
+    for p, ((qw, sc), (xw, qsum, _)) in enumerate(zip(parts, units)):
+      isum = _isum(qw, xw, False, interpret) - 32 * qsum[None]
+      a = a + sc * (ds[p // 2][None] * isum.astype(f32))
+    out.append(a)
+  return tuple(out)
 
-  acc = lax.fori_loop(0, t.steps, body, tuple(jnp.zeros((o_ref.shape[2], t.cb), f32) for _ in range(rows)))
+
+def _run_steps(loads, step_sums, o_ref, tiles, rows: int, prefetch: bool):
+  """The K loop of a program (`planar_gemv.run_steps`), then a row's sums to o_ref."""
+  acc0 = tuple(jnp.zeros((o_ref.shape[2], tiles.cb), jnp.float32) for _ in range(rows))
+  acc = _gemv.run_steps(loads, step_sums, acc0, tiles.steps, prefetch)
   for r in range(rows):
     o_ref[0, r, :] = jnp.sum(acc[r], axis=1)
+
+
+def _kernel_body(x_ref, w_ref, s_ref, o_ref, *, fmt: str, tiles, rows: int, prefetch: bool, interpret: bool):
+  # x_ref [S, G, group/4, 4] (x's dtype; this K range's groups: value 4m + i of a group at [m, i]),
+  # w_ref [BN, G, words] int32, s_ref [BN, G] f16 (q4_k, q6_k [BN, G, words] uint32), o_ref [1, S, BN] float32
+  n_units = _gemv._GROUPS[fmt][0] // 16   # pylint: disable=protected-access
+
+  def loads(i):
+    gs = pl.ds(_gemv.step_start(i, tiles.cb), tiles.cb)
+    x = tuple(tuple(x_ref[r, gs, pl.ds(4 * u, 4), :] for u in range(n_units)) for r in range(rows))
+    return x, _weight_loads(fmt, w_ref, s_ref, gs)
+
+  def step_sums(loaded, acc):    # each row's x quantized here, then the sums
+    x, wl = loaded
+    return _step_sums(fmt, ([_row_x(units, n_units) for units in x], wl), acc, interpret)
+
+  _run_steps(loads, step_sums, o_ref, tiles, rows, prefetch)
+
+
+def _blocks_kernel_body(xw_ref, xd_ref, xs_ref, xq_ref, w_ref, s_ref, o_ref, *, fmt: str, tiles, rows: int,
+                        prefetch: bool, interpret: bool):
+  # x's blocks (`quantize_x_blocks`, this K range's groups): xw_ref [S, G, group/4] int32, xd_ref
+  # [S, G, group/32] float32, xs_ref [S, G, group/16] float32, xq_ref [S, G, group/16] int32;
+  # w_ref, s_ref, o_ref as `_kernel_body`'s
+  n_units = _gemv._GROUPS[fmt][0] // 16   # pylint: disable=protected-access
+
+  def loads(i):
+    gs = pl.ds(_gemv.step_start(i, tiles.cb), tiles.cb)
+    x = tuple(([(xw_ref[r, gs, pl.ds(4 * u, 4)], xq_ref[r, gs, u], xs_ref[r, gs, u]) for u in range(n_units)],
+               [xd_ref[r, gs, b] for b in range(n_units // 2)]) for r in range(rows))
+    return x, _weight_loads(fmt, w_ref, s_ref, gs)
+
+  _run_steps(loads, lambda loaded, acc: _step_sums(fmt, loaded, acc, interpret), o_ref, tiles, rows, prefetch)
+
+
+def _quantize_kernel(x_ref, w_ref, d_ref, xs_ref, xq_ref):
+  # x_ref [1, B, 8, 4] (x's dtype: B blocks of 32 values, value 4m + i at [m, i]); w_ref [1, B, 2, 4]
+  # int32 (a unit's words), d_ref [1, B] float32, xs_ref / xq_ref [1, B, 2] (a unit's sums of x / q)
+  units = [x_ref[0, :, pl.ds(4 * h, 4), :].astype(jnp.float32) for h in (0, 1)]
+  inv, d = _block_scale(units)
+  d_ref[0, :] = d
+  for h, u in enumerate(units):
+    words, qsum = _x_units(u, inv)
+    w_ref[0, :, h, :] = words
+    xq_ref[0, :, h] = qsum
+    xs_ref[0, :, h] = jnp.sum(jnp.sum(u, axis=2), axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def quantize_x_blocks(x_sk, *, interpret: bool = False):
+  """x [S, K] -> its int8 blocks by a Pallas kernel (the arithmetic of `quantize_x`, a unit of 16
+  values' sums apart): (words int32 [S, K/4], d float32 [S, K/32], sums of x float32 [S, K/16], sums
+  of q int32 [S, K/16])."""
+  s, k = x_sk.shape
+  nb = k // Q8_BLOCK
+  per = _kernel._pow2_divisor(nb, 32)   # pylint: disable=protected-access   # blocks a program
+  if _ref.compute_dtype(x_sk.dtype) != x_sk.dtype:
+    x_sk = x_sk.astype(jnp.float32)
+  spec3 = pl.BlockSpec((1, per, 2), lambda r, j: (r, j, 0))
+  words, d, xs, xq = pl.pallas_call(
+      _quantize_kernel,
+      grid=(s, nb // per),
+      in_specs=[pl.BlockSpec((1, per, 8, 4), lambda r, j: (r, j, 0, 0))],
+      out_specs=[pl.BlockSpec((1, per, 2, 4), lambda r, j: (r, j, 0, 0)), pl.BlockSpec((1, per), lambda r, j: (r, j)),
+                 spec3, spec3],
+      out_shape=[jax.ShapeDtypeStruct((s, nb, 2, 4), jnp.int32), jax.ShapeDtypeStruct((s, nb), jnp.float32),
+                 jax.ShapeDtypeStruct((s, nb, 2), jnp.float32), jax.ShapeDtypeStruct((s, nb, 2), jnp.int32)],
+      compiler_params=_kernel._compiler_params(_gemv.PlanarGemvConfig(), interpret),   # pylint: disable=protected-access
+      interpret=interpret,
+      name="kvjax_quantize_x",
+  )(x_sk.reshape(s, nb, 8, 4))
+  return words.reshape(s, k // 4), d, xs.reshape(s, k // 16), xq.reshape(s, k // 16)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "k", "cfg", "tiles", "interpret"))
@@ -192,19 +290,31 @@ def _call(x_sk, values, scales, *, fmt: str, k: int, cfg, tiles, interpret: bool
     sspec = pl.BlockSpec((t.bn, gs) + scales.shape[2:], lambda ni, si: (ni, si, 0))
   else:
     sspec = pl.BlockSpec((t.bn, gs), lambda ni, si: (ni, si))
-  if _ref.compute_dtype(x_sk.dtype) != x_sk.dtype:
-    x_sk = x_sk.astype(jnp.float32)
+  wspecs = [pl.BlockSpec((t.bn, gs, _WORDS[fmt]), lambda ni, si: (ni, si, 0)), sspec]
+  kw = dict(fmt=fmt, tiles=t, rows=s, prefetch=bool(cfg.prefetch), interpret=interpret)
+  if cfg.x_blocks:          # x's blocks made once, by their own kernel, before the GEMV
+    xw, xd, xs, xq = quantize_x_blocks(x_sk, interpret=interpret)
+    xspec = lambda m: pl.BlockSpec((s, gs, m), lambda ni, si: (0, si, 0))
+    body = functools.partial(_blocks_kernel_body, **kw)
+    in_specs = [xspec(gv // 4), xspec(gv // 32), xspec(gv // 16), xspec(gv // 16)] + wspecs
+    args = (xw.reshape(s, g, gv // 4), xd.reshape(s, g, gv // 32), xs.reshape(s, g, gv // 16),
+            xq.reshape(s, g, gv // 16))
+  else:                     # each program quantizes x's rows itself
+    if _ref.compute_dtype(x_sk.dtype) != x_sk.dtype:
+      x_sk = x_sk.astype(jnp.float32)
+    body = functools.partial(_kernel_body, **kw)
+    in_specs = [pl.BlockSpec((s, gs, gv // 4, 4), lambda ni, si: (0, si, 0, 0))] + wspecs
+    args = (x_sk.reshape(s, g, gv // 4, 4),)
   part = pl.pallas_call(
-      functools.partial(_kernel_body, fmt=fmt, tiles=t, rows=s, interpret=interpret),
+      body,
       grid=(n // t.bn, t.split),
-      in_specs=[pl.BlockSpec((s, gs, gv // 4, 4), lambda ni, si: (0, si, 0, 0)),
-                pl.BlockSpec((t.bn, gs, _WORDS[fmt]), lambda ni, si: (ni, si, 0)), sspec],
+      in_specs=in_specs,
       out_specs=pl.BlockSpec((1, s, t.bn), lambda ni, si: (si, 0, ni)),
       out_shape=jax.ShapeDtypeStruct((t.split, s, n), jnp.float32),
       compiler_params=_kernel._compiler_params(cfg, interpret),   # pylint: disable=protected-access
       interpret=interpret,
       name="kvjax_planar_q8",
-  )(x_sk.reshape(s, g, gv // 4, 4), wv, scales)
+  )(*args, wv, scales)
   return _gemv.sum_ranges(part)             # the K ranges' sums, in a fixed order
 
 
