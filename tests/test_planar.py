@@ -171,6 +171,23 @@ def test_prefetch_gives_the_same_sums(fmt):
     assert np.array_equal(a, b) and np.abs(a).max() > 0, s
 
 
+@pytest.mark.parametrize("fmt", qmm.PLANAR_FORMATS)
+def test_gpu_gemv_prefetch_is_the_same_sums(fmt):
+  """Compiled for the GPU (KVJAX_TEST_GPU=1): the grouped sums with and without prefetch give the same
+  bits, within float32 rounding of their interpretation (the GPU may contract multiply-adds), at a
+  27B-like K (5120), rows 1 and 4."""
+  from kvjax_pallas.quant_matmul import planar_gemv as pg
+  n, k = 512, 5120
+  _, values, scales = _planes(fmt, n, k, 20)
+  x = jnp.asarray(np.random.default_rng(21).standard_normal((4, k)), jnp.bfloat16)
+  for s in (1, 4):
+    a = np.asarray(pg.planar_gemv(x[:s], values, scales, fmt, k))
+    b = np.asarray(pg.planar_gemv(x[:s], values, scales, fmt, k, config=pg.PlanarGemvConfig(prefetch=1)))
+    assert np.array_equal(a, b), s
+    want = np.asarray(pg.planar_gemv(x[:s], values, scales, fmt, k, interpret=True))
+    assert np.allclose(a, want, rtol=1e-5, atol=1e-5 * np.abs(want).max()), s
+
+
 def test_gemv_lowers_for_the_triton_backend():
   """Every planar format's GEMV passes Pallas' Triton lowering for a CUDA target (on a CPU-only
   jaxlib `jax.export` stops before Triton's own compile), one and four rows, both products and the dot."""

@@ -147,6 +147,28 @@ def test_q8_gemv_lowers_for_the_triton_backend():
       assert "__gpu$xla.gpu.triton" in exp.mlir_module()
 
 
+@pytest.mark.parametrize("fmt", qmm.PLANAR_FORMATS)
+def test_gpu_q8_compiled_is_its_interpretation(fmt):
+  """Compiled for the GPU (KVJAX_TEST_GPU=1): the default (x's blocks made first), the in-kernel form
+  with the same tiles, and 32 columns with prefetch each equal their interpretation bit for bit, the
+  first two each other, and 8 rows equal each row alone; at a 27B-like K (5120)."""
+  n, k = 512, 5120
+  values, scales = _planes(fmt, n, k, 18)
+  x = jnp.asarray(np.random.default_rng(19).standard_normal((8, k)) * 3, jnp.bfloat16)
+  wide = dataclasses.replace(pq.DEFAULT_CONFIG, block_n=32, prefetch=1)
+  outs = {}
+  for name, cfg in (("default", pq.DEFAULT_CONFIG), ("in_kernel", pq.IN_KERNEL_CONFIG), ("wide", wide)):
+    got = np.asarray(pq.planar_q8_gemv(x, values, scales, fmt, k, config=cfg))
+    assert np.array_equal(got, np.asarray(pq.planar_q8_gemv(x, values, scales, fmt, k, config=cfg, interpret=True))), name
+    for r in (0, 7):
+      assert np.array_equal(got[r:r + 1], np.asarray(pq.planar_q8_gemv(x[r:r + 1], values, scales, fmt, k, config=cfg))), name
+    outs[name] = got
+  assert np.array_equal(outs["default"], outs["in_kernel"])
+  blocks = pq.quantize_x_blocks(x)
+  for got, want in zip((blocks[0], blocks[1], blocks[3]), (lambda q: (q[0], q[1], q[3]))(pq.quantize_x(x))):
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_q8_gemv_refuses_what_it_cannot_take():
   values, scales = _planes("q4_k", 16, 256, 1)
   with pytest.raises(ValueError, match="^planar q8 GEMV: takes 1 to 8 rows of x here, got 9$"):

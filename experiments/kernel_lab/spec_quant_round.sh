@@ -8,6 +8,12 @@
 #   4. bench_decode --weight_type=q4_k at 32K (weights kept quantized, "xla" product)
 #   5. bench_spec --profile at 128K, n_max 3, replay: each round phase's wall time beside the kernels
 #      and copies inside it (`speculative.PhaseClock` annotations, `timeline.phase_device`)
+#   6. the planar GEMVs and "pallas_q8" compiled against their interpretation, rows alone, x's blocks
+#      (tests, KVJAX_TEST_GPU=1)
+#   7. bench_gemv, Q4_K at 1 and 4 rows: "pallas_q8" tile candidates, the default first
+#      (block_n:block_groups:split_k:min_programs:sum_each_step:grouped:warps:stages:dot:prefetch:x_blocks)
+#   8. bench_spec --oracle_mtp at 32K, n_max 3, with Q4_K: the products "pallas_q8", "pallas_dot" and
+#      "pallas" on one card
 # Args: the steps to run (default: 1 2 3 4).  bash experiments/kernel_lab/spec_quant_round.sh 2 3
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -40,5 +46,16 @@ for s in $steps; do
        grep "^phase " "$OUT/spec_profile.log" ;;
     4) step decode_q4k python3 -m experiments.bench_decode --contexts=32768 --arena_mib=2240 --attn_impl=auto \
          --weight_type=q4_k --decode_steps=16 --out="$OUT/decode_q4k" ;;
+    6) step planar_gpu_tests env KVJAX_TEST_GPU=1 JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:cacheprovider \
+         tests/test_planar_q8.py tests/test_planar.py -k gpu ;;
+    7) step gemv_q8 python3 -m experiments.bench_gemv --implementations=planar_q8 --rows=1,4 --formats=q4_k \
+         --shapes=ffn_gate.weight,ffn_down.weight,attn_qkv.weight --iters=32 --rounds=3 \
+         --planar_tiles=16:8:0:512:1:1:4:3:0:0:1,32:8:0:512:1:1:4:3:0:1:1,32:8:0:512:1:1:4:3:0:0:1,16:16:0:512:1:1:4:3:0:1:1 \
+         --out="$OUT/gemv_q8.json" ;;
+    8) for p in pallas_q8 pallas_dot pallas; do
+         step "spec32_$p" env KVJAX_PLANAR_PRODUCT=$p python3 -m experiments.bench_spec --model=qwen38_27b \
+           --arena_mib=2240 --attn_impl=auto --weight_type=q4_k --contexts=32768 --decode_tokens=48 --n_max=3 \
+           --acceptance=0.75 --allow_divergence --oracle_mtp --width_context=0 --rollback=replay --out="$OUT/spec32_$p"
+       done ;;
   esac
 done
