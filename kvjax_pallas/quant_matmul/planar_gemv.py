@@ -182,13 +182,6 @@ def _to_bf16(w, interpret: bool):
   return w.astype(jnp.bfloat16).astype(jnp.float32)
 
 
-def _k_scales(s_ref, g0, cb: int):
-  """q4_k scale words [BN, chunks, 2] uint32 -> float32 (s_lo, s_hi, o_lo, o_hi) [BN, CB] each: ggml's
-  d * sc and dmin * m."""
-  w0, w1 = (s_ref[:, pl.ds(g0, cb), j] for j in (0, 1))
-  return _planar.k_scale_products(w0, w1, lambda q: _exact_float(q, 0.0))
-
-
 def _q6_loads(w_ref, s_ref, g0, cb: int):
   """q6_k: a step's loads: (ql bytes [[a0h0, a0h1], [a1h0, a1h1]], qh bytes [h0, h1] int32 [BN, CB, 16]
   each; scale words (w0, w1, w2) [BN, CB])."""
@@ -213,18 +206,13 @@ def _q6_parts(loaded):
 
 
 def _weights(fmt: str, w_ref, s_ref, g0, cb: int):
-  """A step's tile of the values plane -> its parts' float32 weights [BN, CB, W] each."""
-  if fmt == "q6_k":
-    return [sc[:, :, None] * q for q, sc in _q6_parts(_q6_loads(w_ref, s_ref, g0, cb))]    # ggml: (d * sc) * q
-  vi = w_ref[:, pl.ds(g0, cb), :].astype(jnp.int32)
-  if fmt == "q8_0":
-    d = s_ref[:, pl.ds(g0, cb)].astype(jnp.float32)[:, :, None]
-    return [d * _exact_float((vi & 255) ^ 128, 128.0)]
-  if fmt == "q4_0":
-    d = s_ref[:, pl.ds(g0, cb)].astype(jnp.float32)[:, :, None]
-    return [_exact_float(vi & 15, 8.0) * d, _exact_float(vi >> 4, 8.0) * d]
-  s_lo, s_hi, o_lo, o_hi = (a[:, :, None] for a in _k_scales(s_ref, g0, cb))
-  return [s_lo * _exact_float(vi & 15, 0.0) - o_lo, s_hi * _exact_float(vi >> 4, 0.0) - o_hi]
+  """A step's tile of the values plane -> its parts' float32 weights [BN, CB, W] each, as ggml makes
+  them (scale * q - offset)."""
+  out = []
+  for q, sc, off in _grouped_values(fmt, _grouped_loads(fmt, w_ref, s_ref, g0, cb)):
+    w = sc[:, :, None] * q
+    out.append(w if off is None else w - off[:, :, None])
+  return out
 
 
 def _grouped_loads(fmt: str, w_ref, s_ref, g0, cb: int):
