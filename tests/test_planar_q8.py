@@ -79,7 +79,7 @@ def test_q8_rows_sums_do_not_depend_on_the_other_rows(fmt):
   n, k = 32, 512
   values, scales = _planes(fmt, n, k, 8)
   x = jnp.asarray(np.random.default_rng(9).standard_normal((20, k)), jnp.bfloat16)
-  for cfg in (pq.DEFAULT_CONFIG, pq.IN_KERNEL_CONFIG):
+  for cfg in (pq.DEFAULT_CONFIG, pq.NARROW_CONFIG, pq.IN_KERNEL_CONFIG):
     eight = np.asarray(pq.planar_q8_gemv(x[:8], values, scales, fmt, k, config=cfg, interpret=True))
     for r in (0, 5):
       assert np.array_equal(eight[r:r + 1], np.asarray(pq.planar_q8_gemv(x[r:r + 1], values, scales, fmt, k, config=cfg,
@@ -149,21 +149,21 @@ def test_q8_gemv_lowers_for_the_triton_backend():
 
 @pytest.mark.parametrize("fmt", qmm.PLANAR_FORMATS)
 def test_gpu_q8_compiled_is_its_interpretation(fmt):
-  """Compiled for the GPU (KVJAX_TEST_GPU=1): the default (x's blocks made first), the in-kernel form
-  with the same tiles, and 32 columns with prefetch each equal their interpretation bit for bit, the
-  first two each other, and 8 rows equal each row alone; at a 27B-like K (5120)."""
+  """Compiled for the GPU (KVJAX_TEST_GPU=1): the default (x's blocks made first, 32 columns with
+  prefetch), 16 columns without, and the in-kernel form with those tiles each equal their
+  interpretation bit for bit, the last two each other, and 8 rows equal each row alone; at a
+  27B-like K (5120)."""
   n, k = 512, 5120
   values, scales = _planes(fmt, n, k, 18)
   x = jnp.asarray(np.random.default_rng(19).standard_normal((8, k)) * 3, jnp.bfloat16)
-  wide = dataclasses.replace(pq.DEFAULT_CONFIG, block_n=32, prefetch=1)
   outs = {}
-  for name, cfg in (("default", pq.DEFAULT_CONFIG), ("in_kernel", pq.IN_KERNEL_CONFIG), ("wide", wide)):
+  for name, cfg in (("default", pq.DEFAULT_CONFIG), ("narrow", pq.NARROW_CONFIG), ("in_kernel", pq.IN_KERNEL_CONFIG)):
     got = np.asarray(pq.planar_q8_gemv(x, values, scales, fmt, k, config=cfg))
     assert np.array_equal(got, np.asarray(pq.planar_q8_gemv(x, values, scales, fmt, k, config=cfg, interpret=True))), name
     for r in (0, 7):
       assert np.array_equal(got[r:r + 1], np.asarray(pq.planar_q8_gemv(x[r:r + 1], values, scales, fmt, k, config=cfg))), name
     outs[name] = got
-  assert np.array_equal(outs["default"], outs["in_kernel"])
+  assert np.array_equal(outs["narrow"], outs["in_kernel"])
   blocks = pq.quantize_x_blocks(x)
   for got, want in zip((blocks[0], blocks[1], blocks[3]), (lambda q: (q[0], q[1], q[3]))(pq.quantize_x(x))):
     assert np.array_equal(np.asarray(got), np.asarray(want))

@@ -14,6 +14,9 @@
 #      (block_n:block_groups:split_k:min_programs:sum_each_step:grouped:warps:stages:dot:prefetch:x_blocks)
 #   8. bench_spec --oracle_mtp at 32K, n_max 3, with Q4_K: the products "pallas_q8", "pallas_dot" and
 #      "pallas" on one card
+#   9. bench_decode at 32K with Q4_K ("pallas_q8") under three XLA command-buffer settings: the
+#      default, every captured run however short (--xla_gpu_graph_min_graph_size=1), none
+#      (--xla_gpu_enable_command_buffer=): is the host's launch cost (bench_decode's `disp`) the bound?
 # Args: the steps to run (default: 1 2 3 4).  bash experiments/kernel_lab/spec_quant_round.sh 2 3
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -50,12 +53,19 @@ for s in $steps; do
          tests/test_planar_q8.py tests/test_planar.py -k gpu ;;
     7) step gemv_q8 python3 -m experiments.bench_gemv --implementations=planar_q8 --rows=1,4 --formats=q4_k \
          --shapes=ffn_gate.weight,ffn_down.weight,attn_qkv.weight --iters=32 --rounds=3 \
-         --planar_tiles=16:8:0:512:1:1:4:3:0:0:1,32:8:0:512:1:1:4:3:0:1:1,32:8:0:512:1:1:4:3:0:0:1,16:16:0:512:1:1:4:3:0:1:1 \
+         --planar_tiles=32:8:0:512:1:1:4:3:0:1:1,16:8:0:512:1:1:4:3:0:0:1,32:8:0:512:1:1:4:3:0:0:1,16:16:0:512:1:1:4:3:0:1:1 \
          --out="$OUT/gemv_q8.json" ;;
     8) for p in pallas_q8 pallas_dot pallas; do
          step "spec32_$p" env KVJAX_PLANAR_PRODUCT=$p python3 -m experiments.bench_spec --model=qwen38_27b \
            --arena_mib=2240 --attn_impl=auto --weight_type=q4_k --contexts=32768 --decode_tokens=48 --n_max=3 \
            --acceptance=0.75 --allow_divergence --oracle_mtp --width_context=0 --rollback=replay --out="$OUT/spec32_$p"
+       done ;;
+    9) i=0
+       for xf in "" "--xla_gpu_graph_min_graph_size=1" "--xla_gpu_enable_command_buffer="; do
+         i=$((i + 1))
+         step "decode_graphs_$i" env XLA_FLAGS="$xf" KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m experiments.bench_decode \
+           --model=qwen38_27b --contexts=32768 --arena_mib=2240 --attn_impl=auto --weight_type=q4_k --decode_steps=16 \
+           --check_steps=0 --out="$OUT/decode_graphs_$i"
        done ;;
   esac
 done

@@ -193,16 +193,23 @@ def _q6_loads(w_ref, s_ref, g0, cb: int):
 def _q6_parts(loaded):
   """q6_k: a step's 8 parts (p = 2j + h: a chunk's values 32j + 16h .. + 16), each (q - 32 float32
   [BN, CB, 16], its scale d * sc float32 [BN, CB]), from its ql and qh bytes (`_q6_loads`)."""
-  ql, qh, (w0, w1, w2) = loaded
-  d = lax.bitcast_convert_type((w2 & 0xFFFF).astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+  ql, qh, words = loaded
+  scales = q6_scales(words)
   parts = []
   for j in range(4):
     for h in (0, 1):
-      p = 2 * j + h
       q = ((ql[j & 1][h] >> (4 * (j >> 1))) & 15) | (((qh[h] >> (2 * j)) & 3) << 4)
-      byte = (((w0, w1)[p // 4] >> (8 * (p % 4))) & 0xFF).astype(jnp.int32)
-      parts.append((_exact_float(q, 32.0), d * _exact_float(byte ^ 128, 128.0)))
+      parts.append((_exact_float(q, 32.0), scales[2 * j + h]))
   return parts
+
+
+def q6_scales(words):
+  """q6_k: a step's 8 parts' scales d * sc float32 [BN, CB] from its scale words (w0, w1: the int8
+  sc bytes of parts 0-3 and 4-7; w2: d, float16, in the low half)."""
+  w0, w1, w2 = words
+  d = lax.bitcast_convert_type((w2 & 0xFFFF).astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+  return [d * _exact_float(((((w0, w1)[p // 4] >> (8 * (p % 4))) & 0xFF).astype(jnp.int32)) ^ 128, 128.0)
+          for p in range(8)]
 
 
 def _weights(fmt: str, w_ref, s_ref, g0, cb: int):

@@ -64,12 +64,13 @@ except ImportError:   # pragma: no cover
 Q8_BLOCK = 32       # x values a block (one d_b)
 Q8_MAX_ROWS = 8     # rows of x a call
 _WORDS = {"q8_0": 8, "q4_0": 4, "q4_k": 8, "q6_k": 24}   # 32-bit words of the values plane a group
-# x's blocks made first by their own kernel (measured end to end on an H100, 2026-12-06: docs/PERFORMANCE.md,
-# "int8 activations"); the GEMV alone was faster still with 32 columns a program and prefetch=1
-# (block_n=32, prefetch=1: four rows 0.61-0.82x this time), not yet timed end to end
-DEFAULT_CONFIG = _gemv.PlanarGemvConfig(block_n=16, block_groups=8, x_blocks=1)
-IN_KERNEL_CONFIG = _gemv.PlanarGemvConfig(block_n=16, block_groups=8)   # the earlier form: each program quantizes x
-                                                                        # (the same tiles: the same bits)
+# x's blocks made first by their own kernel, 32 columns a program, a loop step's loads issued one step
+# ahead (measured end to end on one H100, 2026-12-06: speculation at 32K 79.8 -> 93.2 tok/s, plain
+# 74.4 -> 77.1 against 16 columns without prefetch: docs/PERFORMANCE.md, "int8 activations")
+DEFAULT_CONFIG = _gemv.PlanarGemvConfig(block_n=32, block_groups=8, x_blocks=1, prefetch=1)
+NARROW_CONFIG = _gemv.PlanarGemvConfig(block_n=16, block_groups=8, x_blocks=1)   # the previous default
+IN_KERNEL_CONFIG = _gemv.PlanarGemvConfig(block_n=16, block_groups=8)   # the first form: each program quantizes x
+                                                                        # (NARROW's tiles: the same bits)
 _ROUND = 12582912.0   # 1.5 * 2^23: x + _ROUND rounds x (|x| < 2^22) to an integer, its low bits that integer's
 
 
@@ -182,15 +183,12 @@ def _step_sums(fmt: str, loaded, acc, interpret: bool):
   # q6_k: part p = 2j + h (unit p) is values 32j + 16h .. + 16: ql words 8 (j & 1) + 4h .. + 4,
   # nibble j >> 1; qh words 16 + 4h .. + 4, bits 2j
   ql, qh = wl[:4], wl[4:]
-  w0, w1, w2 = sl
-  dw = lax.bitcast_convert_type((w2 & 0xFFFF).astype(jnp.uint16), jnp.float16).astype(f32)
+  scales = _gemv.q6_scales(sl)
   parts = []
   for j in range(4):
     for h in (0, 1):
-      p = 2 * j + h
       qw = ((ql[2 * (j & 1) + h] >> (4 * (j >> 1))) & 0x0F0F0F0F) | (((qh[h] >> (2 * j)) & 0x03030303) << 4)
-      byte = (((w0, w1)[p // 4] >> (8 * (p % 4))) & 0xFF).astype(jnp.int32)
-      parts.append((qw, dw * _gemv._exact_float(byte ^ 128, 128.0)))   # pylint: disable=protected-access
+      parts.append((qw, scales[2 * j + h]))
   out = []
   for a, (units, ds) in zip(acc, xs):
     for p, ((qw, sc), (xw, qsum, _)) in enumerate(zip(parts, units)):
