@@ -15,7 +15,10 @@ and derives the share of copy time hidden behind compute,
 `resident / copy` when the copies are the longer side, so also the share of
 the shorter side that overlaps, `overlap = (copy + resident - streamed) /
 min(copy, resident)` (1.0: streamed costs only the longer one), the provider's host time per
-forward (`host ms`), the share of deadline samples that missed (`misses`), and
+forward (`host ms`), the share of deadline samples that missed (`misses`), the
+host's time to enqueue a forward (`disp r` / `disp s`, resident / streamed: from the call until
+every step and the head are dispatched; near the forward's own time when the host, not the device,
+sets the pace), and
 the floor `weight bytes / HBM bandwidth + streamed bytes / 52.6 GB/s`. Before
 timing, `--check_steps` greedy decode steps run through both caches from the
 same context and their logits are compared bit for bit (`exact`: steps that
@@ -159,7 +162,8 @@ def main(argv):
     # resident (compute only): the plain cache `make_kv` gives without a budget
     pk = api.make_kv(loaded, max_tokens, exceed_context_length=True).provider
     _each_part(pk, lambda part: synthetic.fill_plain(part, ctx))
-    row["resident_ms"], _ = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg)
+    row["resident_ms"], per_fwd = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg)
+    row["resident_dispatch_ms"] = per_fwd["dispatch_ms"]
     print(json.dumps(row, default=float), flush=True)
     # the fixed splits `make_kv` plans (`plan_kv`) and builds: the arena's (the pool is what the
     # measured decode workspace and the staging of in-flight uploads leave), then each pool asked for
@@ -201,6 +205,7 @@ def _streamed_row(row, cache, pk, runner, cfg, ctx, decode_weight_bytes):
   row["streamed_mib_per_forward"] = h2d / 2**20
   row["h2d_calls_per_forward"] = per_fwd["h2d_calls"]
   row["host_ms_per_forward"] = per_fwd["host_ms"]
+  row["streamed_dispatch_ms"] = per_fwd["dispatch_ms"]
   for k in ("host_begin_ms", "host_end_ms", "rows_wait_ms", "prefetch_dropped", "tail_uploads", "open_hits"):
     row[k + "_per_forward"] = per_fwd.get(k, 0.0)
   row["prefetch_hits_per_forward"] = per_fwd.get("prefetch_hits", 0.0)
@@ -241,7 +246,7 @@ def _report(log, rows):
   print(json.dumps({k: v for k, v in log.items() if k != "rows"}, default=float))
   print(f"{'tp':>2} {'context':>8} {'resident':>9} {'streamed':>9} {'copy':>7} {'x max':>6} {'hidden':>6} {'overlap':>7} {'GB/s':>6} "
         f"{'MiB/fwd':>8} {'host ms':>7} {'misses':>6} {'exact':>5} {'r/layer':>7} {'ring':>5} {'pool':>5} "
-        f"{'waves':>6} {'plan':>6}")
+        f"{'waves':>6} {'plan':>6} {'disp r':>6} {'disp s':>6}")
   for r in rows:
     streams = r["streamed_mib_per_forward"] > 0      # nothing streamed: no copy to hide ("-")
     hidden, overlap = (f"{r['hidden_share']:.2f}", f"{r['overlap_share']:.2f}") if streams else ("-", "-")
@@ -249,7 +254,8 @@ def _report(log, rows):
           f"{r['slowdown']:>6.3f} {hidden:>6} {overlap:>7} {r['upload_gbs']:>6.1f} {r['streamed_mib_per_forward']:>8.1f} "
           f"{r['host_ms_per_forward']:>7.2f} {r['readiness_miss_share']:>6.2f} "
           f"{r.get('bit_exact_steps', 0):>5} {r['resident_pages_per_layer']:>7} {r['ring_slots']:>5} "
-          f"{r['pool_pages']:>5} {r['waves_per_forward']:>6.1f} {r.get('plan_ring_fills_per_forward', 0):>6}")
+          f"{r['pool_pages']:>5} {r['waves_per_forward']:>6.1f} {r.get('plan_ring_fills_per_forward', 0):>6} "
+          f"{r['resident_dispatch_ms']:>6.2f} {r['streamed_dispatch_ms']:>6.2f}")
 
 
 def _each_part(kv, fn):
@@ -270,13 +276,24 @@ def _time_decode(runner, kv, ctx, steps, cfg):
   tok = int(jnp.argmax(seq.forward([tok])))  # warm-up (compiles, uploads resident pages)
   tok = int(jnp.argmax(seq.forward([tok])))
   before = dict(getattr(kv, "counters", {}))
-  times = []
-  for _ in range(steps):
-    t = time.perf_counter()
-    tok = int(jnp.argmax(seq.forward([tok])))
-    times.append(time.perf_counter() - t)
+  times, dispatched = [], []
+  end_forward = kv.end_forward
+
+  def marked_end_forward():    # the host has dispatched every step of the forward (and its head)
+    dispatched.append(time.perf_counter())
+    end_forward()
+  kv.end_forward = marked_end_forward
+  try:
+    for _ in range(steps):
+      t = time.perf_counter()
+      tok = int(jnp.argmax(seq.forward([tok])))
+      times.append(time.perf_counter() - t)
+      dispatched[-1] -= t
+  finally:
+    del kv.end_forward
   after = getattr(kv, "counters", {})
   per_fwd = {k: (after[k] - before.get(k, 0)) / steps for k in after}
+  per_fwd["dispatch_ms"] = 1e3 * float(np.median(dispatched))
   return 1e3 * float(np.median(times)), per_fwd
 
 

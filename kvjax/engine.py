@@ -433,7 +433,7 @@ STEP_ROLES: Dict[str, StepRoles] = {
 def select_row(captured_states, row: int):
   """Recurrent states captured per row (`capture_states=True`) -> the states after `row` (one
   compiled call for the whole tree, the row a traced index: no compile per row)."""
-  return _select_row(captured_states, jnp.int32(row))
+  return _select_row(captured_states, executables.int32_arg(row))
 
 
 @executables.jit
@@ -517,11 +517,11 @@ class Runner:
                      wave_pages=self.partition_pages(c, kv.max_tokens, kv))
     m = 1 if c == s else max(1, -(-n_valid // c))   # chunks that hold a valid row
     if c == s:
-      xs = [_embed_step(self.token_embd, jnp.asarray(tokens_s, jnp.int32))]
+      xs = [_embed_step(self.token_embd, executables.int32_arg(tokens_s))]
     else:                                        # sliced on the host: no program per slice
       toks = np.asarray(tokens_s, np.int32)
-      xs = [_embed_step(self.token_embd, jnp.asarray(np.array(toks[j * c:(j + 1) * c]), jnp.int32)) for j in range(m)]
-    at = [(jnp.int32(pos + j * c), jnp.int32(min(c, n_valid - j * c))) for j in range(m)]
+      xs = [_embed_step(self.token_embd, np.array(toks[j * c:(j + 1) * c])) for j in range(m)]
+    at = [(executables.int32_arg(pos + j * c), executables.int32_arg(min(c, n_valid - j * c))) for j in range(m)]
     new_states = []
     for g, ((gdef, gstate), st, a) in enumerate(zip(self.groups, rec_states, self.attn_index)):
       lkv = kv.layer_kv(a) if a is not None else LayerKV(None, None)
@@ -580,7 +580,7 @@ class Runner:
       pool_pn = self.place(wkv)
       for j, ((q_shd, rows, _), (pos, n_valid)) in enumerate(zip(chunks, at)):
         pool_pn, carries[j] = self.wave_step(pool_pn, wkv.table_t, rows, q_shd, carries[j], pos, n_valid,
-                                             jnp.int32(lo), jnp.int32(hi), layout=self.layout, opts=opts)
+                                             executables.int32_arg(lo), executables.int32_arg(hi), layout=self.layout, opts=opts)
     return pool_pn, carries
 
   def run_inert(self, pool_pn, table_t, rows: int, chunked: bool, capture: bool = False, kv=None):
@@ -622,7 +622,7 @@ class Runner:
     return self.opts if own <= cap else dataclasses.replace(self.opts, block_pages=int(cap))
 
   def head(self, x_se, rows):
-    return _head_step(self.output_norm, self.output, x_se, jnp.asarray(rows, jnp.int32),
+    return _head_step(self.output_norm, self.output, x_se, executables.int32_arg(rows),
                       eps=self.cfg.rms_eps)
 
   def distinct_groups(self):
@@ -648,7 +648,7 @@ class Runner:
                      wave_pages=self.partition_pages(hn_se.shape[0], kv.max_tokens, kv))
     lkv = kv.layer_kv(self.mtp_layer)
     gdef, gstate = self.mtp
-    next_s, pos_a, nv_a = jnp.asarray(next_tokens_s, jnp.int32), jnp.int32(pos), jnp.int32(n_valid)
+    next_s, pos_a, nv_a = executables.int32_arg(next_tokens_s), executables.int32_arg(pos), executables.int32_arg(n_valid)
     if lkv.waves > 1:
       u, q, gate, rows, empty = self.mtp_attn_begin(gdef, gstate, self.token_embd, hn_se, next_s, pos_a,
                                                     layout=self.layout)
@@ -677,7 +677,7 @@ class Runner:
     gdef, gstate = self.mtp
     cand_d, cand_p, pool_pn, _ = self.mtp_draft_steps(
         gdef, gstate, self.token_embd, self.output_norm, self.output, hm_1e, d, p, jnp.float32(p_min),
-        self.place(lkv), lkv.table_t, jnp.asarray(pos, jnp.int32), jnp.asarray(limit, jnp.int32),
+        self.place(lkv), lkv.table_t, executables.int32_arg(pos), executables.int32_arg(limit),
         layout=self.layout, opts=self.call_opts(1, kv), steps=steps)
     kv.end_layer(self.mtp_layer, pool_pn, None)
     kv.end_forward()

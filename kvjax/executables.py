@@ -38,6 +38,7 @@ import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kvjax import compile_cache
@@ -108,6 +109,16 @@ def _context() -> str:
   except (ImportError, AttributeError):   # pragma: no cover - a jax without it: the x64 switch at least
     trace = repr(jax.config.jax_enable_x64)
   return "\n".join(_trace_env() + (_ADDRESS.sub("", trace),))
+
+
+def int32_arg(a):
+  """An int32 argument of a step call: a device array as it is (no wait for the device), anything
+  else (token ids, positions) as a numpy array, moved to the device by the call itself rather than
+  by a dispatch of its own (a `jnp.int32(pos)` cost ~0.4 ms of host time on an H100 machine, ~1.3
+  ms of a decode forward's ~15: 2026-12-06). Its signature is jnp.int32's: the same executable."""
+  if isinstance(a, jax.Array):
+    return a if a.dtype == jnp.int32 else a.astype(jnp.int32)
+  return np.asarray(a, np.int32)
 
 
 def jit(fn=None, *, static_argnames=(), donate_argnames=(), params: Optional[str] = None):

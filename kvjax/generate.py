@@ -201,7 +201,7 @@ class SequenceState:
                               chunk_rows=chunk_rows, with_hidden=with_hidden)
     self.rec_states = out.rec_states
     self.pos += n
-    logits = out.logits_rv if all_logits else out.logits_rv[0]
+    logits = out.logits_rv if all_logits else pick_row(out.logits_rv, 0)   # jitted: not jax's Python indexing
     if not with_hidden:
       return logits
     return logits, (out.hn_chunks if chunk_rows else out.hn_se)
@@ -301,7 +301,7 @@ def _pick_row(x, i, keepdims=False):
 
 def pick_row(x, i: int, keepdims: bool = False):
   """x[i] (x[i:i + 1] with `keepdims`) with i traced: one compiled program for every row."""
-  return _pick_row(x, jnp.int32(i), keepdims=keepdims)
+  return _pick_row(x, executables.int32_arg(i), keepdims=keepdims)
 
 
 def mtp_rows(runner: Runner, kv: KVProvider, hn_se, next_tokens: Sequence[int], mtp_pos: int, ubatch: int,

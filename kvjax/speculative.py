@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import executables
 from kvjax.engine import KVProvider, Runner, recurrent_state_bytes, select_row
 from kvjax.workspace import group_step_workspace_bytes
 from kvjax.model import replay_state
@@ -191,7 +192,7 @@ class ReplayRollback:
 
   def states_after(self, captured, j: int, n_rows: int, before=None):
     del n_rows
-    return _replay(before, captured, jnp.asarray(j, jnp.int32))
+    return _replay(before, captured, executables.int32_arg(j))
 
 
 REPLAY_CHUNK_BYTES = 32 << 20   # states stepped together by one `_replay` kernel, at most

@@ -210,3 +210,27 @@ def test_the_planar_product_s_setting_keys_its_own_executable(store, monkeypatch
   loaded = executables.STATS["loaded"]
   _step(weights, jnp.zeros((3, 5)), x, power=2)
   assert executables.STATS["loaded"] == loaded and len(list(store.iterdir())) == 2
+
+
+@executables.jit
+def _scaled_row(x, i):
+  return x[i] * 2
+
+
+def test_an_int32_argument_is_numpy_with_jnp_int32_s_signature_and_a_device_array_stays(store):
+  """`int32_arg`: host values become numpy int32 (moved by the call, no dispatch of their own) with
+  the signature of `jnp.int32`'s array, so both find one executable; a device array is not read."""
+  dev = jnp.arange(3, dtype=jnp.int32)
+  assert executables.int32_arg(dev) is dev
+  assert executables.int32_arg(dev.astype(jnp.int16)).dtype == jnp.int32
+  for v in (5, np.int64(5), [1, 2]):
+    a = executables.int32_arg(v)
+    assert isinstance(a, np.ndarray) and a.dtype == np.int32
+    assert executables._leaf_sig(a) == executables._leaf_sig(jnp.asarray(v, jnp.int32))   # pylint: disable=protected-access
+  x = jnp.arange(12.0).reshape(4, 3)
+  compiled = executables.STATS["compiled"]
+  got = _scaled_row(x, executables.int32_arg(2))
+  again = _scaled_row(x, jnp.int32(3))
+  assert executables.STATS["compiled"] == compiled + 1
+  np.testing.assert_array_equal(np.asarray(got), [12.0, 14.0, 16.0])
+  np.testing.assert_array_equal(np.asarray(again), [18.0, 20.0, 22.0])

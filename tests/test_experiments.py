@@ -208,6 +208,9 @@ def test_bench_decode_smoke(tmp_path):
   assert 0 < row["pool_pages"] + row["staging_reserve_pages"] <= available
   assert row["resident_pages_per_layer"] * 3 + row["ring_slots"] == row["pool_pages"]
   assert row["bit_exact_steps"] == 3 and row["copy_ms"] > 0 and row["host_ms_per_forward"] > 0
+  # the host's time to enqueue a forward is part of the forward's time
+  for mode in ("resident", "streamed"):
+    assert 0 < row[f"{mode}_dispatch_ms"] < row[f"{mode}_ms"], (mode, row)
   assert row["timeline_device_events"] == 0          # a CPU has no device stream lines
   assert os.path.exists(os.path.join(out, "timeline_4096.txt")) and "context" in p.stdout
 
