@@ -574,13 +574,14 @@ class Runner:
     then every chunk's `(q_shd, rows, empty carry)` at its `(pos, n_valid)` attends them, each
     chunk's carry folded in logical order -> (pool_pn, carry of each chunk)."""
     pool_pn, carries = lkv.pool_pn, [empty for _, _, empty in chunks]
+    int32 = executables.int32_arg
     for w in range(lkv.waves):
       wkv = lkv if w == 0 else kv.wave_kv(a, w)._replace(pool_pn=pool_pn)
       lo, hi = wkv.tiles
       pool_pn = self.place(wkv)
       for j, ((q_shd, rows, _), (pos, n_valid)) in enumerate(zip(chunks, at)):
         pool_pn, carries[j] = self.wave_step(pool_pn, wkv.table_t, rows, q_shd, carries[j], pos, n_valid,
-                                             executables.int32_arg(lo), executables.int32_arg(hi), layout=self.layout, opts=opts)
+                                             int32(lo), int32(hi), layout=self.layout, opts=opts)
     return pool_pn, carries
 
   def run_inert(self, pool_pn, table_t, rows: int, chunked: bool, capture: bool = False, kv=None):
@@ -648,7 +649,7 @@ class Runner:
                      wave_pages=self.partition_pages(hn_se.shape[0], kv.max_tokens, kv))
     lkv = kv.layer_kv(self.mtp_layer)
     gdef, gstate = self.mtp
-    next_s, pos_a, nv_a = executables.int32_arg(next_tokens_s), executables.int32_arg(pos), executables.int32_arg(n_valid)
+    next_s, pos_a, nv_a = (executables.int32_arg(v) for v in (next_tokens_s, pos, n_valid))
     if lkv.waves > 1:
       u, q, gate, rows, empty = self.mtp_attn_begin(gdef, gstate, self.token_embd, hn_se, next_s, pos_a,
                                                     layout=self.layout)
