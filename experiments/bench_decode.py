@@ -18,7 +18,8 @@ min(copy, resident)` (1.0: streamed costs only the longer one), the provider's h
 forward (`host ms`), the share of deadline samples that missed (`misses`), the
 host's time to enqueue a forward (`disp r` / `disp s`, resident / streamed: from the call until
 every step and the head are dispatched; near the forward's own time when the host, not the device,
-sets the pace), and
+sets the pace; `--host_profile` writes where the host's time goes, cProfile of the timed
+forwards), and
 the floor `weight bytes / HBM bandwidth + streamed bytes / 52.6 GB/s`. Before
 timing, `--check_steps` greedy decode steps run through both caches from the
 same context and their logits are compared bit for bit (`exact`: steps that
@@ -43,8 +44,10 @@ devices' uploads, issued together, and `MiB/fwd` the sum over the devices.
 
 from __future__ import annotations
 
+import cProfile
 import json
 import os
+import pstats
 import time
 
 from absl import app, flags
@@ -80,6 +83,8 @@ def define_flags():
   flags.DEFINE_integer("tensor_parallel", 1, "devices the model is sharded over (arena_mib and pool_pages "
                        "are per device)")
   flags.DEFINE_bool("profile", False, "device timeline of two streamed forwards per context and their kernels by family and name (experiments.lib.timeline)")
+  flags.DEFINE_bool("host_profile", False, "the host's Python time in the timed forwards (cProfile), per context "
+                    "and cache, written to host_<context>_<resident|streamed_<pool pages>p>.txt")
 
 
 FLAGS = flags.FLAGS
@@ -162,7 +167,7 @@ def main(argv):
     # resident (compute only): the plain cache `make_kv` gives without a budget
     pk = api.make_kv(loaded, max_tokens, exceed_context_length=True).provider
     _each_part(pk, lambda part: synthetic.fill_plain(part, ctx))
-    row["resident_ms"], per_fwd = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg)
+    row["resident_ms"], per_fwd = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg, "resident")
     row["resident_dispatch_ms"] = per_fwd["dispatch_ms"]
     print(json.dumps(row, default=float), flush=True)
     # the fixed splits `make_kv` plans (`plan_kv`) and builds: the arena's (the pool is what the
@@ -200,7 +205,7 @@ def _streamed_row(row, cache, pk, runner, cfg, ctx, decode_weight_bytes):
   _each_part(sk, fill)
   if FLAGS.check_steps:
     row["bit_exact_steps"] = _check_bit_exact(runner, pk, sk, ctx, FLAGS.check_steps)
-  row["streamed_ms"], per_fwd = _time_decode(runner, sk, ctx, FLAGS.decode_steps, cfg)
+  row["streamed_ms"], per_fwd = _time_decode(runner, sk, ctx, FLAGS.decode_steps, cfg, f"streamed_{pool_pages}p")
   h2d = per_fwd["h2d_bytes"]
   row["streamed_mib_per_forward"] = h2d / 2**20
   row["h2d_calls_per_forward"] = per_fwd["h2d_calls"]
@@ -266,7 +271,7 @@ def _each_part(kv, fn):
   return [fn(kv)]
 
 
-def _time_decode(runner, kv, ctx, steps, cfg):
+def _time_decode(runner, kv, ctx, steps, cfg, name=""):
   import jax.numpy as jnp
   import numpy as np
   from kvjax import generate
@@ -283,14 +288,24 @@ def _time_decode(runner, kv, ctx, steps, cfg):
     dispatched.append(time.perf_counter())
     end_forward()
   kv.end_forward = marked_end_forward
+  prof = cProfile.Profile() if FLAGS.host_profile and name else None
   try:
     for _ in range(steps):
       t = time.perf_counter()
+      if prof is not None:
+        prof.enable()
       tok = int(jnp.argmax(seq.forward([tok])))
+      if prof is not None:
+        prof.disable()
       times.append(time.perf_counter() - t)
       dispatched[-1] -= t
   finally:
     del kv.end_forward
+  if prof is not None:
+    with open(os.path.join(FLAGS.out, f"host_{ctx}_{name}.txt"), "w") as f:
+      f.write(f"{steps} timed forwards, {name}, context {ctx}\n")
+      for order, lines in (("tottime", 30), ("cumulative", 40)):
+        pstats.Stats(prof, stream=f).sort_stats(order).print_stats(lines)
   after = getattr(kv, "counters", {})
   per_fwd = {k: (after[k] - before.get(k, 0)) / steps for k in after}
   per_fwd["dispatch_ms"] = 1e3 * float(np.median(dispatched))

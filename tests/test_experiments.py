@@ -190,7 +190,7 @@ def test_bench_decode_smoke(tmp_path):
   p = _run(["-m", "experiments.bench_decode", "--model=tiny", "--dtype=float32",
             "--contexts=4096", "--arena_mib=1.5", "--page_tokens=64", "--copy_pages=4", "--prompt=64",
             "--decode_steps=2", "--check_steps=3", "--block_pages=4", "--pool_pages=8", "--profile",
-            f"--out={out}"], cwd=REPO)
+            "--host_profile", f"--out={out}"], cwd=REPO)
   log = json.load(open(os.path.join(out, "bench_decode.json")))
   row, small = log["rows"]
   # the plan's ring fills, counted before the cache was built, are what the decode forwards did
@@ -209,8 +209,10 @@ def test_bench_decode_smoke(tmp_path):
   assert row["resident_pages_per_layer"] * 3 + row["ring_slots"] == row["pool_pages"]
   assert row["bit_exact_steps"] == 3 and row["copy_ms"] > 0 and row["host_ms_per_forward"] > 0
   # the host's time to enqueue a forward is part of the forward's time
-  for mode in ("resident", "streamed"):
+  for mode, name in (("resident", "resident"), ("streamed", f"streamed_{row['pool_pages']}p")):
     assert 0 < row[f"{mode}_dispatch_ms"] < row[f"{mode}_ms"], (mode, row)
+    text = open(os.path.join(out, f"host_4096_{name}.txt")).read()    # the host's time, by function
+    assert text.startswith(f"2 timed forwards, {name},") and "generate.py" in text and "(forward)" in text, text[:400]
   assert row["timeline_device_events"] == 0          # a CPU has no device stream lines
   assert os.path.exists(os.path.join(out, "timeline_4096.txt")) and "context" in p.stdout
 
