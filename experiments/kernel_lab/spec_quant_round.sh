@@ -65,7 +65,7 @@ for s in $steps; do
          i=$((i + 1))
          step "decode_graphs_$i" env XLA_FLAGS="$xf" KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m experiments.bench_decode \
            --model=qwen38_27b --contexts=32768 --arena_mib=2240 --attn_impl=auto --weight_type=q4_k --decode_steps=16 \
-           --check_steps=0 --out="$OUT/decode_graphs_$i"
+           --check_steps=0 --host_profile --out="$OUT/decode_graphs_$i"
        done ;;
   esac
 done
