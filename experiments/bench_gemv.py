@@ -70,7 +70,7 @@ def define_flags():
                     "block_n:block_k:split_k:warps:stages (e.g. 32:512:8:4:3); each a row of impl "
                     "'pallas_gemv' with its tiles (default: gemv.DEFAULT_CONFIG)")
   flags.DEFINE_list("planar_tiles", [], "planar_pallas tile configs to compare, each "
-                    "block_n:block_groups:split_k:min_programs:sum_each_step:grouped:warps:stages:dot:prefetch (e.g. 32:8:0:512:1:0:4:3:1; a prefix: the rest as the class defaults); each a row "
+                    "block_n:block_groups:split_k:min_programs:sum_each_step:grouped:warps:stages:dot:prefetch:x_blocks (e.g. 32:8:0:512:1:0:4:3:1; a prefix: the rest as the class defaults); each a row "
                     "of impls 'planar_pallas' and 'planar_q8' (q8: dot 0 only; default: each kernel's DEFAULT_CONFIG)")
   flags.DEFINE_float("max_seconds", 1200.0, "stop starting new cases after this")
   flags.DEFINE_string("out", "", "JSON file for the rows (empty: none)")
@@ -154,8 +154,8 @@ def parse_gemv_tiles(text: str):
 
 
 def parse_planar_tiles(text: str):
-  """'bn:groups:split:min_programs:sum_each_step:grouped:warps:stages:dot:prefetch' (or a prefix) -> a
-  PlanarGemvConfig (checked)."""
+  """'bn:groups:split:min_programs:sum_each_step:grouped:warps:stages:dot:prefetch:x_blocks' (or a
+  prefix) -> a PlanarGemvConfig (checked)."""
   from kvjax_pallas.quant_matmul import planar_gemv
   return _parse_config(text, "planar_tiles", planar_gemv.PlanarGemvConfig, planar_gemv.check_config)
 

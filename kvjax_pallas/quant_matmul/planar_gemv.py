@@ -280,7 +280,7 @@ def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, tiles: PlanarTiles, ro
     return tuple(a + _grouped_sums(values, [xp.astype(jnp.float32) for xp in xr]) for xr, a in zip(xs, acc))
 
   def body(i, acc):                         # ungrouped: acc a row's sums [BN, CB] (or products [BN, CB, W])
-    g0 = pl.multiple_of(i * t.cb, t.cb)
+    g0 = step_start(i, t.cb)
     ws = _weights(fmt, w_ref, s_ref, g0, t.cb)
     if dtype == jnp.bfloat16:               # the dot's weights (bfloat16), its exact products
       ws = [_to_bf16(wt, interpret) for wt in ws]
