@@ -1,21 +1,16 @@
 """The forward runner: one compiled step per layer group, KV through a provider.
 
-`Runner` splits the NNX model once (`nnx.split`) and calls plain `jax.jit`
-steps on `(graphdef, state, ...)`:
+`Runner` splits the NNX model once (`nnx.split`) and calls plain `jax.jit` steps on `(graphdef,
+state, ...)`: `embed` (tokens -> x), `group` (one LayerGroup: 3 GDN blocks + 1 attention block for
+the 27B; all groups share one compiled executable per (rows, chunked) shape), `head` (final norm +
+output projection on selected rows), `mtp` (the attached MTP block, its own KV cache layer).
 
-* `embed`  tokens -> x
-* `group`  one LayerGroup (3 GDN blocks + 1 attention block for the 27B);
-           all groups share one compiled executable per (rows, chunked) shape
-* `head`   final norm + output projection on selected rows
-* `mtp`    the attached MTP block (its own KV cache layer)
-
-KV is reached through a `KVProvider`: before each attention layer the runner
-asks it for `(pool_pn, table_t)` (the pool holding that layer's pages and the
-layer's logical -> physical page table), and hands back the updated pool and
-the encoded rows written. The plain cache (`PlainKV`) is an all-resident pool
-with identity tables; the streamed cache (`kvjax.streaming`) stages resident
-pages and ring slots behind the same three calls. Both therefore run the same
-compiled attention code, which is what makes bit-exact comparison possible.
+KV is reached through a `KVProvider`: before each attention layer the runner asks it for `(pool_pn,
+table_t)` (the pool holding that layer's pages and the layer's logical -> physical page table), and
+hands back the updated pool and the encoded rows written. The plain cache (`PlainKV`) is an
+all-resident pool with identity tables; the streamed cache (`kvjax.streaming`) stages resident pages
+and ring slots behind the same three calls. Both therefore run the same compiled attention code,
+which is what makes bit-exact comparison possible.
 """
 
 from __future__ import annotations
@@ -38,9 +33,7 @@ from kvjax_pallas.span_attention import api as span_api
 from kvjax_pallas.page_layout import PageLayout
 
 
-# ---------------------------------------------------------------------------
-# building a model from GGUF-named tensors (tensor by tensor)
-# ---------------------------------------------------------------------------
+# --- building a model from GGUF-named tensors (tensor by tensor) ---
 
 def _set_path(state, name, path, value):
   node = state
@@ -113,9 +106,7 @@ def model_tensors(model: Qwen38) -> Dict[str, np.ndarray]:
   return out
 
 
-# ---------------------------------------------------------------------------
-# KV providers
-# ---------------------------------------------------------------------------
+# --- KV providers ---
 
 class LayerKV(NamedTuple):
   """What one attention layer's compiled step takes from a KV provider: the pool, the layer's page
@@ -212,9 +203,7 @@ class PlainKV:
     return {"h2d_bytes": 0, "d2h_bytes": 0}
 
 
-# ---------------------------------------------------------------------------
-# compiled steps
-# ---------------------------------------------------------------------------
+# --- compiled steps ---
 
 class StaticStructure:
   """A hashable, cheaply hashed stand-in for an NNX graphdef + state treedef (a static jit argument).
@@ -290,13 +279,19 @@ def place_staged(pool_pn, rows_rn, pieces_k3):
   return place_pages(pool_pn, (rows_rn,), pieces_k3[None])
 
 
-@executables.jit(static_argnames=("graphdef", "layout", "opts", "chunked", "capture"),
-                 donate_argnames=("pool_pn",), params="state")
-def _group_step(graphdef, state, x_se, rec_states, pool_pn, table_t, pos, n_valid, *,
-                layout, opts, chunked, capture=False):
+def _layer_group(graphdef, state, x_se, rec_states, pool_pn, table_t, pos, n_valid, *, layout, opts, chunked,
+                 capture=False):
   """One LayerGroup. `graphdef` is a `StaticStructure`, `state` its flat leaves."""
   group = merge_static(graphdef, state)
   return group(x_se, rec_states, pool_pn, table_t, pos, n_valid, layout, opts, chunked, capture)
+
+
+_GROUP_STATIC = ("graphdef", "layout", "opts", "chunked", "capture")
+_group_step = executables.jit(_layer_group, name="group_step", static_argnames=_GROUP_STATIC,
+                              donate_argnames=("pool_pn",), params="state")
+# the same step, its outputs in x_se's and the states' buffers (`Runner.forward(donate=True)`)
+_donating_group_step = executables.jit(_layer_group, name="donating_group_step", static_argnames=_GROUP_STATIC,
+                                       donate_argnames=("pool_pn", "x_se", "rec_states"), params="state")
 
 
 @executables.jit(static_argnames=("graphdef", "layout", "chunked", "capture"), params="state")
@@ -308,7 +303,6 @@ def _group_attn_begin(graphdef, state, x_se, rec_states, pos, n_valid, *, layout
   x_se, states = group.run_recurrent(x_se, rec_states, n_valid, chunked, capture)
   q_shd, gate_se, rows = group.attention.attend_begin(x_se, pos, layout)
   return x_se, states, q_shd, gate_se, rows, empty_carry(q_shd, layout)
-
 
 
 @executables.jit(static_argnames=("graphdef",), params="state")
@@ -419,6 +413,8 @@ STEP_ROLES: Dict[str, StepRoles] = {
     "place_step": StepRoles(place_staged, (HEADS, HEADS, HEADS), (HEADS,), False, (0,)),
     "group_step": StepRoles(_group_step, (PARAMS, SAME, HEADS, HEADS, HEADS, SAME, SAME), (SAME, HEADS, HEADS, HEADS),
                             True, (4,)),
+    "donating_group_step": StepRoles(_donating_group_step, (PARAMS, SAME, HEADS, HEADS, HEADS, SAME, SAME),
+                                     (SAME, HEADS, HEADS, HEADS), True, (2, 3, 4)),
     "group_attn_begin": StepRoles(_group_attn_begin, (PARAMS, SAME, HEADS, SAME, SAME),
                                   (SAME, HEADS, HEADS, HEADS, HEADS, HEADS), True),
     "group_attn_end": StepRoles(_group_attn_end, (PARAMS, SAME, HEADS, HEADS), (SAME,), True),
@@ -455,6 +451,7 @@ class Runner:
   (`kvjax.parallel.ShardedRunner`) drives the same loop with its per-device (shard_map) steps."""
   place_step = staticmethod(place_staged)
   group_step = staticmethod(_group_step)
+  donating_group_step = staticmethod(_donating_group_step)
   group_attn_begin = staticmethod(_group_attn_begin)
   group_attn_end = staticmethod(_group_attn_end)
   wave_step = staticmethod(_wave_step)
@@ -486,10 +483,9 @@ class Runner:
     return on_device(tuple(tuple(zero_recurrent_state(self.cfg) for _ in range(n)) for n in self.n_recurrent))
 
   def forward(self, tokens_s, pos: int, n_valid: int, rec_states, kv: KVProvider,
-              logits_rows: Optional[np.ndarray] = None, chunked: Optional[bool] = None,
-              capture_states: bool = False,
-              on_group_states: Optional[Callable[[int, tuple], tuple]] = None,
-              chunk_rows: Optional[int] = None, with_hidden: bool = True) -> ForwardOut:
+              logits_rows: Optional[np.ndarray] = None, chunked: Optional[bool] = None, capture_states: bool = False,
+              on_group_states: Optional[Callable[[int, tuple], tuple]] = None, chunk_rows: Optional[int] = None,
+              with_hidden: bool = True, donate: bool = False) -> ForwardOut:
     """One forward of S rows (rows >= n_valid are padding) at positions pos..
 
     `chunked` (default: S > 1) picks the Gated DeltaNet form; `capture_states` (scan form) returns
@@ -504,6 +500,9 @@ class Runner:
     of them, so a streamed layer's history is uploaded once a forward rather than once a chunk (the
     prefill's block: `kvjax.generate.prefill`). `hn_se` is then the last chunk's and `hn_chunks`
     every valid chunk's (without `with_hidden`, only those of chunks holding a row of `logits_rows`).
+
+    `donate` (no `capture_states`; the caller keeps no reference to `rec_states`): the group steps
+    write hidden rows and states into their inputs' buffers (`_donating_group_step`).
     """
     s = int(tokens_s.shape[0])
     c = s if chunk_rows is None else int(chunk_rows)
@@ -538,10 +537,10 @@ class Runner:
               for (x_in, _, gate, _), carry in zip(begun, carries)]
       else:
         pool_pn = self.place(lkv)
+        step = self.donating_group_step if donate and not capture_states else self.group_step
         for j in range(m):
-          xs[j], st, pool_pn, r = self.group_step(gdef, gstate, xs[j], st, pool_pn, lkv.table_t, *at[j],
-                                                  layout=self.layout, opts=opts, chunked=chunked,
-                                                  capture=capture_states)
+          xs[j], st, pool_pn, r = step(gdef, gstate, xs[j], st, pool_pn, lkv.table_t, *at[j], layout=self.layout,
+                                       opts=opts, chunked=chunked, capture=capture_states)
           rows.append(r)
       if a is not None:
         kv.end_layer(a, pool_pn, rows[0] if m == 1 else tuple(rows))
@@ -587,14 +586,15 @@ class Runner:
   def run_inert(self, pool_pn, table_t, rows: int, chunked: bool, capture: bool = False, kv=None):
     """A forward's programs of `rows` rows run once with inert arguments (no valid row: nothing
     written or attended; their first run, loading or compiling, before the phase's) -> the pool."""
-    x = zeros_on_device((rows, self.cfg.hidden_size), self.token_embd.dtype)
-    zero = jnp.int32(0)
+    x, zero = zeros_on_device((rows, self.cfg.hidden_size), self.token_embd.dtype), jnp.int32(0)
     _embed_step(self.token_embd, np.zeros((rows,), np.int32))   # as a forward passes its ids
     states = self.zero_states()
+    donate = executables.donate_states() and not capture   # as `SequenceState.forward` runs them
+    step = self.donating_group_step if donate else self.group_step
     for g, gdef, gstate, a in self.distinct_groups():
-      out = self.group_step(gdef, gstate, x, states[g], pool_pn if a is not None else None,
-                            table_t if a is not None else None, zero, zero, layout=self.layout,
-                            opts=self.call_opts(rows, kv), chunked=chunked, capture=capture)
+      out = step(gdef, gstate, zeros_on_device(x.shape, x.dtype) if donate else x, states[g],
+                 pool_pn if a is not None else None, table_t if a is not None else None, zero, zero,
+                 layout=self.layout, opts=self.call_opts(rows, kv), chunked=chunked, capture=capture)
       pool_pn = out[2] if a is not None else pool_pn
     self.head(x, np.zeros((1,), np.int32))
     return pool_pn

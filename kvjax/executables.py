@@ -121,16 +121,17 @@ def int32_arg(a):
   return np.asarray(a, np.int32)
 
 
-def jit(fn=None, *, static_argnames=(), donate_argnames=(), params: Optional[str] = None):
+def jit(fn=None, *, static_argnames=(), donate_argnames=(), params: Optional[str] = None, name: Optional[str] = None):
   """`jax.jit` with the executables stored (module docstring), as a decorator:
 
       @executables.jit(static_argnames=("eps",), params="state")
       def step(state, x, *, eps): ...
 
   `params`: the argument holding the step's parameter leaves (a tuple the caller keeps), whose
-  signature is worked out once per tuple rather than at every call."""
+  signature is worked out once per tuple rather than at every call; `name` (default: the function's)
+  names its stored executables, so that one function jitted twice (other donations) keeps two."""
   def wrap(f):
-    return StoredStep(f, f.__name__.lstrip("_"), tuple(static_argnames), tuple(donate_argnames), params)
+    return StoredStep(f, name or f.__name__.lstrip("_"), tuple(static_argnames), tuple(donate_argnames), params)
   return wrap if fn is None else wrap(fn)
 
 
@@ -312,6 +313,16 @@ def workers() -> int:
   `KVJAX_COMPILE_THREADS`."""
   env = os.environ.get(THREADS_ENV, "").strip()
   return max(1, int(env)) if env.isdigit() else max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+DONATE_ENV = "KVJAX_DONATE_STATES"
+
+
+def donate_states() -> bool:
+  """Whether a sequence's forwards give their recurrent states' and hidden rows' buffers to the
+  group steps (`Runner.forward(donate=True)`: `SequenceState.forward` and the warmup of its
+  programs); `KVJAX_DONATE_STATES=0` turns it off (for comparisons)."""
+  return os.environ.get(DONATE_ENV, "1").strip().lower() not in compile_cache.OFF
 
 
 def ahead() -> bool:

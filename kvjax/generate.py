@@ -183,8 +183,10 @@ class SequenceState:
     kept, but the cache lays out a forward here and uploads what it needs, so that a pool of a new
     phase refills its resident pages now (on an H100 at 128K the first decode forward of the phase
     arena took 0.38-1.65 s refilling them, 10-40x a token) rather than in the next forward."""
-    self.runner.forward(np.zeros((1,), np.int32), self.pos, 0, self.rec_states, self.kv,
-                        logits_rows=np.zeros((1,), np.int64), with_hidden=False)
+    out = self.runner.forward(np.zeros((1,), np.int32), self.pos, 0, self.rec_states, self.kv,
+                              logits_rows=np.zeros((1,), np.int64), with_hidden=False,
+                              donate=executables.donate_states())
+    self.rec_states = out.rec_states   # a forward of no valid row leaves every state as it was
 
   def forward(self, tokens: Sequence[int], pad_to: Optional[int] = None, all_logits: bool = False,
               with_hidden: bool = False, chunk_rows: Optional[int] = None):
@@ -198,7 +200,7 @@ class SequenceState:
     toks[:n] = tokens
     rows = np.arange(n) if all_logits else np.array([n - 1])
     out = self.runner.forward(toks, self.pos, n, self.rec_states, self.kv, logits_rows=rows,
-                              chunk_rows=chunk_rows, with_hidden=with_hidden)
+                              chunk_rows=chunk_rows, with_hidden=with_hidden, donate=executables.donate_states())
     self.rec_states = out.rec_states
     self.pos += n
     logits = out.logits_rv if all_logits else pick_row(out.logits_rv, 0)   # jitted: not jax's Python indexing

@@ -198,10 +198,12 @@ def _prepare_forward(runner, provider, groups, states, pool, table, s, chunked, 
                                layout=runner.layout, opts=opts)
       runner.group_attn_end.prepare(structure, leaves, x_in, carry, gate)
       n += 3
+  from kvjax import executables
+  donate = executables.donate_states() and not capture   # as `SequenceState.forward` runs them
+  step = runner.donating_group_step if donate else runner.group_step
   for g, structure, leaves, a in groups:
-    runner.group_step.prepare(structure, leaves, x, states[g], pool if a is not None else None,
-                              table if a is not None else None, scalar, scalar, layout=runner.layout,
-                              opts=opts, chunked=chunked, capture=capture)
+    step.prepare(structure, leaves, x, states[g], pool if a is not None else None, table if a is not None else None,
+                 scalar, scalar, layout=runner.layout, opts=opts, chunked=chunked, capture=capture)
     n += 1
   runner.prepare_ends(_spec((s,), jnp.int32), x, _spec((1,), jnp.int32))
   return n + 3

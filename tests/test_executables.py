@@ -113,7 +113,7 @@ def test_prepared_steps_compile_on_threads_and_every_call_of_a_generation_finds_
   res = api.generate(model, kv, prompt_tokens=prompt, n_predict=24, ignore_eos=True)
   assert executables.STATS["unprepared"] == unprepared, "a step was called with a signature nothing prepared"
   by = res.metrics["compile_by_program"]
-  assert any(k.startswith("prepared group_step") for k in by) and res.metrics["predicted_compiles"] == 0, by
+  assert any(k.startswith("prepared donating_group_step") for k in by) and res.metrics["predicted_compiles"] == 0, by
   monkeypatch.setenv(executables.THREADS_ENV, "1")
   assert not executables.ahead()
   plain = api.generate(model, prompt_tokens=prompt, n_predict=24, ignore_eos=True)

@@ -218,6 +218,42 @@ def test_decode_runs_with_the_heap_frozen_and_gives_it_back(cfg, runner, greedy)
     gc.unfreeze()
 
 
+def test_sequence_forwards_write_their_states_in_place_with_the_plain_bits(cfg, runner):
+  """`SequenceState.forward` (prefill and decode) donates its recurrent states to the group steps
+  (`Runner.forward(donate=True)`): the states it gave are deleted after the call, `prime` keeps its
+  position and states' values, and the logits equal a chain of non-donating forwards bit for bit."""
+  prompt = prompt_of(cfg, 9, seed=3)
+  seq = SequenceState(runner, kv_of(cfg, runner))
+  given = jax.tree_util.tree_leaves(seq.rec_states)
+  seq.forward(prompt)
+  assert all(a.is_deleted() for a in given)
+  kept = [np.asarray(a) for a in jax.tree_util.tree_leaves(seq.rec_states)]
+  seq.prime()
+  assert seq.pos == 9 and all(np.array_equal(a, np.asarray(b))
+                              for a, b in zip(kept, jax.tree_util.tree_leaves(seq.rec_states)))
+  kv = kv_of(cfg, runner)
+  out = runner.forward(np.asarray(prompt, np.int32), 0, 9, runner.zero_states(), kv)
+  for i, tok in enumerate([5, 17, 2]):
+    mine = np.asarray(seq.forward([tok]))
+    before = out.rec_states
+    out = runner.forward(np.array([tok], np.int32), 9 + i, 1, before, kv)
+    assert np.array_equal(mine, np.asarray(out.logits_rv[0])), i
+    assert not any(a.is_deleted() for a in jax.tree_util.tree_leaves(before))   # donate=False keeps its inputs
+
+
+def test_donation_off_keeps_the_states_given(cfg, runner, monkeypatch):
+  """`KVJAX_DONATE_STATES=0`: a sequence's forwards leave the states they were given alive (the
+  comparison setting); the logits are the donating forwards' bit for bit."""
+  prompt = prompt_of(cfg, 7, seed=4)
+  donating = SequenceState(runner, kv_of(cfg, runner))
+  want = np.asarray(donating.forward(prompt))
+  monkeypatch.setenv("KVJAX_DONATE_STATES", "0")
+  seq = SequenceState(runner, kv_of(cfg, runner))
+  given = jax.tree_util.tree_leaves(seq.rec_states)
+  assert np.array_equal(np.asarray(seq.forward(prompt)), want)
+  assert not any(a.is_deleted() for a in given)
+
+
 def test_empty_prompt_refused(cfg, runner):
   with pytest.raises(ValueError, match="empty prompt"):
     gen(cfg, runner, prompt=[])

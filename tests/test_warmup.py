@@ -136,7 +136,7 @@ def test_a_second_process_loads_the_programs_from_the_persistent_cache(tmp_path,
   # the second process compiled from disk: the engine's steps loaded whole (kvjax.executables), not
   # even traced, the other programs from jax's cache
   assert runs[0]["hits"] == 0 and runs[0]["loaded"] == 0 and runs[1]["hits"] > 5 and runs[1]["loaded"] >= 8, runs
-  assert "_group_step" in runs[0]["traced"] and not {"_group_step", "_head_step", "place_staged"} & set(runs[1]["traced"])
+  assert "_layer_group" in runs[0]["traced"] and not {"_layer_group", "_head_step", "place_staged"} & set(runs[1]["traced"])
   assert runs[0]["tokens"] == runs[1]["tokens"]
   # the arena's workspaces (decode and prefill steps) measured by compiling once, then read back
   assert runs[0]["measured"] == 2 and runs[1]["measured"] == 0, runs

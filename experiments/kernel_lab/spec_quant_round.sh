@@ -17,6 +17,10 @@
 #   9. bench_decode at 32K with Q4_K ("pallas_q8") under three XLA command-buffer settings: the
 #      default, every captured run however short (--xla_gpu_graph_min_graph_size=1), none
 #      (--xla_gpu_enable_command_buffer=): is the host's launch cost (bench_decode's `disp`) the bound?
+#  10. bench_decode at 32K with Q4_K ("pallas_q8"): a sequence's forwards donating their states and hidden
+#      rows (the default) or not (KVJAX_DONATE_STATES=0), each under XLA's default command buffers and with
+#      every captured run (--xla_gpu_graph_min_graph_size=1): do inputs at fixed addresses let the graphs
+#      replay rather than be recorded again each call?
 # Args: the steps to run (default: 1 2 3 4).  bash experiments/kernel_lab/spec_quant_round.sh 2 3
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -67,5 +71,12 @@ for s in $steps; do
            --model=qwen38_27b --contexts=32768 --arena_mib=2240 --attn_impl=auto --weight_type=q4_k --decode_steps=16 \
            --check_steps=0 --host_profile --out="$OUT/decode_graphs_$i"
        done ;;
+    10) for d in 0 1; do
+          for xf in "" "--xla_gpu_graph_min_graph_size=1"; do
+            step "decode_donate${d}_graphs${xf:+1}" env KVJAX_DONATE_STATES=$d XLA_FLAGS="$xf" KVJAX_PLANAR_PRODUCT=pallas_q8 \
+              python3 -m experiments.bench_decode --model=qwen38_27b --contexts=32768 --arena_mib=2240 --attn_impl=auto \
+              --weight_type=q4_k --decode_steps=16 --check_steps=0 --out="$OUT/decode_donate${d}_graphs${xf:+1}"
+          done
+        done ;;
   esac
 done
