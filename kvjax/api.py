@@ -8,19 +8,19 @@
     print(res.text, res.metrics["decode_tps"])
     logits = api.teacher_forced_logits(model, res.tokens)     # float32 [n, vocab]
 
-This module puts the pieces together (the `kvjax.engine` runner, the KV providers, the
-`kvjax.generate` / `kvjax.speculative` loops); the CLI, the experiments and the notebooks go through
-it. The KV page layout and the attention implementation are fixed when a model is loaded (the
-compiled steps are specialised to them). `warmup(model, kv)` compiles every program a generation on
-`kv` can run; JAX's persistent compilation cache keeps them for the next process (`compile_cache`).
+This module puts the pieces together (the `kvjax.engine` runner, the KV providers, the `kvjax.generate` /
+`kvjax.speculative` loops); the CLI, the experiments and the notebooks go through it. The KV page layout and
+the attention implementation are fixed when a model is loaded (the compiled steps are specialised to them).
+`warmup(model, kv)` compiles every program a generation on `kv` can run; JAX's persistent compilation cache
+keeps them for the next process (`compile_cache`).
 
-Errors. A bad argument raises `ParameterError` (a `ValueError`) whose message names the parameter of
-this API, e.g. "copy_pages must be a power of two >= 1, got 3"; its `params` lists the parameters the
-message names, so a front end can rename them (`kvjax.cli` writes `--kv-stream-copy-pages`). A missing
-model file raises `ModelNotFoundError` (a `ParameterError`). A budget given to `make_kv` that cannot
-hold the cache raises `KVBudgetError` (a `ParameterError` naming `arena_mib` or `pool_pages`, and a
-`kvjax.streaming.StreamBudgetError`); a forward that outgrows it later, `StreamBudgetError`; a
-malformed GGUF file `kvjax.gguf_io.GGUFError`. Each message says what is missing or wrong.
+Errors. A bad argument raises `ParameterError` (a `ValueError`) whose message names the parameter of this API,
+e.g. "copy_pages must be a power of two >= 1, got 3"; its `params` lists the parameters the message names, so a
+front end can rename them (`kvjax.cli` writes `--kv-stream-copy-pages`). A missing model file raises
+`ModelNotFoundError` (a `ParameterError`). A budget given to `make_kv` that cannot hold the cache raises
+`KVBudgetError` (a `ParameterError` naming `arena_mib` or `pool_pages`, and a `kvjax.streaming.StreamBudgetError`);
+a forward that outgrows it later, `StreamBudgetError`; a malformed GGUF file `kvjax.gguf_io.GGUFError`. Each
+message says what is missing or wrong.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax import checks, compile_cache as cache_lib, config as config_lib, model as model_lib
+from kvjax import checks, compile_cache as cache_lib, config as config_lib, executables, model as model_lib
 from kvjax import engine, fused, generate as gen_lib, kv_build, parallel, spec_config, speculative, text as text_lib, tiny, \
     warmup as warm_lib, qweights, weights as weights_lib
 from kvjax.generate import GenerationResult
@@ -65,8 +65,8 @@ __all__ = ["ParameterError", "ModelNotFoundError", "LoadedModel", "KVCache", "Sp
 # ---------------------------------------------------------------------------
 
 class ParameterError(ValueError):
-  """A bad argument. The message names it by its parameter in this API; `params` lists the
-  parameters the message names (dotted for fields, e.g. "spec.n_max")."""
+  """A bad argument. The message names it by its parameter in this API; `params` lists the parameters the message
+  names (dotted for fields, e.g. "spec.n_max")."""
 
   def __init__(self, message: str, *params: str):
     super().__init__(message)
@@ -248,7 +248,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       weights = "dequantized"     # nothing was stored in a kept block format
   layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, k_type, v_type, page_tokens)
   opts = AttentionOptions(attn_impl, block_pages, interpret)
-  model_lib.set_chunk_form(model, gdn_impl, interpret=backend != "gpu")
+  model_lib.set_chunk_form(model, gdn_impl, interpret=backend != "gpu", rows=executables.gdn_rows_form())
   joined = 0
   if tensor_parallel > 1:
     runner = parallel.ShardedRunner(model, layout, opts, tensor_parallel)
@@ -264,6 +264,7 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
 def _check_model(cfg: config_lib.ModelConfig, n: int, gdn_impl: str, backend: str, weight_type=None) -> str:
   for param, check in (("tensor_parallel", lambda: parallel.check_tensor_parallel(cfg, n)),   # before the weights
                        ("gdn_impl", lambda: model_lib.check_chunk_form(cfg, gdn_impl, backend, n)),   # are placed
+                       (executables.GDN_ROWS_ENV, lambda: executables.check_gdn_rows_form(cfg)),
                        ("weight_type", lambda: qweights.check_rows(config_lib.gguf_tensor_shapes(cfg), weight_type))):
     try:
       gdn_impl = check() or gdn_impl
@@ -303,8 +304,8 @@ MAX_POSITIONS = checks.MAX_POSITIONS   # token positions are int32 in the compil
 
 def check_context_length(model: LoadedModel, max_tokens: int, exceed_context_length: bool = False,
                          param: str = "max_tokens") -> None:
-  """`max_tokens` (named `param` in errors) within the model's trained context
-  (`cfg.context_length`) unless `exceed_context_length`, and within int32 positions always."""
+  """`max_tokens` (named `param` in errors) within the model's trained context (`cfg.context_length`) unless
+  `exceed_context_length`, and within int32 positions always."""
   if max_tokens > MAX_POSITIONS:
     raise ParameterError(f"{param} {max_tokens} is beyond the {MAX_POSITIONS} token positions the model "
                          f"indexes (int32)", param)
@@ -317,8 +318,8 @@ def check_context_length(model: LoadedModel, max_tokens: int, exceed_context_len
 
 def generation_tokens(model: LoadedModel, n_prompt: int, n_predict: int, spec: Optional[SpecConfig] = None,
                       exceed_context_length: bool = False) -> int:
-  """The KV capacity a generation sizes for itself (`context_tokens`), refused past the model's
-  context length in the terms the caller chose: the prompt's length and n_predict."""
+  """The KV capacity a generation sizes for itself (`context_tokens`), refused past the model's context length in
+  the terms the caller chose: the prompt's length and n_predict."""
   need = context_tokens(n_prompt, n_predict, spec)
   limit = model.cfg.context_length
   if need > limit and not exceed_context_length:
@@ -338,9 +339,9 @@ def kv_bytes(model: LoadedModel, max_tokens: int) -> int:
 
 def check_kv_memory(model: LoadedModel, max_tokens: int, streamed: bool = False,
                     available: Optional[Dict[str, Optional[int]]] = None) -> None:
-  """The KV bytes of `max_tokens` positions fit the memory they live in: a plain cache's pages on
-  the device (host memory on a CPU), a streamed cache's history on the host (twice: the pages and
-  their pinned mirrors). Refused with the bytes needed and available."""
+  """The KV bytes of `max_tokens` positions fit the memory they live in: a plain cache's pages on the device (host
+  memory on a CPU), a streamed cache's history on the host (twice: the pages and their pinned mirrors). Refused
+  with the bytes needed and available."""
   avail = available_memory() if available is None else available
   need = kv_bytes(model, max_tokens)
   checks = []
@@ -357,8 +358,7 @@ def check_kv_memory(model: LoadedModel, max_tokens: int, streamed: bool = False,
 
 
 class KVBudgetError(ParameterError, StreamBudgetError):
-  """`make_kv`'s budget (`arena_mib` or `pool_pages`) cannot hold the cache; the message says how
-  much is missing."""
+  """`make_kv`'s budget (`arena_mib` or `pool_pages`) cannot hold the cache; the message says how much is missing."""
 
 
 class KVCache:
@@ -663,10 +663,9 @@ _compile_ahead = warmup   # `generate`'s flag of the same name hides the functio
 
 def teacher_forced_logits(model: LoadedModel, tokens: Sequence[int], *, mtp: bool = False,
                           ubatch: int = 256, exceed_context_length: bool = False) -> np.ndarray:
-  """float32 logits of every row of `tokens` [n, vocab], fed in micro-batches of `ubatch` through a
-  plain cache; with `mtp`, the MTP head's logits [n - 1, vocab]: row t from the target's post-norm
-  hidden at t and token t + 1 (it predicts token t + 2). More tokens than the model's context length
-  need `exceed_context_length`."""
+  """float32 logits of every row of `tokens` [n, vocab], fed in micro-batches of `ubatch` through a plain cache; with
+  `mtp`, the MTP head's logits [n - 1, vocab]: row t from the target's post-norm hidden at t and token t + 1 (it
+  predicts token t + 2). More tokens than the model's context length need `exceed_context_length`."""
   ids = _token_ids(model, tokens, "tokens")
   if ubatch < 1:
     raise ParameterError(f"ubatch must be >= 1, got {ubatch}", "ubatch")

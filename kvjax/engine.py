@@ -1,16 +1,15 @@
 """The forward runner: one compiled step per layer group, KV through a provider.
 
-`Runner` splits the NNX model once (`nnx.split`) and calls plain `jax.jit` steps on `(graphdef,
-state, ...)`: `embed` (tokens -> x), `group` (one LayerGroup: 3 GDN blocks + 1 attention block for
-the 27B; all groups share one compiled executable per (rows, chunked) shape), `head` (final norm +
-output projection on selected rows), `mtp` (the attached MTP block, its own KV cache layer).
+`Runner` splits the NNX model once (`nnx.split`) and calls plain `jax.jit` steps on `(graphdef, state, ...)`:
+`embed` (tokens -> x), `group` (one LayerGroup: 3 GDN blocks + 1 attention block for the 27B; all groups
+share one compiled executable per (rows, chunked) shape), `head` (final norm + output projection on
+selected rows), `mtp` (the attached MTP block, its own KV cache layer).
 
-KV is reached through a `KVProvider`: before each attention layer the runner asks it for `(pool_pn,
-table_t)` (the pool holding that layer's pages and the layer's logical -> physical page table), and
-hands back the updated pool and the encoded rows written. The plain cache (`PlainKV`) is an
-all-resident pool with identity tables; the streamed cache (`kvjax.streaming`) stages resident pages
-and ring slots behind the same three calls. Both therefore run the same compiled attention code,
-which is what makes bit-exact comparison possible.
+KV is reached through a `KVProvider`: before each attention layer the runner asks it for `(pool_pn, table_t)`
+(the pool holding that layer's pages and the layer's logical -> physical page table), and hands back the
+updated pool and the encoded rows written. The plain cache (`PlainKV`) is an all-resident pool with identity
+tables; the streamed cache (`kvjax.streaming`) stages resident pages and ring slots behind the same three
+calls. Both run the same compiled attention code, which is what makes bit-exact comparison possible.
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ from flax import nnx
 from kvjax import executables
 from kvjax.config import MTP_OPTIONAL, ModelConfig, gguf_tensor_shapes
 from kvjax.qweights import QuantizedWeight, with_dtype
-from kvjax.model import AttentionOptions, KVRows, Qwen38, attend_wave, empty_carry, layer_groups, output_head, \
-    param_path, place_pages, rms_norm, zero_recurrent_state
+from kvjax.model import AttentionOptions, KVRows, Qwen38, attend_wave, rows_form_of, empty_carry, layer_groups, \
+    output_head, param_path, place_pages, rms_norm, zero_recurrent_state
 from kvjax_pallas.span_attention import api as span_api
 from kvjax_pallas.page_layout import PageLayout
 
@@ -126,8 +125,7 @@ class KVProvider(Protocol):
   `lease_mtp(end_tokens)` holds device pages for the MTP layer's history up to `end_tokens` until
   `release_lease()` (-> bytes loaded). `defer_rows(on)`: rows published at `truncate`, not at the
   forward's end; `end_layer(rows=None)`: rows not to publish."""
-  def begin_forward(self, pos: int, n_tokens: int, cache_layers: Tuple[int, ...],
-                    wave_pages: int = 1) -> None: ...
+  def begin_forward(self, pos: int, n_tokens: int, cache_layers: Tuple[int, ...], wave_pages: int = 1) -> None: ...
   def layer_kv(self, cache_layer: int) -> LayerKV: ...
   def wave_kv(self, cache_layer: int, wave: int) -> LayerKV: ...
   def end_layer(self, cache_layer: int, pool_pn: jax.Array, rows: KVRows) -> None: ...
@@ -154,8 +152,7 @@ class PlainKV:
     self.pool_pn = on_device(jnp.zeros((self.n_layers * self.pages_per_layer, layout.page_bytes), jnp.uint8))
     self.tables_lt = on_device(jnp.arange(self.n_layers * self.pages_per_layer, dtype=jnp.int32).reshape(
         self.n_layers, self.pages_per_layer))
-    # one device array a layer, made once: indexing `tables_lt` in `layer_kv` ran an eager slice (a
-    # dispatch of its own) for every layer of every forward
+    # one device array a layer, made once: indexing `tables_lt` in `layer_kv` ran an eager slice for every layer
     self._table_of = tuple(self.tables_lt[a] for a in range(self.n_layers))
     self.h2d_bytes = 0
     self.d2h_bytes = 0
@@ -253,15 +250,15 @@ def on_device(tree):
 
 
 def zeros_on_device(shape, dtype):
-  """Zeros committed to the device, put there from the host: each new shape of `jnp.zeros` compiles
-  a broadcast program (120-180 ms each on a GPU, 7-10 shapes in a streamed cold start's inert runs).
-  For the small and mid-sized arguments of inert runs; a pool stays `jnp.zeros`."""
+  """Zeros committed to the device, put there from the host: each new shape of `jnp.zeros` compiles a
+  broadcast program (120-180 ms each on a GPU, 7-10 shapes in a streamed cold start's inert runs). For the
+  small and mid-sized arguments of inert runs; a pool stays `jnp.zeros`."""
   return on_device(np.zeros(shape, dtype))
 
 
 def default_device():
-  """The device new arrays go to: `jax.default_device`'s when one is set (a tensor-parallel cache
-  builds and drives one provider per device under it: `kvjax.parallel`), else the first device."""
+  """The device new arrays go to: `jax.default_device`'s when one is set (a tensor-parallel cache builds and
+  drives one provider per device under it: `kvjax.parallel`), else the first device."""
   dev = jax.config.jax_default_device
   return dev if isinstance(dev, jax.Device) else jax.devices()[0]
 
@@ -344,16 +341,15 @@ def _mtp_step(graphdef, state, token_embd_ve, output_norm_e, output_ve, hn_se, n
              layout, opts)
 
 
-@executables.jit(static_argnames=("graphdef", "layout", "opts", "steps"),
-                 donate_argnames=("pool_pn",), params="state")
+@executables.jit(static_argnames=("graphdef", "layout", "opts", "steps"), donate_argnames=("pool_pn",), params="state")
 def _mtp_draft_steps(graphdef, state, token_embd_ve, output_norm_e, output_ve, hm_1e, d, p, p_min, pool_pn,
                      table_t, pos, limit, *, layout, opts, steps):
-  """MTP drafting as one program: from the candidate `d` (top-1 probability `p`) proposed by the
-  MTP hidden `hm_1e`, up to `steps` draft steps, step i feeding (its hidden, its candidate) at MTP
-  position pos + i, while i < `limit` and every candidate so far reached `p_min` (a device mask:
-  the loop stops there, and rows it does not run are not written). -> (candidates [steps + 1] int32
-  and their top-1 probabilities [steps + 1] f32, `d` / `p` first (-1 / -1.0 where not reached),
-  pool_pn, the rows of every step `KVRows [steps, ...]` (zero where not run))."""
+  """MTP drafting as one program: from the candidate `d` (top-1 probability `p`) proposed by the MTP hidden
+  `hm_1e`, up to `steps` draft steps, step i feeding (its hidden, its candidate) at MTP position pos + i,
+  while i < `limit` and every candidate so far reached `p_min` (a device mask: the loop stops there, and rows
+  it does not run are not written). -> (candidates [steps + 1] int32 and their top-1 probabilities [steps + 1]
+  f32, `d` / `p` first (-1 / -1.0 where not reached), pool_pn, the rows of every step `KVRows [steps, ...]`
+  (zero where not run))."""
   mtp = merge_static(graphdef, state)
   kb, vb = layout.k_row_bytes, layout.v_row_bytes
   cand_d = jnp.full((steps + 1,), -1, jnp.int32).at[0].set(d)
@@ -395,9 +391,9 @@ def _mtp_attn_end(graphdef, state, output_norm_e, output_ve, u_se, carry, gate_s
   return mtp.head(mtp.block.attend_end(u_se, o_shd, gate_se), output_norm_e, output_ve)
 
 
-# How each step's arguments and results divide over devices sharding the KV heads (`kvjax.parallel`
-# builds a shard_map a step from this table): PARAMS the parameter leaves (a spec each), SAME the
-# same array on every device, HEADS split by KV head along axis 0 (pools, tables, states, queries).
+# How each step's arguments and results divide over devices sharding the KV heads (`kvjax.parallel` builds a
+# shard_map a step from this table): PARAMS the parameter leaves (a spec each), SAME the same array on every
+# device, HEADS split by KV head along axis 0 (pools, tables, states, queries).
 PARAMS, SAME, HEADS = "params", "same", "heads"
 
 
@@ -427,8 +423,8 @@ STEP_ROLES: Dict[str, StepRoles] = {
 
 
 def select_row(captured_states, row: int):
-  """Recurrent states captured per row (`capture_states=True`) -> the states after `row` (one
-  compiled call for the whole tree, the row a traced index: no compile per row)."""
+  """Recurrent states captured per row (`capture_states=True`) -> the states after `row` (one compiled call
+  for the whole tree, the row a traced index: no compile per row)."""
   return _select_row(captured_states, executables.int32_arg(row))
 
 
@@ -445,10 +441,8 @@ class ForwardOut(NamedTuple):
 
 
 class Runner:
-  """Runs the split model group by group against a KV provider.
-
-  The compiled steps are class attributes, so a runner over a device mesh
-  (`kvjax.parallel.ShardedRunner`) drives the same loop with its per-device (shard_map) steps."""
+  """Runs the split model group by group against a KV provider. The compiled steps are class attributes, so a
+  runner over a device mesh (`kvjax.parallel.ShardedRunner`) drives the same loop with its per-device steps."""
   place_step = staticmethod(place_staged)
   group_step = staticmethod(_group_step)
   donating_group_step = staticmethod(_donating_group_step)
@@ -462,6 +456,7 @@ class Runner:
 
   def __init__(self, model: Qwen38, layout: PageLayout, opts: AttentionOptions = AttentionOptions()):
     self.cfg, self.layout, self.opts = model.cfg, layout, opts
+    self.gdn_form = rows_form_of(model)   # the rows' delta rule (form, interpret): a rollback replays by it
     self.groups = [(structure, on_device(leaves))
                    for structure, leaves in intern_structures([split_static(g) for g in model.groups])]
     self.n_recurrent = [len(g.recurrent) for g in model.groups]
@@ -481,6 +476,10 @@ class Runner:
 
   def zero_states(self):
     return on_device(tuple(tuple(zero_recurrent_state(self.cfg) for _ in range(n)) for n in self.n_recurrent))
+
+  def step_for(self, donate: bool, capture):
+    """The group step a forward runs: the donating one when `donate` and no states are captured."""
+    return self.donating_group_step if donate and not capture else self.group_step
 
   def forward(self, tokens_s, pos: int, n_valid: int, rec_states, kv: KVProvider,
               logits_rows: Optional[np.ndarray] = None, chunked: Optional[bool] = None, capture_states: bool = False,
@@ -537,7 +536,7 @@ class Runner:
               for (x_in, _, gate, _), carry in zip(begun, carries)]
       else:
         pool_pn = self.place(lkv)
-        step = self.donating_group_step if donate and not capture_states else self.group_step
+        step = self.step_for(donate, capture_states)
         for j in range(m):
           xs[j], st, pool_pn, r = step(gdef, gstate, xs[j], st, pool_pn, lkv.table_t, *at[j], layout=self.layout,
                                        opts=opts, chunked=chunked, capture=capture_states)
@@ -589,8 +588,8 @@ class Runner:
     x, zero = zeros_on_device((rows, self.cfg.hidden_size), self.token_embd.dtype), jnp.int32(0)
     _embed_step(self.token_embd, np.zeros((rows,), np.int32))   # as a forward passes its ids
     states = self.zero_states()
-    donate = executables.donate_states() and not capture   # as `SequenceState.forward` runs them
-    step = self.donating_group_step if donate else self.group_step
+    step = self.step_for(executables.donate_states(), capture)   # as `SequenceState.forward` runs them
+    donate = step is self.donating_group_step
     for g, gdef, gstate, a in self.distinct_groups():
       out = step(gdef, gstate, zeros_on_device(x.shape, x.dtype) if donate else x, states[g],
                  pool_pn if a is not None else None, table_t if a is not None else None, zero, zero,

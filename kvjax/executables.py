@@ -325,6 +325,28 @@ def donate_states() -> bool:
   return os.environ.get(DONATE_ENV, "1").strip().lower() not in compile_cache.OFF
 
 
+GDN_ROWS_ENV = "KVJAX_GDN_ROWS"
+
+
+def gdn_rows_form() -> Optional[str]:
+  """The delta rule's form for a decode's and verify's rows when `KVJAX_GDN_ROWS` names one ("xla" or "triton":
+  for comparisons), else None (gdn_impl's form). A one-line ValueError naming the variable for any other value."""
+  value = os.environ.get(GDN_ROWS_ENV, "").strip().lower()
+  if value not in ("", "xla", "triton"):
+    raise ValueError(f"{GDN_ROWS_ENV}={value!r}: expected xla or triton (or unset: gdn_impl's form)")
+  return value or None
+
+
+def check_gdn_rows_form(cfg) -> None:
+  """`gdn_rows_form()` checked against the model's heads (the kernel's sizes) before anything is placed."""
+  from kvjax_pallas.delta_rule import triton as delta_rule_triton   # pylint: disable=import-outside-toplevel
+  if gdn_rows_form() == "triton":
+    try:
+      delta_rule_triton.check_kernel_sizes(cfg.linear_head_dim, cfg.linear_head_dim)
+    except ValueError as e:
+      raise ValueError(f"{GDN_ROWS_ENV}=triton: the model's Gated DeltaNet heads: {e}") from None
+
+
 def ahead() -> bool:
   """Whether steps are prepared ahead of their calls (`kvjax.warmup.prepare`): with the store on,
   on a machine of 4 cores or more (on 2, a compile beside the run slowed a CPU generation 2x)."""

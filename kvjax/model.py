@@ -1,19 +1,17 @@
 """Qwen3.8-style hybrid target (Gated DeltaNet + gated attention) and its MTP head, in Flax NNX.
 
-The math is that of docs/reference-design.md ("Model architecture"), in GGUF conventions: every
-parameter keeps its GGUF name (dots -> underscores, `.weight` dropped) and GGUF shape (`[out, in]`,
-applied as `x @ W.T`), norm weights are stored with the +1 folded in, and Gated DeltaNet value head
-j reads key head j % Hk.
+The math is that of docs/reference-design.md ("Model architecture"), in GGUF conventions: every parameter keeps its GGUF
+name (dots -> underscores, `.weight` dropped) and GGUF shape (`[out, in]`, applied as `x @ W.T`), norm weights are
+stored with the +1 folded in, and Gated DeltaNet value head j reads key head j % Hk.
 
-Structure. Blocks are grouped into `LayerGroup`s: a run of recurrent blocks followed by (at most)
-one attention block — 3 GDN + 1 attention for the 27B. Every group of the model has the same
-structure, so one compiled group step serves all 16 groups (compile time does not grow with
-depth), and a streamed runtime can stage the next group's KV pages between group steps.
+Structure. Blocks are grouped into `LayerGroup`s: a run of recurrent blocks followed by (at most) one attention block —
+3 GDN + 1 attention for the 27B. Every group of the model has the same structure, so one compiled group step serves all
+16 groups (compile time does not grow with depth), and a streamed runtime can stage the next group's KV pages between
+group steps.
 
-Attention reads and writes KV through the paged pool (`kvjax_pallas.page_layout`): new K/V rows are
-encoded with the ggml codec and written into their page first, then span attention runs over the
-layer's page table. The plain cache is the same pool with an identity page table.
-"""
+Attention reads and writes KV through the paged pool (`kvjax_pallas.page_layout`): new K/V rows are encoded with the
+ggml codec and written into their page first, then span attention runs over the layer's page table. The plain cache is
+the same pool with an identity page table."""
 
 from __future__ import annotations
 
@@ -87,9 +85,9 @@ def rms_norm(x, w, eps):
 
 
 def linear(x, w):
-  """x [..., in] @ w[out, in].T -> [..., out] (w's dtype, f32 accumulation). `w` may be a
-  `QuantizedWeight` (ggml blocks): "xla" dequantizes it and runs this same product (the bits of a
-  weight dequantized at load), "pallas" a kernel that dequantizes as it reads."""
+  """x [..., in] @ w[out, in].T -> [..., out] (w's dtype, f32 accumulation). `w` may be a `QuantizedWeight` (ggml
+  blocks): "xla" dequantizes it and runs this same product (the bits of a weight dequantized at load), "pallas" a kernel
+  that dequantizes as it reads."""
   if isinstance(w, QuantizedWeight):
     if w.impl != "xla":
       return w.matmul(x)
@@ -100,8 +98,8 @@ def linear(x, w):
 
 
 def products(module, x, names: Sequence[str]) -> List[jax.Array]:
-  """[linear(x, module.<name>) for name in names], with the names that `kvjax.fused.fuse_projections`
-  joined computed as one product over their joined matrix, then split."""
+  """[linear(x, module.<name>) for name in names], with the names that `kvjax.fused.fuse_projections` joined computed as
+  one product over their joined matrix, then split."""
   groups = getattr(module, "fused_groups", ())
   out: Dict[str, jax.Array] = {}
   for name in names:
@@ -155,12 +153,10 @@ def write_kv_rows(pool_pn, table_t, pos, n_valid, rows: KVRows, layout: PageLayo
 def place_rows(pool_pn, rows_rn, base, lo, hi):
   """pool[base + j] = rows[j] for lo <= j < hi; every other pool row unchanged.
 
-  `base`, `lo`, `hi` are traced int32 scalars, so one compiled step places any page range of a
-  staged copy unit (`rows_rn [c, page_bytes]`) wherever the ring puts it. A window of
-  min(c, pool pages) rows that covers the destination is read, the staged rows selected into
-  it, and the window written back in place (the pool is donated to the step that calls this).
-  Requires 0 <= base + lo and base + hi <= pool pages (hi - lo <= c).
-  """
+  `base`, `lo`, `hi` are traced int32 scalars, so one compiled step places any page range of a staged copy unit
+  (`rows_rn [c, page_bytes]`) wherever the ring puts it. A window of min(c, pool pages) rows that covers the
+  destination is read, the staged rows selected into it, and the window written back in place (the pool is donated
+  to the step that calls this). Requires 0 <= base + lo and base + hi <= pool pages (hi - lo <= c)."""
   n_pool, c = pool_pn.shape[0], rows_rn.shape[0]
   w = min(c, n_pool)
   start = jnp.clip(base + lo, 0, n_pool - w)
@@ -173,9 +169,8 @@ def place_rows(pool_pn, rows_rn, base, lo, hi):
 
 
 def place_pages(pool_pn, stage, pieces_sk3):
-  """Place staged copy units into the pool: `stage[i]` is a `[c_i, page_bytes]` array and
-  `pieces_sk3[i, k] = (base, lo, hi)` one contiguous destination run of its rows (see
-  `place_rows`; an empty run has lo == hi). No stage, no change."""
+  """Place staged copy units into the pool: `stage[i]` is a `[c_i, page_bytes]` array and `pieces_sk3[i, k] = (base, lo,
+  hi)` one contiguous destination run of its rows (see `place_rows`; an empty run has lo == hi). No stage, no change."""
   for i, rows_rn in enumerate(stage):
     for k in range(pieces_sk3.shape[1]):
       base, lo, hi = pieces_sk3[i, k, 0], pieces_sk3[i, k, 1], pieces_sk3[i, k, 2]
@@ -236,8 +231,8 @@ class GatedAttention(nnx.Module):
     return block_sum(linear(o_se.astype(self.attn_output[...].dtype), self.attn_output[...]))
 
   def causal(self, h_se, pos_s):
-    """The rows attend causally to themselves, without a cache (the training form: differentiable,
-    f32 scores and softmax). Equals `Block.attend` on an empty cache with f32 K/V pages."""
+    """The rows attend causally to themselves, without a cache (the training form: differentiable, f32 scores and
+    softmax). Equals `Block.attend` on an empty cache with f32 K/V pages."""
     cfg = self.cfg
     s = h_se.shape[0]
     G, D = cfg.num_kv_heads, cfg.head_dim
@@ -251,18 +246,17 @@ class GatedAttention(nnx.Module):
 
 
 def wave_cut(tree):
-  """Where `Block.attend` is cut as the copy-wave programs are (`lax.optimization_barrier`; a
-  module attribute so that `experiments.kernel_lab.probe_wave_bits` can compare the uncut form)."""
+  """Where `Block.attend` is cut as the copy-wave programs are (`lax.optimization_barrier`; a module attribute so that
+  `experiments.kernel_lab.probe_wave_bits` can compare the uncut form)."""
   return lax.optimization_barrier(tree)
 
 
 def attend_wave(pool_pn, table_t, rows: KVRows, q_shd, carry, pos, n_valid, tile_begin,
                 tile_end, layout: PageLayout, opts: AttentionOptions):
-  """One copy wave of a layer whose streamed pages exceed the ring (its staged pages already
-  placed): write the new rows that fall on logical pages [tile_begin, tile_end) (the wave's table maps only
-  those), fold those pages into the attention carry (None before the first wave: the empty carry,
-  as in one call) -> (pool_pn, carry). Waves in logical order
-  with boundaries at multiples of the call's partition give the bits of one call."""
+  """One copy wave of a layer whose streamed pages exceed the ring (its staged pages already placed): write the new rows
+  that fall on logical pages [tile_begin, tile_end) (the wave's table maps only those), fold those pages into the
+  attention carry (None before the first wave: the empty carry, as in one call) -> (pool_pn, carry). Waves in logical
+  order with boundaries at multiples of the call's partition give the bits of one call."""
   t = jnp.arange(table_t.shape[0], dtype=jnp.int32)
   in_wave = (t >= tile_begin) & (t < tile_end)
   pool_pn = write_kv_rows(pool_pn, jnp.where(in_wave, table_t, pool_pn.shape[0]), pos, n_valid, rows,
@@ -277,9 +271,9 @@ def attend_wave(pool_pn, table_t, rows: KVRows, q_shd, carry, pos, n_valid, tile
 
 
 def empty_carry(q_shd, layout: PageLayout):
-  """The attention carry before the first page, for the queries `q_shd [S, H, D]`: folding a
-  partition into it is an exact no-op (`reference.merge_partials`), so a first copy wave given it
-  runs the program of every later wave, with the bits of one call."""
+  """The attention carry before the first page, for the queries `q_shd [S, H, D]`: folding a partition into it is an
+  exact no-op (`reference.merge_partials`), so a first copy wave given it runs the program of every later wave, with the
+  bits of one call."""
   s, h, d = q_shd.shape
   return span_api.init_carry(layout.num_kv_heads, s * (h // layout.num_kv_heads), d)
 
@@ -291,9 +285,8 @@ class RecurrentState(NamedTuple):
 
 
 class ReplayRows(NamedTuple):
-  """A verify forward's rows of one Gated DeltaNet layer, what `replay_state` needs to rebuild
-  the state after any of them from the state before them (`capture="replay"`): per row tens of KB
-  where the state itself is MBs."""
+  """A verify forward's rows of one Gated DeltaNet layer, what `replay_state` needs to rebuild the state after any of
+  them from the state before them (`capture="replay"`): per row tens of KB where the state itself is MBs."""
   qkv_sc: jax.Array     # [S, conv_dim] float32: the causal conv's inputs
   k_shk: jax.Array      # [S, Hv, dk] float32: the delta rule's keys (normalised, tiled, masked)
   v_shv: jax.Array      # [S, Hv, dv] float32
@@ -301,15 +294,19 @@ class ReplayRows(NamedTuple):
   beta_sh: jax.Array    # [S, Hv] float32
 
 
-def replay_state(state: RecurrentState, rows: ReplayRows, row) -> RecurrentState:
-  """The state after verify row `row` (traced) of a forward that started from `state`: the conv
-  window slid past rows 0..row and the delta rule stepped through them, by the decode step's own
-  arithmetic (`delta_rule_step`), so the result is the captured state's bits. The rows are few
-  (the verify width), so the steps are unrolled and masked past `row`: straight-line code, no
-  device loop whose every trip waits for its condition."""
+def replay_state(state: RecurrentState, rows: ReplayRows, row, form=("xla", False)) -> RecurrentState:
+  """The state after verify row `row` (traced) of a forward that started from `state`: the conv window slid
+  past rows 0..row and the delta rule stepped through them by the verify's own arithmetic (`form`, the
+  layers' `GatedDeltaNet.rows_form`: "triton" the rows kernel over the first row + 1 rows; "xla" the decode
+  step `delta_rule_step` unrolled and masked past `row`, straight-line code rather than a device loop), so
+  the result is the captured state's bits."""
   k1 = state.conv_kc.shape[0]
   xpad = jnp.concatenate([state.conv_kc, rows.qkv_sc], axis=0)
   conv = lax.dynamic_slice_in_dim(xpad, row + 1, k1, axis=0)
+  if form[0] != "xla":
+    s, _ = delta_rule_api.delta_rule_rows(state.delta_hkv, rows.k_shk, rows.k_shk, rows.v_shv, rows.g_sh,
+                                          rows.beta_sh, row + 1, implementation=form[0], interpret=form[1])
+    return RecurrentState(conv, s)
   s = state.delta_hkv
   for i in range(rows.k_shk.shape[0]):
     k_hk = rows.k_shk[i]
@@ -333,11 +330,8 @@ def delta_rule_step(state_hkv, q_hk, k_hk, v_hv, g_h, beta_h):
 
 
 def delta_rule_scan(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, capture: bool = False):
-  """Token-by-token gated delta rule (the decode form).
-
-  With `capture`, the returned state has a leading row axis: the state after
-  each row (speculative verification keeps the one after the last accepted row).
-  """
+  """Token-by-token gated delta rule (the decode form). With `capture`, the returned state has a leading row axis:
+  the state after each row (speculative verification keeps the one after the last accepted row)."""
   def body(s, xs):
     s, o = delta_rule_step(s, *xs)
     return s, ((o, s) if capture else o)
@@ -395,7 +389,7 @@ def delta_rule_chunked(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, chunk: int
   return state_hkv, o_shv
 
 
-CHUNK_FORMS = ("xla", "triton")   # the prefill's delta rule: delta_rule_chunked, the Pallas kernel
+CHUNK_FORMS = ("xla", "triton")   # the delta rule: XLA's forms (delta_rule_chunked, _scan), the Pallas kernels
 
 
 def check_chunk_form(cfg: ModelConfig, form: str, backend: str = "cpu", devices: int = 1) -> str:
@@ -411,15 +405,22 @@ def check_chunk_form(cfg: ModelConfig, form: str, backend: str = "cpu", devices:
   return form
 
 
-def set_chunk_form(model: nnx.Module, form: str, interpret: bool = False) -> int:
-  """Every Gated DeltaNet of `model` runs its prefill delta rule as `form` ("xla" or "triton"; `interpret` without
-  a GPU): static structure, set before the model is split into steps. -> how many layers it set."""
-  if form not in CHUNK_FORMS:
-    raise ValueError(f"gdn_impl {form!r}: expected one of {', '.join(CHUNK_FORMS)}")
+def set_chunk_form(model: nnx.Module, form: str, interpret: bool = False, rows: Optional[str] = None) -> int:
+  """Every Gated DeltaNet of `model` runs its delta rule as `form` ("xla" or "triton": the chunked kernel for a
+  prefill's rows and, unless `rows` names another form, the rows kernel for a decode's and verify's; `interpret`
+  without a GPU): static structure, set before the model is split into steps. -> how many layers it set."""
+  for name, f in (("gdn_impl", form), ("the rows' form", rows or form)):
+    if f not in CHUNK_FORMS:
+      raise ValueError(f"{name} {f!r}: expected one of {', '.join(CHUNK_FORMS)}")
   mixers = [m for _, m in nnx.iter_graph(model) if isinstance(m, GatedDeltaNet)]
   for m in mixers:
-    m.chunk_form = (form, bool(interpret))
+    m.chunk_form, m.rows_form = (form, bool(interpret)), (rows or form, bool(interpret))
   return len(mixers)
+
+
+def rows_form_of(model: nnx.Module) -> Tuple[str, bool]:
+  """The (form, interpret) its Gated DeltaNet layers run a decode's and verify's rows in (`set_chunk_form`)."""
+  return next((m.rows_form for _, m in nnx.iter_graph(model) if isinstance(m, GatedDeltaNet)), ("xla", False))
 
 
 class GatedDeltaNet(nnx.Module):
@@ -430,12 +431,12 @@ class GatedDeltaNet(nnx.Module):
     for leaf, shape in recurrent_block_shapes(cfg).items():
       is_vec = len(shape) == 1 or leaf == "ssm_conv1d.weight"
       setattr(self, attr_name(leaf), _param(shape, jnp.float32 if is_vec else dtype))
-    self.chunk_form = ("xla", False)   # the chunked form's (implementation, interpret): set_chunk_form
+    self.chunk_form = self.rows_form = ("xla", False)   # the forms' (implementation, interpret): set_chunk_form
 
   def __call__(self, h_se, state: RecurrentState, n_valid, chunked: bool, capture: bool = False):
-    """`chunked`: WY chunked form (prefill) or token scan (decode / verify). `capture` (scan form
-    only): True returns the state after every row, each field with a leading row axis; "replay"
-    returns the rows themselves (`ReplayRows`: `replay_state` rebuilds any row's state)."""
+    """`chunked`: WY chunked form (prefill) or token scan (decode / verify). `capture` (scan form only): True returns
+    the state after every row, each field with a leading row axis; "replay" returns the rows themselves (`ReplayRows`:
+    `replay_state` rebuilds any row's state)."""
     cfg = self.cfg
     s = h_se.shape[0]
     Hk, Hv, dk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_head_dim
@@ -479,8 +480,11 @@ class GatedDeltaNet(nnx.Module):
       else:
         delta, o_shv = delta_rule_api.delta_rule(state.delta_hkv, q, k, v, g_sh, beta_sh, implementation=form,
                                                  interpret=interpret)
-    else:
+    elif self.rows_form[0] == "xla":
       delta, o_shv = delta_rule_scan(state.delta_hkv, q, k, v, g_sh, beta_sh, capture=capture is True)
+    else:   # the decode's and verify's rows in one kernel (`kvjax_pallas.delta_rule.rows`)
+      delta, o_shv = delta_rule_api.delta_rule_rows(state.delta_hkv, q, k, v, g_sh, beta_sh, capture=capture is True,
+                                                    implementation=self.rows_form[0], interpret=self.rows_form[1])
     o_shv = rms_norm(o_shv, self.ssm_norm[...], cfg.rms_eps) * jax.nn.silu(z_shv)
     out = block_sum(linear(o_shv.reshape(s, Hv * dk).astype(self.ssm_out[...].dtype), self.ssm_out[...]))
     if capture == "replay":   # the rows, not the states after them (`replay_state`)
@@ -508,14 +512,13 @@ class Block(nnx.Module):
     return self._ffn(x_se + out.astype(x_se.dtype)), state
 
   def attend(self, x_se, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset=0):
-    """Rows at cache positions pos..pos+S-1 (rows >= n_valid are padding) over the paged KV in one
-    span-attention call -> (x_se, pool_pn with the rows written, the encoded rows).
+    """Rows at cache positions pos..pos+S-1 (rows >= n_valid are padding) over the paged KV in one span-attention call
+    -> (x_se, pool_pn with the rows written, the encoded rows).
 
-    Built from the copy-wave path's pieces (`attend_begin`, the kernel's `partial` entry,
-    `attend_end`) and cut where that path's compiled programs are cut, by optimization barriers:
-    XLA then fuses each side alike in both, so one call and copy waves give the same bits on the
-    compiled GPU kernels too (without the cuts a waved layer differed by ~1e-5 on the H200:
-    fusion decides where products are contracted into FMAs)."""
+    Built from the copy-wave path's pieces (`attend_begin`, the kernel's `partial` entry, `attend_end`) and cut where
+    that path's compiled programs are cut, by optimization barriers: XLA then fuses each side alike in both, so one call
+    and copy waves give the same bits on the compiled GPU kernels too (without the cuts a waved layer differed by ~1e-5
+    on the H200: fusion decides where products are contracted into FMAs)."""
     q_shd, gate_se, rows = self.attend_begin(x_se, pos, layout, rope_offset)
     x_se, q_shd, gate_se, rows = wave_cut((x_se, q_shd, gate_se, rows))
     pool_pn = write_kv_rows(pool_pn, table_t, pos, n_valid, rows, layout)
@@ -564,8 +567,8 @@ class LayerGroup(nnx.Module):
     return x_se, new_states, pool_pn, rows
 
   def causal(self, x_se, pos_s):
-    """The training form of one sequence from position 0: Gated DeltaNet chunked from the zero
-    state, attention over the rows themselves (`Block.attend_causal`); no cache."""
+    """The training form of one sequence from position 0: Gated DeltaNet chunked from the zero state, attention over the
+    rows themselves (`Block.attend_causal`); no cache."""
     s = x_se.shape[0]
     for blk in self.recurrent:
       x_se, _ = blk.recurrent(x_se, zero_recurrent_state(blk.mixer.cfg), s, chunked=True)
@@ -589,13 +592,10 @@ class MTPHead(nnx.Module):
 
   def __call__(self, hn_se, emb_se, output_norm_e, output_ve, pool_pn, table_t, pos, n_valid, layout,
                opts):
-    """Rows (hidden hn_t, embedded token x_{t+1}) at MTP-cache positions pos.. -> logits.
-
-    hn_t is the target's post-norm hidden (or, for later draft steps, the MTP's
-    own `hm`). The row's RoPE position is its cache position + 1 (llama.cpp's
-    convention: the row for (x_{t+1}, hn_t) sits at position t+1 and cache slot t).
-    -> (logits_sv f32, hm_se, pool_pn, rows).
-    """
+    """Rows (hidden hn_t, embedded token x_{t+1}) at MTP-cache positions pos.. -> (logits_sv f32, hm_se, pool_pn,
+    rows). hn_t is the target's post-norm hidden (or, for later draft steps, the MTP's own `hm`). The row's RoPE
+    position is its cache position + 1 (llama.cpp's convention: the row for (x_{t+1}, hn_t) sits at position t+1 and
+    cache slot t)."""
     u = self.block_input(hn_se, emb_se)
     u, pool_pn, rows = self.block.attend(u, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset=1)
     logits, hm = self.head(u, output_norm_e, output_ve)
@@ -632,8 +632,8 @@ class Qwen38(nnx.Module):
     return self.output[...] if self.output is not None else self.token_embd[...]
 
   def causal(self, tokens_s):
-    """Teacher-forced forward of one sequence from position 0 in the training form (no cache,
-    differentiable) -> (logits_sv f32, hn_se: the post-norm hidden of every row)."""
+    """Teacher-forced forward of one sequence from position 0 in the training form (no cache, differentiable) ->
+    (logits_sv f32, hn_se: the post-norm hidden of every row)."""
     pos_s = jnp.arange(tokens_s.shape[0], dtype=jnp.int32)
     x_se = self.token_embd[...][tokens_s]
     for group in self.groups:
@@ -641,8 +641,8 @@ class Qwen38(nnx.Module):
     return output_head(x_se, self.output_norm[...], self.output_weight(), self.cfg.rms_eps)
 
   def mtp_causal(self, hn_se, next_tokens_s):
-    """The MTP head in the training form: row t from hn_t and token t+1 (predicts token t+2), RoPE
-    position t + 1 as in `MTPHead.__call__` -> logits_sv f32."""
+    """The MTP head in the training form: row t from hn_t and token t+1 (predicts token t+2), RoPE position t + 1 as in
+    `MTPHead.__call__` -> logits_sv f32."""
     pos_s = jnp.arange(hn_se.shape[0], dtype=jnp.int32) + 1
     u_se = self.mtp.block.attend_causal(self.mtp.block_input(hn_se, self.token_embd[...][next_tokens_s]), pos_s)
     return self.mtp.head(u_se, self.output_norm[...], self.output_weight())[0]

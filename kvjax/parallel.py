@@ -227,6 +227,7 @@ class ShardedRunner(engine.Runner):
         self.device_runners.append(engine.Runner(shard, self.layout, opts))
     r0 = self.device_runners[0]
     self.n_recurrent, self.attn_index, self.mtp_layer = r0.n_recurrent, r0.attn_index, r0.mtp_layer
+    self.gdn_form = r0.gdn_form
     self._wspec = {}
 
     def module(pairs):   # [(structure, leaves) per device] -> (structure, global leaves)

@@ -30,14 +30,14 @@ One round, read top to bottom (C = committed tokens, b = the next token, already
    forwards' KV rows were kept back on the device (`defer_rows`) and are published now, up to row
    j only (the rejected rows never reach the host histories).
 
-With greedy verification the output equals plain greedy decoding whenever the verify rows
-compute the same argmax as one-row decode steps (tested on CPU). The round reads its configuration
-from `SpecConfig` (`kvjax.spec_config`; the API's `kvjax.api.SpecConfig` is the same class).
-"""
+With greedy verification the output equals plain greedy decoding whenever the verify rows compute the same
+argmax as one-row decode steps (tested on CPU). The round reads its configuration from `SpecConfig`
+(`kvjax.spec_config`; the API's `kvjax.api.SpecConfig` is the same class)."""
 
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -65,9 +65,9 @@ def check_ubatch(spec: SpecConfig, ubatch: int, max_tokens: Optional[int] = None
 
 
 def ngram_draft(history: Sequence[int], n: int, m: int) -> List[int]:
-  """ngram-simple: find the latest earlier occurrence of the last `n` tokens; propose up to `m`
-  tokens that followed it (none when the key never occurred before). The plain backward scan
-  (`NgramIndex` gives the same drafts at a cost independent of the history's length)."""
+  """ngram-simple: find the latest earlier occurrence of the last `n` tokens; propose up to `m` tokens that followed it
+  (none when the key never occurred before). The plain backward scan (`NgramIndex` gives the same drafts at a cost
+  independent of the history's length)."""
   if len(history) <= n:
     return []
   key = list(history[-n:])
@@ -78,11 +78,10 @@ def ngram_draft(history: Sequence[int], n: int, m: int) -> List[int]:
 
 
 class NgramIndex:
-  """ngram-simple over a growing token history, incrementally: `latest[key]` is the latest start of
-  the n tokens `key` that some token follows, updated as tokens are appended (`extend`), so a
-  round's draft (`draft(m)`, equal to `ngram_draft(tokens, n, m)`) costs a dictionary lookup
-  whatever the history's length. `tokens` is the history itself (committed tokens only: the
-  speculative loop appends accepted tokens and never takes any back)."""
+  """ngram-simple over a growing token history, incrementally: `latest[key]` is the latest start of the n tokens `key`
+  that some token follows, updated as tokens are appended (`extend`), so a round's draft (`draft(m)`, equal to
+  `ngram_draft(tokens, n, m)`) costs a dictionary lookup whatever the history's length. `tokens` is the history itself
+  (committed tokens only: the speculative loop appends accepted tokens and never takes any back)."""
 
   def __init__(self, n: int, tokens: Sequence[int] = ()):
     if n < 1:
@@ -109,9 +108,9 @@ class NgramIndex:
 
 
 class OracleDrafter:
-  """Drafts the target's own greedy continuation `truth` (the tokens plain greedy decoding
-  generates), each kept with probability `acceptance` (seeded); the first draft not kept is
-  replaced by a wrong token and ends the round. Called as `drafter(n_generated, m)`."""
+  """Drafts the target's own greedy continuation `truth` (the tokens plain greedy decoding generates), each kept with
+  probability `acceptance` (seeded); the first draft not kept is replaced by a wrong token and ends the round. Called as
+  `drafter(n_generated, m)`."""
 
   def __init__(self, truth: Sequence[int], acceptance: float, seed: int, vocab_size: int):
     self.truth = [int(t) for t in truth]
@@ -130,9 +129,9 @@ class OracleDrafter:
 
 
 def verify_state_bytes(runner: Runner, spec: SpecConfig) -> int:
-  """Device bytes a verify forward's captured recurrent states hold beyond the live state (one
-  row): rollback "device" keeps every group's states of the other W - 1 rows until the rollback;
-  "host" holds at most `HostRollback.SLOTS` groups' W - 1 rows in its stage."""
+  """Device bytes a verify forward's captured recurrent states hold beyond the live state (one row): rollback "device"
+  keeps every group's states of the other W - 1 rows until the rollback; "host" holds at most `HostRollback.SLOTS`
+  groups' W - 1 rows in its stage."""
   rows = spec.verify_width - 1
   if spec.rollback == "replay":   # every row's inputs of every layer (`model.ReplayRows`)
     return spec.verify_width * replay_row_bytes(runner.cfg)
@@ -164,7 +163,7 @@ class DeviceRollback:
   capture = True     # the verify forward's `capture_states`
   traced = True      # `states_after` takes j as a device scalar (before the round's read)
 
-  def __init__(self):
+  def __init__(self, runner=None):   # (every rollback is made from the runner: `ReplayRollback` reads its form)
     self.d2h_bytes = self.h2d_bytes = 0
 
   def sink(self):
@@ -176,35 +175,36 @@ class DeviceRollback:
 
 
 class ReplayRollback:
-  """The verify keeps its rows' inputs, not the states after them (`capture="replay"`: per Gated
-  DeltaNet layer and row the conv inputs, keys, values, decay and beta, ~2-3 % of a state); rollback
-  rebuilds the states after row j from the states before the verify (`model.replay_state`, one
-  compiled call for every group, j traced): no state copies in the arena, none across the link."""
+  """The verify keeps its rows' inputs, not the states after them (`capture="replay"`: per Gated DeltaNet layer and
+  row the conv inputs, keys, values, decay and beta, ~2-3 % of a state); rollback rebuilds the states after row j
+  from the states before the verify (`model.replay_state` by the runner's delta rule form, one compiled call for
+  every group, j traced): no state copies in the arena, none across the link."""
   name = "replay"
   capture = "replay"
   traced = True
 
-  def __init__(self):
+  def __init__(self, runner=None):
     self.d2h_bytes = self.h2d_bytes = 0
+    self.form = getattr(runner, "gdn_form", ("xla", False))
 
   def sink(self):
     return None
 
   def states_after(self, captured, j: int, n_rows: int, before=None):
     del n_rows
-    return _replay(before, captured, executables.int32_arg(j))
+    return _replay(before, captured, executables.int32_arg(j), form=self.form)
 
 
 REPLAY_CHUNK_BYTES = 32 << 20   # states stepped together by one `_replay` kernel, at most
 
 
-@jax.jit
-def _replay(before, captured, j):
-  """`replay_state` of every Gated DeltaNet layer (before[g][i], captured[g][i]) -> the same nesting.
-  Layers of the same shapes step together (`jax.vmap` over a stack of them, at most
-  `REPLAY_CHUNK_BYTES` of states at a time): one kernel a step for a chunk of layers rather than one
-  a layer, since layer by layer a 27B's 48 layers launched ~500 kernels of a few microseconds each
-  (3.3-4.4 ms of host time a round on an H100, 2026-12-05). The same arithmetic a row, batched."""
+@functools.partial(jax.jit, static_argnames=("form",))
+def _replay(before, captured, j, form=("xla", False)):
+  """`replay_state` (by `form`) of every Gated DeltaNet layer (before[g][i], captured[g][i]) -> the same nesting.
+  Layers of the same shapes step together (`jax.vmap` over a stack of them, at most `REPLAY_CHUNK_BYTES` of
+  states at a time): one kernel a step for a chunk of layers rather than one a layer, since layer by layer a 27B's
+  48 layers launched ~500 kernels of a few microseconds each (3.3-4.4 ms of host time a round on an H100,
+  2026-12-05). The same arithmetic a row, batched."""
   pairs = [(b, r) for bg, rg in zip(before, captured) for b, r in zip(bg, rg)]
   groups: Dict[tuple, List[int]] = {}
   for i, pair in enumerate(pairs):
@@ -216,10 +216,10 @@ def _replay(before, captured, j):
     for lo in range(0, len(idx), per):
       chunk = idx[lo:lo + per]
       if len(chunk) == 1:
-        out[chunk[0]] = replay_state(*pairs[chunk[0]], j)
+        out[chunk[0]] = replay_state(*pairs[chunk[0]], j, form)
         continue
       b_l, r_l = jax.tree.map(lambda *xs: jnp.stack(xs), *[pairs[i] for i in chunk])
-      res_l = jax.vmap(replay_state, in_axes=(0, 0, None))(b_l, r_l, j)
+      res_l = jax.vmap(functools.partial(replay_state, form=form), in_axes=(0, 0, None))(b_l, r_l, j)
       for k, i in enumerate(chunk):
         out[i] = jax.tree.map(lambda x, k=k: x[k], res_l)
   it = iter(out)
@@ -242,7 +242,7 @@ class HostRollback:
   capture = True
   traced = False     # which snapshot comes back is the host's choice: after the round's read
 
-  def __init__(self):
+  def __init__(self, runner=None):
     self.d2h_bytes = self.h2d_bytes = 0
     self.stage_peak = 0                               # groups in the device stage at once
     self._snapshots: Dict[int, list] = {}             # group -> per leaf, its rows' host arrays
@@ -444,7 +444,7 @@ def speculate(seq: SequenceState, b: int, n_predict: int, spec: SpecConfig, prom
       raise ValueError("the oracle drafter needs plain greedy's tokens (oracle_tokens)")
     oracle = OracleDrafter(oracle_tokens, spec.oracle_acceptance, spec.oracle_seed, runner.cfg.vocab_size)
     drafter = lambda history, m: oracle(len(history) - len(prompt), m)  # pylint: disable=unnecessary-lambda-assignment
-  rollback = ROLLBACKS[spec.rollback]()
+  rollback = ROLLBACKS[spec.rollback](runner)
   width = spec.verify_width
   width_max = spec.verify_width - 1
   drafted_at = np.zeros((max(width_max, 1),), np.int64)

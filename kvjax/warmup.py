@@ -199,8 +199,7 @@ def _prepare_forward(runner, provider, groups, states, pool, table, s, chunked, 
       runner.group_attn_end.prepare(structure, leaves, x_in, carry, gate)
       n += 3
   from kvjax import executables
-  donate = executables.donate_states() and not capture   # as `SequenceState.forward` runs them
-  step = runner.donating_group_step if donate else runner.group_step
+  step = runner.step_for(executables.donate_states(), capture)   # as `SequenceState.forward` runs them
   for g, structure, leaves, a in groups:
     step.prepare(structure, leaves, x, states[g], pool if a is not None else None, table if a is not None else None,
                  scalar, scalar, layout=runner.layout, opts=opts, chunked=chunked, capture=capture)

@@ -1,7 +1,8 @@
-"""The gated delta rule over a prefill's rows (`kvjax_pallas.delta_rule`): every implementation
-against the float64 oracle, the kernel's options, padding, the checks; the model's prefill with
-the kernel (`load_model(gdn_impl="triton")`): the logits of the XLA form within float32
-rounding, streamed == plain bit for bit.
+"""The gated delta rule (`kvjax_pallas.delta_rule`): the chunked form over a prefill's rows and the rows
+form over a decode's or verify's few, every implementation against the float64 oracle, the kernels'
+options, padding, the checks; the model with the kernels (`load_model(gdn_impl="triton")`): the
+logits of the XLA form within float32 rounding, streamed == plain bit for bit, speculation (its
+rollback replaying the verify's rows through the rows kernel) == plain greedy.
 
 CPU (default): small shapes, the kernel in interpret mode.
 GPU: `KVJAX_TEST_GPU=1 JAX_PLATFORMS=cuda pytest tests/test_delta_rule.py` runs the kernel class
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
-from kvjax_pallas.delta_rule import api, reference as ref, triton
+from kvjax_pallas.delta_rule import api, reference as ref, rows as rows_kernel, triton
 
 ON_GPU = os.environ.get("KVJAX_TEST_GPU", "0") == "1"
 INTERPRET = not ON_GPU
@@ -134,6 +135,75 @@ def test_what_the_kernel_cannot_take_is_refused(kw, what):
     api.delta_rule(*small, implementation="triton", interpret=True)
 
 
+# the rows form: (rows, heads, dk, dv, options)
+ROW_CASES = ([(1, 48, 128, 128, rows_kernel.RowsOptions()), (4, 48, 128, 128, rows_kernel.RowsOptions()),
+              (8, 48, 128, 128, rows_kernel.RowsOptions(block_v=64))] if ON_GPU else
+             [(1, 3, 16, 32, rows_kernel.RowsOptions(block_v=16)), (4, 2, 32, 16, rows_kernel.RowsOptions()),
+              (6, 2, 16, 16, rows_kernel.RowsOptions(block_v=16))])
+
+
+@pytest.mark.parametrize("capture", [False, True])
+@pytest.mark.parametrize("impl", api.IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", range(len(ROW_CASES)))
+def test_rows_form_matches_the_f64_oracle(case, impl, capture):
+  """delta_rule_rows: the state after the last row (or after every row, `capture`) and the outputs."""
+  s, h, dk, dv, opts = ROW_CASES[case]
+  args = _inputs(10 + case, s, h, dk, dv)
+  want_state, want_o = ref.delta_rule_numpy(*args)
+  state, o = api.delta_rule_rows(*[jnp.asarray(x) for x in args], implementation=impl, capture=capture,
+                                 options=opts, interpret=INTERPRET)
+  assert o.shape == (s, h, dv) and state.shape == ((s, h, dk, dv) if capture else (h, dk, dv))
+  assert _rel(o, want_o) <= TOL and _rel(state[-1] if capture else state, want_state) <= TOL
+  if capture:   # row t's state: the oracle over rows 0..t
+    for t in range(s):
+      assert _rel(state[t], ref.delta_rule_numpy(args[0], *[x[:t + 1] for x in args[1:]])[0]) <= TOL, t
+
+
+@pytest.mark.parametrize("impl", api.IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", range(len(ROW_CASES)))
+def test_rows_by_count_and_one_by_one_give_the_captured_states(case, impl):
+  """The first n rows (`n_rows`, traced) give the state `capture` keeps after row n - 1 bit for bit (what a
+  replayed rollback relies on); rows one call each give the states and outputs of one call over them: bit for
+  bit where the kernel is compiled (on a GPU; the interpreter runs XLA's CPU programs, whose fusion of a
+  one-row call differs), within float32 rounding in the interpreter."""
+  s, h, dk, dv, opts = ROW_CASES[case]
+  args = [jnp.asarray(x) for x in _inputs(20 + case, s, h, dk, dv)]
+  run = lambda *a, **k: api.delta_rule_rows(*a, implementation=impl, options=opts, interpret=INTERPRET, **k)
+  states, o = run(*args, capture=True)
+  for n in range(1, s + 1):
+    np.testing.assert_array_equal(np.asarray(run(*args, jnp.int32(n))[0]), np.asarray(states[n - 1]))
+  state, outs = args[0], []
+  for t in range(s):
+    state, o_t = run(state, *[x[t:t + 1] for x in args[1:]])
+    outs.append(o_t)
+    if ON_GPU or impl == "reference":
+      np.testing.assert_array_equal(np.asarray(state), np.asarray(states[t]))
+    else:
+      np.testing.assert_allclose(np.asarray(state), np.asarray(states[t]), rtol=1e-6, atol=1e-6)
+  if ON_GPU:
+    np.testing.assert_array_equal(np.concatenate(outs), np.asarray(o))
+  else:
+    np.testing.assert_allclose(np.concatenate(outs), np.asarray(o), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw,what", [
+    (dict(options=rows_kernel.RowsOptions(block_v=24)), "block_v is 24, needs a power of two >= 16"),
+    (dict(options=rows_kernel.RowsOptions(num_warps=0)), "num_warps is 0, needs an int >= 1"),
+    (dict(options=triton.DeltaRuleOptions()), "options must be a RowsOptions, got DeltaRuleOptions"),
+    (dict(implementation="cuda"), "implementation 'cuda'"),
+])
+def test_what_the_rows_kernel_cannot_take_is_refused(kw, what):
+  args = [jnp.asarray(x) for x in _inputs(2, 3, 2, 32, 32)]
+  with pytest.raises(ValueError, match=what):
+    api.delta_rule_rows(*args, **(dict(implementation="triton", interpret=True) | kw))
+  with pytest.raises(ValueError, match="^delta_rule: k has shape \\(2, 2, 32\\), needs \\(3, 2, 32\\)"):
+    api.delta_rule_rows(args[0], args[1], args[2][:2], *args[3:], implementation="triton", interpret=True)
+  small = [jnp.asarray(x) for x in _inputs(1, 3, 2, 8, 8)]   # the reference takes any head size
+  assert api.delta_rule_rows(*small)[1].shape == (3, 2, 8)
+  with pytest.raises(ValueError, match="head_dim \\(dk\\) is 8, needs a power of two >= 16"):
+    api.delta_rule_rows(*small, implementation="triton", interpret=True)
+
+
 def _tiny_gguf_with_heads_of(head_dim: int, folder) -> str:
   """A tiny GGUF whose Gated DeltaNet heads are `head_dim` wide."""
   from kvjax import gguf_io, tiny, tokenizer, weights
@@ -146,7 +216,8 @@ def _tiny_gguf_with_heads_of(head_dim: int, folder) -> str:
 def test_the_models_prefill_with_the_kernel(tmp_path):
   """load_model(gdn_impl="triton"): the teacher-forced logits of the XLA form within float32
   rounding; a streamed cache gives the plain cache's tokens and logits bit for bit (both prefill
-  through the kernel); a bad name, and heads the kernel cannot take, are refused naming gdn_impl."""
+  through the chunked kernel and decode through the rows kernel); speculation (MTP, ngram) gives
+  plain greedy's tokens; a bad name, and heads the kernel cannot take, are refused naming gdn_impl."""
   from kvjax import api as kapi
   from tiny_setup import assert_same_logits
   prompt = [int(t) for t in np.random.default_rng(3).integers(0, 381, 70)]
@@ -164,12 +235,38 @@ def test_the_models_prefill_with_the_kernel(tmp_path):
     runs.append((res.tokens, np.stack(rows)))
   assert runs[0][0] == runs[1][0]
   assert_same_logits(runs[1][1], runs[0][1])
+  for draft in ("mtp", "ngram"):   # verify rows through the rows kernel, rollback replaying them through it
+    spec = kapi.SpecConfig(draft, n_max=3, ngram_n=2)
+    res = kapi.generate(model, kapi.make_kv(model, kapi.context_tokens(70, 12, spec), pool_pages=8),
+                        prompt_tokens=prompt, n_predict=12, ignore_eos=True, ubatch=32, spec=spec)
+    assert res.tokens == runs[0][0] and res.metrics["verify_forwards"] >= 1, draft
   assert xla.gdn_impl == "xla" and model.gdn_impl == "triton"     # "auto" on a CPU: XLA's form
   with pytest.raises(kapi.ParameterError, match="gdn_impl 'pallas': expected auto, xla or triton"):
     kapi.load_model("tiny", gdn_impl="pallas")
   with pytest.raises(kapi.ParameterError, match="gdn_impl 'triton': the model's Gated DeltaNet heads: "
                                                 "delta_rule: head_dim \\(dk\\) is 24, needs a power of two >= 16"):
     kapi.load_model(_tiny_gguf_with_heads_of(24, tmp_path), gdn_impl="triton")
+
+
+def test_the_rows_form_can_be_set_apart(tmp_path, monkeypatch):
+  """KVJAX_GDN_ROWS (for comparisons) sets the form of a decode's and verify's rows apart from gdn_impl's:
+  "xla" keeps XLA's token scan beside the chunked kernel, "triton" takes the rows kernel beside XLA's chunked
+  form (the rollback replays by it); a bad value, and heads the kernel cannot take, are refused naming the
+  variable before the weights are placed."""
+  from kvjax import api as kapi
+  monkeypatch.setenv("KVJAX_GDN_ROWS", "xla")
+  assert kapi.load_model("tiny", page_tokens=32, gdn_impl="triton").runner.gdn_form == ("xla", True)
+  monkeypatch.setenv("KVJAX_GDN_ROWS", "triton")
+  model = kapi.load_model("tiny", page_tokens=32)
+  assert model.gdn_impl == "xla" and model.runner.gdn_form == ("triton", True)
+  with pytest.raises(kapi.ParameterError, match="^KVJAX_GDN_ROWS=triton: the model's Gated DeltaNet heads: "
+                                                "delta_rule: head_dim \\(dk\\) is 24"):
+    kapi.load_model(_tiny_gguf_with_heads_of(24, tmp_path))
+  monkeypatch.setenv("KVJAX_GDN_ROWS", "pallas")
+  with pytest.raises(kapi.ParameterError, match="^KVJAX_GDN_ROWS='pallas': expected xla or triton"):
+    kapi.load_model("tiny", page_tokens=32)
+  monkeypatch.delenv("KVJAX_GDN_ROWS")
+  assert kapi.load_model("tiny", page_tokens=32, gdn_impl="triton").runner.gdn_form == ("triton", True)
 
 
 def test_auto_picks_the_kernels_on_one_gpu_where_they_take_the_heads():

@@ -399,11 +399,22 @@ def test_rollback_state_is_the_captured_row(setup):
   assert any(not np.allclose(a, b) for a, b in zip(first, last))  # the rows really differ
 
 
-def test_replayed_rows_give_the_captured_states_bit_for_bit(setup):
+@pytest.fixture(scope="module")
+def kernel_runner():
+  """The tiny model's runner with its delta rule through the Pallas kernels (interpreted)."""
+  return build_tiny_runner(0, page_tokens=16, gdn_form="triton")[1]
+
+
+@pytest.mark.parametrize("form", ["xla", "triton"])
+def test_replayed_rows_give_the_captured_states_bit_for_bit(setup, kernel_runner, form):
   """capture_states="replay" keeps the rows' inputs (a few per cent of the states' bytes); the
   states after row j rebuilt from the states before the verify are the captured row j's bits, for
-  every j, from a zero state and from a state mid-sequence."""
+  every j, from a zero state and from a state mid-sequence: in XLA's form and through the rows
+  kernel (`gdn_form`: the rollback replays by the runner's form)."""
   cfg, layout, runner, prompt, _ = setup
+  if form == "triton":
+    runner = kernel_runner
+  assert runner.gdn_form == (form, form == "triton")
   kv = engine.PlainKV(cfg, layout, 70 + N + 8)
   before = runner.forward(np.array(prompt[:5], np.int32), 0, 5, runner.zero_states(), kv, chunked=False).rec_states
   for start, states in ((0, runner.zero_states()), (5, before)):
@@ -415,7 +426,7 @@ def test_replayed_rows_give_the_captured_states_bit_for_bit(setup):
     np.testing.assert_array_equal(np.asarray(rep.logits_rv), np.asarray(cap.logits_rv))
     kept = sum(x.nbytes for x in jax.tree.leaves(rep.rec_states))
     assert kept == 4 * speculative.replay_row_bytes(cfg) < sum(x.nbytes for x in jax.tree.leaves(cap.rec_states))
-    roll = speculative.ReplayRollback()
+    roll = speculative.ReplayRollback(runner)
     for j in range(4):
       want = jax.tree.leaves(engine.select_row(cap.rec_states, j))
       got = jax.tree.leaves(roll.states_after(rep.rec_states, j, 4, states))
@@ -425,7 +436,7 @@ def test_replayed_rows_give_the_captured_states_bit_for_bit(setup):
           states, is_leaf=lambda x: isinstance(x, RecurrentState))[0]))
       for chunk in (1, 2 * one_state):
         with mock.patch.object(speculative, "REPLAY_CHUNK_BYTES", chunk):
-          got = jax.tree.leaves(speculative._replay.__wrapped__(states, rep.rec_states, jnp.int32(j)))
+          got = jax.tree.leaves(speculative._replay.__wrapped__(states, rep.rec_states, jnp.int32(j), runner.gdn_form))
         assert all(np.array_equal(a, b) for a, b in zip(want, got)), (start, j, chunk)
 
 

@@ -7,10 +7,14 @@ from kvjax import config, engine, generate, weights
 from kvjax_pallas.page_layout import PageLayout
 
 
-def build_tiny_runner(seed: int, page_tokens: int):
-  """-> (cfg, runner, layout) for the tiny model with `weights.random_tensors(cfg, seed)`."""
+def build_tiny_runner(seed: int, page_tokens: int, gdn_form: str = "xla"):
+  """-> (cfg, runner, layout) for the tiny model with `weights.random_tensors(cfg, seed)`; `gdn_form` "triton":
+  its delta rule through the Pallas kernels, interpreted (`model.set_chunk_form`)."""
+  from kvjax import model as model_lib
   cfg = config.tiny()
   model = engine.build_model(cfg, weights.random_tensors(cfg, seed).items())
+  if gdn_form != "xla":
+    model_lib.set_chunk_form(model, gdn_form, interpret=True)
   layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, "q8_0", "q4_0", page_tokens=page_tokens)
   return cfg, engine.Runner(model, layout), layout
 

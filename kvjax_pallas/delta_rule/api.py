@@ -1,5 +1,5 @@
-"""The gated delta rule over a prefill's rows: `implementation=` picks the jnp reference or the
-Pallas kernel.
+"""The gated delta rule: `implementation=` picks the jnp reference or a Pallas kernel. `delta_rule` takes a
+prefill's rows (the chunked form), `delta_rule_rows` a decode's or verify's few (one row a step).
 
 implementations:
   "reference"  the token-by-token recurrence in plain jnp (`reference.py`): the oracle
@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from kvjax_pallas.delta_rule import reference as _ref
+from kvjax_pallas.delta_rule import rows as _rows
 from kvjax_pallas.delta_rule import triton as _triton
 
 IMPLEMENTATIONS = ("reference", "triton")
@@ -65,3 +66,20 @@ def delta_rule(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, *, implementation:
   return _triton.delta_rule_chunked_triton(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh,
                                            options=options or _triton.DeltaRuleOptions(),
                                            precision=precision, interpret=interpret)
+
+
+def delta_rule_rows(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, n_rows=None, *, implementation: str = "reference",
+                    capture: bool = False, options: Optional[_rows.RowsOptions] = None, interpret: bool = False):
+  """The gated delta rule one row a step over the first `n_rows` rows (traced int32; default all) -> (the state
+  after them, or with `capture` the state after every row [S, H, dk, dv]; o_shv [S, H, dv]), float32.
+  "triton": `rows.delta_rule_rows_triton` (one call; `options` a `rows.RowsOptions`); "reference": the scan in
+  jnp (`reference.delta_rule_rows_reference`). Rows past `n_rows` leave the state as it is; their output rows
+  are zero ("reference") or left unwritten ("triton")."""
+  impl = resolve_implementation(implementation)
+  state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh = (x if hasattr(x, "shape") else _as_array(name, x) for name, x in
+                                                   zip(_NAMES, (state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh)))
+  if impl == "reference":
+    _triton.check_shapes(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, None)
+    return _ref.delta_rule_rows_reference(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, n_rows, capture)
+  return _rows.delta_rule_rows_triton(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, n_rows, capture=capture,
+                                      options=options or _rows.RowsOptions(), interpret=interpret)

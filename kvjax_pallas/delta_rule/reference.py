@@ -30,6 +30,26 @@ def delta_rule_reference(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh):
   return lax.scan(step, f32(state_hkv), tuple(f32(x) for x in (q_shk, k_shk, v_shv, g_sh, beta_sh)))
 
 
+def delta_rule_rows_reference(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, n_rows=None, capture: bool = False):
+  """`delta_rule_reference` over the first `n_rows` rows (traced; default all: rows past it leave the state and
+  output zero rows) -> (the state after row n_rows - 1, or with `capture` the state after every row [S, H, dk,
+  dv]; o_shv [S, H, dv])."""
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  s = q_shk.shape[0]
+  n = s if n_rows is None else n_rows
+  def step(s_hkv, xs):
+    i, q_hk, k_hk, v_hv, g_h, b_h = xs
+    new_hkv = jnp.exp(g_h)[:, None, None] * s_hkv
+    d_hv = (v_hv - jnp.einsum("hkv,hk->hv", new_hkv, k_hk, precision=_HI)) * b_h[:, None]
+    new_hkv = new_hkv + k_hk[:, :, None] * d_hv[:, None, :]
+    o_hv = jnp.einsum("hkv,hk->hv", new_hkv, q_hk, precision=_HI)
+    s_hkv = jnp.where(i < n, new_hkv, s_hkv)
+    return s_hkv, (jnp.where(i < n, o_hv, 0.0), s_hkv)
+  last, (o_shv, states) = lax.scan(step, f32(state_hkv), (jnp.arange(s),) + tuple(
+      f32(x) for x in (q_shk, k_shk, v_shv, g_sh, beta_sh)))
+  return (states if capture else last), o_shv
+
+
 def delta_rule_numpy(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh):
   """The same recurrence in float64 numpy (the tests' oracle)."""
   s = np.asarray(state_hkv, np.float64).copy()
