@@ -361,6 +361,18 @@ def test_probe_gdn_chunked_smoke(tmp_path):
   assert all(0 <= r["rel_diff"] < 1e-5 and r["ms"] > 0 for r in rows), rows
 
 
+def test_probe_gdn_rows_smoke():
+  """The rows-kernel probe runs on small heads (CPU, interpreted): each row count's errors within float32
+  rounding of the float64 loop, capture and the by-count state bit for bit, a time for both forms."""
+  p = _run(["-m", "experiments.kernel_lab.probe_gdn_rows", "--small", "--rows=1,3", "--calls=3"], cwd=REPO,
+           timeout=300)
+  rows = [line.split() for line in p.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+  assert [r[0] for r in rows] == ["1", "3"], p.stdout
+  for r in rows:
+    assert max(float(x) for x in r[1:4]) < 1e-5 and r[5:7] == ["True", "True"], r
+    assert float(r[7]) > 0 and float(r[8]) > 0, r
+
+
 def test_probe_tma_reads_smoke(tmp_path):
   """The TMA read-ceiling probe (Mosaic GPU) runs in the Mosaic GPU interpreter: every CTA's last
   tile lands in SMEM from the right page and offset (its first bytes, copied back, equal the page

@@ -22,7 +22,7 @@
 #      every captured run (--xla_gpu_graph_min_graph_size=1): do inputs at fixed addresses let the graphs
 #      replay rather than be recorded again each call?
 #  11. the Gated DeltaNet rows kernel (`kvjax_pallas.delta_rule.rows`) compiled against the oracle, rows alone
-#      against rows together (tests, KVJAX_TEST_GPU=1); bench_spec --oracle_mtp at 32K with Q4_K ("pallas_q8")
+#      against rows together (tests, KVJAX_TEST_GPU=1; probe_gdn_rows: the same and us a call); bench_spec --oracle_mtp at 32K with Q4_K ("pallas_q8")
 #      and bench_decode at 32K, each with the rows kernel (the default on a GPU) and with XLA's token scan
 #      (KVJAX_GDN_ROWS=xla)
 # Args: the steps to run (default: 1 2 3 4).  bash experiments/kernel_lab/spec_quant_round.sh 2 3
@@ -84,6 +84,7 @@ for s in $steps; do
         done ;;
     11) step rows_gpu_tests env KVJAX_TEST_GPU=1 JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:cacheprovider \
           tests/test_delta_rule.py -k "rows"
+        step rows_probe python3 -m experiments.kernel_lab.probe_gdn_rows
         for rows in triton xla; do
           step "spec32_rows_$rows" env KVJAX_GDN_ROWS=$rows KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m experiments.bench_spec \
             --model=qwen38_27b --arena_mib=2240 --attn_impl=auto --weight_type=q4_k --contexts=32768 --decode_tokens=48 \
