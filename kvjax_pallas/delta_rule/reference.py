@@ -18,35 +18,36 @@ from jax import lax
 _HI = lax.Precision.HIGHEST
 
 
+def _step(s_hkv, q_hk, k_hk, v_hv, g_h, b_h):
+  """One token for every head -> (the state after it, o_hv)."""
+  s_hkv = jnp.exp(g_h)[:, None, None] * s_hkv
+  d_hv = (v_hv - jnp.einsum("hkv,hk->hv", s_hkv, k_hk, precision=_HI)) * b_h[:, None]
+  s_hkv = s_hkv + k_hk[:, :, None] * d_hv[:, None, :]
+  return s_hkv, jnp.einsum("hkv,hk->hv", s_hkv, q_hk, precision=_HI)
+
+
+def _f32(x):
+  return jnp.asarray(x, jnp.float32)
+
+
 def delta_rule_reference(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh):
   """-> (state_hkv after the last token, o_shv [S, H, dv]) in float32, one token a step."""
-  def step(s_hkv, xs):
-    q_hk, k_hk, v_hv, g_h, b_h = xs
-    s_hkv = jnp.exp(g_h)[:, None, None] * s_hkv
-    d_hv = (v_hv - jnp.einsum("hkv,hk->hv", s_hkv, k_hk, precision=_HI)) * b_h[:, None]
-    s_hkv = s_hkv + k_hk[:, :, None] * d_hv[:, None, :]
-    return s_hkv, jnp.einsum("hkv,hk->hv", s_hkv, q_hk, precision=_HI)
-  f32 = lambda x: jnp.asarray(x, jnp.float32)
-  return lax.scan(step, f32(state_hkv), tuple(f32(x) for x in (q_shk, k_shk, v_shv, g_sh, beta_sh)))
+  return lax.scan(lambda s_hkv, xs: _step(s_hkv, *xs), _f32(state_hkv),
+                  tuple(_f32(x) for x in (q_shk, k_shk, v_shv, g_sh, beta_sh)))
 
 
 def delta_rule_rows_reference(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, n_rows=None, capture: bool = False):
   """`delta_rule_reference` over the first `n_rows` rows (traced; default all: rows past it leave the state and
   output zero rows) -> (the state after row n_rows - 1, or with `capture` the state after every row [S, H, dk,
   dv]; o_shv [S, H, dv])."""
-  f32 = lambda x: jnp.asarray(x, jnp.float32)
-  s = q_shk.shape[0]
-  n = s if n_rows is None else n_rows
+  n = q_shk.shape[0] if n_rows is None else n_rows
   def step(s_hkv, xs):
-    i, q_hk, k_hk, v_hv, g_h, b_h = xs
-    new_hkv = jnp.exp(g_h)[:, None, None] * s_hkv
-    d_hv = (v_hv - jnp.einsum("hkv,hk->hv", new_hkv, k_hk, precision=_HI)) * b_h[:, None]
-    new_hkv = new_hkv + k_hk[:, :, None] * d_hv[:, None, :]
-    o_hv = jnp.einsum("hkv,hk->hv", new_hkv, q_hk, precision=_HI)
+    i, *row = xs
+    new_hkv, o_hv = _step(s_hkv, *row)
     s_hkv = jnp.where(i < n, new_hkv, s_hkv)
     return s_hkv, (jnp.where(i < n, o_hv, 0.0), s_hkv)
-  last, (o_shv, states) = lax.scan(step, f32(state_hkv), (jnp.arange(s),) + tuple(
-      f32(x) for x in (q_shk, k_shk, v_shv, g_sh, beta_sh)))
+  last, (o_shv, states) = lax.scan(step, _f32(state_hkv), (jnp.arange(q_shk.shape[0]),) + tuple(
+      _f32(x) for x in (q_shk, k_shk, v_shv, g_sh, beta_sh)))
   return (states if capture else last), o_shv
 
 

@@ -38,14 +38,13 @@ class RowsOptions:
   num_warps: int = 4
 
 
-def check_options(options: RowsOptions, dv: int) -> None:
+def check_options(options: RowsOptions) -> None:
   if not isinstance(options, RowsOptions):
     raise ValueError(f"delta_rule_rows: options must be a RowsOptions, got {type(options).__name__}")
   if not isinstance(options.block_v, int) or options.block_v < 16 or options.block_v & (options.block_v - 1):
     raise ValueError(f"delta_rule_rows: block_v is {options.block_v!r}, needs a power of two >= 16 (the Triton tiles)")
   if not isinstance(options.num_warps, int) or options.num_warps < 1:
     raise ValueError(f"delta_rule_rows: num_warps is {options.num_warps!r}, needs an int >= 1")
-  del dv
 
 
 def _rows_kernel(n_ref, s0_ref, q_ref, k_ref, v_ref, g_ref, b_ref,   # [1] int32, [H, dk, dv], [S, H, dk] x2,
@@ -78,7 +77,7 @@ def delta_rule_rows_triton(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, n_rows
   s, h, dk = q_shk.shape
   dv = v_shv.shape[-1]
   _triton.check_kernel_sizes(dk, dv)
-  check_options(options, dv)
+  check_options(options)
   f32 = jnp.float32
   if s == 0:   # no rows: the state as it was
     state = jnp.zeros((0, h, dk, dv), f32) if capture else jnp.asarray(state_hkv, f32)
