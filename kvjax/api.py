@@ -248,7 +248,8 @@ def load_model(source: str = "tiny", *, preset: Optional[str] = None, dtype: str
       weights = "dequantized"     # nothing was stored in a kept block format
   layout = PageLayout(cfg.num_kv_heads, cfg.head_dim, k_type, v_type, page_tokens)
   opts = AttentionOptions(attn_impl, block_pages, interpret)
-  model_lib.set_chunk_form(model, gdn_impl, interpret=backend != "gpu", rows=executables.gdn_rows_form())
+  rows_form = executables.gdn_rows_form() or ("fused" if gdn_impl == "triton" and backend == "gpu" else None)
+  model_lib.set_chunk_form(model, gdn_impl, interpret=backend != "gpu", rows=rows_form)
   joined = 0
   if tensor_parallel > 1:
     runner = parallel.ShardedRunner(model, layout, opts, tensor_parallel)

@@ -27,7 +27,8 @@ from kvjax import executables
 from kvjax.config import MTP_OPTIONAL, ModelConfig, gguf_tensor_shapes
 from kvjax.qweights import QuantizedWeight, with_dtype
 from kvjax.model import AttentionOptions, KVRows, Qwen38, attend_wave, rows_form_of, empty_carry, layer_groups, \
-    output_head, param_path, place_pages, rms_norm, zero_recurrent_state
+    output_head, param_path, rms_norm, zero_recurrent_state
+from kvjax.streaming.placement import place_pages
 from kvjax_pallas.span_attention import api as span_api
 from kvjax_pallas.page_layout import PageLayout
 
@@ -270,7 +271,7 @@ def merge_static(structure: StaticStructure, leaves):
 @executables.jit(donate_argnames=("pool_pn",))
 def place_staged(pool_pn, rows_rn, pieces_k3):
   """Staged pages into the pool before a layer's step: `rows_rn [c, page_bytes]` (one staged array),
-  `pieces_k3[k] = (base, lo, hi)` its contiguous destination runs (`kvjax.model.place_rows`). Apart
+  `pieces_k3[k] = (base, lo, hi)` its contiguous destination runs (`kvjax.streaming.placement.place_rows`). Apart
   from the layer steps, so that their compiled shapes do not follow the staged arrays: one program
   per staged shape, and the stage's shapes come from a fixed set (`StreamedKV`)."""
   return place_pages(pool_pn, (rows_rn,), pieces_k3[None])
@@ -346,32 +347,31 @@ def _mtp_draft_steps(graphdef, state, token_embd_ve, output_norm_e, output_ve, h
                      table_t, pos, limit, *, layout, opts, steps):
   """MTP drafting as one program: from the candidate `d` (top-1 probability `p`) proposed by the MTP hidden
   `hm_1e`, up to `steps` draft steps, step i feeding (its hidden, its candidate) at MTP position pos + i,
-  while i < `limit` and every candidate so far reached `p_min` (a device mask: the loop stops there, and rows
-  it does not run are not written). -> (candidates [steps + 1] int32 and their top-1 probabilities [steps + 1]
-  f32, `d` / `p` first (-1 / -1.0 where not reached), pool_pn, the rows of every step `KVRows [steps, ...]`
-  (zero where not run))."""
+  while i < `limit` and every candidate so far reached `p_min`. -> (candidates [steps + 1] int32 and their
+  top-1 probabilities [steps + 1] f32, `d` / `p` first (-1 / -1.0 where not reached), pool_pn, the rows of
+  every step `KVRows [steps, ...]` (zero where not run)). The loop always takes `steps` trips, a trip past the
+  stop masked (its row not written: n_valid 0): a loop whose condition is a device value is read by the host
+  every trip, which waited there for the device to finish the verify before it."""
   mtp = merge_static(graphdef, state)
   kb, vb = layout.k_row_bytes, layout.v_row_bytes
   cand_d = jnp.full((steps + 1,), -1, jnp.int32).at[0].set(d)
   cand_p = jnp.full((steps + 1,), -1.0, jnp.float32).at[0].set(p)
   rows0 = KVRows(jnp.zeros((steps, kb), jnp.uint8), jnp.zeros((steps, vb), jnp.uint8))
 
-  def go_on(c):
-    i, _, d, p, *_ = c
-    return (i < jnp.minimum(limit, steps)) & (p >= p_min)
-
-  def step(c):
-    i, hm, d, p, pool, cand_d, cand_p, rows = c
+  def step(i, c):
+    run, hm, d, p, pool, cand_d, cand_p, rows = c
+    run = run & (i < limit) & (p >= p_min)
     logits, hm, pool, r = mtp(hm, token_embd_ve[d[None]], output_norm_e, output_ve, pool, table_t, pos + i,
-                              jnp.int32(1), layout, opts)
+                              run.astype(jnp.int32), layout, opts)
     probs = jax.nn.softmax(logits[0].astype(jnp.float32))
     d = jnp.argmax(probs).astype(jnp.int32)
     p = probs[d]
-    rows = KVRows(rows.k_sn.at[i].set(r.k_sn[0]), rows.v_sn.at[i].set(r.v_sn[0]))
-    return i + 1, hm, d, p, pool, cand_d.at[i + 1].set(d), cand_p.at[i + 1].set(p), rows
+    rows = KVRows(rows.k_sn.at[i].set(jnp.where(run, r.k_sn[0], 0)), rows.v_sn.at[i].set(jnp.where(run, r.v_sn[0], 0)))
+    return (run, hm, d, p, pool, cand_d.at[i + 1].set(jnp.where(run, d, -1)),
+            cand_p.at[i + 1].set(jnp.where(run, p, -1.0)), rows)
 
-  c = jax.lax.while_loop(go_on, step, (jnp.int32(0), hm_1e, jnp.asarray(d, jnp.int32),
-                                       jnp.asarray(p, jnp.float32), pool_pn, cand_d, cand_p, rows0))
+  c = jax.lax.fori_loop(0, steps, step, (jnp.bool_(True), hm_1e, jnp.asarray(d, jnp.int32),
+                                         jnp.asarray(p, jnp.float32), pool_pn, cand_d, cand_p, rows0))
   return c[5], c[6], c[4], c[7]
 
 

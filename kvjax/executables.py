@@ -92,8 +92,9 @@ def _text(value) -> str:
 
 # environment variables read while a step is traced (they decide its program, so they are part of
 # a stored executable's key): XLA's flags, the planar weights' product
-# (`kvjax_pallas.quant_matmul.planar.PRODUCT_ENV`; read when a step is first traced in a process)
-TRACE_ENV = ("XLA_FLAGS", "KVJAX_PLANAR_PRODUCT")
+# (`kvjax_pallas.quant_matmul.planar.PRODUCT_ENV`; read when a step is first traced in a process),
+# whether the q8 product makes its x (`kvjax_pallas.quant_matmul.prologue.PROLOGUE_ENV`)
+TRACE_ENV = ("XLA_FLAGS", "KVJAX_PLANAR_PRODUCT", "KVJAX_Q8_PROLOGUE")
 
 
 def _trace_env() -> Tuple[str, ...]:
@@ -329,22 +330,22 @@ GDN_ROWS_ENV = "KVJAX_GDN_ROWS"
 
 
 def gdn_rows_form() -> Optional[str]:
-  """The delta rule's form for a decode's and verify's rows when `KVJAX_GDN_ROWS` names one ("xla" or "triton":
+  """The delta rule's form for a decode's and verify's rows when `KVJAX_GDN_ROWS` names one ("xla", "triton", "fused":
   for comparisons), else None (gdn_impl's form). A one-line ValueError naming the variable for any other value."""
   value = os.environ.get(GDN_ROWS_ENV, "").strip().lower()
-  if value not in ("", "xla", "triton"):
-    raise ValueError(f"{GDN_ROWS_ENV}={value!r}: expected xla or triton (or unset: gdn_impl's form)")
+  if value not in ("", "xla", "triton", "fused"):
+    raise ValueError(f"{GDN_ROWS_ENV}={value!r}: expected xla, triton or fused (or unset: gdn_impl's form)")
   return value or None
 
 
 def check_gdn_rows_form(cfg) -> None:
   """`gdn_rows_form()` checked against the model's heads (the kernel's sizes) before anything is placed."""
   from kvjax_pallas.delta_rule import triton as delta_rule_triton   # pylint: disable=import-outside-toplevel
-  if gdn_rows_form() == "triton":
+  if gdn_rows_form() in ("triton", "fused"):
     try:
       delta_rule_triton.check_kernel_sizes(cfg.linear_head_dim, cfg.linear_head_dim)
     except ValueError as e:
-      raise ValueError(f"{GDN_ROWS_ENV}=triton: the model's Gated DeltaNet heads: {e}") from None
+      raise ValueError(f"{GDN_ROWS_ENV}={gdn_rows_form()}: the model's Gated DeltaNet heads: {e}") from None
 
 
 def ahead() -> bool:

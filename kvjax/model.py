@@ -29,13 +29,14 @@ from jax import lax
 from kvjax.config import ModelConfig, attention_block_shapes, common_block_shapes, mtp_extra_shapes, \
     recurrent_block_shapes
 from kvjax.fused import PREFIX as _FUSED, ROWS as _FUSED_ROWS
+from kvjax.gdn_xla import delta_rule_chunked, delta_rule_scan, delta_rule_step
 from kvjax.qweights import QuantizedWeight
+from kvjax_pallas.quant_matmul.api import Cols, Prologue, PrologueInput
 from kvjax_pallas import ggml_codec
-from kvjax_pallas.delta_rule import api as delta_rule_api, triton as delta_rule_triton
+from kvjax_pallas.delta_rule import api as delta_rule_api, gdn_rows, triton as delta_rule_triton
 from kvjax_pallas.page_layout import PageLayout
 from kvjax_pallas.span_attention import api as span_api
 
-GDN_CHUNK = 64
 _HI = lax.Precision.HIGHEST
 
 
@@ -87,7 +88,9 @@ def rms_norm(x, w, eps):
 def linear(x, w):
   """x [..., in] @ w[out, in].T -> [..., out] (w's dtype, f32 accumulation). `w` may be a `QuantizedWeight` (ggml
   blocks): "xla" dequantizes it and runs this same product (the bits of a weight dequantized at load), "pallas" a kernel
-  that dequantizes as it reads."""
+  that dequantizes as it reads. `x` may be a `PrologueInput` (`normed`, a gate): the q8 GEMV makes it in its kernel."""
+  if isinstance(x, PrologueInput) and not (isinstance(w, QuantizedWeight) and w.makes_input(x)):
+    x = x.value()
   if isinstance(w, QuantizedWeight):
     if w.impl != "xla":
       return w.matmul(x)
@@ -97,9 +100,15 @@ def linear(x, w):
   return y
 
 
-def products(module, x, names: Sequence[str]) -> List[jax.Array]:
+def normed(x, w, eps):
+  """rms_norm(x, w, eps) as a product's input (`linear`): made by the q8 GEMV's kernel, or `rms_norm` itself."""
+  return PrologueInput(Prologue("rms", eps), (x, w))
+
+
+def products(module, x, names: Sequence[str], cols: Sequence[str] = ()) -> List[jax.Array]:
   """[linear(x, module.<name>) for name in names], with the names that `kvjax.fused.fuse_projections` joined computed as
-  one product over their joined matrix, then split."""
+  one product over their joined matrix, then split; those in `cols` as `Cols` of the joined product (a prologue's
+  operands: read in place)."""
   groups = getattr(module, "fused_groups", ())
   out: Dict[str, jax.Array] = {}
   for name in names:
@@ -110,8 +119,10 @@ def products(module, x, names: Sequence[str]) -> List[jax.Array]:
       out[name] = linear(x, getattr(module, name)[...])
       continue
     y = linear(x, getattr(module, _FUSED + group[0])[...])
-    cuts = np.cumsum(getattr(module, _FUSED_ROWS + group[0]))[:-1].tolist()
-    out.update(zip(group, jnp.split(y, cuts, axis=-1)))
+    rows = getattr(module, _FUSED_ROWS + group[0])
+    starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).tolist()
+    out.update((g, Cols(y, int(st), int(n)) if g in cols else lax.slice_in_dim(y, int(st), int(st + n), axis=-1))
+               for g, st, n in zip(group, starts, rows))
   return [out[n] for n in names]
 
 
@@ -150,34 +161,6 @@ def write_kv_rows(pool_pn, table_t, pos, n_valid, rows: KVRows, layout: PageLayo
   return pool_pn
 
 
-def place_rows(pool_pn, rows_rn, base, lo, hi):
-  """pool[base + j] = rows[j] for lo <= j < hi; every other pool row unchanged.
-
-  `base`, `lo`, `hi` are traced int32 scalars, so one compiled step places any page range of a staged copy unit
-  (`rows_rn [c, page_bytes]`) wherever the ring puts it. A window of min(c, pool pages) rows that covers the
-  destination is read, the staged rows selected into it, and the window written back in place (the pool is donated
-  to the step that calls this). Requires 0 <= base + lo and base + hi <= pool pages (hi - lo <= c)."""
-  n_pool, c = pool_pn.shape[0], rows_rn.shape[0]
-  w = min(c, n_pool)
-  start = jnp.clip(base + lo, 0, n_pool - w)
-  j_w = start + jnp.arange(w, dtype=jnp.int32) - base          # staged row for window row i
-  take_w = (j_w >= lo) & (j_w < hi)
-  src_wn = rows_rn[jnp.clip(j_w, 0, c - 1)]
-  window_wn = jax.lax.dynamic_slice(pool_pn, (start, 0), (w, pool_pn.shape[1]))
-  return jax.lax.dynamic_update_slice(pool_pn, jnp.where(take_w[:, None], src_wn, window_wn),
-                                      (start, 0))
-
-
-def place_pages(pool_pn, stage, pieces_sk3):
-  """Place staged copy units into the pool: `stage[i]` is a `[c_i, page_bytes]` array and `pieces_sk3[i, k] = (base, lo,
-  hi)` one contiguous destination run of its rows (see `place_rows`; an empty run has lo == hi). No stage, no change."""
-  for i, rows_rn in enumerate(stage):
-    for k in range(pieces_sk3.shape[1]):
-      base, lo, hi = pieces_sk3[i, k, 0], pieces_sk3[i, k, 1], pieces_sk3[i, k, 2]
-      pool_pn = place_rows(pool_pn, rows_rn, base, lo, hi)
-  return pool_pn
-
-
 # ---------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------
@@ -190,8 +173,8 @@ class SwiGLU(nnx.Module):
     self.ffn_down = _param((E, F), dtype)
 
   def __call__(self, h_se):
-    g, u = products(self, h_se, ("ffn_gate", "ffn_up"))
-    a = (jax.nn.silu(g) * u).astype(self.ffn_down[...].dtype)
+    g, u = products(self, h_se, ("ffn_gate", "ffn_up"), cols=("ffn_gate", "ffn_up"))   # a = silu(g) * u:
+    a = PrologueInput(Prologue("swiglu", casts=(jnp.dtype(self.ffn_down[...].dtype).name,)), (g, u))
     return block_sum(linear(a, self.ffn_down[...]))
 
 
@@ -294,6 +277,9 @@ class ReplayRows(NamedTuple):
   beta_sh: jax.Array    # [S, Hv] float32
 
 
+_ROWS_KERNEL = {"fused": "triton"}   # a rows form -> the rows kernel it steps captured rows with
+
+
 def replay_state(state: RecurrentState, rows: ReplayRows, row, form=("xla", False)) -> RecurrentState:
   """The state after verify row `row` (traced) of a forward that started from `state`: the conv window slid
   past rows 0..row and the delta rule stepped through them by the verify's own arithmetic (`form`, the
@@ -305,7 +291,8 @@ def replay_state(state: RecurrentState, rows: ReplayRows, row, form=("xla", Fals
   conv = lax.dynamic_slice_in_dim(xpad, row + 1, k1, axis=0)
   if form[0] != "xla":
     s, _ = delta_rule_api.delta_rule_rows(state.delta_hkv, rows.k_shk, rows.k_shk, rows.v_shv, rows.g_sh,
-                                          rows.beta_sh, row + 1, implementation=form[0], interpret=form[1])
+                                          rows.beta_sh, row + 1, implementation=_ROWS_KERNEL.get(form[0], form[0]),
+                                          interpret=form[1])
     return RecurrentState(conv, s)
   s = state.delta_hkv
   for i in range(rows.k_shk.shape[0]):
@@ -318,75 +305,6 @@ def zero_recurrent_state(cfg: ModelConfig) -> RecurrentState:
   return RecurrentState(jnp.zeros((cfg.conv_kernel - 1, cfg.conv_dim), jnp.float32),
                         jnp.zeros((cfg.linear_num_value_heads, cfg.linear_head_dim, cfg.linear_head_dim),
                                   jnp.float32))
-
-
-def delta_rule_step(state_hkv, q_hk, k_hk, v_hv, g_h, beta_h):
-  """One token of the gated delta rule for every value head (inputs already tiled to Hv)."""
-  s = jnp.exp(g_h)[:, None, None] * state_hkv
-  d_hv = (v_hv - jnp.einsum("hkv,hk->hv", s, k_hk, precision=_HI)) * beta_h[:, None]
-  s = s + k_hk[:, :, None] * d_hv[:, None, :]
-  o_hv = jnp.einsum("hkv,hk->hv", s, q_hk, precision=_HI)
-  return s, o_hv
-
-
-def delta_rule_scan(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, capture: bool = False):
-  """Token-by-token gated delta rule (the decode form). With `capture`, the returned state has a leading row axis:
-  the state after each row (speculative verification keeps the one after the last accepted row)."""
-  def body(s, xs):
-    s, o = delta_rule_step(s, *xs)
-    return s, ((o, s) if capture else o)
-  state_hkv, ys = lax.scan(body, state_hkv, (q_shk, k_shk, v_shv, g_sh, beta_sh))
-  if capture:
-    o_shv, states_shkv = ys
-    return states_shkv, o_shv
-  return state_hkv, ys
-
-
-def delta_rule_chunked(state_hkv, q_shk, k_shk, v_shv, g_sh, beta_sh, chunk: int = GDN_CHUNK):
-  """Chunked (WY-form) gated delta rule, algebraically identical to `delta_rule_scan`.
-
-  Within a chunk with cumulative log-decay gamma_t and chunk-start state S0:
-    (I + diag(beta) M) D = diag(beta) (V - diag(e^gamma) K S0),  M[t,i] = e^(gamma_t-gamma_i) k_t.k_i (i < t)
-    O  = diag(e^gamma) Q S0 + (Q K^T * e^(gamma_t-gamma_i) [i <= t]) D
-    S1 = e^gamma_C S0 + K^T diag(e^(gamma_C - gamma)) D
-  Padding tokens (k = v = beta = g = 0) leave the state unchanged.
-  """
-  s = q_shk.shape[0]
-  c = min(chunk, s)
-  n = -(-s // c)
-  pad = n * c - s
-
-  def prep(x):
-    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape(n, c, *x.shape[1:]).swapaxes(1, 2)  # [n, H, c, ...]
-
-  qs, ks, vs = prep(q_shk), prep(k_shk), prep(v_shv)
-  gs, bs = prep(g_sh), prep(beta_sh)  # [n, H, c]
-  tri_strict = jnp.tril(jnp.ones((c, c), bool), -1)
-  tri_incl = jnp.tril(jnp.ones((c, c), bool))
-
-  def body(s0_hkv, xs):
-    q, k, v, g, b = xs                         # q/k [H, c, dk], v [H, c, dv], g/b [H, c]
-    gam = jnp.cumsum(g, axis=-1)               # [H, c]
-    diff = gam[:, :, None] - gam[:, None, :]   # gamma_t - gamma_i
-    decay_strict = jnp.where(tri_strict, jnp.exp(jnp.where(tri_strict, diff, 0.0)), 0.0)
-    decay_incl = jnp.where(tri_incl, jnp.exp(jnp.where(tri_incl, diff, 0.0)), 0.0)
-    kk = jnp.einsum("htk,hik->hti", k, k, precision=_HI)
-    a = jnp.eye(c)[None] + b[:, :, None] * kk * decay_strict
-    eg = jnp.exp(gam)
-    rhs = b[:, :, None] * (v - eg[:, :, None] * jnp.einsum("htk,hkv->htv", k, s0_hkv, precision=_HI))
-    d = jax.scipy.linalg.solve_triangular(a, rhs, lower=True, unit_diagonal=True)
-    qk = jnp.einsum("htk,hik->hti", q, k, precision=_HI) * decay_incl
-    o = eg[:, :, None] * jnp.einsum("htk,hkv->htv", q, s0_hkv, precision=_HI) + \
-        jnp.einsum("hti,hiv->htv", qk, d, precision=_HI)
-    tail = jnp.exp(gam[:, -1:] - gam)          # e^(gamma_C - gamma_i)
-    s1 = jnp.exp(gam[:, -1])[:, None, None] * s0_hkv + jnp.einsum("hik,hi,hiv->hkv", k, tail, d,
-                                                                  precision=_HI)
-    return s1, o
-
-  state_hkv, o = lax.scan(body, state_hkv, (qs, ks, vs, gs, bs))  # o [n, H, c, dv]
-  o_shv = o.swapaxes(1, 2).reshape(n * c, o.shape[1], o.shape[-1])[:s]
-  return state_hkv, o_shv
 
 
 CHUNK_FORMS = ("xla", "triton")   # the delta rule: XLA's forms (delta_rule_chunked, _scan), the Pallas kernels
@@ -407,11 +325,12 @@ def check_chunk_form(cfg: ModelConfig, form: str, backend: str = "cpu", devices:
 
 def set_chunk_form(model: nnx.Module, form: str, interpret: bool = False, rows: Optional[str] = None) -> int:
   """Every Gated DeltaNet of `model` runs its delta rule as `form` ("xla" or "triton": the chunked kernel for a
-  prefill's rows and, unless `rows` names another form, the rows kernel for a decode's and verify's; `interpret`
-  without a GPU): static structure, set before the model is split into steps. -> how many layers it set."""
-  for name, f in (("gdn_impl", form), ("the rows' form", rows or form)):
-    if f not in CHUNK_FORMS:
-      raise ValueError(f"{name} {f!r}: expected one of {', '.join(CHUNK_FORMS)}")
+  prefill's rows and, unless `rows` names another form, the rows kernel for a decode's and verify's; `rows` "fused":
+  `kvjax_pallas.delta_rule.gdn_rows`, conv to delta rule in one kernel; `interpret` without a GPU): static
+  structure, set before the model is split into steps. -> how many layers it set."""
+  for name, f, forms in (("gdn_impl", form, CHUNK_FORMS), ("the rows' form", rows or form, CHUNK_FORMS + ("fused",))):
+    if f not in forms:
+      raise ValueError(f"{name} {f!r}: expected one of {', '.join(forms)}")
   mixers = [m for _, m in nnx.iter_graph(model) if isinstance(m, GatedDeltaNet)]
   for m in mixers:
     m.chunk_form, m.rows_form = (form, bool(interpret)), (rows or form, bool(interpret))
@@ -442,8 +361,10 @@ class GatedDeltaNet(nnx.Module):
     Hk, Hv, dk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_head_dim
     K = cfg.conv_kernel
     valid_s = jnp.arange(s) < n_valid
-    qkv_sc, z_sv, b_sh, a_sh = products(self, h_se, ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"))
-    z_shv = z_sv.reshape(s, Hv, dk)                                  # qkv_sc: f32 [S, C]
+    names = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")
+    if not chunked and self.rows_form[0] == "fused":   # the rows from the projections, one kernel
+      return self._end(*self._fused_rows(*products(self, h_se, names, cols=names), state, n_valid, capture))
+    qkv_sc, z_sv, b_sh, a_sh = products(self, h_se, names, cols=("attn_gate",))   # qkv_sc: f32 [S, C]; z_sv: Cols
     beta_sh = jax.nn.sigmoid(b_sh)
     g_sh = jax.nn.softplus(a_sh + self.ssm_dt_bias[...]) * self.ssm_a[...]
     # causal depthwise conv over [previous K-1 inputs; x]
@@ -485,11 +406,33 @@ class GatedDeltaNet(nnx.Module):
     else:   # the decode's and verify's rows in one kernel (`kvjax_pallas.delta_rule.rows`)
       delta, o_shv = delta_rule_api.delta_rule_rows(state.delta_hkv, q, k, v, g_sh, beta_sh, capture=capture is True,
                                                     implementation=self.rows_form[0], interpret=self.rows_form[1])
-    o_shv = rms_norm(o_shv, self.ssm_norm[...], cfg.rms_eps) * jax.nn.silu(z_shv)
-    out = block_sum(linear(o_shv.reshape(s, Hv * dk).astype(self.ssm_out[...].dtype), self.ssm_out[...]))
     if capture == "replay":   # the rows, not the states after them (`replay_state`)
-      return out, ReplayRows(qkv_sc, k, v, g_sh, beta_sh)
-    return out, RecurrentState(new_conv, delta)
+      return self._end(o_shv, z_sv, ReplayRows(qkv_sc, k, v, g_sh, beta_sh))
+    return self._end(o_shv, z_sv, RecurrentState(new_conv, delta))
+
+  def _fused_rows(self, qkv, z_sv, b, a, state: RecurrentState, n_valid, capture):
+    """The rows form "fused": conv, gates, norms and delta rule in one kernel (`kvjax_pallas.delta_rule.gdn_rows`)
+    from the projections' columns -> (o_shv, z_sv, RecurrentState, or the rows `ReplayRows` with `capture`)."""
+    cfg = self.cfg
+    (xq, q0), (xb, b0), (xa, a0) = ((c.array, c.start) if isinstance(c, Cols) else (c, 0) for c in (qkv, b, a))
+    d, hv, c = cfg.linear_head_dim, self.ssm_a[...].shape[0], self.ssm_conv1d[...].shape[0]   # a shard's heads
+    hd = gdn_rows.GdnHeads((c // d - hv) // 2, hv, d, cfg.conv_kernel, cfg.rms_eps)
+    o_shv, delta, conv, *rows = gdn_rows.gdn_rows(
+        state.conv_kc, xq, xb, xa, self.ssm_conv1d[...], self.ssm_dt_bias[...], self.ssm_a[...], state.delta_hkv,
+        n_valid, hd=hd, starts=(q0, b0, a0), rows=capture == "replay", capture=capture is True,
+        interpret=self.rows_form[1])
+    if capture == "replay":
+      return o_shv, z_sv, ReplayRows(qkv.value() if isinstance(qkv, Cols) else qkv, *rows)
+    return o_shv, z_sv, RecurrentState(conv, delta)
+
+  def _end(self, o_shv, z_sv, new):
+    """The gated norm rms_norm(o_shv) * silu(z_shv), cast to the product's dtype (made by the q8 GEMV's kernel), the
+    output product -> (out, new)."""
+    cfg, s = self.cfg, o_shv.shape[0]
+    o_sv = PrologueInput(Prologue("gated_rms", cfg.rms_eps, cfg.linear_head_dim,
+                                  (jnp.dtype(self.ssm_out[...].dtype).name,)),
+                         (o_shv.reshape(s, -1), z_sv, self.ssm_norm[...]))
+    return block_sum(linear(o_sv, self.ssm_out[...])), new
 
 
 class Block(nnx.Module):
@@ -504,11 +447,10 @@ class Block(nnx.Module):
     self.ffn = SwiGLU(cfg, dtype)
 
   def _ffn(self, x):
-    return x + self.ffn(rms_norm(x, self.post_attention_norm[...], self.eps)).astype(x.dtype)
+    return x + self.ffn(normed(x, self.post_attention_norm[...], self.eps)).astype(x.dtype)
 
   def recurrent(self, x_se, state: RecurrentState, n_valid, chunked: bool, capture: bool = False):
-    h = rms_norm(x_se, self.attn_norm[...], self.eps)
-    out, state = self.mixer(h, state, n_valid, chunked, capture)
+    out, state = self.mixer(normed(x_se, self.attn_norm[...], self.eps), state, n_valid, chunked, capture)
     return self._ffn(x_se + out.astype(x_se.dtype)), state
 
   def attend(self, x_se, pool_pn, table_t, pos, n_valid, layout, opts, rope_offset=0):
@@ -532,7 +474,7 @@ class Block(nnx.Module):
 
   def attend_begin(self, x_se, pos, layout, rope_offset=0):
     """The attention block up to span attention (`GatedAttention.begin`)."""
-    return self.mixer.begin(rms_norm(x_se, self.attn_norm[...], self.eps), pos, layout, rope_offset)
+    return self.mixer.begin(normed(x_se, self.attn_norm[...], self.eps), pos, layout, rope_offset)
 
   def attend_end(self, x_se, o_shd, gate_se):
     """The attention block after span attention: x_se is the block's input."""

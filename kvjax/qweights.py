@@ -95,8 +95,21 @@ class QuantizedWeight:
       return qmm.dequantize_planes(self.data, self.scales, self.fmt, self.k, self.dtype)
     return qmm.dequantize(self.data, self.fmt, self.k, self.dtype)
 
+  def makes_input(self, x) -> bool:
+    """Whether this weight's product makes x, a `qmm.PrologueInput` (a norm or a gate), inside the kernel that
+    quantizes it: the q8 GEMV's, for the rows one call takes."""
+    return self.scales is not None and self.product == "pallas_q8" and x.shape[0] <= qmm.Q8_MAX_ROWS and \
+        qmm.prologue_enabled()
+
   def matmul(self, x):
-    """x [..., K] @ dequantize(self).T -> [..., N] float32."""
+    """x [..., K] @ dequantize(self).T -> [..., N] float32. x may be a `qmm.PrologueInput` [S, K]: made by the
+    product's kernel where it can (`makes_input`), else in jnp first."""
+    if isinstance(x, qmm.PrologueInput):
+      if self.makes_input(x):
+        pin = x.cast_to(self.dtype)
+        return qmm.planar_q8_gemv_pre(pin.prologue, pin.operands, self.data, self.scales, self.fmt, self.k,
+                                      interpret=jax.default_backend() != "gpu")
+      x = x.value()
     lead = x.shape[:-1]
     x_sk = x.reshape((-1, self.k)).astype(self.dtype)
     if self.scales is not None:
@@ -121,12 +134,16 @@ def kept(rows, fmt: str, k: int, dtype_name: str = "float32", impl: str = "xla")
 def request_error(weights: Optional[str], weight_type: Optional[str], preset: Optional[str],
                   tensor_parallel: int) -> Optional[Tuple[str, str]]:
   """`load_model`'s weight arguments that do not go together, or a `KVJAX_PLANAR_PRODUCT` that names
-  no product (checked whatever the weights: a typo is not left for a later run) -> (one-line
-  message, parameter), or None."""
+  no product, or a `KVJAX_Q8_PROLOGUE` neither 0 nor 1 (checked whatever the weights: a typo is not left
+  for a later run) -> (one-line message, parameter), or None."""
   try:
     qmm.resolve_planar_product("auto")
   except ValueError as e:
     return str(e), qmm.PLANAR_PRODUCT_ENV
+  try:
+    qmm.prologue_enabled()
+  except ValueError as e:
+    return str(e), qmm.PROLOGUE_ENV
   if weight_type is not None and preset is None:
     return (f"weight_type {weight_type!r} draws a preset's matrices as random blocks: it needs preset= "
             f"(a GGUF's block types are its own)", "weight_type")

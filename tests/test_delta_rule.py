@@ -263,7 +263,7 @@ def test_the_rows_form_can_be_set_apart(tmp_path, monkeypatch):
                                                 "delta_rule: head_dim \\(dk\\) is 24"):
     kapi.load_model(_tiny_gguf_with_heads_of(24, tmp_path))
   monkeypatch.setenv("KVJAX_GDN_ROWS", "pallas")
-  with pytest.raises(kapi.ParameterError, match="^KVJAX_GDN_ROWS='pallas': expected xla or triton"):
+  with pytest.raises(kapi.ParameterError, match="^KVJAX_GDN_ROWS=.pallas.: expected xla, triton or fused"):
     kapi.load_model("tiny", page_tokens=32)
   monkeypatch.delenv("KVJAX_GDN_ROWS")
   assert kapi.load_model("tiny", page_tokens=32, gdn_impl="triton").runner.gdn_form == ("triton", True)

@@ -373,6 +373,16 @@ def test_probe_gdn_rows_smoke():
     assert float(r[7]) > 0 and float(r[8]) > 0, r
 
 
+def test_probe_launch_cost_smoke():
+  """The launch-cost probe runs on the CPU: a host time for each count of kernels and of argument buffers, and a
+  slope for every count past the first."""
+  p = _run(["-m", "experiments.kernel_lab.probe_launch_cost", "--small", "--calls=5"], cwd=REPO, timeout=300)
+  rows = [line.split() for line in p.stdout.splitlines()[1:] if line.strip()]
+  assert [(r[0], r[-3]) for r in rows if r[0] in ("xla", "args")] == [
+      (w, n) for w in ("xla", "args") for n in ("1", "10", "40")], p.stdout
+  assert all(float(r[-2]) > 0 for r in rows) and all(r[-1] != "-" for r in rows if r[-3] != "1"), p.stdout
+
+
 def test_probe_tma_reads_smoke(tmp_path):
   """The TMA read-ceiling probe (Mosaic GPU) runs in the Mosaic GPU interpreter: every CTA's last
   tile lands in SMEM from the right page and offset (its first bytes, copied back, equal the page

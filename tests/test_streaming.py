@@ -370,7 +370,7 @@ def test_mtp_layer_streams_like_plain():
 def test_place_rows_writes_exactly_the_run(n_pool, c, data):
   """place_rows against numpy: rows [lo, hi) of a staged unit land at pool[base + lo : base + hi],
   nothing else changes (the window is clamped at the pool's end)."""
-  from kvjax.model import place_pages, place_rows
+  from kvjax.streaming.placement import place_pages, place_rows
   rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
   pool = rng.integers(0, 255, (n_pool, 8), dtype=np.uint8)
   rows = rng.integers(0, 255, (c, 8), dtype=np.uint8)

@@ -25,6 +25,11 @@
 #      against rows together (tests, KVJAX_TEST_GPU=1; probe_gdn_rows: the same and us a call); bench_spec --oracle_mtp at 32K with Q4_K ("pallas_q8")
 #      and bench_decode at 32K, each with the rows kernel (the default on a GPU) and with XLA's token scan
 #      (KVJAX_GDN_ROWS=xla)
+#  12. fewer kernels a forward: the prologue and fused-rows kernels compiled against their interpretation
+#      (tests, KVJAX_TEST_GPU=1), then bench_decode at 32K with Q4_K ("pallas_q8") with x made by the
+#      quantizing kernel (the default), with XLA making it first (KVJAX_Q8_PROLOGUE=0), and with the rows
+#      kernel in place of the Gated DeltaNet's rows from its projections (KVJAX_GDN_ROWS=triton; "fused" is the
+#      GPU's default); bench_spec --oracle_mtp at 32K with the default and with the rows kernel
 # Args: the steps to run (default: 1 2 3 4).  bash experiments/kernel_lab/spec_quant_round.sh 2 3
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -95,6 +100,21 @@ for s in $steps; do
           step "decode_rows_$rows" env KVJAX_GDN_ROWS=$rows KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m experiments.bench_decode \
             --model=qwen38_27b --contexts=32768 --arena_mib=2240 --attn_impl=auto --weight_type=q4_k --decode_steps=16 \
             --check_steps=0 --out="$OUT/decode_rows_$rows"
+        done ;;
+    12) step kernels_gpu_tests env KVJAX_TEST_GPU=1 JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:cacheprovider \
+          tests/test_prologue.py tests/test_gdn_rows.py -k gpu
+        for run in "default" "KVJAX_Q8_PROLOGUE=0" "KVJAX_GDN_ROWS=triton"; do
+          name=$(echo "$run" | tr '=A-Z' '_a-z')
+          step "decode_$name" env ${run/default/KVJAX_Q8_PROLOGUE=1} KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m \
+            experiments.bench_decode --model=qwen38_27b --contexts=32768 --arena_mib=2240 --attn_impl=auto \
+            --weight_type=q4_k --decode_steps=16 --check_steps=0 --out="$OUT/decode_$name"
+        done
+        for run in "default" "KVJAX_GDN_ROWS=triton"; do
+          name=$(echo "$run" | tr '=A-Z' '_a-z')
+          step "spec32_$name" env ${run/default/KVJAX_Q8_PROLOGUE=1} KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m \
+            experiments.bench_spec --model=qwen38_27b --arena_mib=2240 --attn_impl=auto --weight_type=q4_k \
+            --contexts=32768 --decode_tokens=48 --n_max=3 --acceptance=0.75 --allow_divergence --oracle_mtp \
+            --width_context=0 --rollback=replay --out="$OUT/spec32_$name"
         done ;;
   esac
 done

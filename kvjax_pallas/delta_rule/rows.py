@@ -47,6 +47,15 @@ def check_options(options: RowsOptions) -> None:
     raise ValueError(f"delta_rule_rows: num_warps is {options.num_warps!r}, needs an int >= 1")
 
 
+def row_step(s_kv, q_k, k_k, v_v, g, beta):
+  """One row of the delta rule on a program's [dk, block_v] state block -> (state, o [block_v]): the kernels' one
+  row arithmetic (this one's and `gdn_rows`'), so their states agree bit for bit."""
+  s_kv = jnp.exp(g) * s_kv
+  d_v = (v_v - jnp.sum(s_kv * k_k[:, None], axis=0)) * beta
+  s_kv = s_kv + k_k[:, None] * d_v[None, :]
+  return s_kv, jnp.sum(s_kv * q_k[:, None], axis=0)
+
+
 def _rows_kernel(n_ref, s0_ref, q_ref, k_ref, v_ref, g_ref, b_ref,   # [1] int32, [H, dk, dv], [S, H, dk] x2,
                                                                     # [S, H, dv], [S, H] x2
                  o_ref, s_ref,                               # -> [S, H, dv], [H, dk, dv] (or [S, H, dk, dv])
@@ -55,11 +64,8 @@ def _rows_kernel(n_ref, s0_ref, q_ref, k_ref, v_ref, g_ref, b_ref,   # [1] int32
   cols = pl.ds(vb * block_v, block_v)
 
   def step(t, s_kv):
-    k_k = k_ref[t, hh, :]
-    s_kv = jnp.exp(g_ref[t, hh]) * s_kv
-    d_v = (v_ref[t, hh, cols] - jnp.sum(s_kv * k_k[:, None], axis=0)) * b_ref[t, hh]
-    s_kv = s_kv + k_k[:, None] * d_v[None, :]
-    o_ref[t, hh, cols] = jnp.sum(s_kv * q_ref[t, hh, :][:, None], axis=0)
+    s_kv, o_ref[t, hh, cols] = row_step(s_kv, q_ref[t, hh, :], k_ref[t, hh, :], v_ref[t, hh, cols], g_ref[t, hh],
+                                        b_ref[t, hh])
     if capture:
       s_ref[t, hh, :, cols] = s_kv
     return s_kv

@@ -1,7 +1,7 @@
 """The chunked gated delta rule (the Gated DeltaNet's prefill): Pallas kernels, Triton lowering.
 
 Runs on NVIDIA GPUs, or anywhere with `interpret=True`. Same algebra as the model's XLA form
-(`kvjax.model.delta_rule_chunked`): within a chunk of C tokens with cumulative log decay gamma_t
+(`kvjax.gdn_xla.delta_rule_chunked`): within a chunk of C tokens with cumulative log decay gamma_t
 and chunk-start state S0 [dk, dv],
   T  = (I + diag(beta) M)^-1,  M[t, i] = e^(gamma_t - gamma_i) k_t.k_i (i < t)   unit lower-triangular
   W  = T diag(beta e^gamma) K       U = T diag(beta) V                           none uses S0

@@ -37,6 +37,7 @@ from kvjax_pallas.quant_matmul import gemv as _gemv
 from kvjax_pallas.quant_matmul import kernel as _kernel
 from kvjax_pallas.quant_matmul import planar as _planar
 from kvjax_pallas.quant_matmul import planar_gemv as _planar_gemv
+from kvjax_pallas.quant_matmul import prologue as _prologue
 from kvjax_pallas.quant_matmul import reference as _ref
 
 FORMATS = _formats.FORMATS
@@ -55,6 +56,14 @@ PLANAR_PRODUCT_ENV = _planar.PRODUCT_ENV
 resolve_planar_product = _planar.resolve_product
 PlanarGemvConfig = _planar_gemv.PlanarGemvConfig
 planes_nbytes = _planar.planes_nbytes
+# x made by the q8 GEMV's quantizing kernel from the arrays it comes from (a norm, a gate): `prologue`
+Prologue = _prologue.Prologue
+PrologueInput = _prologue.PrologueInput
+Cols = _prologue.Cols
+planar_q8_gemv_pre = _prologue.planar_q8_gemv_pre
+Q8_MAX_ROWS = _prologue.Q8_MAX_ROWS
+PROLOGUE_ENV = _prologue.PROLOGUE_ENV
+prologue_enabled = _prologue.prologue_enabled
 
 
 @dataclasses.dataclass(frozen=True)

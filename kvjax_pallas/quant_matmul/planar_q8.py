@@ -239,10 +239,11 @@ def _blocks_kernel_body(xw_ref, xd_ref, xs_ref, xq_ref, w_ref, s_ref, o_ref, *, 
   _run_steps(loads, lambda loaded, acc: _step_sums(fmt, loaded, acc, interpret), o_ref, tiles, rows, prefetch)
 
 
-def _quantize_kernel(x_ref, w_ref, d_ref, xs_ref, xq_ref):
-  # x_ref [1, B, 8, 4] (x's dtype: B blocks of 32 values, value 4m + i at [m, i]); w_ref [1, B, 2, 4]
-  # int32 (a unit's words), d_ref [1, B] float32, xs_ref / xq_ref [1, B, 2] (a unit's sums of x / q)
-  units = [x_ref[0, :, pl.ds(4 * h, 4), :].astype(jnp.float32) for h in (0, 1)]
+def write_blocks(units, w_ref, d_ref, xs_ref, xq_ref):
+  """A program's blocks of x from its two 16-value units [B, 4, 4] float32 (value 16h + 4m + i of a
+  block at units[h][:, m, i]): w_ref [1, B, 2, 4] int32 (a unit's words), d_ref [1, B] float32,
+  xs_ref / xq_ref [1, B, 2] (a unit's sums of x / q). The kernels that make x first end here too
+  (`prologue`)."""
   inv, d = _block_scale(units)
   d_ref[0, :] = d
   for h, u in enumerate(units):
@@ -250,6 +251,11 @@ def _quantize_kernel(x_ref, w_ref, d_ref, xs_ref, xq_ref):
     w_ref[0, :, h, :] = words
     xq_ref[0, :, h] = qsum
     xs_ref[0, :, h] = jnp.sum(jnp.sum(u, axis=2), axis=1)
+
+
+def _quantize_kernel(x_ref, w_ref, d_ref, xs_ref, xq_ref):
+  # x_ref [1, B, 8, 4] (x's dtype: B blocks of 32 values, value 4m + i at [m, i]); the rest `write_blocks`'
+  write_blocks([x_ref[0, :, pl.ds(4 * h, 4), :].astype(jnp.float32) for h in (0, 1)], w_ref, d_ref, xs_ref, xq_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -262,26 +268,39 @@ def quantize_x_blocks(x_sk, *, interpret: bool = False):
   per = _kernel._pow2_divisor(nb, 32)   # pylint: disable=protected-access   # blocks a program
   if _ref.compute_dtype(x_sk.dtype) != x_sk.dtype:
     x_sk = x_sk.astype(jnp.float32)
+  return blocks_call(_quantize_kernel, [pl.BlockSpec((1, per, 8, 4), lambda r, j: (r, j, 0, 0))], s, k, per,
+                     "kvjax_quantize_x", interpret)(x_sk.reshape(s, nb, 8, 4))
+
+
+def blocks_call(body, in_specs, s: int, k: int, per: int, name: str, interpret: bool):
+  """The pallas_call of a kernel that ends in `write_blocks`: grid (rows, blocks / per) -> a function
+  of its inputs returning x's blocks as `quantize_x_blocks` does."""
+  nb = k // Q8_BLOCK
   spec3 = pl.BlockSpec((1, per, 2), lambda r, j: (r, j, 0))
-  words, d, xs, xq = pl.pallas_call(
-      _quantize_kernel,
+  call = pl.pallas_call(
+      body,
       grid=(s, nb // per),
-      in_specs=[pl.BlockSpec((1, per, 8, 4), lambda r, j: (r, j, 0, 0))],
+      in_specs=in_specs,
       out_specs=[pl.BlockSpec((1, per, 2, 4), lambda r, j: (r, j, 0, 0)), pl.BlockSpec((1, per), lambda r, j: (r, j)),
                  spec3, spec3],
       out_shape=[jax.ShapeDtypeStruct((s, nb, 2, 4), jnp.int32), jax.ShapeDtypeStruct((s, nb), jnp.float32),
                  jax.ShapeDtypeStruct((s, nb, 2), jnp.float32), jax.ShapeDtypeStruct((s, nb, 2), jnp.int32)],
       compiler_params=_kernel._compiler_params(_gemv.PlanarGemvConfig(), interpret),   # pylint: disable=protected-access
       interpret=interpret,
-      name="kvjax_quantize_x",
-  )(x_sk.reshape(s, nb, 8, 4))
-  return words.reshape(s, k // 4), d, xs.reshape(s, k // 16), xq.reshape(s, k // 16)
+      name=name,
+  )
+
+  def run(*args):
+    words, d, xs, xq = call(*args)
+    return words.reshape(s, k // 4), d, xs.reshape(s, k // 16), xq.reshape(s, k // 16)
+  return run
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "k", "cfg", "tiles", "interpret"))
 def _call(x_sk, values, scales, *, fmt: str, k: int, cfg, tiles, interpret: bool):
+  # x_sk: x [S, K], or (x_blocks configs) its blocks as `quantize_x_blocks` returns them
   gv = _gemv._GROUPS[fmt][0]   # pylint: disable=protected-access
-  n, s, t = values.shape[0], x_sk.shape[0], tiles
+  n, s, t = values.shape[0], (x_sk[1] if isinstance(x_sk, tuple) else x_sk).shape[0], tiles
   g, gs = k // gv, k // gv // t.split
   wv = lax.bitcast_convert_type(values.reshape(n, g, _WORDS[fmt], 4), jnp.int32)   # little-endian words
   if fmt in ("q4_k", "q6_k"):
@@ -291,7 +310,7 @@ def _call(x_sk, values, scales, *, fmt: str, k: int, cfg, tiles, interpret: bool
   wspecs = [pl.BlockSpec((t.bn, gs, _WORDS[fmt]), lambda ni, si: (ni, si, 0)), sspec]
   kw = dict(fmt=fmt, tiles=t, rows=s, prefetch=bool(cfg.prefetch), interpret=interpret)
   if cfg.x_blocks:          # x's blocks made once, by their own kernel, before the GEMV
-    xw, xd, xs, xq = quantize_x_blocks(x_sk, interpret=interpret)
+    xw, xd, xs, xq = x_sk if isinstance(x_sk, tuple) else quantize_x_blocks(x_sk, interpret=interpret)
     xspec = lambda m: pl.BlockSpec((s, gs, m), lambda ni, si: (0, si, 0))
     body = functools.partial(_blocks_kernel_body, **kw)
     in_specs = [xspec(gv // 4), xspec(gv // 32), xspec(gv // 16), xspec(gv // 16)] + wspecs
