@@ -32,6 +32,7 @@ from kvjax.fused import PREFIX as _FUSED, ROWS as _FUSED_ROWS
 from kvjax.gdn_xla import delta_rule_chunked, delta_rule_scan, delta_rule_step
 from kvjax.qweights import QuantizedWeight
 from kvjax_pallas.quant_matmul.api import Cols, Prologue, PrologueInput
+from kvjax_pallas.quant_matmul.prologue import rms_norm   # the model's RMS norm (one formula with the prologue's)
 from kvjax_pallas import ggml_codec
 from kvjax_pallas.delta_rule import api as delta_rule_api, gdn_rows, triton as delta_rule_triton
 from kvjax_pallas.page_layout import PageLayout
@@ -77,12 +78,6 @@ def attr_name(leaf: str) -> str:
 
 def _param(shape, dtype):
   return nnx.Param(jnp.zeros(shape, dtype))
-
-
-def rms_norm(x, w, eps):
-  x32 = x.astype(jnp.float32)
-  y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
 def linear(x, w):

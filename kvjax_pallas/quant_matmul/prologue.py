@@ -90,6 +90,11 @@ class Cols(NamedTuple):
     return lax.slice_in_dim(self.array, self.start, self.start + self.width, axis=1)
 
 
+def _check_arity(p: Prologue, operands) -> None:
+  if len(operands) != _ARITY[p.kind]:
+    raise ValueError(f"prologue {p.kind}: takes {_ARITY[p.kind]} operands, got {len(operands)}")
+
+
 def _as_cols(a) -> Cols:
   return a if isinstance(a, Cols) else Cols(a, 0, a.shape[-1])
 
@@ -98,8 +103,7 @@ class PrologueInput:
   """x as a prologue of operands (a trace-time value: `value()` is x in jnp, `shape` / `dtype` x's)."""
 
   def __init__(self, prologue: Prologue, operands: Sequence[Any]):
-    if len(operands) != _ARITY[prologue.kind]:
-      raise ValueError(f"prologue {prologue.kind}: takes {_ARITY[prologue.kind]} operands, got {len(operands)}")
+    _check_arity(prologue, operands)
     self.prologue, self.operands = prologue, tuple(operands)
     first, second = _as_cols(self.operands[0]), self.operands[1]
     if prologue.casts:
@@ -123,24 +127,25 @@ def _casts(y, casts):
   return y
 
 
+def rms_norm(x, w, eps):
+  """RMS norm over the last axis, times w, in x's dtype (float32 inside): the model's (`kvjax.model.rms_norm`)."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
 def prologue_reference(p: Prologue, operands):
   """x [S, K] in plain jnp (the model's formulas: module docstring), after `p.casts`."""
-  f32 = jnp.float32
   if p.kind == "rms":
-    a, w = operands
-    x32 = a.astype(f32)
-    y = (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + p.eps) * w.astype(f32)).astype(a.dtype)
+    y = rms_norm(*operands, p.eps)
   elif p.kind == "swiglu":
     g, u = (_as_cols(a).value() for a in operands)
     y = jax.nn.silu(g) * u
   else:
     o, z, w = operands
-    z = _as_cols(z).value()
     s, k = o.shape
     o3 = o.reshape(s, k // p.head_dim, p.head_dim)
-    x32 = o3.astype(f32)
-    n = (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + p.eps) * w.astype(f32)).astype(o.dtype)
-    y = (n * jax.nn.silu(z.reshape(o3.shape))).reshape(s, k)
+    y = (rms_norm(o3, w, p.eps) * jax.nn.silu(_as_cols(z).value().reshape(o3.shape))).reshape(s, k)
   return _casts(y, p.casts)
 
 
@@ -197,16 +202,14 @@ def _per(p: Prologue, nb: int, starts: Sequence[int]) -> int:
     if st:
       per = min(per, _kernel._pow2_divisor(st // _BLOCK, 32))   # pylint: disable=protected-access
   if p.kind == "gated_rms" and per % (p.head_dim // _BLOCK):
-    raise ValueError(f"prologue gated_rms: a program's {per} blocks of {_BLOCK} must hold whole heads of "
-                     f"{p.head_dim} values (the columns' start and count must be multiples of {32 * _BLOCK} or of "
-                     f"the head)")
+    raise ValueError(f"prologue gated_rms: the columns' start and count must be whole heads of {p.head_dim} "
+                     f"values in blocks of {_BLOCK} (a program's {per} blocks split a head)")
   return per
 
 
 def check_operands(p: Prologue, operands, rows_most: Optional[int] = None) -> Tuple[int, int]:
   """The operands' shapes for `p`, or a ValueError naming the operand -> (S, K)."""
-  if len(operands) != _ARITY[p.kind]:
-    raise ValueError(f"prologue {p.kind}: takes {_ARITY[p.kind]} operands, got {len(operands)}")
+  _check_arity(p, operands)
   rows = [_as_cols(a) for a in operands[:2 if p.kind != "rms" else 1]]
   s, k = rows[0].array.shape[0], rows[0].width
   for i, c in enumerate(rows):
