@@ -13,6 +13,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ.get("KVJAX_TEST_XLA_OPT", "off") != "on" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
                              " --xla_llvm_disable_expensive_passes=true").strip()
+# XLA's CPU backend hands some dots to YNNPACK ("ynn" library fusions) on CPUs with bfloat16
+# instructions (seen 2026-12-07, jax 0.10.2, a Sapphire Rapids Xeon: a [4, K] bfloat16 dot became a
+# YNN fusion while a [1, K] one stayed XLA's float32 dot, and the rows of one differ from the other's
+# in the last bits). The suite checks that a verify forward's rows are one-row forwards' bits and
+# that a cache's bytes do not depend on how many rows a forward ran; with the fusion those hold on
+# some CPUs and not on others. An empty list turns the fusion off, so every CPU runs XLA's own dots
+# (the GPU suite, KVJAX_TEST_GPU=1, leaves its flags as they are).
+if os.environ.get("KVJAX_TEST_GPU", "0") != "1" and "ynn_fusion_type" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type=").strip()
 # One persistent compilation cache for the run, shared by the xdist workers and the commands the
 # tests start (they inherit the variable), in a fresh folder: every run compiles each program it
 # checks once, and a module or process that needs it again (jax's in-memory caches are dropped after
