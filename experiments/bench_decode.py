@@ -18,13 +18,15 @@ min(copy, resident)` (1.0: streamed costs only the longer one), the provider's h
 forward (`host ms`), the share of deadline samples that missed (`misses`), the
 host's time to enqueue a forward (`disp r` / `disp s`, resident / streamed: from the call until
 every step and the head are dispatched; near the forward's own time when the host, not the device,
-sets the pace; `--host_profile` writes where the host's time goes, cProfile of the timed
+sets the pace, or when the device is so far behind that the launch queue fills (about a thousand
+launches a stream); `--host_profile` writes where the host's time goes, cProfile of the timed
 forwards), and
 the floor `weight bytes / HBM bandwidth + streamed bytes / 52.6 GB/s`. Before
 timing, `--check_steps` greedy decode steps run through both caches from the
 same context and their logits are compared bit for bit (`exact`: steps that
 matched; a difference stops the run). `--profile` adds the device timeline of
-two streamed forwards (copy/kernel overlap as the GPU saw it, `timeline_*.txt`).
+two streamed forwards (copy/kernel overlap as the GPU saw it, `timeline_*.txt`) and
+of two resident ones (`timeline_<context>_resident.txt`, `kernels_<context>_resident.txt`).
 
 Long histories are synthetic (validly encoded random pages; see
 `experiments.lib.synthetic`): the cost of attention and copies is that of
@@ -82,7 +84,8 @@ def define_flags():
   flags.DEFINE_integer("check_steps", 64, "decode steps compared bit for bit, streamed against resident (0: none)")
   flags.DEFINE_integer("tensor_parallel", 1, "devices the model is sharded over (arena_mib and pool_pages "
                        "are per device)")
-  flags.DEFINE_bool("profile", False, "device timeline of two streamed forwards per context and their kernels by family and name (experiments.lib.timeline)")
+  flags.DEFINE_bool("profile", False, "device timeline of two streamed forwards per context and their kernels by "
+                    "family and name, and of two resident ones (experiments.lib.timeline)")
   flags.DEFINE_bool("host_profile", False, "the host's Python time in the timed forwards (cProfile), per context "
                     "and cache, written to host_<context>_<resident|streamed_<pool pages>p>.txt")
 
@@ -169,6 +172,8 @@ def main(argv):
     _each_part(pk, lambda part: synthetic.fill_plain(part, ctx))
     row["resident_ms"], per_fwd = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg, "resident")
     row["resident_dispatch_ms"] = per_fwd["dispatch_ms"]
+    if FLAGS.profile:      # the plain cache's kernels beside the streamed ones (`_profile_forwards`)
+      row.update({"resident_" + k: v for k, v in _profile_forwards(runner, pk, ctx, cfg, "resident").items()})
     print(json.dumps(row, default=float), flush=True)
     # the fixed splits `make_kv` plans (`plan_kv`) and builds: the arena's (the pool is what the
     # measured decode workspace and the staging of in-flight uploads leave), then each pool asked for
@@ -312,14 +317,16 @@ def _time_decode(runner, kv, ctx, steps, cfg, name=""):
   return 1e3 * float(np.median(times)), per_fwd
 
 
-def _profile_forwards(runner, kv, ctx, cfg):
-  """Two streamed decode forwards under the profiler: the device timeline's overlap numbers, and
-  the merged segments written to the output folder."""
+def _profile_forwards(runner, kv, ctx, cfg, name=""):
+  """Two decode forwards under the profiler: the device timeline's overlap numbers, and the merged
+  segments written to the output folder (`timeline_<ctx>[_name].txt`, `kernels_<ctx>[_name].txt`);
+  streamed (`name` empty), or the plain cache's ("resident"), so the two kernel tables compare."""
   import jax.numpy as jnp
   from experiments.lib import timeline
   from kvjax import generate
   seq = generate.SequenceState(runner, kv)
-  seq.pos = int(_each_part(kv, lambda part: part.histories["target"].tokens[0])[0])
+  seq.pos = ctx if name else int(_each_part(kv, lambda part: part.histories["target"].tokens[0])[0])
+  tag = f"{ctx}_{name}" if name else f"{ctx}"
 
   def two():
     tok = 1
@@ -331,17 +338,18 @@ def _profile_forwards(runner, kv, ctx, cfg):
   calls = timeline.host_calls(trace_dir)
   summ["host_call_ms"] = sum(ms for _, ms in calls.values()) / 2
   summ["place_ms"] = sum(e.dur_ns for e in events if "dynamic_update_slice" in e.name) / 2e6
-  with open(os.path.join(FLAGS.out, f"timeline_{ctx}.txt"), "w") as f:
+  with open(os.path.join(FLAGS.out, f"timeline_{tag}.txt"), "w") as f:
     f.write(json.dumps(summ, indent=1) + "\n")
     for name, (n, ms) in sorted(calls.items(), key=lambda kv: -kv[1][1]):
       f.write(f"host {ms:9.3f} ms {n:5d} calls  {name}\n")
     f.write(timeline.format_segments(timeline.segments(events), limit=100000) + "\n")
   table = timeline.kernel_table(events, top=25)
-  with open(os.path.join(FLAGS.out, f"kernels_{ctx}.txt"), "w") as f:
+  with open(os.path.join(FLAGS.out, f"kernels_{tag}.txt"), "w") as f:
     f.write(timeline.format_kernel_table(table) + "\n")
-  print(f"timeline {ctx}: " + json.dumps(summ), flush=True)
+  print(f"timeline {tag}: " + json.dumps(summ), flush=True)
   print(timeline.format_segments(timeline.segments(events), limit=40), flush=True)
-  print(f"kernels of the two forwards at {ctx}:\n" + timeline.format_kernel_table(table), flush=True)
+  print(f"kernels of the two {name or 'streamed'} forwards at {ctx}:\n" + timeline.format_kernel_table(table),
+        flush=True)
   return {"timeline_" + k: v for k, v in summ.items() if "[" not in k}
 
 

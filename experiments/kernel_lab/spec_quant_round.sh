@@ -29,8 +29,10 @@
 #      (tests, KVJAX_TEST_GPU=1), then bench_decode at 32K with Q4_K ("pallas_q8") with x made by the
 #      quantizing kernel (the default), with XLA making it first (KVJAX_Q8_PROLOGUE=0), and with the rows
 #      kernel in place of the Gated DeltaNet's rows from its projections (KVJAX_GDN_ROWS=triton; "fused" is the
-#      GPU's default), each with --host_profile (where the streamed forward's extra host time goes: at 32K
-#      with every page resident it enqueued in 14.5 ms against the plain cache's 7.0 on 2026-12-07);
+#      GPU's default), each with --host_profile, the default also with --profile (the resident and the
+#      streamed forward's kernels: at 32K with every page resident the streamed forward took 16.05 ms, its
+#      host enqueue 14.5, against the plain cache's 10.62 / 7.0 on 2026-12-07: is the extra time the host's
+#      (the cProfile) or the device's (the kernel tables)?);
 #      bench_spec --oracle_mtp at 32K with the default and with the rows kernel
 # Args: the steps to run (default: 1 2 3 4).  bash experiments/kernel_lab/spec_quant_round.sh 2 3
 set -u
@@ -107,9 +109,10 @@ for s in $steps; do
           tests/test_prologue.py tests/test_gdn_rows.py -k gpu
         for run in "default" "KVJAX_Q8_PROLOGUE=0" "KVJAX_GDN_ROWS=triton"; do
           name=$(echo "$run" | tr '=A-Z' '_a-z')
+          prof=""; [ "$run" = default ] && prof="--profile"   # the resident and streamed kernels, apart
           step "decode_$name" env ${run/default/KVJAX_Q8_PROLOGUE=1} KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m \
             experiments.bench_decode --model=qwen38_27b --contexts=32768 --arena_mib=2240 --attn_impl=auto \
-            --weight_type=q4_k --decode_steps=16 --check_steps=0 --host_profile --out="$OUT/decode_$name"
+            --weight_type=q4_k --decode_steps=16 --check_steps=0 --host_profile $prof --out="$OUT/decode_$name"
         done
         for run in "default" "KVJAX_GDN_ROWS=triton"; do
           name=$(echo "$run" | tr '=A-Z' '_a-z')
