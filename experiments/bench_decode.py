@@ -340,8 +340,8 @@ def _profile_forwards(runner, kv, ctx, cfg, name=""):
   summ["place_ms"] = sum(e.dur_ns for e in events if "dynamic_update_slice" in e.name) / 2e6
   with open(os.path.join(FLAGS.out, f"timeline_{tag}.txt"), "w") as f:
     f.write(json.dumps(summ, indent=1) + "\n")
-    for name, (n, ms) in sorted(calls.items(), key=lambda kv: -kv[1][1]):
-      f.write(f"host {ms:9.3f} ms {n:5d} calls  {name}\n")
+    for call, (n, ms) in sorted(calls.items(), key=lambda kv: -kv[1][1]):
+      f.write(f"host {ms:9.3f} ms {n:5d} calls  {call}\n")
     f.write(timeline.format_segments(timeline.segments(events), limit=100000) + "\n")
   table = timeline.kernel_table(events, top=25)
   with open(os.path.join(FLAGS.out, f"kernels_{tag}.txt"), "w") as f:

@@ -208,10 +208,10 @@ def test_bench_decode_smoke(tmp_path):
   assert 0 < row["pool_pages"] + row["staging_reserve_pages"] <= available
   assert row["resident_pages_per_layer"] * 3 + row["ring_slots"] == row["pool_pages"]
   assert row["bit_exact_steps"] == 3 and row["copy_ms"] > 0 and row["host_ms_per_forward"] > 0
-  # the host's time to enqueue a forward is part of the forward's time
   for tag in ("4096", "4096_resident"):     # --profile: the streamed and the plain cache's kernels, apart
     assert os.path.getsize(os.path.join(out, f"kernels_{tag}.txt")) > 0, tag
   assert "resident_timeline_host_call_ms" in row and "timeline_host_call_ms" in row, sorted(row)
+  # the host's time to enqueue a forward is part of the forward's time
   for mode, name in (("resident", "resident"), ("streamed", f"streamed_{row['pool_pages']}p")):
     assert 0 < row[f"{mode}_dispatch_ms"] < row[f"{mode}_ms"], (mode, row)
     text = open(os.path.join(out, f"host_4096_{name}.txt")).read()    # the host's time, by function
