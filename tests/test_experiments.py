@@ -333,6 +333,13 @@ def test_probe_page_reads_smoke(tmp_path):
   assert [l.split()[2] for l in probes] == ["mode=load", "mode=decode"], probes
 
 
+def test_probe_bf16_cast_smoke():
+  """kernel_lab/probe_bf16_cast interpreted on the CPU: its three conversions are XLA's on every value."""
+  p = _run(["-m", "experiments.kernel_lab.probe_bf16_cast", "--interpret", "--n=8192"], cwd=REPO, timeout=300)
+  rows = [line for line in p.stdout.splitlines() if line.startswith(("astype", "integer"))]
+  assert len(rows) == 3 and all(line.split()[-3:] == ["0.0000%"] * 3 for line in rows), p.stdout[-2000:]
+
+
 def test_probe_triton_loads_smoke():
   """kernel_lab/probe_triton_loads on the CPU: every load pattern interpreted, its byte sums right."""
   p = _run(["-m", "experiments.kernel_lab.probe_triton_loads"], cwd=REPO, timeout=300)

@@ -153,6 +153,27 @@ def test_prologue_kernels_lower_for_the_triton_backend():
     assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1, name
 
 
+def test_kernel_bfloat16_rounding_is_xlas():
+  """`_cast` (the kernels' float32 -> bfloat16 by integer operations) gives XLA's conversion's bits: values at
+  every scale, exact ties, one bit either side of a tie, subnormals, infinities, NaN; and a wrong rounding (a
+  truncation) would be caught by these values."""
+  rng = np.random.default_rng(3)
+  x = (rng.standard_normal(20000) * 10.0 ** rng.uniform(-40, 38, 20000)).astype(np.float32)
+  b = rng.standard_normal(4000).astype(jnp.bfloat16).astype(np.float32).view(np.int32)
+  edges = [(b + off).view(np.float32) for off in (0x8000, 0x7FFF, 0x8001, 0x18000)]
+  specials = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 3.4028235e38, -3.4028235e38, 1e-40, -1e-40, 1e-45],
+                      np.float32)
+  x = np.concatenate([x, *edges, specials])
+  want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+  got = np.asarray(jax.jit(lambda v: pp._cast(v, jnp.bfloat16))(x).astype(jnp.float32))  # pylint: disable=protected-access
+  nan = np.isnan(want)
+  assert np.array_equal(np.isnan(got), nan)
+  assert np.array_equal(got[~nan].view(np.int32), want[~nan].view(np.int32))
+  truncated = (x.view(np.int32) & -65536).view(np.float32)
+  assert not np.array_equal(truncated[~nan].view(np.int32), want[~nan].view(np.int32))
+  assert pp._cast(jnp.ones(4, jnp.float32), jnp.float32).dtype == jnp.float32   # pylint: disable=protected-access
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_prologue_compiled_is_its_interpretation(dtype):
   """Compiled for the GPU (KVJAX_TEST_GPU=1), at the 27B's widths: each kind's blocks are the interpreted kernel's

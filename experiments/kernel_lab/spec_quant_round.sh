@@ -34,21 +34,34 @@
 #      host enqueue 14.5, against the plain cache's 10.62 / 7.0 on 2026-12-07: is the extra time the host's
 #      (the cProfile) or the device's (the kernel tables)?);
 #      bench_spec --oracle_mtp at 32K with the default and with the rows kernel
+#  13. the card's rows of the quantized-weights goals, most wanted first: the prologue / fused-rows GPU
+#      tests, bench_spec --oracle_mtp at 32K with Q4_K ("pallas_q8"), bench_decode with Q4_K at 32K (--profile
+#      and --host_profile: the resident and the streamed forward's kernels) and at 128K / 256K (the streamed
+#      tables), bench_gemv Q4_K / Q8_0 against the bf16 dot at the 27B's shapes, 1 and 4 rows
+#  14. the rest of the card's rows, most wanted first: how a Pallas Triton kernel rounds float32 to bfloat16
+#      (probe_bf16_cast) and the prologue GPU tests (the kernels now round by integer operations), bench_spec
+#      --oracle_mtp at 32K with Q4_K ("pallas_q8") again (the spread), bench_decode at 32K with Q4_K (--profile:
+#      the kernel tables), resident decode at 32K with Q8_0 ("pallas_q8") and with bf16 weights (joined),
+#      bench_gemv, bench_spec --oracle_mtp at 128K with Q4_K
+# Each step's log ($OUT/logs/NAME.log) and the files under $OUT's folders go into $OUT/details.tar after it.
 # Args: the steps to run (default: 1 2 3 4).  bash experiments/kernel_lab/spec_quant_round.sh 2 3
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-runs/spec_quant_round}
-mkdir -p "$OUT"
+mkdir -p "$OUT/logs"
 steps=${*:-1 2 3 4}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
 step() {  # $1 name, then the command
   local name=$1; shift
   local t0=$SECONDS
-  "$@" > "$OUT/$name.log" 2>&1
+  "$@" > "$OUT/logs/$name.log" 2>&1
   echo "== $name rc=$? $((SECONDS - t0)) s"
-  grep -v '^[IW][0-9]\{4\} ' "$OUT/$name.log" | tail -n 14
+  grep -v '^[IW][0-9]\{4\} ' "$OUT/logs/$name.log" | tail -n 14
+  # the logs and the files under $OUT's folders into one tar (only so many files come back from the machine)
+  (cd "$OUT" && find . -mindepth 2 -type f | sort > .packed && [ -s .packed ] && tar -rf details.tar -T .packed \
+     && xargs rm -f < .packed; rm -f .packed)
 }
 for s in $steps; do
   case $s in
@@ -63,7 +76,7 @@ for s in $steps; do
     5) step spec_profile python3 -m experiments.bench_spec --model=qwen38_27b --arena_mib=2240 --attn_impl=auto \
          --contexts=131072 --decode_tokens=24 --n_max=3 --acceptance=0.75 --allow_divergence --oracle_mtp \
          --width_context=0 --rollback=replay --profile --out="$OUT/spec_profile"
-       grep "^phase " "$OUT/spec_profile.log" ;;
+       tar -xOf "$OUT/details.tar" ./logs/spec_profile.log | grep "^phase " ;;
     4) step decode_q4k python3 -m experiments.bench_decode --contexts=32768 --arena_mib=2240 --attn_impl=auto \
          --weight_type=q4_k --decode_steps=16 --out="$OUT/decode_q4k" ;;
     6) step planar_gpu_tests env KVJAX_TEST_GPU=1 JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:cacheprovider \
@@ -121,5 +134,39 @@ for s in $steps; do
             --contexts=32768 --decode_tokens=48 --n_max=3 --acceptance=0.75 --allow_divergence --oracle_mtp \
             --width_context=0 --rollback=replay --out="$OUT/spec32_$name"
         done ;;
+    13) step kernels_gpu_tests env KVJAX_TEST_GPU=1 JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:cacheprovider \
+          tests/test_prologue.py tests/test_gdn_rows.py -k gpu
+        step spec32_q4k env KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m experiments.bench_spec --model=qwen38_27b --arena_mib=2240 \
+          --attn_impl=auto --weight_type=q4_k --contexts=32768 --decode_tokens=48 --n_max=3 --acceptance=0.75 \
+          --allow_divergence --oracle_mtp --width_context=0 --rollback=replay --out="$OUT/spec32_q4k"
+        step decode32_q4k env KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m experiments.bench_decode --model=qwen38_27b --contexts=32768 \
+          --arena_mib=2240 --attn_impl=auto --weight_type=q4_k --decode_steps=16 --check_steps=16 --profile \
+          --host_profile --out="$OUT/decode32_q4k"
+        step decode_long_q4k env KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m experiments.bench_decode --model=qwen38_27b \
+          --contexts=131072,262144 --arena_mib=2240 --attn_impl=auto --weight_type=q4_k --decode_steps=16 \
+          --check_steps=16 --out="$OUT/decode_long_q4k"
+        step gemv env KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m experiments.bench_gemv --implementations=planar_q8,bf16 --rows=1,4 \
+          --formats=q4_k,q8_0 --shapes=ffn_gate.weight,ffn_down.weight,attn_qkv.weight --iters=32 --rounds=3 \
+          --out="$OUT/gemv.json" ;;
+    14) step probe_bf16_cast python3 -m experiments.kernel_lab.probe_bf16_cast
+        step prologue_gpu_tests env KVJAX_TEST_GPU=1 JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:cacheprovider \
+          tests/test_prologue.py -k gpu
+        step spec32_q4k_again env KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m experiments.bench_spec --model=qwen38_27b --arena_mib=2240 \
+          --attn_impl=auto --weight_type=q4_k --contexts=32768 --decode_tokens=48 --n_max=3 --acceptance=0.75 \
+          --allow_divergence --oracle_mtp --width_context=0 --rollback=replay --out="$OUT/spec32_q4k_again"
+        step decode32_q4k_profile env KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m experiments.bench_decode --model=qwen38_27b --contexts=32768 \
+          --arena_mib=2240 --attn_impl=auto --weight_type=q4_k --decode_steps=16 --check_steps=0 --profile \
+          --out="$OUT/decode32_q4k_profile"
+        step decode32_q8_0 env KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m experiments.bench_decode --model=qwen38_27b --contexts=32768 \
+          --arena_mib=2240 --attn_impl=auto --weight_type=q8_0 --decode_steps=16 --check_steps=0 \
+          --out="$OUT/decode32_q8_0"
+        step decode32_bf16 python3 -m experiments.bench_decode --model=qwen38_27b --contexts=32768 \
+          --arena_mib=2240 --attn_impl=auto --decode_steps=16 --check_steps=0 --out="$OUT/decode32_bf16"
+        step gemv env KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m experiments.bench_gemv --implementations=planar_q8,bf16 --rows=1,4 \
+          --formats=q4_k,q8_0 --shapes=ffn_gate.weight,ffn_down.weight,attn_qkv.weight --iters=32 --rounds=3 \
+          --out="$OUT/gemv.json"
+        step spec128_q4k env KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m experiments.bench_spec --model=qwen38_27b --arena_mib=2240 \
+          --attn_impl=auto --weight_type=q4_k --contexts=131072 --decode_tokens=48 --n_max=3 --acceptance=0.75 \
+          --allow_divergence --oracle_mtp --width_context=0 --rollback=replay --out="$OUT/spec128_q4k" ;;
   esac
 done

@@ -12,8 +12,8 @@ quantizing kernel computes x itself from the arrays it comes from, so those XLA 
                                                                     `Cols`, w [head_dim])
 
 then x passes through the casts named (`Prologue.casts`: the model's own, then the weights'
-compute dtype) and is quantized exactly as `planar_q8.quantize_x_blocks` quantizes an x made
-before it (`planar_q8.write_blocks`). `Cols(array, start, width)` names columns of a wider array
+compute dtype; to bfloat16 by integer rounding, `_cast`, as XLA rounds) and is quantized exactly
+as `planar_q8.quantize_x_blocks` quantizes an x made before it (`planar_q8.write_blocks`). `Cols(array, start, width)` names columns of a wider array
 (a joined product's output, `kvjax.fused`): the kernel reads them in place, where a slice would
 have been one more XLA kernel.
 
@@ -149,8 +149,24 @@ def prologue_reference(p: Prologue, operands):
   return _casts(y, p.casts)
 
 
+def _cast(y, dtype):
+  """y -> dtype inside a kernel; float32 to bfloat16 rounded to nearest even by integer operations, so that
+  the compiled kernel rounds as XLA's conversion does, whatever its own conversion (NaN kept)."""
+  dtype = jnp.dtype(dtype)
+  if dtype != jnp.bfloat16 or y.dtype != jnp.float32:
+    return y.astype(dtype)
+  bits = lax.bitcast_convert_type(y, jnp.int32)
+  bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536          # int32 wraps as the uint32 bits would
+  return jnp.where(y == y, lax.bitcast_convert_type(bits, jnp.float32), y).astype(dtype)
+
+
 def _finish(units, casts):
-  return [_casts(u, casts).astype(jnp.float32) for u in units]
+  out = []
+  for u in units:
+    for c in casts:
+      u = _cast(u, c)
+    out.append(u.astype(jnp.float32))
+  return out
 
 
 def _unit(ref, h: int, row=None, start=None, per=None):
@@ -169,8 +185,8 @@ def _rms_kernel(a_ref, w_ref, *out_refs, p: Prologue, k: int, per: int):
     ss = ss + jnp.sum(jnp.sum(jnp.sum(v * v, axis=2), axis=1), axis=0)
   scale = lax.rsqrt(ss / k + p.eps)
   dtype = a_ref.dtype
-  units = [(_unit(a_ref, h, r, j * per, per) * scale * w_ref[:, pl.ds(4 * h, 4), :].astype(jnp.float32)
-            ).astype(dtype) for h in (0, 1)]
+  units = [_cast(_unit(a_ref, h, r, j * per, per) * scale * w_ref[:, pl.ds(4 * h, 4), :].astype(jnp.float32),
+                 dtype) for h in (0, 1)]
   _q8.write_blocks(_finish(units, p.casts), *out_refs)
 
 
@@ -190,7 +206,7 @@ def _gated_rms_kernel(o_ref, z_ref, w_ref, *out_refs, p: Prologue, per: int):
   units = []
   for h in (0, 1):
     w = jnp.broadcast_to(w_ref[:, pl.ds(4 * h, 4), :].astype(jnp.float32)[None], (per // hb, hb, 4, 4))
-    n = (o[h] * scale[:, None, None] * w.reshape(per, 4, 4)).astype(o_ref.dtype)
+    n = _cast(o[h] * scale[:, None, None] * w.reshape(per, 4, 4), o_ref.dtype)
     units.append(n * jax.nn.silu(_unit(z_ref, h)))
   _q8.write_blocks(_finish(units, p.casts), *out_refs)
 
