@@ -293,7 +293,7 @@ def _time_decode(runner, kv, ctx, steps, cfg, name=""):
     dispatched.append(time.perf_counter())
     end_forward()
   kv.end_forward = marked_end_forward
-  prof = cProfile.Profile() if FLAGS.host_profile and name else None
+  prof = cProfile.Profile() if name and FLAGS.host_profile else None   # bench_generate calls it unnamed
   try:
     for _ in range(steps):
       t = time.perf_counter()

@@ -173,8 +173,12 @@ def prefill_flops(model, n: int) -> float:
   """FLOPs of an n-token prefill: 2 x the parameters a token multiplies (the embedding table is a
   lookup) x n, plus causal attention's QK^T and PV (4 x heads x head_dim x n^2 / 2 a layer)."""
   import jax
+  import numpy as np
+  from kvjax import qweights
   r, cfg = model.runner, model.cfg
-  params = sum(x.size for _, leaves in r.groups for x in jax.tree_util.tree_leaves(leaves)) + r.output.size
+  size = lambda x: int(np.prod(x.shape))   # a kept-quantized matrix counts its values, not its planes' bytes
+  leaves = [x for _, g in r.groups for x in jax.tree_util.tree_leaves(g, is_leaf=qweights.is_quantized)]
+  params = sum(size(x) for x in leaves) + size(r.output)
   attn = 4 * cfg.num_attention_heads * cfg.head_dim * n * n / 2 * cfg.num_attention_layers
   return 2.0 * params * n + attn
 
@@ -234,6 +238,11 @@ def main(argv):
   cache = False if cache_dir.lower() == "off" else cache_dir
   t0 = time.perf_counter()
   preset = FLAGS.model if FLAGS.model not in ("tiny", "code-tiny") and not os.path.exists(FLAGS.model) else None
+  if FLAGS.weight_type and preset is None:   # random blocks need a preset's geometry: tiny's, or refuse
+    if FLAGS.model != "tiny":
+      checks.fail("bench_generate", f"--weight_type={FLAGS.weight_type} draws a preset's matrices; --model="
+                  f"{FLAGS.model!r} keeps its own block types (drop --weight_type, or name a preset)")
+    preset = "tiny"
   try:
     model = api.load_model(FLAGS.model if preset is None else "tiny", preset=preset, dtype=FLAGS.dtype,
                            page_tokens=FLAGS.page_tokens, attn_impl=FLAGS.attn_impl, block_pages=FLAGS.block_pages,

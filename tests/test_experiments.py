@@ -937,6 +937,22 @@ def test_bench_generate_prefill_only_profile(tmp_path):
   assert os.path.isdir(prof["trace_dir"]) and "prefill of 64 tokens" in p.stdout
 
 
+def test_bench_generate_quantized_with_its_bench_forward(tmp_path):
+  """bench_generate with --weight_type (tiny's geometry, Q8_0 blocks, CPU) and its default --compare: the weights
+  stay quantized, the prefill's MFU counts the matrices' values, bench_decode's forward is timed beside it; a
+  model with its own block types refuses --weight_type in one line."""
+  out = str(tmp_path / "bg")
+  _run(["-m", "experiments.bench_generate", "--model=tiny", "--weight_type=q8_0", "--contexts=96", "--arena_mib=2",
+        "--page_tokens=16", "--ubatch=32", "--n_predict=4", "--compile_cache_dir=off", f"--out={out}"], cwd=REPO)
+  log = json.load(open(os.path.join(out, "bench_generate.json")))
+  row = log["rows"][0]
+  assert log["weights"] == "quantized" and row["bench_forward_ms"] > 0 and 0 < row["prefill_mfu"] < 1
+  p = subprocess.run([sys.executable, "-m", "experiments.bench_generate", "--model=code-tiny", "--weight_type=q8_0",
+                      f"--out={out}"], capture_output=True, text=True, cwd=REPO, timeout=240,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("bench_generate: error: --weight_type")
+
+
 @pytest.mark.parametrize("bench", ["bench_decode", "bench_spec", "bench_generate"])
 def test_bench_bad_flags_are_one_line(bench):
   """A bench given a bad flag, or a bad value its model load refuses, prints one line `NAME: error:`
