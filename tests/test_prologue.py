@@ -177,7 +177,7 @@ def test_kernel_bfloat16_rounding_is_xlas():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_prologue_compiled_is_its_interpretation(dtype):
   """Compiled for the GPU (KVJAX_TEST_GPU=1), at the 27B's widths: each kind's blocks are the interpreted kernel's
-  up to x's last bit (libdevice's rsqrt and exp against XLA's on the CPU: int8 values within 1, under 1% moved),
+  up to x's last bit (libdevice's rsqrt and exp against XLA's: int8 values within 1, under 1% moved),
   and a row's blocks alone equal the same row's among 4 bit for bit."""
   rng = np.random.default_rng(7)
   s, f32 = 4, jnp.float32
