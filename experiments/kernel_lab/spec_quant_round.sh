@@ -45,6 +45,7 @@
 #      bench_gemv, bench_spec --oracle_mtp at 128K with Q4_K
 #  15. the user's path with Q4_K ("pallas_q8"): bench_generate (api.load_model / make_kv / generate, a cold
 #      compilation cache of its own) at 32K with bench_decode's forward beside it, then at 128K, 256 tokens each
+#      (GEN_CONTEXTS="32768" for the first alone)
 # Each step's log ($OUT/logs/NAME.log) and the files under $OUT's folders go into $OUT/details.tar after it.
 # Args: the steps to run (default: 1 2 3 4).  bash experiments/kernel_lab/spec_quant_round.sh 2 3
 set -u
@@ -170,7 +171,7 @@ for s in $steps; do
         step spec128_q4k env KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m experiments.bench_spec --model=qwen38_27b --arena_mib=2240 \
           --attn_impl=auto --weight_type=q4_k --contexts=131072 --decode_tokens=48 --n_max=3 --acceptance=0.75 \
           --allow_divergence --oracle_mtp --width_context=0 --rollback=replay --out="$OUT/spec128_q4k" ;;
-    15) for ctx in 32768 131072; do
+    15) for ctx in ${GEN_CONTEXTS:-32768 131072}; do
           cmp=true; [ $ctx = 131072 ] && cmp=false
           step "generate_q4k_$ctx" env KVJAX_PLANAR_PRODUCT=pallas_q8 python3 -m experiments.bench_generate --model=qwen38_27b --weight_type=q4_k \
             --arena_mib=2240 --attn_impl=auto --contexts=$ctx --kinds=fixed --n_predict=256 --compare=$cmp \
