@@ -13,9 +13,9 @@ quantizing kernel computes x itself from the arrays it comes from, so those XLA 
 
 then x passes through the casts named (`Prologue.casts`: the model's own, then the weights'
 compute dtype; to bfloat16 by integer rounding, `_cast`, as XLA rounds) and is quantized exactly
-as `planar_q8.quantize_x_blocks` quantizes an x made before it (`planar_q8.write_blocks`). `Cols(array, start, width)` names columns of a wider array
-(a joined product's output, `kvjax.fused`): the kernel reads them in place, where a slice would
-have been one more XLA kernel.
+as `planar_q8.quantize_x_blocks` quantizes an x made before it (`planar_q8.write_blocks`).
+`Cols(array, start, width)` names columns of a wider array (a joined product's output,
+`kvjax.fused`): the kernel reads them in place, where a slice would have been one more XLA kernel.
 
 `prologue_reference(p, operands)` is x in plain jnp, written as the model writes it (the model's
 path for weights of other products, and for more rows than a GEMV call takes); the kernel's sums
@@ -150,8 +150,9 @@ def prologue_reference(p: Prologue, operands):
 
 
 def _cast(y, dtype):
-  """y -> dtype inside a kernel; float32 to bfloat16 rounded to nearest even by integer operations, so that
-  the compiled kernel rounds as XLA's conversion does, whatever its own conversion (NaN kept)."""
+  """y -> dtype inside a kernel; float32 to bfloat16 rounded to nearest even by integer operations (NaN kept),
+  which no compiler may drop: XLA, running the kernel interpreted on a GPU, may keep a float32 -> bfloat16 ->
+  float32 pair at float32 inside a fusion (its excess precision), where the compiled kernel rounds."""
   dtype = jnp.dtype(dtype)
   if dtype != jnp.bfloat16 or y.dtype != jnp.float32:
     return y.astype(dtype)
