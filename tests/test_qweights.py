@@ -63,15 +63,19 @@ def test_quantized_logits_equal_dequantized(tmp_path, fmt):
   assert np.array_equal(lq, lp) and np.array_equal(mq, mp)
 
 
-@pytest.mark.parametrize("impl", ["pallas", "pallas_gemv", "fused", "planar"])
-def test_pallas_quantized_logits_within_1e3_of_dequantized(tmp_path, impl):
+@pytest.mark.parametrize("impl", ["pallas", "pallas_gemv", "fused", "planar", "planar:pallas"])
+def test_pallas_quantized_logits_within_1e3_of_dequantized(tmp_path, monkeypatch, impl):
   """The products that dequantize as they read (the kernels in interpret mode here), Q4_K layers:
   the target's and the MTP head's logits within 1e-3 of the largest (float32), the same top-1 on
   every row. The matmul kernel runs 8-row forwards; "pallas_gemv" a 2-row forward (the matmul
   kernel: it routes more than one row there) and the MTP head's 1-row forward (the GEMV,
   interpreted a row at a time; its row padding and splits: tests/test_quant_matmul.py); "fused"
   2-row forwards (the multiply-and-sum); "planar" the dequantized planes' dot for the target's 2 rows,
-  the planes' multiply-and-sum for the MTP head's row."""
+  the planes' multiply-and-sum for the MTP head's row; "planar:pallas" the planes' GEMV (the GPU's default
+  product, its grouped sums) for both."""
+  impl, _, product = impl.partition(":")
+  if product:
+    monkeypatch.setenv("KVJAX_PLANAR_PRODUCT", product)
   cfg = config_lib.tiny(**WIDE)
   _, quant, plain = _models(_write(tmp_path / "q4_k.gguf", cfg, "q4_k"), impl=impl)
   n = 8 if impl == "pallas" else 2
