@@ -170,7 +170,8 @@ def main(argv):
     # resident (compute only): the plain cache `make_kv` gives without a budget
     pk = api.make_kv(loaded, max_tokens, exceed_context_length=True).provider
     _each_part(pk, lambda part: synthetic.fill_plain(part, ctx))
-    row["resident_ms"], per_fwd = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg, "resident")
+    row["resident_ms"], per_fwd = _time_decode(runner, pk, ctx, FLAGS.decode_steps, cfg, "resident",
+                                               host_profile=FLAGS.host_profile)
     row["resident_dispatch_ms"] = per_fwd["dispatch_ms"]
     if FLAGS.profile:      # the plain cache's kernels beside the streamed ones (`_profile_forwards`)
       row.update({"resident_" + k: v for k, v in _profile_forwards(runner, pk, ctx, cfg, "resident").items()})
@@ -210,7 +211,8 @@ def _streamed_row(row, cache, pk, runner, cfg, ctx, decode_weight_bytes):
   _each_part(sk, fill)
   if FLAGS.check_steps:
     row["bit_exact_steps"] = _check_bit_exact(runner, pk, sk, ctx, FLAGS.check_steps)
-  row["streamed_ms"], per_fwd = _time_decode(runner, sk, ctx, FLAGS.decode_steps, cfg, f"streamed_{pool_pages}p")
+  row["streamed_ms"], per_fwd = _time_decode(runner, sk, ctx, FLAGS.decode_steps, cfg, f"streamed_{pool_pages}p",
+                                                host_profile=FLAGS.host_profile)
   h2d = per_fwd["h2d_bytes"]
   row["streamed_mib_per_forward"] = h2d / 2**20
   row["h2d_calls_per_forward"] = per_fwd["h2d_calls"]
@@ -276,7 +278,7 @@ def _each_part(kv, fn):
   return [fn(kv)]
 
 
-def _time_decode(runner, kv, ctx, steps, cfg, name=""):
+def _time_decode(runner, kv, ctx, steps, cfg, name="", host_profile=False):
   import jax.numpy as jnp
   import numpy as np
   from kvjax import generate
@@ -293,7 +295,7 @@ def _time_decode(runner, kv, ctx, steps, cfg, name=""):
     dispatched.append(time.perf_counter())
     end_forward()
   kv.end_forward = marked_end_forward
-  prof = cProfile.Profile() if name and FLAGS.host_profile else None   # bench_generate calls it unnamed
+  prof = cProfile.Profile() if host_profile else None   # written to host_<ctx>_<name>.txt under --out
   try:
     for _ in range(steps):
       t = time.perf_counter()
